@@ -1,0 +1,389 @@
+from diloco.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoundMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_MODE_UNSPECIFIED: _ClassVar[RoundMode]
+    ROUND_MODE_SYNC: _ClassVar[RoundMode]
+    ROUND_MODE_DECOUPLED: _ClassVar[RoundMode]
+    ROUND_MODE_ASYNC: _ClassVar[RoundMode]
+
+class SubmissionOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SUBMISSION_OUTCOME_UNSPECIFIED: _ClassVar[SubmissionOutcome]
+    SUBMISSION_OUTCOME_ACCEPTED: _ClassVar[SubmissionOutcome]
+    SUBMISSION_OUTCOME_APPLIED: _ClassVar[SubmissionOutcome]
+ROUND_MODE_UNSPECIFIED: RoundMode
+ROUND_MODE_SYNC: RoundMode
+ROUND_MODE_DECOUPLED: RoundMode
+ROUND_MODE_ASYNC: RoundMode
+SUBMISSION_OUTCOME_UNSPECIFIED: SubmissionOutcome
+SUBMISSION_OUTCOME_ACCEPTED: SubmissionOutcome
+SUBMISSION_OUTCOME_APPLIED: SubmissionOutcome
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("worker_name", "throughput", "model_fingerprint")
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    worker_name: str
+    throughput: _common_pb2.Throughput
+    model_fingerprint: str
+    def __init__(self, worker_name: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "inner_json")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    HEALTHD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TASK_JSON_FIELD_NUMBER: _ClassVar[int]
+    INNER_JSON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    coordinator_epoch: int
+    version: int
+    plan: _common_pb2.WorkPlan
+    mode: RoundMode
+    codec: _common_pb2.Codec
+    healthd_address: str
+    task_json: str
+    inner_json: str
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., inner_json: _Optional[str] = ...) -> None: ...
+
+class WatchParametersRequest(_message.Message):
+    __slots__ = ("worker_id", "after_version", "follow")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    after_version: int
+    follow: bool
+    def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class ParametersHeader(_message.Message):
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SUBMISSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    coordinator_epoch: int
+    payload: _common_pb2.PayloadSpec
+    plan: _common_pb2.WorkPlan
+    applied_submission_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ParametersChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ParametersHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ParametersHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SubmissionHeader(_message.Message):
+    __slots__ = ("worker_id", "coordinator_epoch", "submission_id", "base_version", "tokens", "steps", "ranges", "payload", "resume_offset")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    coordinator_epoch: int
+    submission_id: str
+    base_version: int
+    tokens: int
+    steps: int
+    ranges: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShardRange]
+    payload: _common_pb2.PayloadSpec
+    resume_offset: int
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., submission_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.ShardRange, _Mapping]]] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+
+class SubmitPseudoGradientRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: SubmissionHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[SubmissionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class SubmitPseudoGradientResponse(_message.Message):
+    __slots__ = ("outcome", "version", "staleness", "round")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    outcome: SubmissionOutcome
+    version: int
+    staleness: int
+    round: int
+    def __init__(self, outcome: _Optional[_Union[SubmissionOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+
+class GetUploadStatusRequest(_message.Message):
+    __slots__ = ("worker_id", "submission_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    submission_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., submission_id: _Optional[str] = ...) -> None: ...
+
+class GetUploadStatusResponse(_message.Message):
+    __slots__ = ("received_bytes", "complete")
+    RECEIVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    received_bytes: int
+    complete: bool
+    def __init__(self, received_bytes: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class GetWorkPlanRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class GetWorkPlanResponse(_message.Message):
+    __slots__ = ("plan", "version")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    plan: _common_pb2.WorkPlan
+    version: int
+    def __init__(self, plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReportNodeFailureRequest(_message.Message):
+    __slots__ = ("worker_id", "reason", "last_seen_unix_s", "declared_dead_unix_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_DEAD_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    last_seen_unix_s: float
+    declared_dead_unix_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ..., last_seen_unix_s: _Optional[float] = ..., declared_dead_unix_s: _Optional[float] = ...) -> None: ...
+
+class ReportNodeFailureResponse(_message.Message):
+    __slots__ = ("reassigned_shards", "known")
+    REASSIGNED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    reassigned_shards: _containers.RepeatedScalarFieldContainer[int]
+    known: bool
+    def __init__(self, reassigned_shards: _Optional[_Iterable[int]] = ..., known: _Optional[bool] = ...) -> None: ...
+
+class ReportThroughputRequest(_message.Message):
+    __slots__ = ("worker_id", "throughput")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    throughput: _common_pb2.Throughput
+    def __init__(self, worker_id: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ...) -> None: ...
+
+class ReportThroughputResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    LIVE_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_SUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_OUTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    MIN_QUORUM_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_SUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    mode: RoundMode
+    version: int
+    coordinator_epoch: int
+    paused: bool
+    live_workers: int
+    pending_submissions: int
+    tokens_applied: int
+    last_round_unix_s: float
+    validation_loss: float
+    bytes_received: int
+    bytes_sent: int
+    target_outer_steps: int
+    finished: bool
+    codec: str
+    min_quorum: int
+    rejected_submissions: int
+    started_unix_s: float
+    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ...) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SUBMIT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    worker_name: str
+    state: _common_pb2.WorkerState
+    throughput: _common_pb2.Throughput
+    local_steps: int
+    shards: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShardAssignment]
+    submissions: int
+    tokens: int
+    last_base_version: int
+    last_submit_unix_s: float
+    registered_unix_s: float
+    state_reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., worker_name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., local_steps: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.ShardAssignment, _Mapping]]] = ..., submissions: _Optional[int] = ..., tokens: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_submit_unix_s: _Optional[float] = ..., registered_unix_s: _Optional[float] = ..., state_reason: _Optional[str] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
+
+class ShardLedgerEntry(_message.Message):
+    __slots__ = ("shard_id", "owner", "epoch", "committed", "accepted", "length", "committed_ranges")
+    SHARD_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_RANGES_FIELD_NUMBER: _ClassVar[int]
+    shard_id: int
+    owner: str
+    epoch: int
+    committed: int
+    accepted: int
+    length: int
+    committed_ranges: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShardRange]
+    def __init__(self, shard_id: _Optional[int] = ..., owner: _Optional[str] = ..., epoch: _Optional[int] = ..., committed: _Optional[int] = ..., accepted: _Optional[int] = ..., length: _Optional[int] = ..., committed_ranges: _Optional[_Iterable[_Union[_common_pb2.ShardRange, _Mapping]]] = ...) -> None: ...
+
+class GetLedgerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetLedgerResponse(_message.Message):
+    __slots__ = ("shards", "version")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    shards: _containers.RepeatedCompositeFieldContainer[ShardLedgerEntry]
+    version: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardLedgerEntry, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("path", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: int
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class DrainWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DrainWorkerResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.WorkerState
+    def __init__(self, state: _Optional[_Union[_common_pb2.WorkerState, str]] = ...) -> None: ...
+
+class EvictWorkerRequest(_message.Message):
+    __slots__ = ("worker_id", "reason")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    reason: str
+    def __init__(self, worker_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class EvictWorkerResponse(_message.Message):
+    __slots__ = ("reassigned_shards",)
+    REASSIGNED_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    reassigned_shards: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reassigned_shards: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ReleaseWorkerRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseWorkerResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: _common_pb2.WorkerState
+    def __init__(self, state: _Optional[_Union[_common_pb2.WorkerState, str]] = ...) -> None: ...
+
+class PauseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PauseResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    def __init__(self, paused: _Optional[bool] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResumeResponse(_message.Message):
+    __slots__ = ("paused",)
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
+    paused: bool
+    def __init__(self, paused: _Optional[bool] = ...) -> None: ...
