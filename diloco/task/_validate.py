@@ -1,0 +1,35 @@
+"""Small validators shared by the task configs. Each raises `ConfigError` naming `section.field` and what is
+allowed, so a bad flag or JSON file is reported at start, not deep inside training."""
+
+from __future__ import annotations
+
+import math
+
+from diloco.errors import ConfigError
+
+
+def check_int(section: str, name: str, value: object, *, minimum: int) -> None:
+    """`value` must be an int (not a bool) and at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{section}.{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_float(
+    section: str,
+    name: str,
+    value: object,
+    *,
+    lo: float,
+    hi: float = math.inf,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> None:
+    """`value` must be a finite real number in the interval given by `lo`, `hi` and the open flags."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not ok:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open or hi == math.inf else "]"
+        raise ConfigError(f"{section}.{name} must be a number in {left}{lo}, {hi}{right}, got {value!r}")

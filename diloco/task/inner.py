@@ -1,0 +1,270 @@
+"""The inner loop of a learner (ALGORITHM.md sections 1 and 5).
+
+`InnerTrainer` owns one model replica and an AdamW optimizer whose state persists across rounds. It adopts
+global parameters (`load_global`), runs `H` steps over its shards (`train`), and hands back the
+pseudo-gradient `Δ = Θ_base - θ` with the tokens, steps and per-shard token ranges it consumed. For the
+decoupled flow it keeps training after a submission and later `rebase`s onto the new global parameters,
+keeping the steps made meanwhile.
+
+Every flat vector crossing this API is a contiguous fp32 CPU tensor in `param_specs` order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
+from diloco.task._validate import check_float, check_int
+from diloco.task.data import Corpus, model_loss
+from diloco.task.model import pick_device
+from diloco.task.params import flatten_params, load_flat_, num_params
+
+
+@dataclass(frozen=True)
+class InnerConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio·lr` at `total_steps` (flat afterwards).
+
+    `grad_clip=0` disables clipping. Weight decay applies to matrices and embeddings, not to biases and gains.
+    """
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_steps: int = 20
+    total_steps: int = 2000
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        check_float("inner", "lr", self.lr, lo=0.0, lo_open=True)
+        check_float("inner", "weight_decay", self.weight_decay, lo=0.0)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
+            raise ConfigError(f"inner.betas must be a pair of numbers in [0, 1), got {self.betas!r}")
+        for b in self.betas:
+            check_float("inner", "betas", b, lo=0.0, hi=1.0, hi_open=True)
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        check_int("inner", "warmup_steps", self.warmup_steps, minimum=0)
+        check_int("inner", "total_steps", self.total_steps, minimum=1)
+        check_float("inner", "min_lr_ratio", self.min_lr_ratio, lo=0.0, hi=1.0)
+        check_float("inner", "grad_clip", self.grad_clip, lo=0.0)
+        check_int("inner", "batch_size", self.batch_size, minimum=1)
+
+
+def lr_at(cfg: InnerConfig, step: int) -> float:
+    """Learning rate for the step with 0-based index `step` (counted over the trainer's lifetime)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    lr_min = cfg.lr * cfg.min_lr_ratio
+    return lr_min + (cfg.lr - lr_min) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class ShardWork(NamedTuple):
+    """A shard to read this round: the owner's epoch (fencing token) and the cursor to start at."""
+
+    shard_id: int
+    epoch: int
+    cursor: int
+
+
+class ShardRangeT(NamedTuple):
+    """Tokens `[start, end)` (absolute cursors) read from a shard under `epoch`."""
+
+    shard_id: int
+    epoch: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What one call to `InnerTrainer.train` did. `pseudo_grad` is `Θ_base - θ` (flat fp32, CPU)."""
+
+    pseudo_grad: Tensor
+    tokens: int
+    steps: int
+    ranges: list[ShardRangeT]
+    loss: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Measured speed (EMA over steps, including any emulated slowdown)."""
+
+    tokens_per_s: float
+    step_time_s: float
+    device_kind: str
+
+
+class InnerTrainer:
+    """One learner's model replica, AdamW state and base parameters.
+
+    `slowdown > 1` sleeps `(slowdown - 1)·step_time` after each step, to emulate older hardware. `sleep` and
+    `clock` are injectable for tests.
+    """
+
+    _EMA = 0.2
+
+    def __init__(
+        self,
+        model: nn.Module,
+        corpus: Corpus,
+        cfg: InnerConfig,
+        *,
+        seq_len: int,
+        device: torch.device | None = None,
+        slowdown: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        check_int("model", "seq_len", seq_len, minimum=1)
+        check_float("trainer", "slowdown", slowdown, lo=1.0)
+        self.cfg = cfg
+        self.corpus = corpus
+        self.seq_len = seq_len
+        self.device = device if device is not None else pick_device()
+        self.model = model.to(self.device)
+        self.slowdown = float(slowdown)
+        self._loss = model_loss(self.model)
+        self._sleep = sleep
+        self._clock = clock
+        decay = [p for p in self.model.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": cfg.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=cfg.lr,
+            betas=cfg.betas,
+        )
+        self.steps_done = 0
+        self.numel = num_params(self.model)
+        self._base = flatten_params(self.model)
+        self._at_submit: Tensor | None = None
+        self._step_time_s = 0.0
+
+    # -- parameters ---------------------------------------------------------------------------------------
+
+    def params_flat(self) -> Tensor:
+        """Current parameters θ (flat fp32, CPU)."""
+        return flatten_params(self.model).cpu()
+
+    @property
+    def base(self) -> Tensor:
+        """Θ_base: the global parameters the next pseudo-gradient is measured against (flat fp32, CPU)."""
+        return self._base.cpu()
+
+    def _check_flat(self, flat: Tensor, what: str) -> Tensor:
+        if flat.ndim != 1 or flat.numel() != self.numel or not flat.is_floating_point():
+            raise InvalidArgument(
+                f"{what} must be a flat float vector of {self.numel} values, got {flat.dtype} "
+                f"{tuple(flat.shape)}"
+            )
+        return flat.to(self.device, torch.float32)
+
+    def load_global(self, flat: Tensor) -> None:
+        """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped)."""
+        flat = self._check_flat(flat, "global parameters")
+        load_flat_(self.model, flat)
+        self._base = flat.clone()
+        self._at_submit = None
+
+    def pseudo_gradient(self) -> Tensor:
+        """Δ = Θ_base - θ (flat fp32, CPU)."""
+        return (self._base - flatten_params(self.model)).cpu()
+
+    def mark_submitted(self) -> None:
+        """Remember θ_at_submit, the parameters whose pseudo-gradient was just sent."""
+        self._at_submit = flatten_params(self.model)
+
+    def rebase(self, new_global: Tensor) -> None:
+        """Adopt Θ_new, keeping the steps made since the submission.
+
+        θ ← Θ_new + (θ - θ_at_submit) and base ← Θ_new, so those steps count in the next pseudo-gradient.
+        """
+        if self._at_submit is None:
+            raise FailedPrecondition("rebase() needs mark_submitted() first; use load_global() to resync")
+        new = self._check_flat(new_global, "global parameters")
+        theta = flatten_params(self.model)
+        load_flat_(self.model, new + (theta - self._at_submit))
+        self._base = new.clone()
+        self._at_submit = None
+
+    # -- training -----------------------------------------------------------------------------------------
+
+    def step(self, x: Tensor, y: Tensor) -> float:
+        """One AdamW step on a batch (any device); returns the loss before the update."""
+        t0 = self._clock()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr_at(self.cfg, self.steps_done)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self._loss(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
+        loss.backward()  # type: ignore[no-untyped-call]
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.steps_done += 1
+        value = float(loss.detach())  # synchronizes with the device, so the timing below is real
+        elapsed = self._clock() - t0
+        if self.slowdown > 1.0:
+            pause = (self.slowdown - 1.0) * elapsed
+            self._sleep(pause)
+            elapsed += pause
+        prev, ema = self._step_time_s, self._EMA
+        self._step_time_s = elapsed if prev == 0.0 else (1 - ema) * prev + ema * elapsed
+        return value
+
+    def train(self, shards: Sequence[tuple[int, int, int]], steps: int) -> RoundResult:
+        """Run `steps` AdamW steps, drawing batches round-robin from `shards` = [(shard_id, epoch, cursor)].
+
+        Returns the pseudo-gradient against the current base and, per shard read, the range it consumed.
+        """
+        check_int("train", "steps", steps, minimum=0)
+        work = [ShardWork(*s) for s in shards]
+        ids = [w.shard_id for w in work]
+        if len(set(ids)) != len(ids):
+            raise InvalidArgument(f"shards must be distinct, got {ids}")
+        if steps and not work:
+            raise InvalidArgument("train() needs at least one shard to read")
+        for w in work:
+            if w.cursor < 0:
+                raise InvalidArgument(f"shard {w.shard_id}: cursor must be >= 0, got {w.cursor}")
+        cursors = [w.cursor for w in work]
+        start = self._clock()
+        self.model.train()
+        losses: list[float] = []
+        bs, seq = self.cfg.batch_size, self.seq_len
+        for i in range(steps):
+            k = i % len(work)
+            x, y, cursors[k] = self.corpus.batch(work[k].shard_id, cursors[k], bs, seq)
+            losses.append(self.step(x, y))
+        ranges = [
+            ShardRangeT(w.shard_id, w.epoch, w.cursor, end)
+            for w, end in zip(work, cursors, strict=True)
+            if end > w.cursor
+        ]
+        return RoundResult(
+            pseudo_grad=self.pseudo_gradient(),
+            tokens=sum(r.end - r.start for r in ranges),
+            steps=steps,
+            ranges=ranges,
+            loss=sum(losses) / len(losses) if losses else math.nan,
+            seconds=self._clock() - start,
+        )
+
+    def throughput(self) -> Throughput:
+        """Tokens/s and step time measured so far (zeros before the first step)."""
+        st = self._step_time_s
+        tokens = self.cfg.batch_size * self.seq_len
+        return Throughput(tokens / st if st > 0 else 0.0, st, self.device.type)

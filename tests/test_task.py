@@ -1,0 +1,519 @@
+"""Unit tests for the training task: model, data, inner loop, flat parameters and the task factory."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from diloco.task import (
+    GPT,
+    Corpus,
+    DataConfig,
+    InnerConfig,
+    InnerTrainer,
+    ModelConfig,
+    ShardRangeT,
+    TaskConfig,
+    build_task,
+    decode,
+    encode,
+    evaluate,
+    flatten_params,
+    load_flat_,
+    lr_at,
+    model_fingerprint,
+    param_specs,
+)
+from diloco.task.data import stdlib_files
+
+CPU = torch.device("cpu")
+TINY = ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2, mlp_ratio=2)
+TINY_INNER = InnerConfig(batch_size=4, warmup_steps=2, total_steps=100)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads, and on a busy 2-core machine OpenMP threads waiting on each
+    other make every op 100x slower; restore the setting for the other test modules."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> Corpus:
+    """A small stdlib corpus shared by the trainer tests (read-only)."""
+    return Corpus.load(DataConfig(num_shards=4, max_bytes=200_000))
+
+
+def make_trainer(corpus: Corpus, inner: InnerConfig = TINY_INNER, seed: int = 0) -> InnerTrainer:
+    return InnerTrainer(GPT(TINY, seed=seed), corpus, inner, seq_len=TINY.seq_len, device=CPU)
+
+
+def arange_corpus(n: int, num_shards: int, val_fraction: float = 0.1) -> Corpus:
+    tokens = (np.arange(n) % 256).astype(np.uint16)
+    return Corpus(tokens, DataConfig(source="memory", num_shards=num_shards, val_fraction=val_fraction))
+
+
+# -- tokenizer ---------------------------------------------------------------------------------------------
+
+
+@given(st.text())
+@settings(max_examples=200, deadline=None)
+def test_tokenizer_round_trip(text: str) -> None:
+    ids = encode(text)
+    assert all(0 <= i < 256 for i in ids)
+    assert decode(ids) == text
+    assert decode(np.asarray(ids, dtype=np.uint16)) == text
+
+
+def test_tokenizer_is_utf8_bytes() -> None:
+    assert encode("aé") == [97, 0xC3, 0xA9]
+    assert decode(torch.tensor([104, 105])) == "hi"
+
+
+# -- corpus sources and split -------------------------------------------------------------------------------
+
+
+def test_stdlib_files_skip_tests_and_site_packages() -> None:
+    files = stdlib_files()
+    assert files == sorted(files) and len(files) > 100
+    assert all(f.suffix == ".py" for f in files)
+    assert not any({"test", "tests", "site-packages"} & set(f.parts) for f in files)
+
+
+def test_stdlib_corpus_is_deterministic() -> None:
+    cfg = DataConfig(num_shards=5, max_bytes=150_000)
+    a, b = Corpus.load(cfg), Corpus.load(cfg)
+    assert a.num_tokens == 150_000
+    assert np.array_equal(a.tokens, b.tokens)
+    assert a.fingerprint == b.fingerprint
+    other = Corpus.load(DataConfig(num_shards=5, max_bytes=150_000, seed=1))
+    assert other.fingerprint != a.fingerprint  # the seed shuffles the file order
+
+
+def test_shards_are_disjoint_and_cover_the_train_split(corpus: Corpus) -> None:
+    bounds = [corpus.shard_bounds(i) for i in range(corpus.num_shards)]
+    assert bounds[0][0] == 0
+    assert bounds[-1][1] == corpus.train_tokens
+    for (_, end), (start, _) in itertools.pairwise(bounds):
+        assert end == start  # contiguous: no gap, no overlap
+    lengths = [corpus.shard_length(i) for i in range(corpus.num_shards)]
+    assert sum(lengths) == corpus.train_tokens and max(lengths) - min(lengths) <= 1
+    assert np.array_equal(np.concatenate([corpus.shard_tokens(i) for i in range(4)]), corpus.tokens[:-4000])
+    with pytest.raises(NotFound, match="shard 4"):
+        corpus.shard_length(4)
+
+
+def test_val_split_is_disjoint_from_shards(corpus: Corpus) -> None:
+    assert corpus.train_tokens + corpus.val.shape[0] == corpus.num_tokens
+    assert corpus.val.shape[0] == math.ceil(corpus.num_tokens * 0.02)
+    assert np.array_equal(corpus.val, corpus.tokens[corpus.train_tokens :])
+    assert corpus.shard_bounds(corpus.num_shards - 1)[1] <= corpus.train_tokens
+    seen_val = np.concatenate([x.reshape(-1).numpy() for x, _ in corpus.val_batches(4, 16, 1000)])
+    assert np.array_equal(seen_val[:16], corpus.val[:16].astype(np.int64))
+    batches = list(corpus.val_batches(4, 16, 3))
+    again = list(corpus.val_batches(4, 16, 3))
+    assert len(batches) == 3
+    assert all(
+        torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(batches, again, strict=True)
+    )
+
+
+def test_text_file_source(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("hello world\n" * 100, encoding="utf-8")
+    c = Corpus.load(DataConfig(source=str(path), num_shards=2, val_fraction=0.1))
+    assert decode(c.tokens) == "hello world\n" * 100 + "\n\n"
+    assert c.num_tokens == 1202 and c.val.shape[0] == 121
+
+
+def test_text_folder_source_skips_hidden_and_binary(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("alpha " * 50)
+    (tmp_path / "sub" / "b.md").write_text("beta " * 50)
+    (tmp_path / ".hidden").write_text("HIDDEN")
+    (tmp_path / "blob.dat").write_bytes(b"\x00\x01BINARY")
+    c = Corpus.load(DataConfig(source=str(tmp_path), num_shards=2))
+    text = decode(c.tokens)
+    assert "alpha" in text and "beta" in text
+    assert "HIDDEN" not in text and "BINARY" not in text
+    assert c.num_tokens == len("alpha " * 50) + len("beta " * 50) + 4
+
+
+def test_uint16_bin_source(tmp_path: Path) -> None:
+    tokens = (np.arange(5000) * 7 % 1000).astype("<u2")
+    path = tmp_path / "tokens.bin"
+    tokens.tofile(path)
+    c = Corpus.load(DataConfig(source=str(path), num_shards=3))
+    assert np.array_equal(np.asarray(c.tokens), tokens)
+    assert c.max_token == 999
+    c.check_vocab(1000)
+    capped = Corpus.load(DataConfig(source=str(path), num_shards=3, max_bytes=2000))
+    assert capped.num_tokens == 1000
+
+
+def test_bin_with_odd_size_is_rejected(tmp_path: Path) -> None:
+    path = tmp_path / "odd.bin"
+    path.write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ConfigError, match=r"data\.source.*odd size"):
+        Corpus.load(DataConfig(source=str(path)))
+
+
+@pytest.mark.parametrize("kind", ["text", "bin", "folder"])
+def test_empty_corpus_is_a_config_error(tmp_path: Path, kind: str) -> None:
+    path = {"text": tmp_path / "empty.txt", "bin": tmp_path / "empty.bin", "folder": tmp_path / "empty"}[kind]
+    if kind == "folder":
+        path.mkdir()
+    else:
+        path.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"data\.source.*empty"):
+        Corpus.load(DataConfig(source=str(path)))
+
+
+def test_missing_source_names_the_allowed_values(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r'data\.source.*does not exist.*"stdlib"'):
+        Corpus.load(DataConfig(source=str(tmp_path / "nope")))
+
+
+def test_vocab_mismatch_names_model_and_corpus(tmp_path: Path) -> None:
+    path = tmp_path / "big.bin"
+    np.full(4000, 300, dtype="<u2").tofile(path)
+    cfg = TaskConfig(data=DataConfig(source=str(path), num_shards=2), model=TINY, inner=TINY_INNER)
+    with pytest.raises(ConfigError, match=r"token id 300.*model\.vocab_size=256"):
+        build_task(cfg)
+    with pytest.raises(ConfigError, match=r"model\.vocab_size"):
+        Corpus.load(cfg.data).check_vocab(300)
+
+
+def test_shards_too_small_for_a_batch(tmp_path: Path) -> None:
+    path = tmp_path / "small.txt"
+    path.write_text("x" * 2000)
+    cfg = TaskConfig(data=DataConfig(source=str(path), num_shards=4), model=TINY, inner=TINY_INNER)
+    build_task(cfg)  # 4 shards of ~490 tokens hold a 4 x 16 batch
+    big = TaskConfig(data=cfg.data, model=TINY, inner=InnerConfig(batch_size=64))
+    with pytest.raises(ConfigError, match=r"inner\.batch_size=64"):
+        build_task(big)
+
+
+def test_data_config_validation() -> None:
+    with pytest.raises(ConfigError, match=r"data\.num_shards"):
+        DataConfig(num_shards=0)
+    with pytest.raises(ConfigError, match=r"data\.val_fraction"):
+        DataConfig(val_fraction=0.0)
+    with pytest.raises(ConfigError, match=r"data\.max_bytes"):
+        DataConfig(max_bytes=-1)
+
+
+# -- batches and cursors ------------------------------------------------------------------------------------
+
+
+def test_batch_wraps_around_the_shard() -> None:
+    c = arange_corpus(100, num_shards=2)  # 10 val tokens; shards [0, 45) and [45, 90)
+    assert c.shard_length(1) == 45
+    x, y, nxt = c.batch(1, 40, 2, 4)
+    assert nxt == 48
+    assert x.tolist() == [[85, 86, 87, 88], [89, 45, 46, 47]]
+    assert y.tolist() == [[86, 87, 88, 89], [45, 46, 47, 48]]
+    x2, y2, nxt2 = c.batch(1, 40 + 3 * 45, 2, 4)  # a later pass over the same shard reads the same tokens
+    assert torch.equal(x, x2) and torch.equal(y, y2) and nxt2 == 48 + 3 * 45
+    assert x.dtype == torch.int64
+
+
+@given(cursor=st.integers(0, 10_000), batch_size=st.integers(1, 5), seq_len=st.integers(1, 9))
+@settings(max_examples=100, deadline=None)
+def test_batch_reads_consecutive_tokens(cursor: int, batch_size: int, seq_len: int) -> None:
+    c = arange_corpus(230, num_shards=3)
+    shard = c.shard_tokens(2).astype(np.int64)
+    x, y, nxt = c.batch(2, cursor, batch_size, seq_len)
+    assert nxt - cursor == batch_size * seq_len
+    for i in range(batch_size):
+        for j in range(seq_len):
+            pos = cursor + i * seq_len + j
+            assert x[i, j] == shard[pos % len(shard)]
+            assert y[i, j] == shard[(pos + 1) % len(shard)]
+
+
+def test_negative_cursor_is_rejected() -> None:
+    with pytest.raises(InvalidArgument, match="cursor"):
+        arange_corpus(100, 2).batch(0, -1, 1, 4)
+
+
+# -- model and flat parameters ------------------------------------------------------------------------------
+
+
+def test_model_config_validation() -> None:
+    with pytest.raises(ConfigError, match=r"model\.d_model.*model\.n_heads"):
+        ModelConfig(d_model=30, n_heads=4)
+    with pytest.raises(ConfigError, match=r"model\.n_layers"):
+        ModelConfig(n_layers=0)
+    with pytest.raises(ConfigError, match=r"model\.dropout"):
+        ModelConfig(dropout=1.0)
+    with pytest.raises(ConfigError, match=r"model\.seq_len"):
+        ModelConfig(seq_len=True)
+
+
+def test_model_init_is_deterministic_and_fingerprint_stable() -> None:
+    torch.manual_seed(123)  # the global RNG must not matter
+    a = flatten_params(GPT(TINY, seed=7))
+    torch.manual_seed(456)
+    b = flatten_params(GPT(TINY, seed=7))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, flatten_params(GPT(TINY, seed=8)))
+    assert model_fingerprint(TINY) == model_fingerprint(ModelConfig(**vars(TINY)))
+    assert model_fingerprint(TINY) != model_fingerprint(ModelConfig(**{**vars(TINY), "n_layers": 2}))
+    assert len(model_fingerprint(TINY)) == 16
+
+
+def test_model_forward_and_initial_loss() -> None:
+    model = GPT(TINY)
+    idx = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
+    assert model(idx).shape == (3, 16, 256)
+    targets = (idx + 1) % 256
+    assert float(model.loss(idx, targets).detach()) == pytest.approx(
+        math.log(256), abs=0.1
+    )  # small init: ~uniform
+    with pytest.raises(InvalidArgument, match="seq_len"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_causal_attention_ignores_the_future() -> None:
+    model = GPT(TINY).eval()
+    a = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    b = a.clone()
+    b[0, 10:] = (b[0, 10:] + 1) % 256
+    assert torch.allclose(model(a)[0, :10], model(b)[0, :10], atol=1e-6)
+
+
+def test_param_specs_and_flat_round_trip() -> None:
+    model = GPT(TINY)
+    specs = param_specs(model)
+    names = [s.name for s in specs]
+    assert names == [n for n, _ in model.named_parameters()]
+    assert "wte.weight" in names and not any("head" in n for n in names)  # the tied head is not a parameter
+    offset = 0
+    for spec in specs:
+        assert spec.offset == offset
+        offset += math.prod(spec.shape)
+    flat = flatten_params(model)
+    assert flat.dtype == torch.float32 and flat.shape == (offset,)
+    other = GPT(TINY, seed=99)
+    load_flat_(other, flat)
+    assert torch.equal(flatten_params(other), flat)
+    with pytest.raises(InvalidArgument, match="expected"):
+        load_flat_(other, flat[:-1])
+
+
+# -- inner loop ---------------------------------------------------------------------------------------------
+
+
+def test_inner_config_validation_and_schedule() -> None:
+    with pytest.raises(ConfigError, match=r"inner\.lr"):
+        InnerConfig(lr=0.0)
+    with pytest.raises(ConfigError, match=r"inner\.betas"):
+        InnerConfig(betas=(0.9, 1.0))
+    with pytest.raises(ConfigError, match=r"inner\.batch_size"):
+        InnerConfig(batch_size=0)
+    cfg = InnerConfig(lr=1.0, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert lr_at(cfg, 0) == pytest.approx(0.1)
+    assert lr_at(cfg, 9) == pytest.approx(1.0)
+    assert lr_at(cfg, 10) == pytest.approx(1.0)
+    assert lr_at(cfg, 60) == pytest.approx(0.55)
+    assert lr_at(cfg, 110) == pytest.approx(0.1)
+    assert lr_at(cfg, 10_000) == pytest.approx(0.1)
+
+
+def test_pseudo_gradient_is_zero_before_training_then_base_minus_params(corpus: Corpus) -> None:
+    tr = make_trainer(corpus)
+    assert torch.count_nonzero(tr.pseudo_gradient()) == 0
+    theta0 = flatten_params(GPT(TINY, seed=3))
+    tr.load_global(theta0)
+    assert torch.count_nonzero(tr.pseudo_gradient()) == 0
+    result = tr.train([(0, 1, 0)], 3)
+    assert torch.equal(result.pseudo_grad, theta0 - tr.params_flat())
+    assert torch.equal(result.pseudo_grad, tr.pseudo_gradient())
+    assert result.pseudo_grad.norm() > 0
+    assert result.pseudo_grad.dtype == torch.float32 and result.pseudo_grad.device.type == "cpu"
+
+
+def test_training_lowers_the_loss(corpus: Corpus) -> None:
+    tr = make_trainer(corpus, InnerConfig(batch_size=8, warmup_steps=5, total_steps=60))
+    before = evaluate(tr.model, corpus, 8, TINY.seq_len, 4, CPU)
+    assert before == pytest.approx(math.log(256), abs=0.1)
+    first = tr.train([(0, 0, 0), (1, 0, 0)], 40)
+    after = evaluate(tr.model, corpus, 8, TINY.seq_len, 4, CPU)
+    assert after < before - 1.0, (before, after, first.loss)
+    assert tr.model.training  # evaluate restores the mode
+
+
+def test_rebase_keeps_local_progress_exactly(corpus: Corpus) -> None:
+    tr = make_trainer(corpus)
+    tr.train([(0, 0, 0)], 3)
+    tr.mark_submitted()
+    at_submit = tr.params_flat()
+    tr.train([(0, 0, 3 * 64)], 2)  # keeps training while the upload is in flight
+    theta = tr.params_flat()
+    new_global = flatten_params(GPT(TINY, seed=42))
+    tr.rebase(new_global)
+    assert torch.equal(tr.params_flat(), new_global + (theta - at_submit))
+    assert torch.equal(tr.base, new_global)
+    assert torch.equal(tr.pseudo_gradient(), new_global - tr.params_flat())
+    with pytest.raises(FailedPrecondition, match="mark_submitted"):
+        tr.rebase(new_global)  # one submission, one rebase
+
+
+def test_optimizer_state_persists_across_rounds(corpus: Corpus) -> None:
+    tr = make_trainer(corpus)
+    tr.train([(0, 0, 0)], 4)
+    p = next(tr.model.parameters())
+    state = tr.optimizer.state[p]
+    exp_avg_sq = state["exp_avg_sq"].clone()
+    tr.load_global(flatten_params(GPT(TINY, seed=5)))
+    assert tr.optimizer.state[p]["exp_avg_sq"] is state["exp_avg_sq"]  # load_global does not reset Adam
+    tr.train([(0, 0, 4 * 64)], 3)
+    assert int(tr.optimizer.state[p]["step"]) == 7
+    assert tr.steps_done == 7
+    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(TINY_INNER, 6))
+    assert not torch.equal(tr.optimizer.state[p]["exp_avg_sq"], exp_avg_sq)
+
+
+def test_ranges_are_contiguous_and_sum_to_tokens(corpus: Corpus) -> None:
+    tr = make_trainer(corpus)
+    per_batch = TINY_INNER.batch_size * TINY.seq_len
+    result = tr.train([(2, 5, 1000), (0, 1, 0), (3, 2, 7)], 7)
+    assert result.steps == 7 and result.tokens == 7 * per_batch
+    assert result.ranges == [
+        ShardRangeT(2, 5, 1000, 1000 + 3 * per_batch),
+        ShardRangeT(0, 1, 0, 2 * per_batch),
+        ShardRangeT(3, 2, 7, 7 + 2 * per_batch),
+    ]
+    assert sum(r.end - r.start for r in result.ranges) == result.tokens
+    follow = tr.train([(r.shard_id, r.epoch, r.end) for r in result.ranges], 1)
+    assert follow.ranges == [ShardRangeT(2, 5, result.ranges[0].end, result.ranges[0].end + per_batch)]
+    assert math.isfinite(result.loss) and result.seconds > 0
+
+
+def test_train_rejects_bad_shard_lists(corpus: Corpus) -> None:
+    tr = make_trainer(corpus)
+    with pytest.raises(InvalidArgument, match="distinct"):
+        tr.train([(0, 0, 0), (0, 0, 64)], 2)
+    with pytest.raises(InvalidArgument, match="at least one shard"):
+        tr.train([], 1)
+    with pytest.raises(InvalidArgument, match="flat float vector"):
+        tr.load_global(torch.zeros(3))
+
+
+def test_slowdown_sleeps_and_is_reported_in_throughput(corpus: Corpus) -> None:
+    ticks = iter(range(1000))
+    slept: list[float] = []
+    tr = InnerTrainer(
+        GPT(TINY),
+        corpus,
+        TINY_INNER,
+        seq_len=TINY.seq_len,
+        device=CPU,
+        slowdown=3.0,
+        sleep=slept.append,
+        clock=lambda: float(next(ticks)),
+    )
+    assert tr.throughput().tokens_per_s == 0.0
+    tr.train([(0, 0, 0)], 2)
+    assert slept == [2.0, 2.0]  # each step "took" 1 s on the fake clock, so sleep 2 s more
+    tp = tr.throughput()
+    assert tp.step_time_s == pytest.approx(3.0)
+    assert tp.tokens_per_s == pytest.approx(64 / 3.0)
+    assert tp.device_kind == "cpu"
+
+
+# -- task config and factory --------------------------------------------------------------------------------
+
+
+class Bigram(nn.Module):
+    """A user model for the plug-in test: next-token logits from the current token only."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.table = nn.Embedding(256, 256)
+        with torch.no_grad():
+            self.table.weight.copy_(
+                torch.randn(256, 256, generator=torch.Generator().manual_seed(seed)) * 0.01
+            )
+
+    def loss(self, x: Tensor, y: Tensor) -> Tensor:
+        return nn.functional.cross_entropy(self.table(x).reshape(-1, 256), y.reshape(-1))
+
+
+def user_factory(cfg: TaskConfig) -> tuple[object, Corpus]:
+    """Plug-in under test: its own model and its own in-memory data."""
+    tokens = np.frombuffer(b"abcabcabd" * 400, dtype=np.uint8).astype(np.uint16)
+    return Bigram, Corpus(tokens, DataConfig(source="user", num_shards=cfg.data.num_shards))
+
+
+def test_task_config_json_round_trip() -> None:
+    cfg = TaskConfig(model=TINY, data=DataConfig(num_shards=3), inner=InnerConfig(betas=(0.8, 0.9)))
+    again = TaskConfig.from_json(cfg.to_json())
+    assert again == cfg and isinstance(again.inner.betas, tuple)
+    assert TaskConfig.from_json("{}") == TaskConfig()
+
+
+@pytest.mark.parametrize(
+    ("doc", "match"),
+    [
+        ({"modle": {}}, r"unknown keys \['modle'\]"),
+        ({"model": {"width": 3}}, r"model: unknown keys \['width'\]"),
+        ({"inner": {"lr": -1}}, r"inner\.lr"),
+        ({"data": {"num_shards": "4"}}, r"data\.num_shards"),
+        ({"factory": "no-colon"}, r"task\.factory"),
+        ([], "JSON object"),
+    ],
+)
+def test_task_config_rejects_bad_json(doc: object, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TaskConfig.from_json(json.dumps(doc))
+
+
+def test_build_default_task(corpus: Corpus) -> None:
+    cfg = TaskConfig(model=TINY, data=DataConfig(num_shards=4, max_bytes=200_000), inner=TINY_INNER)
+    task = build_task(cfg)
+    assert task.fingerprint == model_fingerprint(TINY)
+    assert task.corpus.fingerprint == corpus.fingerprint
+    assert torch.equal(flatten_params(task.model_fn()), flatten_params(GPT(TINY)))
+
+
+def test_factory_hook_loads_a_user_function() -> None:
+    cfg = TaskConfig(
+        model=TINY, data=DataConfig(num_shards=2), inner=TINY_INNER, factory=f"{__name__}:user_factory"
+    )
+    task = build_task(cfg)
+    model = task.model_fn(3)
+    assert isinstance(model, Bigram)
+    assert task.corpus.description == "user" and task.corpus.num_shards == 2
+    assert task.fingerprint != model_fingerprint(TINY)
+    tr = InnerTrainer(model, task.corpus, cfg.inner, seq_len=TINY.seq_len, device=CPU)
+    result = tr.train([(0, 0, 0), (1, 0, 0)], 4)
+    assert result.tokens == 4 * 64 and result.pseudo_grad.shape == (256 * 256,)
+
+
+@pytest.mark.parametrize(
+    ("path", "match"),
+    [
+        ("no_such_module_xyz:build", "cannot import module 'no_such_module_xyz'"),
+        (f"{__name__}:missing_function", "has no callable 'missing_function'"),
+        (f"{__name__}:CPU", "has no callable 'CPU'"),
+    ],
+)
+def test_factory_hook_bad_path_is_a_config_error(path: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        build_task(TaskConfig(model=TINY, inner=TINY_INNER, factory=path))
