@@ -1,0 +1,1 @@
+"""The `diloco` command line."""

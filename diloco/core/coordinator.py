@@ -1,0 +1,406 @@
+"""The coordinator's state machine: registry, round policy, shard ledger, merge buffer and outer optimizer.
+
+Pure: no gRPC, no clock reads (`now` is an argument), no file I/O. The gRPC coordinator service and the
+simulator drive the same object, so what the simulator measures is what the service does.
+
+Submissions arrive as `(header fields, decoded pseudo-gradient)`. `admit` checks everything that can be checked
+before the payload is read (membership, staleness, fencing); `accept` folds the pseudo-gradient into the merge
+buffer, moves the ledger's accepted cursors and may close a round. A closed round applies the outer step,
+commits the round's ledger receipts and bumps the version.
+
+Shard placement follows speed (ALGORITHM.md section 6). A shard of a dead or departed learner moves at once. A
+shard moved away from a *live* learner (rebalancing after a join) is handed off: the learner's plan stops listing
+it, and the ledger moves it only after accepting a submission that learner made under that plan (`plan_seq`),
+so the learner never loses a submission to a move it could not know about.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
+from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
+from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
+from diloco.core.placement import local_steps, place_shards
+from diloco.core.rounds import Pending, RoundClose, RoundConfig, RoundPolicy
+from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
+
+ACTIVE, DRAINING, DEAD, LEFT, EVICTED = "active", "draining", "dead", "left", "evicted"
+LIVE_STATES = (ACTIVE, DRAINING)
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    merge: str = "mean"
+    local_steps: int = 50  # H
+    min_local_steps: int = 5  # H_min
+    dynamic_local_steps: bool = True  # H_m from measured speed
+    expected_workers: int = 0  # M at start: keeps the first learner from taking every shard
+    target_outer_steps: int = 0  # 0: train until stopped
+
+    def __post_init__(self) -> None:
+        if self.merge not in MERGE_NAMES:
+            raise ConfigError(f"merge: unknown method {self.merge!r}; allowed: {', '.join(MERGE_NAMES)}")
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps (H) must be >= 1, got {self.local_steps}")
+        if not 1 <= self.min_local_steps <= self.local_steps:
+            raise ConfigError(f"min_local_steps must be in [1, H={self.local_steps}], got {self.min_local_steps}")
+        if self.expected_workers < 0:
+            raise ConfigError(f"expected_workers must be >= 0, got {self.expected_workers}")
+        if self.target_outer_steps < 0:
+            raise ConfigError(f"target_outer_steps must be >= 0, got {self.target_outer_steps}")
+        if self.expected_workers:
+            self.rounds.check_learners(self.expected_workers)
+        if self.rounds.mode == "async" and self.outer.name == "nesterov":
+            object.__setattr__(self, "outer", OuterConfig("delayed_nesterov", self.outer.lr, self.outer.momentum))
+
+
+@dataclass(frozen=True)
+class Lease:
+    shard_id: int
+    epoch: int
+    cursor: int
+
+
+@dataclass(frozen=True)
+class WorkPlan:
+    shards: tuple[Lease, ...]
+    local_steps: int
+    plan_seq: int
+    version: int
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    name: str
+    state: str = ACTIVE
+    speed: float = 0.0  # tokens/s; 0 = not measured yet
+    device_kind: str = ""
+    registered_at: float = 0.0
+    last_submit_at: float = 0.0
+    submissions: int = 0
+    tokens: int = 0
+    last_base_version: int = 0
+    state_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Submission:
+    worker_id: str
+    submission_id: str
+    base_version: int
+    tokens: int
+    steps: int
+    ranges: tuple[ShardRange, ...]
+    plan_seq: int = 0
+
+
+@dataclass(frozen=True)
+class RoundApplied:
+    version: int
+    submissions: tuple[Pending, ...]
+    tokens: int
+    max_staleness: int
+    delta_norm: float
+    reason: str
+    closed_at: float
+
+
+@dataclass(frozen=True)
+class AcceptResult:
+    staleness: int
+    round: int  # the version the submission will produce (or produced)
+    applied: RoundApplied | None  # the round this acceptance closed, if any
+
+
+class CoordinatorCore:
+    """Global parameters, outer optimizer state, version, ledger and registry, with every transition."""
+
+    def __init__(
+        self,
+        cfg: CoordinatorConfig,
+        params: torch.Tensor,
+        shard_lengths: Sequence[int],
+        segments: Sequence[Segment] | None = None,
+    ) -> None:
+        if params.dim() != 1 or params.dtype != torch.float32:
+            raise ConfigError("params must be a flat float32 vector")
+        if cfg.expected_workers and len(shard_lengths) < cfg.expected_workers:
+            raise ConfigError(
+                f"num_shards ({len(shard_lengths)}) must be >= the number of learners ({cfg.expected_workers})"
+            )
+        self.cfg = cfg
+        self.params = params
+        self.segments = list(segments) if segments else None
+        self.policy = RoundPolicy(cfg.rounds)
+        self.ledger = ShardLedger(len(shard_lengths), list(shard_lengths))
+        self.outer: OuterOptimizer = build_outer(cfg.outer)
+        self.acc = MergeAccumulator(params.numel(), cfg.merge, self.segments)
+        self.workers: dict[str, WorkerRecord] = {}
+        self.receipts: dict[str, AcceptReceipt] = {}  # submission id -> receipt, open round
+        self.applied_ids: deque[str] = deque(maxlen=4096)  # recent applied submission ids (idempotency)
+        self.staged: dict[int, tuple[str, int]] = {}  # shard -> (target worker, plan_seq it was staged at)
+        self.plan_seq = 0
+        self.registered_ever = 0
+        self.tokens_applied = 0
+        self.rejected = 0
+        self.paused = False
+        self._incarnation = 0
+
+    # ---------------------------------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.policy.version
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.cfg.target_outer_steps) and self.version >= self.cfg.target_outer_steps
+
+    def live_ids(self) -> list[str]:
+        return sorted(w for w, r in self.workers.items() if r.state in LIVE_STATES)
+
+    def worker(self, worker_id: str) -> WorkerRecord:
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            raise NotFound(f"unknown worker {worker_id!r}; register first")
+        return rec
+
+    def _live_worker(self, worker_id: str) -> WorkerRecord:
+        rec = self.worker(worker_id)
+        if rec.state not in LIVE_STATES:
+            raise FailedPrecondition(
+                f"worker {worker_id} is {rec.state} ({rec.state_reason or 'no reason given'}); register again"
+            )
+        return rec
+
+    # --- membership -------------------------------------------------------------------------------------------
+    def register(self, name: str, now: float, speed: float = 0.0, device_kind: str = "") -> WorkerRecord:
+        if not name or len(name) > 128 or not name.isprintable():
+            raise InvalidArgument("worker_name must be 1-128 printable characters")
+        if not math.isfinite(speed) or speed < 0:
+            raise InvalidArgument(f"throughput.tokens_per_s must be a finite number >= 0, got {speed}")
+        self._incarnation += 1
+        worker_id = f"{name}-{self._incarnation}"
+        self.workers[worker_id] = WorkerRecord(worker_id, name, speed=speed, device_kind=device_kind, registered_at=now)
+        self.registered_ever += 1
+        self.policy.worker_joined(worker_id)
+        self._membership_changed()
+        return self.workers[worker_id]
+
+    def report_throughput(self, worker_id: str, tokens_per_s: float, device_kind: str = "") -> None:
+        rec = self.worker(worker_id)
+        if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
+            raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
+        rec.speed = tokens_per_s
+        if device_kind:
+            rec.device_kind = device_kind
+
+    def remove(self, worker_id: str, state: str, reason: str) -> list[int]:
+        """A learner died, left or was evicted: it leaves quorum expectations and its shards move.
+        Returns the shards that moved. Removing a learner that is already gone changes nothing."""
+        rec = self.worker(worker_id)
+        if rec.state not in LIVE_STATES:
+            return []
+        rec.state, rec.state_reason = state, reason
+        self.policy.worker_left(worker_id)
+        released = self.ledger.release(worker_id)
+        for shard, (target, _) in list(self.staged.items()):
+            if target == worker_id or shard in released:
+                del self.staged[shard]
+        self._membership_changed()
+        return released
+
+    def drain(self, worker_id: str) -> WorkerRecord:
+        rec = self._live_worker(worker_id)
+        rec.state, rec.state_reason = DRAINING, "drained by operator"
+        return rec
+
+    def _membership_changed(self) -> None:
+        live = self.live_ids()
+        self.outer.set_num_learners(max(1, len(live)))
+        self._rebalance()
+
+    def _rebalance(self) -> None:
+        """Place shards on the live learners in proportion to speed; moves off a live learner are staged."""
+        speeds = {w: self.workers[w].speed for w in self.live_ids() if self.workers[w].state == ACTIVE}
+        phantoms = max(0, self.cfg.expected_workers - self.registered_ever)
+        slots = dict(speeds)
+        known = [v for v in speeds.values() if v > 0]
+        fill = sum(known) / len(known) if known else 1.0
+        for i in range(phantoms):
+            slots[f"\x00slot{i}"] = fill  # not a valid worker id: shards placed there stay unowned
+        current = {s.shard_id: self._effective_owner(s.shard_id, s.owner) for s in self.ledger.states()}
+        target = place_shards(self.ledger.num_shards, slots, current)
+        changed = False
+        for shard_id, owner in target.items():
+            if owner is not None and owner.startswith("\x00"):
+                owner = None
+            now_owner = self.ledger.state(shard_id).owner
+            if owner == now_owner:
+                if self.staged.pop(shard_id, None) is not None:
+                    changed = True
+                continue
+            if now_owner is None or now_owner not in speeds:
+                if owner is not None:
+                    self.ledger.assign(shard_id, owner)
+                    self.staged.pop(shard_id, None)
+                    changed = True
+            elif owner is not None and self.staged.get(shard_id, ("", 0))[0] != owner:
+                self.staged[shard_id] = (owner, self.plan_seq + 1)
+                changed = True
+        if changed:
+            self.plan_seq += 1
+
+    def _effective_owner(self, shard_id: int, owner: str | None) -> str | None:
+        staged = self.staged.get(shard_id)
+        return staged[0] if staged else owner
+
+    def plan(self, worker_id: str) -> WorkPlan:
+        """The learner's shards (those not being handed off), cursors and H_m."""
+        rec = self._live_worker(worker_id)
+        leases = tuple(
+            Lease(s.shard_id, s.epoch, s.accepted)
+            for s in self.ledger.owned_by(worker_id)
+            if s.shard_id not in self.staged
+        )
+        steps = self.cfg.local_steps
+        if self.cfg.dynamic_local_steps and rec.speed > 0:
+            fastest = max(self.workers[w].speed for w in self.live_ids())
+            steps = local_steps(self.cfg.local_steps, rec.speed, fastest, self.cfg.min_local_steps)
+        if rec.state == DRAINING:
+            leases = ()
+        return WorkPlan(leases, steps, self.plan_seq, self.version)
+
+    # --- submissions ------------------------------------------------------------------------------------------
+    def admit(self, sub: Submission) -> int:
+        """Everything checkable before the payload is read. Returns the staleness; raises on refusal."""
+        if sub.submission_id in self.applied_ids or sub.submission_id in self.receipts:
+            raise AlreadyExists(f"submission {sub.submission_id} was already accepted")
+        self._live_worker(sub.worker_id)
+        if sub.tokens <= 0 or sub.steps <= 0:
+            raise InvalidArgument(f"tokens and steps must be > 0 (got tokens={sub.tokens}, steps={sub.steps})")
+        if sum(r.end - r.start for r in sub.ranges) != sub.tokens:
+            raise InvalidArgument(
+                f"the shard ranges add up to {sum(r.end - r.start for r in sub.ranges)} tokens "
+                f"but the submission reports {sub.tokens}"
+            )
+        staleness = self.policy.admit(sub.worker_id, sub.base_version)
+        self.ledger.check(sub.worker_id, sub.ranges)
+        return staleness
+
+    def accept(self, sub: Submission, delta: torch.Tensor, now: float) -> AcceptResult:
+        """Fold a decoded, validated pseudo-gradient in. All checks happen before any state changes."""
+        staleness = self.admit(sub)
+        if delta.shape != self.params.shape:
+            raise InvalidArgument(f"pseudo-gradient has {delta.numel()} elements; the model has {self.params.numel()}")
+        if not bool(torch.isfinite(delta).all()):
+            raise InvalidArgument("pseudo-gradient contains NaN or Inf; check the learner's training")
+        receipt = self.ledger.accept(sub.worker_id, sub.ranges)
+        self.acc.add(delta, sub.tokens)
+        self.receipts[sub.submission_id] = receipt
+        rec = self.workers[sub.worker_id]
+        rec.submissions += 1
+        rec.tokens += sub.tokens
+        rec.last_base_version = sub.base_version
+        rec.last_submit_at = now
+        self._complete_handoffs(sub.worker_id, sub.plan_seq)
+        self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now))
+        applied = self.poll(now)
+        return AcceptResult(staleness, applied.version if applied else self.version + 1, applied)
+
+    def _complete_handoffs(self, worker_id: str, plan_seq: int) -> None:
+        for shard_id, (target, staged_at) in list(self.staged.items()):
+            if self.ledger.state(shard_id).owner == worker_id and plan_seq >= staged_at:
+                del self.staged[shard_id]
+                if self.workers[target].state == ACTIVE:
+                    self.ledger.assign(shard_id, target)
+
+    def poll(self, now: float) -> RoundApplied | None:
+        """Close and apply a round if the policy says so (also call at `next_deadline()`)."""
+        if self.paused or self.finished:
+            return None
+        close = self.policy.poll(now)
+        return self._apply(close) if close else None
+
+    def next_deadline(self) -> float | None:
+        return None if self.paused else self.policy.next_deadline()
+
+    def _apply(self, close: RoundClose) -> RoundApplied:
+        delta = self.acc.result()
+        tokens = self.acc.tokens
+        self.outer.step(self.params, delta)
+        for p in close.submissions:
+            self.ledger.commit(self.receipts.pop(p.submission_id))
+            self.applied_ids.append(p.submission_id)
+        self.acc.reset()
+        self.tokens_applied += tokens
+        return RoundApplied(
+            close.version,
+            close.submissions,
+            tokens,
+            close.max_staleness,
+            float(torch.linalg.vector_norm(delta)),
+            close.reason,
+            close.closed_at,
+        )
+
+    def set_paused(self, paused: bool) -> None:
+        self.paused = paused
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything a restart needs, consistent with the applied parameters (pending submissions excluded)."""
+        ledger = self.ledger.snapshot()
+        return {
+            "format": 1,
+            "version": self.version,
+            "params": self.params.detach().cpu().clone(),
+            "outer": {
+                k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in self.outer.state_dict().items()
+            },
+            "ledger": ledger,
+            "tokens_applied": self.tokens_applied,
+            "workers": [vars(r).copy() for r in self.workers.values()],
+            "incarnation": self._incarnation,
+        }
+
+    def restore(self, snap: dict[str, Any]) -> None:
+        """Adopt a checkpoint. Pending submissions are gone: the ledger rolls accepted cursors back to
+        committed and every learner must register again (its shards are released)."""
+        try:
+            params = snap["params"]
+            if not isinstance(params, torch.Tensor) or params.shape != self.params.shape:
+                raise InvalidArgument("checkpoint parameters do not match the model")
+            ledger = ShardLedger.restore(snap["ledger"])
+            if ledger.num_shards != self.ledger.num_shards:
+                raise InvalidArgument(
+                    f"checkpoint has {ledger.num_shards} shards; this run has {self.ledger.num_shards}"
+                )
+            self.outer.load_state_dict(snap["outer"])
+            version = int(snap["version"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"checkpoint is malformed: {e}") from e
+        self.params.copy_(params)
+        self.ledger = ledger
+        self.ledger.rollback_uncommitted()
+        for shard in self.ledger.states():
+            if shard.owner is not None:
+                self.ledger.release(shard.owner)
+        self.policy = RoundPolicy(self.cfg.rounds, version=version)
+        self.tokens_applied = int(snap.get("tokens_applied", 0))
+        self._incarnation = int(snap.get("incarnation", 0))
+        self.registered_ever = 0
+        self.workers = {}
+        self.receipts = {}
+        self.staged = {}
+        self.acc.reset()

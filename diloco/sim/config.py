@@ -1,0 +1,128 @@
+"""Simulator configuration: hardware profile, links, failures, algorithm settings. Validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from diloco.core.codecs import CODEC_NAMES
+from diloco.core.outer import OuterConfig
+from diloco.core.rounds import RoundConfig
+from diloco.errors import ConfigError
+from diloco.task.factory import TaskConfig
+
+SIM_MODES = ("sync", "decoupled", "async")
+
+
+@dataclass(frozen=True)
+class FailureEvent:
+    at_s: float
+    learner: int
+    action: str  # "kill" | "revive"
+
+
+def parse_speeds(text: str) -> tuple[float, ...]:
+    """`"1,1,0.5,0.25"` -> relative speeds (1 = one step per `step_time_s`)."""
+    try:
+        speeds = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise ConfigError(f"speeds: expected comma-separated numbers like 1,1,0.5,0.25, got {text!r}") from e
+    if not speeds:
+        raise ConfigError("speeds: give at least one learner, e.g. 1,1,0.5,0.25")
+    return speeds
+
+
+def parse_failures(text: str) -> tuple[FailureEvent, ...]:
+    """`"kill:1@30,revive:1@90"` -> learner 1 dies at t=30 s and comes back at t=90 s."""
+    events = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        try:
+            action, rest = item.split(":", 1)
+            learner, at = rest.split("@", 1)
+            events.append(FailureEvent(float(at), int(learner), action))
+        except ValueError as e:
+            raise ConfigError(f"failures: expected items like kill:1@30 or revive:1@90, got {item!r}") from e
+    return tuple(sorted(events, key=lambda e: e.at_s))
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    mode: str = "decoupled"
+    speeds: tuple[float, ...] = (1.0, 1.0, 0.5, 0.25)
+    step_time_s: float = 1.0  # virtual seconds per inner step at speed 1
+    bandwidth_bytes_per_s: float = 100e6  # per learner link, both directions
+    latency_s: float = 0.5
+    failures: tuple[FailureEvent, ...] = ()
+    mtbf_s: float = 0.0  # 0: no random failures; else exponential per learner
+    repair_s: float = 60.0  # downtime after a random failure
+    dead_after_s: float = 2.0  # detection delay (healthd)
+    local_steps: int = 20  # H
+    min_local_steps: int = 2
+    dynamic_local_steps: bool = True  # H_m from speed (decoupled/async only; sync uses H for all)
+    min_quorum: int = 2  # K
+    grace_max_s: float = 5.0
+    grace_gamma: float = 0.5
+    max_staleness: int = 4
+    codec: str = "int8"
+    error_feedback: bool = True
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    merge: str = "mean"
+    num_shards: int = 16
+    token_budget: int = 0  # stop after this many applied tokens (0: no limit)
+    max_time_s: float = 0.0  # stop at this virtual time (0: no limit)
+    outer_steps: int = 0  # stop after this many rounds (0: no limit)
+    eval_every: int = 1  # evaluate global params every N rounds
+    eval_batches: int = 4
+    target_loss: float = 0.0  # report time to reach this validation loss (0: skip)
+    train: bool = True  # False: timing only (no model), for large sweeps
+    model_numel: int = 0  # timing-only payload size (0: the task model's size)
+    seed: int = 0
+    task: TaskConfig = field(default_factory=TaskConfig)
+
+    def __post_init__(self) -> None:
+        if self.mode not in SIM_MODES:
+            raise ConfigError(f"mode: unknown {self.mode!r}; allowed: {', '.join(SIM_MODES)}")
+        if not self.speeds or any(not (math.isfinite(v) and v > 0) for v in self.speeds):
+            raise ConfigError(f"speeds: every learner needs a finite speed > 0, got {self.speeds}")
+        if self.codec not in CODEC_NAMES:
+            raise ConfigError(f"codec: unknown {self.codec!r}; allowed: {', '.join(CODEC_NAMES)}")
+        for name in ("step_time_s", "bandwidth_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("latency_s", "mtbf_s", "repair_s", "dead_after_s", "grace_max_s", "max_time_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.local_steps < 1:
+            raise ConfigError(f"local_steps (H) must be >= 1, got {self.local_steps}")
+        if not 1 <= self.min_local_steps <= self.local_steps:
+            raise ConfigError(f"min_local_steps must be in [1, H={self.local_steps}], got {self.min_local_steps}")
+        if self.mode == "decoupled" and not 1 <= self.min_quorum <= self.num_learners:
+            raise ConfigError(
+                f"min_quorum (K={self.min_quorum}) must be between 1 and the number of learners (M={self.num_learners})"
+            )
+        if self.num_shards < self.num_learners:
+            raise ConfigError(f"num_shards ({self.num_shards}) must be >= the number of learners ({self.num_learners})")
+        if not (self.token_budget or self.max_time_s or self.outer_steps):
+            raise ConfigError("set a stopping rule: token_budget, max_time_s or outer_steps")
+        for e in self.failures:
+            if not 0 <= e.learner < self.num_learners or e.action not in ("kill", "revive") or e.at_s < 0:
+                raise ConfigError(
+                    f"failures: {e.action}:{e.learner}@{e.at_s} needs action kill|revive, "
+                    f"learner in 0..{self.num_learners - 1}, time >= 0"
+                )
+        if self.eval_every < 1 or self.eval_batches < 1:
+            raise ConfigError("eval_every and eval_batches must be >= 1")
+        self.round_config()
+
+    @property
+    def num_learners(self) -> int:
+        return len(self.speeds)
+
+    def round_config(self) -> RoundConfig:
+        return RoundConfig(
+            mode=self.mode,
+            min_quorum=self.min_quorum,
+            grace_max_s=self.grace_max_s,
+            grace_gamma=self.grace_gamma,
+            max_staleness=self.max_staleness,
+        )

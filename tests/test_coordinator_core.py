@@ -1,0 +1,147 @@
+"""The coordinator state machine: registration, placement, admission, rounds, failures, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco.core.coordinator import DEAD, CoordinatorConfig, CoordinatorCore, Submission
+from diloco.core.ledger import ShardRange
+from diloco.core.rounds import RoundConfig
+from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
+
+N = 8
+
+
+def core(mode: str = "decoupled", workers: int = 2, k: int = 2, shards: int = 4) -> CoordinatorCore:
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode=mode, min_quorum=k, grace_max_s=1.0),
+        local_steps=10,
+        min_local_steps=2,
+        expected_workers=workers,
+    )
+    return CoordinatorCore(cfg, torch.zeros(N), [1000] * shards)
+
+
+def submission(c: CoordinatorCore, worker: str, sid: str, tokens: int = 10) -> Submission:
+    plan = c.plan(worker)
+    lease = plan.shards[0]
+    rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + tokens)
+    return Submission(worker, sid, c.version, tokens, 1, (rng,), plan.plan_seq)
+
+
+def frozen(c: CoordinatorCore) -> tuple[list[float], dict[str, object], int]:
+    return c.params.tolist(), c.ledger.snapshot(), c.version
+
+
+def test_first_learner_does_not_take_every_shard() -> None:
+    c = core(workers=2, shards=4)
+    a = c.register("a", 0.0).worker_id
+    assert len(c.plan(a).shards) == 2
+    b = c.register("b", 0.0).worker_id
+    assert len(c.plan(b).shards) == 2
+    assert not c.ledger.unowned()
+
+
+def test_rounds_apply_the_merged_pseudo_gradient_and_commit_the_ledger() -> None:
+    c = core()
+    a, b = c.register("a", 0.0).worker_id, c.register("b", 0.0).worker_id
+    r1 = c.accept(submission(c, a, "s1", tokens=30), torch.full((N,), 1.0), now=1.0)
+    assert r1.applied is None and c.ledger.committed_tokens() == 0
+    r2 = c.accept(submission(c, b, "s2", tokens=10), torch.full((N,), 2.0), now=1.1)
+    assert r2.applied is not None and r2.applied.reason == "all_live"
+    # merged = (30 * 1 + 10 * 2) / 40 = 1.25; first Nesterov step: -0.7 * (1.25 + 0.9 * 1.25)
+    assert c.params[0].item() == pytest.approx(-0.7 * 1.25 * 1.9)
+    assert c.version == 1 and c.ledger.committed_tokens() == 40 and c.tokens_applied == 40
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error"),
+    [
+        (lambda s: s.__class__(**{**vars(s), "worker_id": "ghost"}), NotFound),
+        (lambda s: s.__class__(**{**vars(s), "base_version": 7}), FailedPrecondition),
+        (lambda s: s.__class__(**{**vars(s), "tokens": 11}), InvalidArgument),
+        (lambda s: s.__class__(**{**vars(s), "ranges": (ShardRange(0, 99, 0, 10),)}), FailedPrecondition),
+        (lambda s: s.__class__(**{**vars(s), "ranges": (ShardRange(0, 2, 5, 15),)}), FailedPrecondition),
+    ],
+    ids=["unknown-worker", "future-version", "token-mismatch", "stale-epoch", "wrong-cursor"],
+)
+def test_refused_submissions_change_nothing(mutate: object, error: type[Exception]) -> None:
+    c = core()
+    a = c.register("a", 0.0).worker_id
+    c.register("b", 0.0)
+    before = frozen(c)
+    bad = mutate(submission(c, a, "s1"))  # type: ignore[operator]
+    with pytest.raises(error):
+        c.accept(bad, torch.ones(N), now=1.0)
+    assert frozen(c) == before and c.acc.count == 0
+
+
+def test_nan_and_wrong_size_pseudo_gradients_are_refused() -> None:
+    c = core()
+    a = c.register("a", 0.0).worker_id
+    c.register("b", 0.0)
+    before = frozen(c)
+    with pytest.raises(InvalidArgument, match="NaN or Inf"):
+        c.accept(submission(c, a, "s1"), torch.tensor([float("nan")] * N), now=1.0)
+    with pytest.raises(InvalidArgument, match="elements"):
+        c.accept(submission(c, a, "s1"), torch.ones(N + 1), now=1.0)
+    assert frozen(c) == before
+
+
+def test_duplicate_submission_id() -> None:
+    c = core(k=1, workers=2)
+    a = c.register("a", 0.0).worker_id
+    c.register("b", 0.0)
+    c.accept(submission(c, a, "s1"), torch.ones(N), now=1.0)
+    with pytest.raises(AlreadyExists):
+        c.accept(submission(c, a, "s1"), torch.ones(N), now=1.0)
+
+
+def test_dead_learner_shards_move_and_sync_round_closes() -> None:
+    c = core(mode="sync")
+    a, b = c.register("a", 0.0).worker_id, c.register("b", 0.0).worker_id
+    c.accept(submission(c, a, "s1"), torch.ones(N), now=1.0)
+    assert c.poll(5.0) is None
+    moved = c.remove(b, DEAD, "missed heartbeats")
+    assert len(moved) == 2
+    assert {s.owner for s in c.ledger.states()} == {a}
+    assert c.poll(5.1) is not None
+    with pytest.raises(FailedPrecondition, match="register again"):
+        c.plan(b)
+
+
+def test_rebalance_hands_shards_off_after_the_owner_submits() -> None:
+    c = core(workers=1, k=1, shards=4)
+    a = c.register("a", 0.0).worker_id
+    assert len(c.plan(a).shards) == 4
+    b = c.register("b", 0.0).worker_id
+    # two of a's shards are staged for b: a stops seeing them, b gets them once a has submitted under that plan
+    assert len(c.plan(a).shards) == 2 and len(c.plan(b).shards) == 0
+    c.accept(submission(c, a, "s1"), torch.ones(N), now=1.0)
+    assert len(c.plan(b).shards) == 2
+
+
+def test_snapshot_restore_rolls_back_pending_and_forgets_learners() -> None:
+    c = core(k=2)
+    a, b = c.register("a", 0.0).worker_id, c.register("b", 0.0).worker_id
+    c.accept(submission(c, a, "s1"), torch.ones(N), now=1.0)
+    c.accept(submission(c, b, "s2"), torch.ones(N), now=1.0)
+    snap = c.snapshot()
+    c.accept(submission(c, a, "s3"), torch.ones(N), now=2.0)  # pending, not in the checkpoint
+    fresh = core(k=2)
+    fresh.restore(snap)
+    assert fresh.version == 1 and torch.equal(fresh.params, c.params)
+    assert fresh.ledger.accepted_tokens() == fresh.ledger.committed_tokens() == 20
+    assert not fresh.workers and fresh.ledger.unowned() == [0, 1, 2, 3]
+    with pytest.raises(InvalidArgument, match="malformed"):
+        fresh.restore({"params": c.params})
+
+
+def test_config_errors() -> None:
+    with pytest.raises(ConfigError, match="K=3"):
+        CoordinatorConfig(rounds=RoundConfig(min_quorum=3), expected_workers=2)
+    with pytest.raises(ConfigError, match="num_shards"):
+        CoordinatorCore(CoordinatorConfig(expected_workers=4), torch.zeros(2), [10, 10])
+    with pytest.raises(ConfigError, match="allowed: mean, rda"):
+        CoordinatorConfig(merge="sum")
