@@ -1,0 +1,34 @@
+# Targets are what CI runs. `make run` and `make test` are the two commands in the README.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: setup run test lint typecheck protos bench clean
+
+$(BIN)/diloco: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned, so nothing later pulls a multi-GB CUDA build
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $@
+
+setup: $(BIN)/diloco
+
+run: setup
+	$(BIN)/diloco simulate --mode decoupled --speeds 1,1,0.5,0.25 --outer-steps 20 --plot runs-loss.png
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/pytest -q
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+bench: setup
+	$(BIN)/python bench/bench_core.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

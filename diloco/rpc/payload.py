@@ -1,0 +1,89 @@
+"""Tensor payloads on the wire (ALGORITHM.md section 9): codec metadata to and from `PayloadSpec`, chunking,
+and a receiver that decodes chunk by chunk, checking order, size and checksum."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, get_codec, iter_chunks
+from diloco.task.params import ParamSpec
+from diloco.v1 import common_pb2 as pb
+
+CHUNK_BYTES = 1 << 20
+
+CODEC_TO_ENUM: dict[str, int] = {
+    "fp32": pb.CODEC_FP32,
+    "bf16": pb.CODEC_BF16,
+    "int8": pb.CODEC_INT8,
+    "int4": pb.CODEC_INT4,
+    "topk": pb.CODEC_TOPK,
+}
+ENUM_TO_CODEC = {v: k for k, v in CODEC_TO_ENUM.items()}
+
+
+def meta_to_proto(meta: EncodedMeta, specs: Sequence[ParamSpec] = ()) -> pb.PayloadSpec:
+    return pb.PayloadSpec(
+        tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype="float32", offset=s.offset) for s in specs],
+        codec=CODEC_TO_ENUM[meta.codec],  # type: ignore[arg-type]
+        numel=meta.numel,
+        encoded_bytes=meta.encoded_bytes,
+        crc32=meta.crc32,
+        block_size=meta.block_size,
+        topk_count=meta.topk_count,
+    )
+
+
+def meta_from_proto(spec: pb.PayloadSpec) -> EncodedMeta:
+    codec = ENUM_TO_CODEC.get(spec.codec)
+    if codec is None:
+        raise CodecError(f"unknown codec enum {spec.codec}; use one of {sorted(CODEC_TO_ENUM)}")
+    return EncodedMeta(codec, spec.numel, spec.encoded_bytes, spec.crc32, spec.block_size, spec.topk_count)
+
+
+def check_layout(spec: pb.PayloadSpec, expected: Sequence[ParamSpec]) -> None:
+    """When the sender lists tensors, they must match the receiver's model exactly."""
+    if not spec.tensors:
+        return
+    got = [(t.name, tuple(t.shape), t.offset) for t in spec.tensors]
+    want = [(s.name, tuple(s.shape), s.offset) for s in expected]
+    if got != want:
+        first = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+        raise CodecError(
+            f"tensor layout differs from the model at tensor {first} "
+            f"(got {got[first] if first < len(got) else 'nothing'}, "
+            f"expected {want[first] if first < len(want) else 'nothing'}); learners must train the same model"
+        )
+    if any(t.dtype not in ("", "float32") for t in spec.tensors):
+        raise CodecError("tensor dtype must be float32")
+
+
+def encode_params(flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    """Global parameters travel uncompressed (fp32), so every learner adopts exactly the same values."""
+    return get_codec("fp32").encode(flat)
+
+
+def chunks(payload: bytes | memoryview, offset: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+    yield from iter_chunks(memoryview(payload)[offset:], chunk_bytes)
+
+
+class PayloadReceiver:
+    """Feeds chunks into a streaming decoder, starting at `resume_offset` bytes (for resumed uploads)."""
+
+    def __init__(
+        self, meta: EncodedMeta, numel: int, max_bytes: int | None = None, out: torch.Tensor | None = None
+    ) -> None:
+        meta.validate(expected_numel=numel, max_bytes=max_bytes)
+        self.meta = meta
+        self.decoder: StreamDecoder = get_codec(meta.codec, block_size=meta.block_size or 128).decoder(meta, out)
+
+    @property
+    def received(self) -> int:
+        return self.decoder.bytes_received
+
+    def feed(self, data: bytes) -> None:
+        self.decoder.feed(data)
+
+    def finish(self) -> torch.Tensor:
+        return self.decoder.finish()
