@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/common.proto\x12\tdiloco.v1\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"\xb3\x01\n\x0bPayloadSpec\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12\x1f\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05numel\x18\x03 \x01(\x03\x12\x15\n\rencoded_bytes\x18\x04 \x01(\x03\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\ntopk_count\x18\x07 \x01(\x03\"I\n\nShardRange\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\"B\n\x0fShardAssignment\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x04\"h\n\x08WorkPlan\x12*\n\x06shards\x18\x01 \x03(\x0b\x32\x1a.diloco.v1.ShardAssignment\x12\x13\n\x0blocal_steps\x18\x02 \x01(\r\x12\x1b\n\x13\x61ssigned_at_version\x18\x03 \x01(\x04\"L\n\nThroughput\x12\x14\n\x0ctokens_per_s\x18\x01 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x0e\n\nCODEC_TOPK\x10\x05*\xdf\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_STATE_ACTIVE\x10\x01\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x02\x12\x18\n\x14WORKER_STATE_SUSPECT\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x12\x18\n\x14WORKER_STATE_EVICTED\x10\x05\x12\x15\n\x11WORKER_STATE_LEFT\x10\x06\x12\x1c\n\x18WORKER_STATE_QUARANTINED\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16\x64iloco/v1/common.proto\x12\tdiloco.v1\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x0e\n\x06offset\x18\x04 \x01(\x03\"\xb3\x01\n\x0bPayloadSpec\x12&\n\x07tensors\x18\x01 \x03(\x0b\x32\x15.diloco.v1.TensorSpec\x12\x1f\n\x05\x63odec\x18\x02 \x01(\x0e\x32\x10.diloco.v1.Codec\x12\r\n\x05numel\x18\x03 \x01(\x03\x12\x15\n\rencoded_bytes\x18\x04 \x01(\x03\x12\r\n\x05\x63rc32\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\ntopk_count\x18\x07 \x01(\x03\"I\n\nShardRange\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05start\x18\x03 \x01(\x04\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x04\"B\n\x0fShardAssignment\x12\x10\n\x08shard_id\x18\x01 \x01(\r\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0e\n\x06\x63ursor\x18\x03 \x01(\x04\"z\n\x08WorkPlan\x12*\n\x06shards\x18\x01 \x03(\x0b\x32\x1a.diloco.v1.ShardAssignment\x12\x13\n\x0blocal_steps\x18\x02 \x01(\r\x12\x1b\n\x13\x61ssigned_at_version\x18\x03 \x01(\x04\x12\x10\n\x08plan_seq\x18\x04 \x01(\x04\"L\n\nThroughput\x12\x14\n\x0ctokens_per_s\x18\x01 \x01(\x01\x12\x13\n\x0bstep_time_s\x18\x02 \x01(\x01\x12\x13\n\x0b\x64\x65vice_kind\x18\x03 \x01(\t*n\n\x05\x43odec\x12\x15\n\x11\x43ODEC_UNSPECIFIED\x10\x00\x12\x0e\n\nCODEC_FP32\x10\x01\x12\x0e\n\nCODEC_BF16\x10\x02\x12\x0e\n\nCODEC_INT8\x10\x03\x12\x0e\n\nCODEC_INT4\x10\x04\x12\x0e\n\nCODEC_TOPK\x10\x05*\xdf\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_STATE_ACTIVE\x10\x01\x12\x19\n\x15WORKER_STATE_DRAINING\x10\x02\x12\x18\n\x14WORKER_STATE_SUSPECT\x10\x03\x12\x15\n\x11WORKER_STATE_DEAD\x10\x04\x12\x18\n\x14WORKER_STATE_EVICTED\x10\x05\x12\x15\n\x11WORKER_STATE_LEFT\x10\x06\x12\x1c\n\x18WORKER_STATE_QUARANTINED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CODEC']._serialized_start=620
-  _globals['_CODEC']._serialized_end=730
-  _globals['_WORKERSTATE']._serialized_start=733
-  _globals['_WORKERSTATE']._serialized_end=956
+  _globals['_CODEC']._serialized_start=638
+  _globals['_CODEC']._serialized_end=748
+  _globals['_WORKERSTATE']._serialized_start=751
+  _globals['_WORKERSTATE']._serialized_end=974
   _globals['_TENSORSPEC']._serialized_start=37
   _globals['_TENSORSPEC']._serialized_end=109
   _globals['_PAYLOADSPEC']._serialized_start=112
@@ -44,7 +44,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHARDASSIGNMENT']._serialized_start=368
   _globals['_SHARDASSIGNMENT']._serialized_end=434
   _globals['_WORKPLAN']._serialized_start=436
-  _globals['_WORKPLAN']._serialized_end=540
-  _globals['_THROUGHPUT']._serialized_start=542
-  _globals['_THROUGHPUT']._serialized_end=618
+  _globals['_WORKPLAN']._serialized_end=558
+  _globals['_THROUGHPUT']._serialized_start=560
+  _globals['_THROUGHPUT']._serialized_end=636
 # @@protoc_insertion_point(module_scope)

@@ -94,14 +94,16 @@ class ShardAssignment(_message.Message):
     def __init__(self, shard_id: _Optional[int] = ..., epoch: _Optional[int] = ..., cursor: _Optional[int] = ...) -> None: ...
 
 class WorkPlan(_message.Message):
-    __slots__ = ("shards", "local_steps", "assigned_at_version")
+    __slots__ = ("shards", "local_steps", "assigned_at_version", "plan_seq")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STEPS_FIELD_NUMBER: _ClassVar[int]
     ASSIGNED_AT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SEQ_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardAssignment]
     local_steps: int
     assigned_at_version: int
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardAssignment, _Mapping]]] = ..., local_steps: _Optional[int] = ..., assigned_at_version: _Optional[int] = ...) -> None: ...
+    plan_seq: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardAssignment, _Mapping]]] = ..., local_steps: _Optional[int] = ..., assigned_at_version: _Optional[int] = ..., plan_seq: _Optional[int] = ...) -> None: ...
 
 class Throughput(_message.Message):
     __slots__ = ("tokens_per_s", "step_time_s", "device_kind")

@@ -93,7 +93,7 @@ class ParametersChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ParametersHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmissionHeader(_message.Message):
-    __slots__ = ("worker_id", "coordinator_epoch", "submission_id", "base_version", "tokens", "steps", "ranges", "payload", "resume_offset")
+    __slots__ = ("worker_id", "coordinator_epoch", "submission_id", "base_version", "tokens", "steps", "ranges", "payload", "resume_offset", "plan_seq")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class SubmissionHeader(_message.Message):
     RANGES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SEQ_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     coordinator_epoch: int
     submission_id: str
@@ -112,7 +113,8 @@ class SubmissionHeader(_message.Message):
     ranges: _containers.RepeatedCompositeFieldContainer[_common_pb2.ShardRange]
     payload: _common_pb2.PayloadSpec
     resume_offset: int
-    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., submission_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.ShardRange, _Mapping]]] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., resume_offset: _Optional[int] = ...) -> None: ...
+    plan_seq: int
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., submission_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.ShardRange, _Mapping]]] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., resume_offset: _Optional[int] = ..., plan_seq: _Optional[int] = ...) -> None: ...
 
 class SubmitPseudoGradientRequest(_message.Message):
     __slots__ = ("header", "data")
