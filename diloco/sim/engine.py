@@ -409,7 +409,7 @@ class Simulator:
             return
         self.advance(learner, self.now)
         trainer = learner.trainer
-        if trainer is not None and trainer._at_submit is not None:
+        if trainer is not None and trainer.has_submitted:
             trainer.rebase(params)
             learner.base_version = version
             learner.stashed = None

@@ -39,7 +39,7 @@ def config_to_dict(cfg: object) -> dict[str, Any]:
     """A config dataclass as a JSON-ready dict (tuples become lists)."""
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
         raise TypeError(f"expected a config dataclass instance, got {cfg!r}")
-    return json.loads(json.dumps(dataclasses.asdict(cfg)))  # type: ignore[no-any-return]
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def config_from_dict(cls: type[C], data: object, section: str) -> C:
@@ -131,7 +131,7 @@ def load_factory(path: str) -> Callable[[TaskConfig], Any]:
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"task.factory {path!r}: module {module_name!r} has no callable {name!r}")
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 def _gpt_builder(model_cfg: ModelConfig) -> ModelFn:

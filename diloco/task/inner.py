@@ -184,6 +184,11 @@ class InnerTrainer:
         """Δ = Θ_base - θ (flat fp32, CPU)."""
         return (self._base - flatten_params(self.model)).cpu()
 
+    @property
+    def has_submitted(self) -> bool:
+        """True between `mark_submitted()` and the next `rebase()`/`load_global()`."""
+        return self._at_submit is not None
+
     def mark_submitted(self) -> None:
         """Remember θ_at_submit, the parameters whose pseudo-gradient was just sent."""
         self._at_submit = flatten_params(self.model)

@@ -1,0 +1,1 @@
+"""The worker (learner) service: trains a full replica locally and streams compressed pseudo-gradients."""

@@ -1,0 +1,77 @@
+"""Worker configuration: flags with `DILOCO_*` environment fallbacks, read here and nowhere else."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from diloco.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    coordinator: str  # host:port of the coordinator
+    name: str = ""  # stable name; default hostname-pid
+    healthd: str = ""  # host:port of healthd; "" = the one the coordinator names
+    slowdown: float = 1.0  # >1 emulates older hardware (sleeps (slowdown-1) x step time)
+    heartbeat_interval_s: float = 0.5
+    rpc_timeout_s: float = 10.0
+    upload_timeout_s: float = 300.0
+    retry_total_s: float = 60.0  # give up on an unreachable coordinator after this long
+    metrics_port: int = -1
+    seed: int = 0
+    device: str = ""  # "" = CUDA when present, else CPU
+
+    def __post_init__(self) -> None:
+        if not self.coordinator or ":" not in self.coordinator:
+            raise ConfigError(
+                "coordinator: expected HOST:PORT (flag --coordinator or env DILOCO_COORDINATOR), "
+                f"got {self.coordinator!r}"
+            )
+        if not self.slowdown >= 1.0:
+            raise ConfigError(f"slowdown must be >= 1.0 (1 = full speed), got {self.slowdown}")
+        for name in ("heartbeat_interval_s", "rpc_timeout_s", "upload_timeout_s", "retry_total_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device: allowed '', cpu, cuda, cuda:N; got {self.device!r}")
+
+    @property
+    def display_name(self) -> str:
+        return self.name or f"{socket.gethostname()}-{os.getpid()}"
+
+
+def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
+    env = os.environ if env is None else env
+    p = argparse.ArgumentParser(prog="diloco worker", description="Run one learner.")
+    p.add_argument("--coordinator", default=env.get("DILOCO_COORDINATOR", ""), help="HOST:PORT")
+    p.add_argument("--name", default=env.get("DILOCO_WORKER_NAME", ""))
+    p.add_argument("--healthd", default=env.get("DILOCO_HEALTHD", ""), help="HOST:PORT (default: from coordinator)")
+    p.add_argument("--slowdown", default=env.get("DILOCO_SLOWDOWN", "1.0"), help="emulate older hardware, >= 1")
+    p.add_argument("--heartbeat-interval-s", default=env.get("DILOCO_HEARTBEAT_INTERVAL_S", "0.5"))
+    p.add_argument("--rpc-timeout-s", default=env.get("DILOCO_RPC_TIMEOUT_S", "10"))
+    p.add_argument("--retry-total-s", default=env.get("DILOCO_RETRY_TOTAL_S", "60"))
+    p.add_argument("--metrics-port", default=env.get("DILOCO_METRICS_PORT", "-1"))
+    p.add_argument("--seed", default=env.get("DILOCO_SEED", "0"))
+    p.add_argument("--device", default=env.get("DILOCO_DEVICE", ""))
+    a = p.parse_args(argv)
+    try:
+        return WorkerConfig(
+            coordinator=a.coordinator,
+            name=a.name,
+            healthd=a.healthd,
+            slowdown=float(a.slowdown),
+            heartbeat_interval_s=float(a.heartbeat_interval_s),
+            rpc_timeout_s=float(a.rpc_timeout_s),
+            retry_total_s=float(a.retry_total_s),
+            metrics_port=int(a.metrics_port),
+            seed=int(a.seed),
+            device=a.device,
+        )
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"worker: a numeric flag has a non-numeric value ({e})") from e
