@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import torch
 
-from diloco.cli import simulate
+from diloco.cli import ctl, local, simulate
 from diloco.errors import ConfigError
+
+SERVICES = {
+    "coordinator": "run the coordinator service (what docker-compose runs)",
+    "worker": "run one worker (learner)",
+    "healthd": "run the health daemon",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,11 +24,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Decoupled DiLoCo: train across far-apart, unreliable islands of mixed hardware.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    local.add_parser(sub)
     simulate.add_parser(sub)
+    ctl.add_parser(sub)
+    for name, text in SERVICES.items():
+        sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:  # the service parses its own flags
+        service = importlib.import_module(f"services.{argv[0]}.__main__")
+        return int(service.main(argv[1:]))
     torch.set_num_threads(1)  # one learner or service per core; 2 threads contend on these machines
     parser = build_parser()
     args = parser.parse_args(argv)

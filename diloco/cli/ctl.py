@@ -1,0 +1,137 @@
+"""`diloco ctl`: the operator's tool over the coordinator RPCs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from rich.console import Console
+from rich.table import Table
+
+from diloco.rpc.server import channel
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+
+MODE = {1: "sync", 2: "decoupled", 3: "async"}
+
+
+def state_name(value: int) -> str:
+    return common_pb2.WorkerState.Name(value).removeprefix("WORKER_STATE_").lower()
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ctl", help="operate a running coordinator", description="Call coordinator RPCs.")
+    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
+    p.add_argument(
+        "action",
+        choices=("status", "workers", "ledger", "checkpoint", "drain", "evict", "release", "pause", "resume"),
+    )
+    p.add_argument("worker_id", nargs="?", help="for drain, evict and release")
+    p.add_argument("--reason", default="evicted by operator")
+    p.set_defaults(func=run)
+
+
+def call(args: argparse.Namespace) -> Message:
+    stub = coordinator_pb2_grpc.CoordinatorStub(channel(args.coordinator))
+    t = args.timeout_s
+    needs_id = {"drain", "evict", "release"}
+    if args.action in needs_id and not args.worker_id:
+        raise SystemExit(f"diloco ctl {args.action}: give a WORKER_ID (see `diloco ctl ... workers`)")
+    calls: dict[str, Callable[[], Message]] = {
+        "status": lambda: stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=t),
+        "workers": lambda: stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=t),
+        "ledger": lambda: stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=t),
+        "checkpoint": lambda: stub.Checkpoint(coordinator_pb2.CheckpointRequest(), timeout=t),
+        "drain": lambda: stub.DrainWorker(coordinator_pb2.DrainWorkerRequest(worker_id=args.worker_id), timeout=t),
+        "evict": lambda: stub.EvictWorker(
+            coordinator_pb2.EvictWorkerRequest(worker_id=args.worker_id, reason=args.reason), timeout=t
+        ),
+        "release": lambda: stub.ReleaseWorker(
+            coordinator_pb2.ReleaseWorkerRequest(worker_id=args.worker_id), timeout=t
+        ),
+        "pause": lambda: stub.Pause(coordinator_pb2.PauseRequest(), timeout=t),
+        "resume": lambda: stub.Resume(coordinator_pb2.ResumeRequest(), timeout=t),
+    }
+    return calls[args.action]()
+
+
+def to_dict(msg: Message) -> dict[str, Any]:
+    return MessageToDict(msg, always_print_fields_with_no_presence=True, preserving_proto_field_name=True)
+
+
+def render(console: Console, action: str, msg: Any) -> None:
+    if action == "status":
+        t = Table(title="coordinator", show_header=False)
+        loss = "-" if math.isnan(msg.validation_loss) else f"{msg.validation_loss:.4f}"
+        rows = {
+            "mode": MODE.get(msg.mode, "?"),
+            "version": f"{msg.version}" + (f" / {msg.target_outer_steps}" if msg.target_outer_steps else ""),
+            "validation loss": loss,
+            "live workers": str(msg.live_workers),
+            "paused": str(msg.paused),
+            "finished": str(msg.finished),
+            "pending submissions": str(msg.pending_submissions),
+            "tokens applied": f"{msg.tokens_applied:,}",
+            "rejected submissions": str(msg.rejected_submissions),
+            "bytes received / sent": f"{msg.bytes_received:,} / {msg.bytes_sent:,}",
+            "codec": msg.codec,
+            "coordinator epoch": str(msg.coordinator_epoch),
+        }
+        for k, v in rows.items():
+            t.add_row(k, v)
+        console.print(t)
+    elif action == "workers":
+        t = Table(title="workers")
+        for col in ("id", "state", "tokens/s", "H_m", "shards", "submissions", "tokens", "reason"):
+            t.add_column(col)
+        for w in msg.workers:
+            t.add_row(
+                w.worker_id,
+                state_name(w.state),
+                f"{w.throughput.tokens_per_s:,.0f}",
+                str(w.local_steps),
+                ",".join(str(s.shard_id) for s in w.shards),
+                str(w.submissions),
+                f"{w.tokens:,}",
+                w.state_reason,
+            )
+        console.print(t)
+    elif action == "ledger":
+        t = Table(title=f"shard ledger at version {msg.version}")
+        for col in ("shard", "owner", "epoch", "committed", "accepted", "length", "ranges"):
+            t.add_column(col)
+        for s in msg.shards:
+            t.add_row(
+                str(s.shard_id),
+                s.owner or "-",
+                str(s.epoch),
+                f"{s.committed:,}",
+                f"{s.accepted:,}",
+                f"{s.length:,}",
+                str(len(s.committed_ranges)),
+            )
+        console.print(t)
+    else:
+        console.print(to_dict(msg) or "ok")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        msg = call(args)
+    except grpc.RpcError as e:
+        print(f"diloco ctl {args.action}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(to_dict(msg), sys.stdout, indent=2)
+        print()
+    else:
+        render(Console(), args.action, msg)
+    return 0

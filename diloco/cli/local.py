@@ -1,0 +1,168 @@
+"""`diloco local`: the embedded default job. Starts healthd, the coordinator and N workers as separate
+processes on loopback, shows live progress, and ends with a summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from diloco.cli.ctl import MODE, state_name
+from diloco.cluster import ClusterConfig, LocalCluster
+from diloco.core.codecs import CODEC_NAMES
+from diloco.core.rounds import MODES
+from diloco.errors import ConfigError
+from diloco.v1 import coordinator_pb2
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "local",
+        help="run a local cluster (healthd, coordinator, N workers) on loopback",
+        description="Train on the embedded default model and data with a local cluster.",
+    )
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--mode", choices=MODES, default="decoupled")
+    p.add_argument("--slowdown", default="", help="per-worker slowdown, e.g. 1,1,2,4 (emulates older hardware)")
+    p.add_argument("--outer-steps", type=int, default=30)
+    p.add_argument("-H", "--local-steps", type=int, default=30)
+    p.add_argument("-K", "--min-quorum", type=int, default=2)
+    p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
+    p.add_argument("--dead-after-s", type=float, default=2.0)
+    p.add_argument("--run-dir", type=Path, default=None, help="logs and checkpoints (default runs/local-TIME)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+    p.set_defaults(func=run)
+
+
+def parse_slowdowns(text: str, workers: int) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError as e:
+        raise ConfigError(f"--slowdown: expected numbers like 1,1,2,4, got {text!r}") from e
+    if len(values) > workers or any(not v >= 1 for v in values):
+        raise ConfigError(f"--slowdown: at most {workers} values, each >= 1 (1 = full speed), got {text!r}")
+    return values
+
+
+def config_from_args(a: argparse.Namespace) -> ClusterConfig:
+    if a.workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    if a.mode == "decoupled" and not 1 <= a.min_quorum <= a.workers:
+        raise ConfigError(f"min_quorum (-K {a.min_quorum}) must be between 1 and --workers ({a.workers})")
+    run_dir = a.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
+    return ClusterConfig(
+        workers=a.workers,
+        mode=a.mode,
+        slowdowns=parse_slowdowns(a.slowdown, a.workers),
+        outer_steps=a.outer_steps,
+        local_steps=a.local_steps,
+        min_local_steps=max(1, min(5, a.local_steps)),
+        min_quorum=a.min_quorum,
+        codec=a.codec,
+        dead_after_s=a.dead_after_s,
+        run_dir=run_dir,
+    )
+
+
+def view(
+    status: coordinator_pb2.GetStatusResponse, workers: coordinator_pb2.ListWorkersResponse, elapsed: float
+) -> Group:
+    loss = "-" if math.isnan(status.validation_loss) else f"{status.validation_loss:.4f}"
+    head = Table.grid(padding=(0, 3))
+    head.add_row(
+        f"[b]{MODE.get(status.mode, '?')}[/b]",
+        f"outer step {status.version}/{status.target_outer_steps}",
+        f"val loss {loss}",
+        f"tokens {status.tokens_applied:,}",
+        f"{elapsed:.0f} s",
+        "[yellow]paused[/yellow]" if status.paused else "",
+    )
+    t = Table()
+    for col in ("worker", "state", "tokens/s", "H_m", "shards", "submissions", "tokens"):
+        t.add_column(col)
+    for w in workers.workers:
+        if state_name(w.state) in ("left", "dead", "evicted") and any(
+            o.worker_name == w.worker_name and o.registered_unix_s > w.registered_unix_s for o in workers.workers
+        ):
+            continue  # an older incarnation of a worker that came back
+        t.add_row(
+            w.worker_id,
+            state_name(w.state),
+            f"{w.throughput.tokens_per_s:,.0f}",
+            str(w.local_steps),
+            str(len(w.shards)),
+            str(w.submissions),
+            f"{w.tokens:,}",
+        )
+    return Group(head, t)
+
+
+def summary(cluster: LocalCluster, started: float) -> dict[str, Any]:
+    status = cluster.status()
+    workers = cluster.workers()
+    submitted = sum(w.tokens for w in workers.workers)
+    return {
+        "mode": MODE.get(status.mode, "?"),
+        "outer_steps": status.version,
+        "final_validation_loss": status.validation_loss,
+        "wall_time_s": round(time.monotonic() - started, 2),
+        "tokens_applied": status.tokens_applied,
+        "tokens_submitted": submitted,
+        "goodput": round(status.tokens_applied / submitted, 4) if submitted else 0.0,
+        "bytes_received": status.bytes_received,
+        "bytes_sent": status.bytes_sent,
+        "rejected_submissions": status.rejected_submissions,
+        "workers": {
+            w.worker_id: {"tokens": w.tokens, "tokens_per_s": round(w.throughput.tokens_per_s, 1)}
+            for w in workers.workers
+        },
+        "run_dir": str(cluster.run_dir),
+    }
+
+
+def run(a: argparse.Namespace) -> int:
+    cfg = config_from_args(a)
+    console = Console(stderr=a.json)
+    console.print(f"starting healthd, coordinator and {cfg.workers} workers; logs in {cfg.run_dir}")
+    started = time.monotonic()
+    with LocalCluster(cfg) as cluster:
+        cluster.start()
+        try:
+            with Live(console=console, refresh_per_second=4, transient=False) as live:
+                while time.monotonic() - started < a.timeout_s:
+                    try:
+                        status, workers = cluster.status(), cluster.workers()
+                        live.update(view(status, workers, time.monotonic() - started))
+                        if status.finished and not cluster.workers_alive():
+                            break
+                    except grpc.RpcError:
+                        pass
+                    if not cluster.procs["coordinator"].alive:
+                        console.print(f"[red]coordinator exited[/red]\n{cluster.tail('coordinator')}")
+                        return 1
+                    time.sleep(0.5)
+        except KeyboardInterrupt:
+            console.print("interrupted: stopping the cluster")
+        result = summary(cluster, started)
+    if a.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    else:
+        t = Table(title="summary", show_header=False)
+        for k, v in result.items():
+            if k != "workers":
+                t.add_row(k, f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
+        console.print(t)
+    return 0

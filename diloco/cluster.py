@@ -1,0 +1,259 @@
+"""A local cluster of real processes on loopback: healthd, the coordinator and N workers, each a separate
+`python -m services.<name>` process talking only gRPC. Used by `diloco local`, the multi-process tests and the
+benchmarks. Every child is reaped on exit, whatever happens."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from diloco.rpc.server import channel
+from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    workers: int = 4
+    mode: str = "decoupled"
+    slowdowns: tuple[float, ...] = ()  # per worker; missing entries run at full speed
+    outer_steps: int = 30
+    local_steps: int = 30
+    min_local_steps: int = 5
+    min_quorum: int = 2
+    codec: str = "int8"
+    dead_after_s: float = 2.0
+    heartbeat_interval_s: float = 0.5
+    checkpoint_every: int = 5
+    run_dir: Path = Path("runs/local")
+    task_args: tuple[str, ...] = ()  # model/data flags passed to the coordinator
+    coordinator_args: tuple[str, ...] = ()
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Proc:
+    name: str
+    argv: list[str]
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+    log_file: IO[bytes]
+    started_at: float
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class LocalCluster:
+    def __init__(self, cfg: ClusterConfig) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.coordinator_port = free_port()
+        self.healthd_port = free_port()
+        self.procs: dict[str, Proc] = {}
+        self._channel: grpc.Channel | None = None
+
+    @property
+    def coordinator_address(self) -> str:
+        return f"127.0.0.1:{self.coordinator_port}"
+
+    @property
+    def healthd_address(self) -> str:
+        return f"127.0.0.1:{self.healthd_port}"
+
+    # --- processes --------------------------------------------------------------------------------------------
+    def _spawn(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+        old = self.procs.get(name)
+        if old is not None and old.alive:
+            raise RuntimeError(f"{name} is already running")
+        log_path = self.run_dir / f"{name}.log"
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed in _reap
+        argv = [sys.executable, "-m", module, *args]
+        child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+        proc = Proc(name, argv, log_path, popen, log_file, time.monotonic())
+        self.procs[name] = proc
+        return proc
+
+    def start_healthd(self) -> Proc:
+        c = self.cfg
+        return self._spawn(
+            "healthd",
+            "services.healthd",
+            [
+                "--port",
+                str(self.healthd_port),
+                "--coordinator-address",
+                self.coordinator_address,
+                "--heartbeat-interval-s",
+                str(c.heartbeat_interval_s),
+                "--dead-after-s",
+                str(c.dead_after_s),
+            ],
+        )
+
+    def start_coordinator(self) -> Proc:
+        c = self.cfg
+        return self._spawn(
+            "coordinator",
+            "services.coordinator",
+            [
+                "--port",
+                str(self.coordinator_port),
+                "--healthd-address",
+                self.healthd_address,
+                "--mode",
+                c.mode,
+                "--min-quorum",
+                str(c.min_quorum),
+                "--local-steps",
+                str(c.local_steps),
+                "--min-local-steps",
+                str(c.min_local_steps),
+                "--codec",
+                c.codec,
+                "--expected-workers",
+                str(c.workers),
+                "--target-outer-steps",
+                str(c.outer_steps),
+                "--checkpoint-dir",
+                str(self.run_dir / "checkpoints"),
+                "--checkpoint-every",
+                str(c.checkpoint_every),
+                *c.task_args,
+                *c.coordinator_args,
+            ],
+        )
+
+    def start_worker(self, i: int) -> Proc:
+        c = self.cfg
+        slowdown = c.slowdowns[i] if i < len(c.slowdowns) else 1.0
+        return self._spawn(
+            f"worker{i}",
+            "services.worker",
+            [
+                "--coordinator",
+                self.coordinator_address,
+                "--healthd",
+                self.healthd_address,
+                "--name",
+                f"worker{i}",
+                "--slowdown",
+                str(slowdown),
+                "--heartbeat-interval-s",
+                str(c.heartbeat_interval_s),
+                "--seed",
+                str(i),
+            ],
+            env=c.worker_env,
+        )
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.start_healthd()
+        self.start_coordinator()
+        self.wait_serving(self.healthd_address, timeout_s)
+        self.wait_serving(self.coordinator_address, timeout_s)
+        for i in range(self.cfg.workers):
+            self.start_worker(i)
+
+    def wait_serving(self, address: str, timeout_s: float) -> None:
+        """Wait until a service answers SERVING on grpc.health.v1 (raises TimeoutError with its log tail)."""
+        deadline = time.monotonic() + timeout_s
+        with channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                for p in self.procs.values():
+                    if not p.alive and p.name in ("coordinator", "healthd"):
+                        raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{self.tail(p.name)}")
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"{address} did not become healthy within {timeout_s} s")
+
+    def signal(self, name: str, sig: int) -> None:
+        proc = self.procs[name]
+        if proc.alive:
+            os.kill(proc.popen.pid, sig)
+
+    def kill(self, name: str) -> None:
+        self.signal(name, signal.SIGKILL)
+        self.procs[name].popen.wait(timeout=10)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        path = self.procs[name].log_path
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM workers, then the coordinator and healthd; SIGKILL what is left after the grace period."""
+        order = [n for n in self.procs if n.startswith("worker")] + ["coordinator", "healthd"]
+        for group in (order[:-2], order[-2:]):
+            for name in group:
+                if name in self.procs:
+                    self.signal(name, signal.SIGCONT)
+                    self.signal(name, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for name in group:
+                if name not in self.procs:
+                    continue
+                p = self.procs[name]
+                try:
+                    p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                    p.popen.wait(timeout=10)
+        for p in self.procs.values():
+            p.log_file.close()
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- RPC helpers ------------------------------------------------------------------------------------------
+    @property
+    def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        if self._channel is None:
+            self._channel = channel(self.coordinator_address)
+        return coordinator_pb2_grpc.CoordinatorStub(self._channel)
+
+    def status(self, timeout_s: float = 3.0) -> coordinator_pb2.GetStatusResponse:
+        return self.stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=timeout_s)
+
+    def workers(self, timeout_s: float = 3.0) -> coordinator_pb2.ListWorkersResponse:
+        return self.stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=timeout_s)
+
+    def ledger(self, timeout_s: float = 5.0) -> coordinator_pb2.GetLedgerResponse:
+        return self.stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=timeout_s)
+
+    def nodes(self, timeout_s: float = 3.0) -> healthd_pb2.ListNodesResponse:
+        with channel(self.healthd_address) as ch:
+            return healthd_pb2_grpc.HealthDaemonStub(ch).ListNodes(healthd_pb2.ListNodesRequest(), timeout=timeout_s)
+
+    def workers_alive(self) -> list[str]:
+        return [n for n, p in self.procs.items() if n.startswith("worker") and p.alive]
