@@ -1,0 +1,232 @@
+"""Benchmarks of the pure core, one section per function; `main()` runs them and prints a table (or JSON).
+
+Outer step: our Nesterov against `torch.optim.SGD(nesterov=True).step()` on the same vectors (the limit).
+
+Codecs: for a float32 vector of `--numel` elements, time a plain `dst.copy_(src)` (the limit: the least any
+codec must do is read the input and write an output) and, per codec, `encode` plus a streaming decode fed
+1 MiB chunks into a preallocated buffer (as a receiver decodes into its accumulation buffer). Figures are the
+best of `--repeats` runs; GB/s counts the fp32 input bytes.
+
+    python bench/bench_core.py --numel 100000000 [--repeats 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks
+from diloco.core.outer import Nesterov
+
+CHUNK_BYTES = 1 << 20
+
+
+def _best_of(repeats: int, fn: Callable[[], object]) -> float:
+    """Best wall time of `repeats` calls, in seconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        gc.collect()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _row(name: str, numel: int, total_s: float, copy_s: float, **extra: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "numel": numel,
+        "total_s": total_s,
+        "gb_per_s": 4 * numel / total_s / 1e9,
+        "x_copy": total_s / copy_s,
+        **extra,
+    }
+
+
+def _stream_decode(codec: Codec, data: bytes, meta: Any, out: torch.Tensor) -> torch.Tensor:
+    decoder = codec.decoder(meta, out)
+    for chunk in iter_chunks(data, CHUNK_BYTES):
+        decoder.feed(chunk)
+    return decoder.finish()
+
+
+def bench_codecs(
+    numel: int,
+    repeats: int = 3,
+    *,
+    block_size: int = 128,
+    topk_fraction: float = 0.01,
+    codecs: Sequence[str] = CODEC_NAMES,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Time copy, clone and each codec's encode + streaming decode on `numel` float32 values."""
+    src = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch the pages once, so the copy measures memory bandwidth only
+    copy_s = _best_of(repeats, lambda: dst.copy_(src))
+    rows = [_row("copy_ (limit)", numel, copy_s, copy_s, encode_s=None, decode_s=None)]
+    clone_s = _best_of(repeats, src.clone)
+    rows.append(_row("clone (fresh memory)", numel, clone_s, copy_s, encode_s=None, decode_s=None))
+    out = torch.empty_like(src)
+    out.zero_()
+    for name in codecs:
+        codec = get_codec(name, block_size=block_size, topk_fraction=topk_fraction)
+        encode_s = decode_s = total_s = float("inf")
+        data, meta = codec.encode(src)
+        for _ in range(repeats):
+            del data
+            gc.collect()
+            t0 = time.perf_counter()
+            data, meta = codec.encode(src)
+            t1 = time.perf_counter()
+            _stream_decode(codec, data, meta, out)
+            t2 = time.perf_counter()
+            encode_s, decode_s = min(encode_s, t1 - t0), min(decode_s, t2 - t1)
+            total_s = min(total_s, t2 - t0)
+        err = (out - src).abs_()
+        rows.append(
+            _row(
+                name,
+                numel,
+                total_s,
+                copy_s,
+                encode_s=encode_s,
+                decode_s=decode_s,
+                encoded_bytes=meta.encoded_bytes,
+                compression=4 * numel / meta.encoded_bytes,
+                max_abs_err=float(err.max()),
+                rms_err=float(err.square_().mean().sqrt()),
+            )
+        )
+        del data, err
+    return rows
+
+
+def bench_outer(numel: int, repeats: int = 3, steps: int = 3) -> list[dict[str, Any]]:
+    """Our Nesterov outer step against its limit, `torch.optim.SGD(nesterov=True).step()`, on the same inputs.
+
+    Each timed call runs `steps` outer steps (the first one allocates the momentum buffer in both)."""
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(numel, generator=gen)
+    delta = torch.randn(numel, generator=gen)
+
+    def torch_sgd() -> None:
+        p = torch.nn.Parameter(start.clone())
+        opt = torch.optim.SGD([p], lr=0.7, momentum=0.9, nesterov=True)
+        p.grad = delta
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step()
+        timings.append(time.perf_counter() - t0)
+
+    def ours() -> None:
+        p = start.clone()
+        opt = Nesterov(0.7, 0.9)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            opt.step(p, delta)
+        timings.append(time.perf_counter() - t0)
+
+    timings: list[float] = []
+    best = {"torch SGD(nesterov) step": float("inf"), "diloco Nesterov step": float("inf")}
+    for _ in range(repeats):  # interleaved, so both see the same machine load
+        for name, fn in (("torch SGD(nesterov) step", torch_sgd), ("diloco Nesterov step", ours)):
+            gc.collect()
+            fn()
+            best[name] = min(best[name], timings.pop() / steps)
+    results = best
+    limit = results["torch SGD(nesterov) step"]
+    return [
+        {"name": name, "numel": numel, "total_s": t, "gb_per_s": 4 * numel / t / 1e9, "x_limit": t / limit}
+        for name, t in results.items()
+    ]
+
+
+def _print_table(title: str, rows: list[dict[str, Any]], caption: str = "") -> None:
+    columns = [
+        ("name", "{}"),
+        ("encode_s", "{:.3f}"),
+        ("decode_s", "{:.3f}"),
+        ("total_s", "{:.3f}"),
+        ("gb_per_s", "{:.2f}"),
+        ("x_copy", "{:.1f}"),
+        ("x_limit", "{:.2f}"),
+        ("compression", "{:.2f}"),
+        ("max_abs_err", "{:.3g}"),
+    ]
+    cells = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, fmt in columns] for r in rows]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        widths = [max(len(key), *(len(c[i]) for c in cells)) for i, (key, _) in enumerate(columns)]
+        print(title)
+        if caption:
+            print(caption)
+        print("  ".join(key.rjust(w) for (key, _), w in zip(columns, widths, strict=True)))
+        for c in cells:
+            print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
+        return
+    table = Table(title=title, caption=caption or None)
+    for key, _ in columns:
+        table.add_column(key, justify="left" if key == "name" else "right")
+    for c in cells:
+        table.add_row(*c)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--numel", type=int, default=100_000_000)
+    parser.add_argument("--repeats", type=int, default=3, help="best of N")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--topk-fraction", type=float, default=0.01)
+    parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="comma-separated subset")
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: codecs,outer")
+    args = parser.parse_args(argv)
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    skip = set(args.skip.split(","))
+    codec_rows = (
+        []
+        if "codecs" in skip
+        else bench_codecs(
+            args.numel,
+            args.repeats,
+            block_size=args.block_size,
+            topk_fraction=args.topk_fraction,
+            codecs=[c for c in args.codecs.split(",") if c],
+        )
+    )
+    outer_rows = [] if "outer" in skip else bench_outer(args.numel, args.repeats)
+    if args.json:
+        json.dump({"env": env, "codecs": codec_rows, "outer": outer_rows}, sys.stdout, indent=2)
+        print()
+        return 0
+    caption = ", ".join(f"{k} {v}" for k, v in env.items())
+    if codec_rows:
+        _print_table(
+            f"codecs: encode + streaming decode (1 MiB chunks) of {args.numel:,} float32, best of {args.repeats}",
+            codec_rows,
+            caption=caption,
+        )
+    if outer_rows:
+        _print_table(f"outer step on {args.numel:,} parameters, best of {args.repeats}", outer_rows, caption=caption)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,777 @@
+"""Codecs for flat float32 vectors (ALGORITHM.md sections 2 and 9), with chunk-by-chunk decoding.
+
+A sender encodes a 1-D float32 vector into bytes plus an `EncodedMeta` (which maps 1:1 onto the proto
+`PayloadSpec`); a receiver checks the meta against what it expects (`EncodedMeta.validate`), then feeds the
+bytes as they arrive, in chunks of any size, to a `StreamDecoder`, which decodes every complete unit into its
+output buffer at once and keeps only a partial unit. `ErrorFeedback` keeps the fp32 residual of a lossy codec.
+
+Byte layouts (all little-endian; `n` = numel, `B` = block_size, `nb` = ceil(n / B), `k` = topk_count):
+
+- ``fp32``: n x float32. Unit: 4 bytes.
+- ``bf16``: n x bfloat16 (the upper 16 bits of the float32, rounded to nearest even). Unit: 2 bytes.
+- ``int8``: nb x float32 scales, then n x int8 values. Block j covers elements [j*B, (j+1)*B); its scale is
+  amax(|x|)/127 and value i decodes to q_i * scale. Values are round(x * 127/amax) in [-127, 127]; an all-zero
+  block has scale 0. The last block may be short: only its n - (nb-1)*B values are sent. Size: 4*nb + n.
+- ``int4``: nb x float32 scales, then ceil(n/2) bytes of packed values. Blocks and scales as for int8 with 7
+  in place of 127; each value is stored as the nibble q + 8 (1..15); element 2i is the low nibble of byte i
+  and element 2i+1 the high nibble. If n is odd the last high nibble is padding (8). Size: 4*nb + ceil(n/2).
+- ``topk``: k records of (uint32 index, float32 value), 8 bytes each, indices strictly increasing; all other
+  elements decode to 0. k = max(1, round(fraction * n)). Size: 8*k.
+
+Scales come first so that, once they are in, every following byte decodes into its final place. The value
+section is decoded in whole blocks (B bytes for int8, B/2 for int4); fp32, bf16 and topk in whole elements or
+records. `crc32` is `zlib.crc32` of the whole payload.
+
+int8, int4 and topk reject non-finite input (a NaN or inf would poison the scales or the error feedback);
+fp32 and bf16 carry values as they are. A block whose abs-max is below qmax/FLT_MAX (about 4e-37 for int8)
+is sent as zeros.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar, NoReturn
+
+import numpy as np
+import torch
+
+from diloco.errors import InvalidArgument
+
+if sys.byteorder != "little":  # the byte layouts are little-endian and we decode through native views
+    raise ImportError("diloco.core.codecs supports little-endian hosts only")
+
+__all__ = [
+    "ALLOWED_BLOCK_SIZES",
+    "CODEC_NAMES",
+    "BF16Codec",
+    "Codec",
+    "CodecError",
+    "EncodedMeta",
+    "ErrorFeedback",
+    "FP32Codec",
+    "Int4Codec",
+    "Int8Codec",
+    "StreamDecoder",
+    "TopKCodec",
+    "encoded_size",
+    "get_codec",
+    "iter_chunks",
+]
+
+CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "topk")
+ALLOWED_BLOCK_SIZES: tuple[int, ...] = tuple(1 << p for p in range(4, 13))  # 16 .. 4096
+MAX_TOPK_NUMEL = 1 << 32  # indices are uint32
+
+# elements per step of the encode loops: large enough for few Python steps, small enough to stay in cache
+_SLAB = 1 << 20
+_PARALLEL_CRC_MIN_BYTES = 8 << 20
+_TOPK_SAMPLED_MIN_NUMEL = 1 << 18  # below this, plain torch.topk is fast enough
+_TOPK_SAMPLE = 1 << 18
+_TOPK_RECORD = np.dtype([("index", "<u4"), ("value", "<f4")])
+
+
+class CodecError(InvalidArgument):
+    """A payload or its meta is malformed, truncated, oversized or inconsistent; or a bad codec setting."""
+
+
+def encoded_size(codec: str, numel: int, block_size: int = 0, topk_count: int = 0) -> int:
+    """Bytes that `codec` produces for `numel` elements (see the module docstring for the layouts)."""
+    if codec == "fp32":
+        return 4 * numel
+    if codec == "bf16":
+        return 2 * numel
+    if codec in ("int8", "int4"):
+        if block_size <= 0:
+            raise CodecError(f"{codec} needs a block_size > 0, got {block_size}")
+        blocks = -(-numel // block_size)
+        return 4 * blocks + (numel if codec == "int8" else (numel + 1) // 2)
+    if codec == "topk":
+        return 8 * topk_count
+    raise CodecError(f"unknown codec {codec!r}; use one of {', '.join(CODEC_NAMES)}")
+
+
+@dataclass(frozen=True)
+class EncodedMeta:
+    """Everything a receiver needs besides the bytes; maps 1:1 onto the proto `PayloadSpec` fields."""
+
+    codec: str
+    numel: int
+    encoded_bytes: int
+    crc32: int
+    block_size: int = 0
+    topk_count: int = 0
+
+    def validate(self, *, expected_numel: int, max_bytes: int | None = None) -> None:
+        """Raise `CodecError` unless this meta describes a payload this side can decode into `expected_numel`
+        elements, no larger than `max_bytes`."""
+        if self.codec not in CODEC_NAMES:
+            raise CodecError(f"unknown codec {self.codec!r}; use one of {', '.join(CODEC_NAMES)}")
+        if self.numel != expected_numel:
+            raise CodecError(
+                f"payload has numel {self.numel} but the receiver expects {expected_numel}; "
+                "sender and receiver disagree on the model layout"
+            )
+        if self.numel < 1:
+            raise CodecError(f"numel must be >= 1, got {self.numel}")
+        if not 0 <= self.crc32 < 1 << 32:
+            raise CodecError(f"crc32 must be a uint32, got {self.crc32}")
+        if self.codec in ("int8", "int4"):
+            if self.block_size not in ALLOWED_BLOCK_SIZES:
+                raise CodecError(
+                    f"{self.codec} block_size {self.block_size} is not allowed; use a power of two "
+                    f"from {ALLOWED_BLOCK_SIZES[0]} to {ALLOWED_BLOCK_SIZES[-1]}"
+                )
+        elif self.block_size != 0:
+            raise CodecError(f"block_size must be 0 for codec {self.codec}, got {self.block_size}")
+        if self.codec == "topk":
+            if not 1 <= self.topk_count <= self.numel:
+                raise CodecError(f"topk_count {self.topk_count} is outside [1, numel={self.numel}]")
+            if self.numel > MAX_TOPK_NUMEL:
+                raise CodecError(f"topk supports at most {MAX_TOPK_NUMEL} elements, got {self.numel}")
+        elif self.topk_count != 0:
+            raise CodecError(f"topk_count must be 0 for codec {self.codec}, got {self.topk_count}")
+        expected = encoded_size(self.codec, self.numel, self.block_size, self.topk_count)
+        if self.encoded_bytes != expected:
+            raise CodecError(
+                f"encoded_bytes {self.encoded_bytes} does not match codec {self.codec} with numel "
+                f"{self.numel}, block_size {self.block_size}, topk_count {self.topk_count} "
+                f"(that is {expected} bytes)"
+            )
+        if max_bytes is not None and self.encoded_bytes > max_bytes:
+            raise CodecError(
+                f"payload of {self.encoded_bytes} bytes exceeds the limit of {max_bytes} bytes; "
+                "send it with a more compact codec or raise the limit"
+            )
+
+
+def iter_chunks(data: bytes | bytearray | memoryview, chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:
+    """Zero-copy slices of `data` of `chunk_bytes` each (the last may be shorter)."""
+    if chunk_bytes < 1:
+        raise CodecError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    view = _byte_view(data)
+    for start in range(0, len(view), chunk_bytes):
+        yield view[start : start + chunk_bytes]
+
+
+def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _tensor_view(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor over `data` without copying. We only read it, so torch's read-only warning does not apply."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=dtype)
+
+
+def _join_with_crc(parts: Sequence[bytes | memoryview]) -> tuple[bytes, int]:
+    """b"".join(parts) and its zlib.crc32. For large payloads the crc runs in a second thread (zlib releases
+    the GIL) while this one copies: the two single-threaded passes then overlap."""
+    if sum(len(p) for p in parts) < _PARALLEL_CRC_MIN_BYTES:
+        data = b"".join(parts)
+        return data, zlib.crc32(data)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        crc = pool.submit(_crc_of_parts, parts)
+        data = b"".join(parts)
+        return data, crc.result()
+
+
+def _crc_of_parts(parts: Sequence[bytes | memoryview]) -> int:
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def _check_input(flat: torch.Tensor) -> torch.Tensor:
+    if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.dtype != torch.float32:
+        got = f"{flat.dtype} of shape {tuple(flat.shape)}" if isinstance(flat, torch.Tensor) else type(flat)
+        raise CodecError(f"codecs take a 1-D float32 tensor, got {got}; flatten and cast first")
+    if flat.numel() < 1:
+        raise CodecError("cannot encode an empty vector")
+    return flat.detach().to("cpu").contiguous()
+
+
+def _check_finite(ok: bool, codec: str) -> None:
+    if not ok:
+        raise CodecError(f"{codec} cannot encode NaN or inf; check the pseudo-gradient for divergence")
+
+
+@dataclass
+class _Section:
+    """A run of `length` bytes decoded `unit` bytes at a time by `handler(piece, byte_offset_in_section)`.
+    Pieces hold whole units, except that the last piece of the section may end with a short unit."""
+
+    length: int
+    unit: int
+    handler: Callable[[memoryview, int], None]
+    on_complete: Callable[[], None] | None = None
+
+
+class StreamDecoder:
+    """Decodes one payload fed in chunks of any size into `out`, keeping only a partial unit between feeds.
+
+    `feed` raises `CodecError` as soon as it sees more bytes than announced or malformed content (a topk
+    index out of range or not increasing, a NaN, inf or negative scale); `finish` raises when bytes are
+    missing or the crc32 does not match. `out` is written as bytes arrive, so after an error its content is
+    garbage: decode into a scratch buffer when that matters.
+    """
+
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor, sections: Sequence[_Section]) -> None:
+        self.meta = meta
+        self.out = out
+        self._sections = [s for s in sections if s.length > 0]
+        self._section = 0
+        self._section_pos = 0
+        self._remainder = bytearray()
+        self._received = 0
+        self._crc = 0
+        self._failed: CodecError | None = None
+
+    @property
+    def bytes_received(self) -> int:
+        """Payload bytes fed so far."""
+        return self._received
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> None:
+        """Decode every complete unit of `chunk` (with the partial one kept from earlier feeds) into `out`."""
+        self._raise_if_failed()
+        view = _byte_view(chunk)
+        if not view:
+            return
+        if self._received + len(view) > self.meta.encoded_bytes:
+            self._fail(
+                f"received {self._received + len(view)} bytes but the payload has {self.meta.encoded_bytes}; "
+                "the stream carries extra data or belongs to another payload: restart the transfer"
+            )
+        self._crc = zlib.crc32(view, self._crc)
+        self._received += len(view)
+        try:
+            while view:
+                section = self._sections[self._section]
+                piece = view[: section.length - self._section_pos]
+                view = view[len(piece) :]
+                self._feed_section(section, piece)
+        except CodecError as err:
+            self._failed = err
+            raise
+
+    def finish(self) -> torch.Tensor:
+        """Check that the payload is complete and intact; return `out`."""
+        self._raise_if_failed()
+        if self._received < self.meta.encoded_bytes:
+            self._fail(
+                f"payload truncated: got {self._received} of {self.meta.encoded_bytes} bytes; "
+                "resume the transfer from the bytes held or send it again"
+            )
+        if self._crc != self.meta.crc32:
+            self._fail(
+                f"crc32 mismatch: payload has {self._crc:#010x}, header says {self.meta.crc32:#010x}; "
+                "the bytes were corrupted in transit: send them again"
+            )
+        return self.out
+
+    def _feed_section(self, section: _Section, piece: memoryview) -> None:
+        pos = 0
+        if self._remainder:
+            take = piece[: section.unit - len(self._remainder)]
+            self._remainder += take
+            pos = len(take)
+            self._section_pos += pos
+            if len(self._remainder) == section.unit or self._section_pos == section.length:
+                unit = memoryview(bytes(self._remainder))
+                self._remainder = bytearray()
+                section.handler(unit, self._section_pos - len(unit))
+        whole = (len(piece) - pos) // section.unit * section.unit
+        if whole:
+            section.handler(piece[pos : pos + whole], self._section_pos)
+            self._section_pos += whole
+            pos += whole
+        tail = piece[pos:]
+        if tail:
+            self._section_pos += len(tail)
+            if self._section_pos == section.length:
+                section.handler(tail, self._section_pos - len(tail))
+            else:
+                self._remainder = bytearray(tail)
+        if self._section_pos == section.length:
+            if section.on_complete is not None:
+                section.on_complete()
+            self._section += 1
+            self._section_pos = 0
+
+    def _fail(self, message: str) -> NoReturn:
+        self._failed = CodecError(message)
+        raise self._failed
+
+    def _raise_if_failed(self) -> None:
+        if self._failed is not None:
+            raise CodecError(f"decoder already failed ({self._failed}); start a new one")
+
+
+class Codec(ABC):
+    """Encodes a flat float32 vector to bytes; decodes bytes (whole or streamed) back."""
+
+    name: ClassVar[str]
+    lossy: ClassVar[bool]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    @abstractmethod
+    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        """Encode a 1-D float32 tensor (any device). `meta.crc32` is `zlib.crc32` of the bytes."""
+
+    @abstractmethod
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder: ...
+
+    def decoder(self, meta: EncodedMeta, out: torch.Tensor | None = None) -> StreamDecoder:
+        """A streaming decoder for a payload described by `meta`, writing into `out` (a float32 CPU buffer of
+        `meta.numel` elements, allocated when None). Every element of `out` is overwritten."""
+        if meta.codec != self.name:
+            raise CodecError(f"payload codec {meta.codec!r} cannot be decoded by the {self.name} codec")
+        meta.validate(expected_numel=meta.numel)
+        if out is None:
+            out = torch.empty(meta.numel, dtype=torch.float32)
+        elif (
+            out.dtype != torch.float32
+            or out.shape != (meta.numel,)
+            or out.device.type != "cpu"
+            or not out.is_contiguous()
+        ):
+            raise CodecError(
+                f"decode buffer must be a contiguous 1-D float32 CPU tensor of {meta.numel} elements, "
+                f"got {out.dtype} of shape {tuple(out.shape)} on {out.device}"
+            )
+        return self._decoder(meta, out)
+
+    def decode(self, data: bytes | bytearray | memoryview, meta: EncodedMeta) -> torch.Tensor:
+        """Decode a whole payload into a new tensor."""
+        stream = self.decoder(meta)
+        stream.feed(data)
+        return stream.finish()
+
+    def encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        """Encode `target` (a contiguous 1-D float32 CPU tensor) and subtract what the receiver will decode
+        from it in place, leaving the compression error. Used by `ErrorFeedback`."""
+        _check_input(target)
+        if target.device.type != "cpu" or not target.is_contiguous() or target.requires_grad:
+            raise CodecError("encode_and_subtract works in place: pass a contiguous float32 CPU tensor")
+        return self._encode_and_subtract(target)
+
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        data, meta = self.encode(target)
+        target.sub_(self.decode(data, meta))
+        return data, meta
+
+    def _finish(
+        self, parts: Sequence[bytes | memoryview], numel: int, block_size: int = 0, topk_count: int = 0
+    ) -> tuple[bytes, EncodedMeta]:
+        """The payload made of `parts`, and its meta."""
+        data, crc = _join_with_crc(parts)
+        return data, EncodedMeta(self.name, numel, len(data), crc, block_size, topk_count)
+
+
+class FP32Codec(Codec):
+    """Raw little-endian float32: lossless."""
+
+    name = "fp32"
+    lossy = False
+
+    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        x = _check_input(flat)
+        return self._finish([x.numpy().view(np.uint8).data], x.numel())
+
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        data, meta = self.encode(target)
+        target.zero_()
+        return data, meta
+
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
+        return _RawDecoder(meta, out, torch.float32, 4)
+
+
+class BF16Codec(Codec):
+    """bfloat16, rounded to nearest even: relative error at most 2**-8."""
+
+    name = "bf16"
+    lossy = True
+
+    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        return self._encode(_check_input(flat), subtract=False)
+
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        return self._encode(target, subtract=True)
+
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes, EncodedMeta]:
+        parts = []
+        for start in range(0, x.numel(), _SLAB):
+            slab = x[start : start + _SLAB]
+            half = slab.to(torch.bfloat16)
+            parts.append(half.view(torch.int16).numpy().tobytes())
+            if subtract:
+                slab.sub_(half.to(torch.float32))
+        return self._finish(parts, x.numel())
+
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
+        return _RawDecoder(meta, out, torch.bfloat16, 2)
+
+
+class _RawDecoder(StreamDecoder):
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor, dtype: torch.dtype, itemsize: int) -> None:
+        def handle(piece: memoryview, offset: int) -> None:
+            start = offset // itemsize
+            values = _tensor_view(piece, dtype)
+            out[start : start + values.numel()].copy_(values)
+
+        super().__init__(meta, out, [_Section(meta.encoded_bytes, itemsize, handle)])
+
+
+class _BlockCodec(Codec):
+    """Blockwise abs-max quantization to [-qmax, qmax] with one float32 scale per block."""
+
+    qmax: ClassVar[int]
+
+    def __init__(self, block_size: int = 128) -> None:
+        if block_size not in ALLOWED_BLOCK_SIZES:
+            raise CodecError(
+                f"{self.name} block_size {block_size} is not allowed; use a power of two from "
+                f"{ALLOWED_BLOCK_SIZES[0]} to {ALLOWED_BLOCK_SIZES[-1]}"
+            )
+        self.block_size = block_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(block_size={self.block_size})"
+
+    @abstractmethod
+    def _pack(self, rounded: torch.Tensor) -> bytes:
+        """Bytes of the rounded block values (a float tensor of shape (blocks, block_size))."""
+
+    @abstractmethod
+    def _packed_bytes(self, count: int) -> int:
+        """Bytes that `count` values take."""
+
+    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        return self._encode(_check_input(flat), subtract=False)
+
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        return self._encode(target, subtract=True)
+
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes, EncodedMeta]:
+        bs, numel = self.block_size, x.numel()
+        full = numel // bs * bs
+        scales = torch.empty(-(-numel // bs), dtype=torch.float32)
+        scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
+        parts: list[bytes] = []
+        for start in range(0, full, _SLAB):
+            slab = x[start : min(start + _SLAB, full)].view(-1, bs)
+            first = start // bs
+            work = scratch[: slab.numel()].view(-1, bs)
+            parts.append(self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract))
+        if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
+            tail = x[full:]
+            padded = torch.zeros(1, bs, dtype=torch.float32)
+            padded[0, : tail.numel()] = tail
+            packed = self._quantize(padded, torch.empty_like(padded), scales[-1:], subtract)
+            parts.append(packed[: self._packed_bytes(tail.numel())])
+            if subtract:
+                tail.copy_(padded[0, : tail.numel()])
+        _check_finite(bool(torch.isfinite(scales).all()), self.name)
+        return self._finish([scales.numpy().tobytes(), *parts], numel, block_size=bs)
+
+    def _quantize(self, x: torch.Tensor, work: torch.Tensor, scales: torch.Tensor, subtract: bool) -> bytes:
+        """Quantize the blocks `x` (rows), writing their scales; `work` is scratch of x's shape."""
+        torch.abs(x, out=work)
+        amax = work.amax(dim=1)
+        torch.div(amax, self.qmax, out=scales)
+        # an all-zero block (or one whose amax is so small that qmax/amax overflows) quantizes to zeros
+        inv = torch.div(self.qmax, amax).nan_to_num_(nan=0.0, posinf=0.0)
+        # |x| * qmax/amax <= qmax (up to one rounding), so the rounded values stay in [-qmax, qmax]
+        torch.mul(x, inv[:, None], out=work).round_()
+        packed = self._pack(work)
+        if subtract:  # x -= q * scale, computed exactly as the decoder does
+            x.sub_(work.mul_(scales[:, None]))
+        return packed
+
+
+class Int8Codec(_BlockCodec):
+    """Blockwise abs-max int8: error at most scale/2 per element."""
+
+    name = "int8"
+    lossy = True
+    qmax = 127
+
+    def _pack(self, rounded: torch.Tensor) -> bytes:
+        return rounded.to(torch.int8).numpy().tobytes()
+
+    def _packed_bytes(self, count: int) -> int:
+        return count
+
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
+        return _BlockDecoder(meta, out, bits=8)
+
+
+class Int4Codec(_BlockCodec):
+    """Blockwise abs-max 4-bit (values -7..7, two per byte): error at most scale/2 per element."""
+
+    name = "int4"
+    lossy = True
+    qmax = 7
+
+    def _pack(self, rounded: torch.Tensor) -> bytes:
+        pairs = rounded.view(rounded.shape[0], -1, 2)
+        # (lo + 8) + 16 * (hi + 8): exact in float32, in [17, 255]
+        packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136.0)
+        return packed.to(torch.uint8).numpy().tobytes()
+
+    def _packed_bytes(self, count: int) -> int:
+        return (count + 1) // 2
+
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
+        return _BlockDecoder(meta, out, bits=4)
+
+
+class _BlockDecoder(StreamDecoder):
+    """Scales first (kept and checked), then values decoded a block at a time."""
+
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor, bits: int) -> None:
+        bs = meta.block_size
+        blocks = -(-meta.numel // bs)
+        self._scales = torch.empty(blocks, dtype=torch.float32)
+        self._scale_bytes = self._scales.numpy().view(np.uint8)
+        block_bytes = bs if bits == 8 else bs // 2
+        values = self._int8_values if bits == 8 else self._int4_values
+        super().__init__(
+            meta,
+            out,
+            [
+                _Section(4 * blocks, 1, self._scale_piece, self._check_scales),
+                _Section(meta.encoded_bytes - 4 * blocks, block_bytes, values),
+            ],
+        )
+
+    def _scale_piece(self, piece: memoryview, offset: int) -> None:
+        self._scale_bytes[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+
+    def _check_scales(self) -> None:
+        low, high = torch.aminmax(self._scales)  # both NaN if any scale is NaN
+        if not (float(low) >= 0.0 and math.isfinite(float(high))):
+            bad = ~torch.isfinite(self._scales) | (self._scales < 0)
+            block = int(bad.nonzero()[0, 0])
+            raise CodecError(
+                f"{self.meta.codec} scale of block {block} is {self._scales[block].item()} "
+                "(must be finite and >= 0); the payload is corrupt: send it again"
+            )
+
+    def _int8_values(self, piece: memoryview, offset: int) -> None:
+        bs = self.meta.block_size
+        first = offset // bs
+        q = _tensor_view(piece, torch.int8)
+        whole = q.numel() // bs
+        # an int8 -> float copy then an in-place float multiply: far faster than a mixed-dtype multiply
+        if whole:
+            values = self.out[first * bs : (first + whole) * bs].view(whole, bs)
+            values.copy_(q[: whole * bs].view(whole, bs)).mul_(self._scales[first : first + whole, None])
+        if q.numel() > whole * bs:  # the short last block
+            start = (first + whole) * bs
+            values = self.out[start : start + q.numel() - whole * bs]
+            values.copy_(q[whole * bs :]).mul_(self._scales[first + whole])
+
+    def _int4_values(self, piece: memoryview, offset: int) -> None:
+        bs, half = self.meta.block_size, self.meta.block_size // 2
+        first = offset // half
+        packed = _tensor_view(piece, torch.uint8)
+        # the short last block can take half bytes too (block_size - 1 values), so count whole blocks by values
+        whole = min(len(piece) // half, (self.meta.numel - first * bs) // bs)
+        if whole:
+            values = self.out[first * bs : (first + whole) * bs]
+            _unpack_nibbles(packed[: whole * half], values)
+            values.view(whole, bs).sub_(8.0).mul_(self._scales[first : first + whole, None])
+        rest = len(piece) - whole * half
+        if rest:  # the short last block; with an odd numel its last nibble is padding
+            start = (first + whole) * bs
+            values = torch.empty(2 * rest, dtype=torch.float32)
+            _unpack_nibbles(packed[whole * half :], values)
+            count = self.meta.numel - start
+            self.out[start:].copy_(values[:count]).sub_(8.0).mul_(self._scales[first + whole])
+
+
+def _unpack_nibbles(packed: torch.Tensor, out: torch.Tensor) -> None:
+    """out[2i], out[2i+1] = low, high nibble of packed[i] (as floats 0..15)."""
+    pairs = out.view(-1, 2)
+    pairs[:, 0].copy_(packed & 15)
+    pairs[:, 1].copy_(packed >> 4)
+
+
+class TopKCodec(Codec):
+    """The k largest-magnitude entries as (index, value) records; the rest decode to zero."""
+
+    name = "topk"
+    lossy = True
+
+    def __init__(self, fraction: float = 0.01) -> None:
+        if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
+            raise CodecError(f"topk fraction must be in (0, 1], got {fraction!r}")
+        self.fraction = float(fraction)
+
+    def __repr__(self) -> str:
+        return f"TopKCodec(fraction={self.fraction})"
+
+    def count(self, numel: int) -> int:
+        """How many entries are kept out of `numel`."""
+        return min(numel, max(1, round(self.fraction * numel)))
+
+    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        data, meta, _ = self._encode(_check_input(flat))
+        return data, meta
+
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        data, meta, index = self._encode(target)
+        target[index] = 0.0
+        return data, meta
+
+    def _encode(self, x: torch.Tensor) -> tuple[bytes, EncodedMeta, torch.Tensor]:
+        numel = x.numel()
+        if numel > MAX_TOPK_NUMEL:
+            raise CodecError(f"topk supports at most {MAX_TOPK_NUMEL} elements, got {numel}; use int8")
+        k = self.count(numel)
+        index = _top_indices(x, k)
+        records = np.empty(k, dtype=_TOPK_RECORD)
+        records["index"] = index.numpy()
+        records["value"] = x[index].numpy()
+        data, meta = self._finish([records.view(np.uint8).data], numel, topk_count=k)
+        return data, meta, index
+
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
+        return _TopKDecoder(meta, out)
+
+
+def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of k largest-magnitude entries of x (ties broken by lower index on the sampled path).
+
+    For large inputs, a threshold taken from a random sample keeps a candidate set that surely holds the top
+    k (checked by counting; otherwise fall back), and the exact k-th magnitude is found among the candidates
+    only: much faster than `torch.topk` over everything, and the candidates stay in index order.
+    """
+    numel = x.numel()
+    if numel < _TOPK_SAMPLED_MIN_NUMEL or 4 * k > numel:
+        magnitude = x.abs()
+        _check_finite(bool(torch.isfinite(magnitude.max())), "topk")
+        return torch.topk(magnitude, k, sorted=False).indices.sort().values
+    threshold = _sample_threshold(x, k)
+    values = x.numpy()
+    scratch = np.empty(min(_SLAB, numel), dtype=np.float32)
+    hits = np.empty(min(_SLAB, numel), dtype=np.bool_)
+    found, finite = [], True
+    for start in range(0, numel, _SLAB):  # numpy here: its nonzero is far faster than torch's
+        size = min(_SLAB, numel - start)
+        magnitude = np.abs(values[start : start + size], out=scratch[:size])
+        finite = finite and math.isfinite(float(magnitude.max()))  # max propagates NaN
+        found.append(np.flatnonzero(np.greater_equal(magnitude, threshold, out=hits[:size])) + start)
+    _check_finite(finite, "topk")
+    candidates = torch.from_numpy(np.concatenate(found))
+    if candidates.numel() < k:  # an unlucky sample: the exact way
+        return torch.topk(x.abs(), k, sorted=False).indices.sort().values
+    magnitude = x[candidates].abs_()
+    kth = torch.kthvalue(magnitude, candidates.numel() - k + 1).values
+    above = magnitude > kth
+    ties = magnitude == kth
+    keep = above | (ties & (torch.cumsum(ties, 0) <= k - int(above.sum())))
+    return candidates[keep]
+
+
+def _sample_threshold(x: torch.Tensor, k: int) -> float:
+    """A magnitude that, with overwhelming probability, at least k (and not many more) entries reach."""
+    numel = x.numel()
+    gen = torch.Generator().manual_seed(numel)  # deterministic: the same input always gives the same bytes
+    sample = x[torch.randint(numel, (_TOPK_SAMPLE,), generator=gen)].abs_()
+    expected = _TOPK_SAMPLE * k / numel
+    rank = min(_TOPK_SAMPLE, int(1.1 * expected + 4.0 * math.sqrt(expected) + 16))
+    return float(torch.topk(sample, rank, sorted=False).values.min())
+
+
+class _TopKDecoder(StreamDecoder):
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor) -> None:
+        out.zero_()
+        self._last_index = -1
+        super().__init__(meta, out, [_Section(meta.encoded_bytes, _TOPK_RECORD.itemsize, self._records)])
+
+    def _records(self, piece: memoryview, offset: int) -> None:
+        records = np.frombuffer(piece, dtype=_TOPK_RECORD)
+        index = records["index"].astype(np.int64)
+        first = offset // _TOPK_RECORD.itemsize
+        steps = np.diff(index, prepend=self._last_index)
+        if not bool((steps > 0).all()):
+            at = int(np.argmax(steps <= 0))
+            raise CodecError(
+                f"topk record {first + at}: index {index[at]} does not increase "
+                f"(previous {index[at] - steps[at]}); the payload is corrupt: send it again"
+            )
+        if index[-1] >= self.meta.numel:
+            at = int(np.argmax(index >= self.meta.numel))
+            raise CodecError(
+                f"topk record {first + at}: index {index[at]} is out of range for numel {self.meta.numel}; "
+                "the payload is corrupt or meant for another model layout"
+            )
+        self._last_index = int(index[-1])
+        self.out[torch.from_numpy(index)] = torch.from_numpy(records["value"].astype(np.float32))
+
+
+def get_codec(name: str, *, block_size: int = 128, topk_fraction: float = 0.01) -> Codec:
+    """The codec called `name`; `block_size` applies to int8/int4, `topk_fraction` to topk."""
+    if name == "fp32":
+        return FP32Codec()
+    if name == "bf16":
+        return BF16Codec()
+    if name == "int8":
+        return Int8Codec(block_size)
+    if name == "int4":
+        return Int4Codec(block_size)
+    if name == "topk":
+        return TopKCodec(topk_fraction)
+    raise CodecError(f"unknown codec {name!r}; use one of {', '.join(CODEC_NAMES)}")
+
+
+class ErrorFeedback:
+    """Error feedback (ALGORITHM.md section 2): send q = Q(delta + e), keep e <- (delta + e) - D(q).
+
+    `residual` is the fp32 e, zero at start. Enabled by default for lossy codecs; when disabled, deltas are
+    encoded as they are and `residual` stays zero.
+    """
+
+    def __init__(self, codec: Codec, numel: int, enabled: bool | None = None) -> None:
+        if numel < 1:
+            raise CodecError(f"numel must be >= 1, got {numel}")
+        self.codec = codec
+        self.numel = numel
+        self.enabled = codec.lossy if enabled is None else enabled
+        self.residual = torch.zeros(numel, dtype=torch.float32)
+
+    def compress(self, delta: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+        """Encode `delta` plus the carried residual and keep the new residual.
+
+        If encoding fails (e.g. a NaN in `delta`), the residual is reset to zero so that one bad step cannot
+        poison the following ones, and the error is raised."""
+        if delta.numel() != self.numel:
+            raise CodecError(f"delta has {delta.numel()} elements, error feedback is set up for {self.numel}")
+        if not self.enabled:
+            return self.codec.encode(delta.reshape(-1))
+        flat = _check_input(delta.reshape(-1))
+        self.residual.add_(flat)
+        try:
+            return self.codec.encode_and_subtract(self.residual)
+        except Exception:
+            self.reset()
+            raise
+
+    def reset(self) -> None:
+        """Forget the residual (e.g. after a resync to fresh global parameters)."""
+        self.residual.zero_()
