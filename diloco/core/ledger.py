@@ -117,9 +117,7 @@ class ShardLedger:
     (one full pass over it).
     """
 
-    def __init__(
-        self, num_shards: int, shard_lengths: Sequence[int], *, max_range_tokens: int | None = None
-    ) -> None:
+    def __init__(self, num_shards: int, shard_lengths: Sequence[int], *, max_range_tokens: int | None = None) -> None:
         if not _is_int(num_shards) or num_shards < 1:
             raise InvalidArgument(f"num_shards must be a positive integer, got {num_shards!r}")
         lengths = list(shard_lengths)
@@ -131,9 +129,7 @@ class ShardLedger:
             if not _is_int(n) or n < 1:
                 raise InvalidArgument(f"shard {i} length must be a positive integer, got {n!r}")
         if max_range_tokens is not None and (not _is_int(max_range_tokens) or max_range_tokens < 1):
-            raise InvalidArgument(
-                f"max_range_tokens must be a positive integer or None, got {max_range_tokens!r}"
-            )
+            raise InvalidArgument(f"max_range_tokens must be a positive integer or None, got {max_range_tokens!r}")
         self._shards = [_Shard(length=n) for n in lengths]
         self._max_range_tokens = max_range_tokens
         self._pending: dict[int, AcceptReceipt] = {}
@@ -238,8 +234,7 @@ class ShardLedger:
             shard = self._get(r.shard_id)
             if r.shard_id in seen:
                 raise InvalidArgument(
-                    f"shard {r.shard_id} appears twice in one submission; "
-                    "send one range [start, end) per shard"
+                    f"shard {r.shard_id} appears twice in one submission; send one range [start, end) per shard"
                 )
             seen.add(r.shard_id)
             self._check_range_shape(r, shard)
@@ -410,9 +405,7 @@ class ShardLedger:
         try:
             return cls._restore(snapshot)
         except _Corrupt as e:
-            raise InvalidArgument(
-                f"corrupt ledger snapshot: {e}; restore from the previous checkpoint"
-            ) from None
+            raise InvalidArgument(f"corrupt ledger snapshot: {e}; restore from the previous checkpoint") from None
 
     @classmethod
     def _restore(cls, snap: Mapping[str, Any]) -> ShardLedger:
@@ -439,9 +432,7 @@ class ShardLedger:
         for raw in pending_raw:
             receipt = _restore_receipt(raw, ledger._shards)
             if not last_id < receipt.receipt_id < next_id:
-                raise _Corrupt(
-                    f"pending receipt id {receipt.receipt_id} is out of order or not below next_receipt_id"
-                )
+                raise _Corrupt(f"pending receipt id {receipt.receipt_id} is out of order or not below next_receipt_id")
             last_id = receipt.receipt_id
             for r in receipt.ranges:
                 if r.start != cursor[r.shard_id]:
@@ -462,8 +453,7 @@ class ShardLedger:
     def _get(self, shard_id: int) -> _Shard:
         if not _is_int(shard_id) or not 0 <= shard_id < len(self._shards):
             raise NotFound(
-                f"shard {shard_id!r} does not exist (shards are 0..{len(self._shards) - 1}); "
-                "fetch your work plan"
+                f"shard {shard_id!r} does not exist (shards are 0..{len(self._shards) - 1}); fetch your work plan"
             )
         return self._shards[shard_id]
 

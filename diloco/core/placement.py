@@ -21,12 +21,7 @@ def _positive_int(value: object, name: str) -> int:
 
 
 def _positive_speed(value: object, name: str) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise InvalidArgument(f"{name} must be a positive finite number, got {value!r}")
     return float(value)
 
@@ -40,9 +35,7 @@ def local_steps(h: int, speed: float, max_speed: float, h_min: int) -> int:
     speed = _positive_speed(speed, "speed")
     max_speed = _positive_speed(max_speed, "max_speed")
     if speed > max_speed:
-        raise InvalidArgument(
-            f"speed {speed} exceeds max_speed {max_speed}; pass the maximum over all learners"
-        )
+        raise InvalidArgument(f"speed {speed} exceeds max_speed {max_speed}; pass the maximum over all learners")
     return max(h_min, math.floor(h * Fraction(speed) / Fraction(max_speed)))
 
 

@@ -58,7 +58,9 @@ def call_with_retry(fn: Callable[[], T], what: str, cfg: RetryConfig = RetryConf
     retrying = Retrying(
         retry=retry_if_exception(is_retryable),
         stop=stop_after_attempt(cfg.max_attempts) | stop_after_delay(cfg.max_total_s),
-        wait=wait_exponential_jitter(initial=cfg.initial_backoff_s, max=cfg.max_backoff_s),
+        wait=wait_exponential_jitter(
+            multiplier=cfg.initial_backoff_s, max=cfg.max_backoff_s, jitter=cfg.initial_backoff_s
+        ),
         before_sleep=_log_retry(what),
         reraise=True,
     )

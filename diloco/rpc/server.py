@@ -96,5 +96,9 @@ def channel(address: str) -> grpc.Channel:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.enable_retries", 0),
+            # reconnect quickly after a peer restarts (gRPC's default backoff grows to two minutes)
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
         ],
     )

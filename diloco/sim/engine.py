@@ -34,7 +34,7 @@ from diloco.sim.config import SimConfig
 from diloco.task.data import Corpus, evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.inner import InnerTrainer
-from diloco.task.params import flatten_params, load_flat_, param_specs
+from diloco.task.params import flatten_params, load_flat_, merge_segments
 
 _EPS = 1e-9
 
@@ -119,7 +119,7 @@ class Simulator:
             model = self.task.model_fn(cfg.seed)
             params = flatten_params(model).cpu()
             shard_lengths = [self.corpus.shard_length(i) for i in range(cfg.num_shards)]
-            segments = [Segment(s.offset, math.prod(s.shape), embedding="emb" in s.name) for s in param_specs(model)]
+            segments = merge_segments(model)
             self.eval_model = model
             self.model_numel = params.numel()
             self.tokens_per_step = cfg.task.inner.batch_size * cfg.task.model.seq_len

@@ -37,9 +37,7 @@ Tokens = npt.NDArray[np.uint16]
 
 STDLIB = "stdlib"
 _SOURCES = '"stdlib", a text file, a folder of text files, or a .bin file of little-endian uint16 tokens'
-_SKIP_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"}
-)
+_SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"})
 _DOC_SEPARATOR = b"\n\n"
 
 
@@ -84,9 +82,7 @@ def stdlib_files() -> list[Path]:
 
 @functools.lru_cache(maxsize=4)
 def _stdlib_files(root: str) -> tuple[Path, ...]:
-    return tuple(
-        f for f in _walk(Path(root)) if f.suffix == ".py" and not any(p in _SKIP_DIRS for p in f.parts)
-    )
+    return tuple(f for f in _walk(Path(root)) if f.suffix == ".py" and not any(p in _SKIP_DIRS for p in f.parts))
 
 
 def _walk(root: Path) -> list[Path]:
@@ -160,8 +156,7 @@ class Corpus:
                 "use a larger corpus or fewer shards"
             )
         self._bounds = [
-            (i * n_train // cfg.num_shards, (i + 1) * n_train // cfg.num_shards)
-            for i in range(cfg.num_shards)
+            (i * n_train // cfg.num_shards, (i + 1) * n_train // cfg.num_shards) for i in range(cfg.num_shards)
         ]
         self.train_tokens = n_train
         self.val = tokens[n_train:]

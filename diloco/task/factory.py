@@ -70,9 +70,7 @@ class TaskConfig:
             if not isinstance(getattr(self, name), cls):
                 raise ConfigError(f"task.{name} must be a {cls.__name__}, got {getattr(self, name)!r}")
         if not isinstance(self.factory, str):
-            raise ConfigError(
-                f"task.factory must be a string 'package.module:function', not {self.factory!r}"
-            )
+            raise ConfigError(f"task.factory must be a string 'package.module:function', not {self.factory!r}")
         if self.factory:
             _split_factory(self.factory)
 

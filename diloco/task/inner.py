@@ -168,8 +168,7 @@ class InnerTrainer:
     def _check_flat(self, flat: Tensor, what: str) -> Tensor:
         if flat.ndim != 1 or flat.numel() != self.numel or not flat.is_floating_point():
             raise InvalidArgument(
-                f"{what} must be a flat float vector of {self.numel} values, got {flat.dtype} "
-                f"{tuple(flat.shape)}"
+                f"{what} must be a flat float vector of {self.numel} values, got {flat.dtype} {tuple(flat.shape)}"
             )
         return flat.to(self.device, torch.float32)
 

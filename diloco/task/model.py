@@ -45,9 +45,7 @@ class ModelConfig:
             check_int("model", name, getattr(self, name), minimum=1)
         check_float("model", "dropout", self.dropout, lo=0.0, hi=1.0, hi_open=True)
         if self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
-            )
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
 
 
 def model_fingerprint(cfg: ModelConfig) -> str:
@@ -69,9 +67,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         out: Tensor = self.proj(y.transpose(1, 2).reshape(b, t, d))
         return out
 

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from diloco.core.merge import Segment
 from diloco.errors import InvalidArgument
 
 
@@ -73,3 +74,9 @@ def load_flat_(model: nn.Module, flat: Tensor) -> None:
 def shape_numel(shape: tuple[int, ...]) -> int:
     """Number of elements of a tensor of this shape."""
     return math.prod(shape)
+
+
+def merge_segments(model: nn.Module) -> list[Segment]:
+    """One merge segment per tensor; embedding tables are flagged (RDA averages them plainly)."""
+    embeddings = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, nn.Embedding)}
+    return [Segment(s.offset, shape_numel(s.shape), embedding=s.name in embeddings) for s in param_specs(model)]

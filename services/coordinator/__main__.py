@@ -1,0 +1,47 @@
+"""`python -m services.coordinator`: run the coordinator until SIGTERM/SIGINT, then drain and checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+import torch
+
+from diloco import log as logging
+from diloco.errors import ConfigError
+from services.coordinator.config import parse
+from services.coordinator.server import CoordinatorServer
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    try:
+        cfg = parse(argv, env)
+    except ConfigError as e:
+        print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)  # one service per core; more threads contend on small machines
+    log = logging.configure("coordinator", level=cfg.log_level)
+    server = CoordinatorServer(cfg)
+    try:
+        port = server.start()
+    except ConfigError as e:
+        print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
+        return 2
+    log.info("coordinator.started", port=port, address=server.address, metrics_port=server.metrics_port)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("coordinator.signal", signal=signal.Signals(signum).name)
+        # stop() blocks for the grace period; never block inside a signal handler
+        threading.Thread(target=server.stop, name="coordinator-stop", daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    server.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

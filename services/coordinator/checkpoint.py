@@ -1,0 +1,150 @@
+"""Atomic, checksummed checkpoints of `CoordinatorCore.snapshot()` (ALGORITHM.md section 8).
+
+File layout of `ckpt-{version:08d}.pt`: the 8-byte magic `DLCKPT01`, the 32-byte sha256 of the body, then the
+body, which is `torch.save(snapshot)`. A checkpoint is written to a temporary file in the same folder, hashed
+while it is written, fsynced, renamed into place and the folder fsynced, so a crash leaves either the old set
+or the new one. `load_latest` verifies the checksum and falls back to the next older file when the newest is
+corrupt (truncated, bit flips, not a checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from diloco import log as logging
+from diloco.errors import InvalidArgument
+
+MAGIC = b"DLCKPT01"
+_DIGEST_BYTES = 32
+_HEADER_BYTES = len(MAGIC) + _DIGEST_BYTES
+_NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
+_TMP_PREFIX = ".ckpt-"
+
+
+class CorruptCheckpoint(InvalidArgument):
+    """A checkpoint file that is not intact (bad magic, checksum mismatch, unreadable body)."""
+
+
+class _HashingWriter:
+    """File-like sink for `torch.save` that hashes what it writes."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.sha = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def checkpoint_path(directory: str | Path, version: int) -> Path:
+    return Path(directory) / f"ckpt-{version:08d}.pt"
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(version, path) of every checkpoint file in `directory`, newest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _NAME.match(entry.name)
+        if m and entry.is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save(directory: str | Path, snapshot: dict[str, Any], keep: int = 3) -> Path:
+    """Write `snapshot` atomically as `ckpt-{version:08d}.pt` in `directory` (created if needed), then delete
+    all but the newest `keep` checkpoints. Returns the path."""
+    if keep < 1:
+        raise InvalidArgument(f"keep must be >= 1, got {keep}")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    version = int(snapshot["version"])
+    final = checkpoint_path(root, version)
+    fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".tmp", dir=root)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + bytes(_DIGEST_BYTES))
+            writer = _HashingWriter(f)
+            torch.save(snapshot, writer)  # type: ignore[arg-type]
+            f.flush()
+            f.seek(len(MAGIC))
+            f.write(writer.sha.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    prune(root, keep)
+    return final
+
+
+def prune(directory: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints and any leftover temporary files; returns what was deleted."""
+    root = Path(directory)
+    removed = [p for _, p in list_checkpoints(root)[keep:]]
+    if root.is_dir():
+        removed += [p for p in root.iterdir() if p.name.startswith(_TMP_PREFIX) and p.name.endswith(".tmp")]
+    for p in removed:
+        with contextlib.suppress(OSError):
+            p.unlink()
+    return removed
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read and verify one checkpoint; raises `CorruptCheckpoint` when it is not intact."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise CorruptCheckpoint(f"cannot read checkpoint {p}: {e}") from e
+    if len(data) < _HEADER_BYTES or not data.startswith(MAGIC):
+        raise CorruptCheckpoint(f"{p} is not a coordinator checkpoint (bad header)")
+    digest = data[len(MAGIC) : _HEADER_BYTES]
+    body = memoryview(data)[_HEADER_BYTES:]
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptCheckpoint(f"checkpoint {p} fails its sha256 check (truncated or corrupted)")
+    try:
+        snap = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
+    except Exception as e:  # a body that hashes right but does not unpickle: written by something else
+        raise CorruptCheckpoint(f"checkpoint {p} cannot be read: {e}") from e
+    if not isinstance(snap, dict) or "version" not in snap or "params" not in snap:
+        raise CorruptCheckpoint(f"checkpoint {p} does not hold a coordinator snapshot")
+    return snap
+
+
+def load_latest(directory: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """The newest intact checkpoint in `directory` and its path; corrupt ones are logged
+    (`checkpoint.corrupt`) and skipped. None when there is none."""
+    for _, path in list_checkpoints(directory):
+        try:
+            return load(path), path
+        except CorruptCheckpoint as e:
+            logging.get("coordinator").warning("checkpoint.corrupt", path=str(path), error=str(e))
+    return None

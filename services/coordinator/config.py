@@ -1,0 +1,292 @@
+"""Coordinator configuration: flags with `DILOCO_*` environment fallbacks, read here and nowhere else.
+
+Every flag `--some-name` falls back to the environment variable `DILOCO_SOME_NAME` (e.g. `--mode` and
+`DILOCO_MODE`, `--checkpoint-dir` and `DILOCO_CHECKPOINT_DIR`), then to the default below. A flag given on the
+command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
+
+from diloco.core.codecs import CODEC_NAMES
+from diloco.core.coordinator import CoordinatorConfig
+from diloco.core.merge import MERGE_NAMES
+from diloco.core.outer import OUTER_NAMES, OuterConfig
+from diloco.core.rounds import MODES, RoundConfig
+from diloco.errors import ConfigError
+from diloco.task.data import DataConfig
+from diloco.task.factory import TaskConfig
+from diloco.task.inner import InnerConfig
+from diloco.task.model import ModelConfig
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def default_task() -> TaskConfig:
+    """The task the flags describe when none is given: a small byte-level GPT on the standard library."""
+    return TaskConfig(
+        model=ModelConfig(seq_len=64, d_model=64, n_layers=2, n_heads=4),
+        data=DataConfig(num_shards=16, max_bytes=2_000_000),
+        inner=InnerConfig(batch_size=8),
+    )
+
+
+@dataclass(frozen=True)
+class CoordinatorServiceConfig:
+    """Everything the coordinator service needs; validated at construction (`ConfigError` names the field)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
+    checkpoint_dir: str = ""  # "": no checkpoints
+    checkpoint_every: int = 5  # rounds between automatic checkpoints
+    keep_checkpoints: int = 3
+    mode: str = "decoupled"
+    min_quorum: int = 2
+    grace_max_s: float = 2.0
+    max_staleness: int = 4
+    local_steps: int = 30
+    min_local_steps: int = 5
+    fixed_local_steps: bool = False  # True: every learner runs `local_steps` (no dynamic H_m)
+    codec: str = "int8"
+    outer: str = "nesterov"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    merge: str = "mean"
+    expected_workers: int = 0
+    target_outer_steps: int = 0  # 0: train until stopped
+    healthd_address: str = ""
+    eval_every: int = 1  # rounds between validation evaluations; 0: never
+    eval_batches: int = 4
+    seed: int = 0
+    task: TaskConfig = field(default_factory=default_task)
+    max_upload_bytes: int = 0  # 0: derived from the model (its fp32 size + 1%)
+    upload_ttl_s: float = 120.0  # interrupted uploads are kept this long for a resume
+    max_partial_uploads: int = 32  # each holds an fp32 buffer of the model size
+    shutdown_grace_s: float = 5.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host must be a non-empty address, got {self.host!r}")
+        _int_in("port", self.port, 0, 65535)
+        _int_in("metrics_port", self.metrics_port, -1, 65535)
+        if not isinstance(self.checkpoint_dir, str):
+            raise ConfigError(f"checkpoint_dir must be a path or '' (no checkpoints), got {self.checkpoint_dir!r}")
+        _int_in("checkpoint_every", self.checkpoint_every, 1)
+        _int_in("keep_checkpoints", self.keep_checkpoints, 1)
+        _choice("mode", self.mode, MODES)
+        _choice("codec", self.codec, CODEC_NAMES)
+        _choice("outer", self.outer, OUTER_NAMES)
+        _choice("merge", self.merge, MERGE_NAMES)
+        _choice("log_level", self.log_level, LOG_LEVELS)
+        _int_in("min_quorum", self.min_quorum, 1)
+        _float_min("grace_max_s", self.grace_max_s, 0.0)
+        _int_in("max_staleness", self.max_staleness, 0)
+        _int_in("local_steps", self.local_steps, 1)
+        _int_in("min_local_steps", self.min_local_steps, 1, self.local_steps)
+        _int_in("expected_workers", self.expected_workers, 0)
+        _int_in("target_outer_steps", self.target_outer_steps, 0)
+        _int_in("eval_every", self.eval_every, 0)
+        _int_in("eval_batches", self.eval_batches, 1)
+        _int_in("seed", self.seed, 0)
+        _int_in("max_upload_bytes", self.max_upload_bytes, 0)
+        _float_min("upload_ttl_s", self.upload_ttl_s, 0.0, open_=True)
+        _int_in("max_partial_uploads", self.max_partial_uploads, 1)
+        _float_min("shutdown_grace_s", self.shutdown_grace_s, 0.0)
+        if not isinstance(self.healthd_address, str):
+            raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
+        if not isinstance(self.task, TaskConfig):
+            raise ConfigError(f"task must be a TaskConfig, got {type(self.task).__name__}")
+        if self.expected_workers > self.task.data.num_shards:
+            raise ConfigError(
+                f"expected_workers ({self.expected_workers}) must be <= the number of shards "
+                f"({self.task.data.num_shards}); raise --shards"
+            )
+        self.core_config()  # the core's own checks (outer lr/momentum, quorum against expected workers)
+
+    def core_config(self) -> CoordinatorConfig:
+        """The pure core's configuration."""
+        return CoordinatorConfig(
+            rounds=RoundConfig(
+                mode=self.mode,
+                min_quorum=self.min_quorum,
+                grace_max_s=self.grace_max_s,
+                max_staleness=self.max_staleness,
+            ),
+            outer=OuterConfig(self.outer, self.outer_lr, self.outer_momentum),
+            merge=self.merge,
+            local_steps=self.local_steps,
+            min_local_steps=self.min_local_steps,
+            dynamic_local_steps=not self.fixed_local_steps and self.mode != "sync",
+            expected_workers=self.expected_workers,
+            target_outer_steps=self.target_outer_steps,
+        )
+
+
+def _int_in(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+        raise ConfigError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _float_min(name: str, value: object, lo: float, *, open_: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = value > lo if open_ else value >= lo  # type: ignore[operator]
+    if not ok:
+        raise ConfigError(f"{name} must be a finite number {'>' if open_ else '>='} {lo}, got {value!r}")
+
+
+def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}: unknown value {value!r}; allowed: {', '.join(allowed)}")
+
+
+# --- flags and environment ------------------------------------------------------------------------------------
+
+
+def env_name(flag: str) -> str:
+    """`--checkpoint-dir` -> `DILOCO_CHECKPOINT_DIR`."""
+    return "DILOCO_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors become `ConfigError` (the caller prints them and exits 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see --help)")
+
+
+# (flag, type, default, help); the env fallback of each is env_name(flag)
+_SERVICE_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+    ("--host", str, "127.0.0.1", "address to bind"),
+    ("--port", int, 0, "gRPC port (0: a free port)"),
+    ("--metrics-port", int, -1, "Prometheus port (-1: disabled, 0: a free port)"),
+    ("--checkpoint-dir", str, "", "folder for checkpoints ('' : none)"),
+    ("--checkpoint-every", int, 5, "rounds between checkpoints"),
+    ("--keep-checkpoints", int, 3, "checkpoints to keep"),
+    ("--mode", str, "decoupled", f"round policy: {', '.join(MODES)}"),
+    ("--min-quorum", int, 2, "K: submissions a decoupled round needs"),
+    ("--grace-max-s", float, 2.0, "longest grace window after the K-th arrival"),
+    ("--max-staleness", int, 4, "refuse pseudo-gradients staler than this"),
+    ("--local-steps", int, 30, "H: inner steps per round for the fastest learner"),
+    ("--min-local-steps", int, 5, "H_min"),
+    ("--fixed-local-steps", _bool, False, "same H for every learner (true/false)"),
+    ("--codec", str, "int8", f"upload codec: {', '.join(CODEC_NAMES)}"),
+    ("--outer", str, "nesterov", f"outer optimizer: {', '.join(OUTER_NAMES)}"),
+    ("--outer-lr", float, 0.7, "outer learning rate"),
+    ("--outer-momentum", float, 0.9, "outer momentum"),
+    ("--merge", str, "mean", f"merge: {', '.join(MERGE_NAMES)}"),
+    ("--expected-workers", int, 0, "M at start (0: unknown)"),
+    ("--target-outer-steps", int, 0, "stop applying rounds after this many (0: never)"),
+    ("--healthd-address", str, "", "HOST:PORT of healthd, told to learners"),
+    ("--eval-every", int, 1, "rounds between validation evaluations (0: never)"),
+    ("--eval-batches", int, 4, "validation batches per evaluation"),
+    ("--seed", int, 0, "seed of the initial parameters"),
+    ("--max-upload-bytes", int, 0, "largest pseudo-gradient payload (0: fp32 model size + 1%)"),
+    ("--upload-ttl-s", float, 120.0, "how long an interrupted upload is kept for a resume"),
+    ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
+    ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
+]
+_TASK_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+    ("--task-json", str, "", "the whole task as JSON (TaskConfig.to_json); overrides the task flags below"),
+    ("--data", str, "stdlib", "'stdlib', a text file or folder, or a uint16 .bin file"),
+    ("--max-bytes", int, 2_000_000, "cap on corpus size in bytes (0: none)"),
+    ("--shards", int, 16, "number of data shards"),
+    ("--d-model", int, 64, "model width"),
+    ("--layers", int, 2, "transformer layers"),
+    ("--heads", int, 4, "attention heads"),
+    ("--seq-len", int, 64, "sequence length"),
+    ("--batch-size", int, 8, "inner batch size"),
+    ("--inner-lr", float, 3e-3, "inner AdamW learning rate"),
+    ("--warmup-steps", int, 20, "inner warmup steps"),
+    ("--total-steps", int, 2000, "inner steps of the cosine schedule"),
+    ("--factory", str, "", "your own model/data: 'package.module:function'"),
+]
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m services.coordinator",
+        description="Run the Decoupled DiLoCo coordinator. Every flag falls back to DILOCO_<FLAG> in the environment.",
+    )
+    for group_name, flags in (("service", _SERVICE_FLAGS), ("task", _TASK_FLAGS)):
+        group = p.add_argument_group(group_name)
+        for flag, conv, default, text in flags:
+            name = env_name(flag)
+            raw = env.get(name)
+            try:
+                value = default if raw is None else conv(raw)
+            except ValueError as e:
+                raise ConfigError(f"environment {name}={raw!r} is not valid for {flag}: {e}") from e
+            group.add_argument(flag, type=conv, default=value, help=f"{text} (env {name}; default {default!r})")
+    return p
+
+
+def task_from_args(a: argparse.Namespace) -> TaskConfig:
+    if a.task_json:
+        task = TaskConfig.from_json(a.task_json)
+        return task
+    return TaskConfig(
+        model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads),
+        data=DataConfig(source=a.data, num_shards=a.shards, max_bytes=a.max_bytes),
+        inner=InnerConfig(
+            lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
+        ),
+        factory=a.factory,
+    )
+
+
+def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorServiceConfig:
+    """Read the configuration from flags (`argv`, default `sys.argv[1:]`) with environment fallbacks (`env`,
+    default `os.environ`). Raises `ConfigError` with a message naming the flag or field."""
+    env = os.environ if env is None else env
+    a = build_parser(env).parse_args(argv)
+    return CoordinatorServiceConfig(
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every=a.checkpoint_every,
+        keep_checkpoints=a.keep_checkpoints,
+        mode=a.mode,
+        min_quorum=a.min_quorum,
+        grace_max_s=a.grace_max_s,
+        max_staleness=a.max_staleness,
+        local_steps=a.local_steps,
+        min_local_steps=a.min_local_steps,
+        fixed_local_steps=a.fixed_local_steps,
+        codec=a.codec,
+        outer=a.outer,
+        outer_lr=a.outer_lr,
+        outer_momentum=a.outer_momentum,
+        merge=a.merge,
+        expected_workers=a.expected_workers,
+        target_outer_steps=a.target_outer_steps,
+        healthd_address=a.healthd_address,
+        eval_every=a.eval_every,
+        eval_batches=a.eval_batches,
+        seed=a.seed,
+        task=task_from_args(a),
+        max_upload_bytes=a.max_upload_bytes,
+        upload_ttl_s=a.upload_ttl_s,
+        shutdown_grace_s=a.shutdown_grace_s,
+        log_level=a.log_level,
+    )

@@ -1,0 +1,52 @@
+"""The coordinator's Prometheus metrics, in a registry of their own (several servers may share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_PREFIX = "diloco_coordinator_"
+
+
+class CoordinatorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry if registry is not None else CollectorRegistry()
+        self.rounds = Counter(_PREFIX + "rounds", "Outer steps applied", registry=r)
+        self.version = Gauge(_PREFIX + "version", "Global parameter version", registry=r)
+        self.live_workers = Gauge(_PREFIX + "live_workers", "Active or draining learners", registry=r)
+        self.pending_submissions = Gauge(
+            _PREFIX + "pending_submissions", "Accepted submissions waiting for their round", registry=r
+        )
+        self.round_staleness = Histogram(
+            _PREFIX + "round_staleness",
+            "Staleness (versions) of each applied submission",
+            buckets=(0, 1, 2, 3, 4, 6, 8, 16),
+            registry=r,
+        )
+        self.submission_tokens = Histogram(
+            _PREFIX + "submission_tokens",
+            "Tokens trained per accepted submission",
+            buckets=(256, 1024, 4096, 16384, 65536, 262144, 1 << 20, 1 << 22, 1 << 24),
+            registry=r,
+        )
+        self.pseudo_gradient_norm = Gauge(
+            _PREFIX + "pseudo_gradient_norm", "L2 norm of the last merged pseudo-gradient", registry=r
+        )
+        self.upload_bytes = Counter(_PREFIX + "upload_bytes", "Pseudo-gradient payload bytes received", registry=r)
+        self.download_bytes = Counter(_PREFIX + "download_bytes", "Parameter payload bytes sent", registry=r)
+        self.upload_seconds = Histogram(
+            _PREFIX + "upload_seconds",
+            "From an upload's header to its acceptance",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.rejected = Counter(
+            _PREFIX + "rejected_submissions", "Refused submissions by reason", ["reason"], registry=r
+        )
+        self.reassignments = Counter(
+            _PREFIX + "reassignments", "Shards moved off dead, departed or evicted learners", registry=r
+        )
+        self.validation_loss = Gauge(
+            _PREFIX + "validation_loss", "Validation loss of the global parameters", registry=r
+        )
+        self.checkpoints = Counter(_PREFIX + "checkpoints", "Checkpoints written", registry=r)
+        self.validation_loss.set(float("nan"))

@@ -1,0 +1,270 @@
+"""Server wiring: build the task and the core, resume from a checkpoint, serve gRPC (with health and
+reflection) and Prometheus, and run the background work (round deadlines, evaluation, checkpoints)."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from diloco import log as logging
+from diloco.core.coordinator import CoordinatorCore, RoundApplied
+from diloco.errors import ConfigError, InvalidArgument
+from diloco.rpc.metrics import serve_metrics
+from diloco.rpc.server import GrpcService
+from diloco.task.data import evaluate
+from diloco.task.factory import Task, build_task
+from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
+from diloco.v1 import coordinator_pb2_grpc
+from services.coordinator import checkpoint
+from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.servicer import CoordinatorServicer
+from services.coordinator.state import CoordinatorState
+
+SERVICE_NAME = "diloco.v1.Coordinator"
+GRPC_THREADS = 64  # every following watcher holds one
+
+
+def default_max_upload_bytes(numel: int) -> int:
+    """The fp32 size of the model plus 1%."""
+    return 4 * numel + math.ceil(4 * numel / 100)
+
+
+class CoordinatorServer:
+    """The coordinator service in-process: `start()` builds everything and returns the bound port,
+    `stop(grace_s)` drains and writes a final checkpoint. Both are safe to call twice."""
+
+    def __init__(self, cfg: CoordinatorServiceConfig, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.metrics = CoordinatorMetrics()
+        self.log = logging.get("coordinator")
+        self.metrics_port = -1
+        self.resumed_from: Path | None = None
+        self._lifecycle = threading.Lock()
+        self._started = False
+        self._stopped = threading.Event()
+        self._state: CoordinatorState | None = None
+        self._grpc: GrpcService | None = None
+        self._metrics_server: Any = None
+        self._threads: list[threading.Thread] = []
+        self._task: Task | None = None
+        self._eval_model: nn.Module | None = None
+        self._jobs = threading.Condition()
+        self._jobs_stop = False
+        self._eval_request: tuple[int, torch.Tensor] | None = None
+        self._ckpt_request: dict[str, Any] | None = None
+        self._ckpt_lock = threading.Lock()
+        self._last_ckpt_version = -1
+
+    # --- accessors ------------------------------------------------------------------------------------------------
+    @property
+    def state(self) -> CoordinatorState:
+        if self._state is None:
+            raise RuntimeError("the coordinator is not started; call start() first")
+        return self._state
+
+    @property
+    def core(self) -> CoordinatorCore:
+        return self.state.core
+
+    @property
+    def task(self) -> Task:
+        if self._task is None:
+            raise RuntimeError("the coordinator is not started; call start() first")
+        return self._task
+
+    @property
+    def port(self) -> int:
+        return self._grpc.port if self._grpc else 0
+
+    @property
+    def address(self) -> str:
+        if self._grpc is None:
+            raise RuntimeError("the coordinator is not started; call start() first")
+        return self._grpc.address
+
+    # --- lifecycle ------------------------------------------------------------------------------------------------
+    def start(self) -> int:
+        with self._lifecycle:
+            if self._started:
+                if self._stopped.is_set():
+                    raise RuntimeError("a stopped CoordinatorServer cannot be started again; make a new one")
+                return self.port
+            self._build()
+            self._started = True
+            return self.port
+
+    def _build(self) -> None:
+        cfg = self.cfg
+        task = build_task(cfg.task)
+        model = task.model_fn(cfg.seed)
+        params = flatten_params(model).detach().to("cpu", torch.float32).clone()
+        specs = param_specs(model)
+        shard_lengths = [task.corpus.shard_length(i) for i in range(task.corpus.num_shards)]
+        core = CoordinatorCore(cfg.core_config(), params, shard_lengths, merge_segments(model))
+        if cfg.checkpoint_dir:
+            found = checkpoint.load_latest(cfg.checkpoint_dir)
+            if found is not None:
+                snap, path = found
+                try:
+                    core.restore(snap)
+                except InvalidArgument as e:
+                    raise ConfigError(
+                        f"checkpoint {path} does not fit this run ({e}); point --checkpoint-dir elsewhere "
+                        "or start the run with its original task"
+                    ) from e
+                self.resumed_from = path
+                self._last_ckpt_version = core.version
+        epoch = time.time_ns()
+        state = CoordinatorState(
+            core,
+            coordinator_epoch=epoch,
+            fingerprint=task.fingerprint,
+            codec=cfg.codec,
+            max_upload_bytes=cfg.max_upload_bytes or default_max_upload_bytes(params.numel()),
+            upload_ttl_s=cfg.upload_ttl_s,
+            max_partial_uploads=cfg.max_partial_uploads,
+            metrics=self.metrics,
+            clock=self.clock,
+            on_round=self._on_round,
+        )
+        self.log = logging.get("coordinator", epoch=epoch)
+        if self.resumed_from is not None:
+            self.log.info("checkpoint.restored", path=str(self.resumed_from), version=core.version)
+        self._task, self._eval_model, self._state = task, model, state
+        servicer = CoordinatorServicer(
+            state,
+            task=task.config,
+            specs=specs,
+            mode=cfg.mode,
+            healthd_address=cfg.healthd_address,
+            checkpoint=self.checkpoint_now,
+        )
+        service = GrpcService(cfg.host, cfg.port, [SERVICE_NAME], max_workers=GRPC_THREADS)
+        service.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
+        self._threads = [
+            threading.Thread(target=state.run_poller, name="coordinator-rounds", daemon=True),
+            threading.Thread(target=self._jobs_loop, name="coordinator-jobs", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        if cfg.eval_every:
+            with self._jobs:
+                self._eval_request = state.eval_params()
+                self._jobs.notify_all()
+        self._grpc = service
+        service.start()
+        self._metrics_server, self.metrics_port = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
+        self.log.info(
+            "coordinator.serving",
+            address=service.address,
+            metrics_port=self.metrics_port,
+            version=core.version,
+            mode=cfg.mode,
+            codec=cfg.codec,
+            numel=params.numel(),
+            shards=len(shard_lengths),
+            fingerprint=task.fingerprint,
+        )
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain: health NOT_SERVING, end parameter streams, let in-flight calls finish for `grace_s`, stop the
+        background threads and write a final checkpoint. Safe to call twice."""
+        with self._lifecycle:
+            if not self._started or self._stopped.is_set():
+                self._stopped.set()
+                return
+            grace = self.cfg.shutdown_grace_s if grace_s is None else grace_s
+            self.log.info("coordinator.stopping", grace_s=grace)
+            state = self.state
+            state.stop()
+            if self._grpc is not None:
+                self._grpc.stop(grace)
+            with self._jobs:
+                self._jobs_stop = True
+                self._jobs.notify_all()
+            for t in self._threads:
+                t.join()
+            if self.cfg.checkpoint_dir and self._last_ckpt_version != self.core.version:
+                self.checkpoint_now()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
+            self._stopped.set()
+            self.log.info("coordinator.stopped", version=self.core.version)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until `stop` has finished (or the timeout passes)."""
+        return self._stopped.wait(timeout_s)
+
+    # --- after every round ----------------------------------------------------------------------------------------
+    def _on_round(self, applied: RoundApplied) -> None:
+        """Called under the state lock: hand evaluation and checkpointing to the jobs thread (newest wins)."""
+        cfg, core = self.cfg, self.core
+        v = applied.version
+        want_eval = bool(cfg.eval_every) and (v % cfg.eval_every == 0 or core.finished)
+        want_ckpt = bool(cfg.checkpoint_dir) and (v % cfg.checkpoint_every == 0 or core.finished)
+        if not (want_eval or want_ckpt):
+            return
+        with self._jobs:
+            if want_eval:
+                self._eval_request = (v, core.params.detach().clone())
+            if want_ckpt:
+                self._ckpt_request = core.snapshot()
+            self._jobs.notify_all()
+
+    def _jobs_loop(self) -> None:
+        while True:
+            with self._jobs:
+                while not (self._jobs_stop or self._eval_request or self._ckpt_request):
+                    self._jobs.wait()
+                ckpt, ev = self._ckpt_request, self._eval_request
+                self._ckpt_request = self._eval_request = None
+                stopping = self._jobs_stop
+            if ckpt is not None:
+                try:
+                    self._write_checkpoint(ckpt)
+                except Exception:
+                    self.log.exception("checkpoint.failed", version=ckpt.get("version"))
+            if ev is not None and not stopping:
+                try:
+                    self._evaluate(*ev)
+                except Exception:
+                    self.log.exception("eval.failed", version=ev[0])
+            if stopping:
+                return
+
+    def _evaluate(self, version: int, params: torch.Tensor) -> None:
+        model, task = self._eval_model, self.task
+        assert model is not None
+        load_flat_(model, params)
+        cfg = task.config
+        loss = evaluate(
+            model, task.corpus, cfg.inner.batch_size, cfg.model.seq_len, self.cfg.eval_batches, torch.device("cpu")
+        )
+        self.state.set_validation(version, loss)
+
+    def _write_checkpoint(self, snap: dict[str, Any]) -> Path:
+        started = time.monotonic()
+        with self._ckpt_lock:
+            path = checkpoint.save(self.cfg.checkpoint_dir, snap, keep=self.cfg.keep_checkpoints)
+            version = int(snap["version"])
+            self._last_ckpt_version = max(self._last_ckpt_version, version)
+        self.metrics.checkpoints.inc()
+        self.log.info("checkpoint.saved", path=str(path), version=version, seconds=round(time.monotonic() - started, 3))
+        return path
+
+    def checkpoint_now(self) -> tuple[Path, int] | None:
+        """Write a checkpoint of the current applied state; None when checkpoints are off."""
+        if not self.cfg.checkpoint_dir:
+            return None
+        snap = self.state.snapshot()
+        return self._write_checkpoint(snap), int(snap["version"])

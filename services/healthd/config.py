@@ -1,0 +1,146 @@
+"""healthd configuration: flags with `DILOCO_*` environment fallbacks, read here and nowhere else.
+
+Every flag `--some-name` falls back to the environment variable `DILOCO_SOME_NAME` (e.g. `--dead-after-s` and
+`DILOCO_DEAD_AFTER_S`), then to the default below. A flag given on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from diloco.core.failure import DetectorConfig
+from diloco.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class HealthdConfig:
+    """Everything healthd needs; validated at construction (`ConfigError` names the field)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
+    coordinator_address: str = ""  # HOST:PORT to report dead workers and throughput to; "": track only
+    heartbeat_interval_s: float = 0.5
+    suspect_after_missed: int = 2
+    dead_after_s: float = 2.0
+    forget_after_s: float = 3600.0  # dead/left nodes leave the table this long after their last heartbeat
+    report_timeout_s: float = 2.0  # deadline of each call to the coordinator
+    shutdown_grace_s: float = 2.0  # how long SIGTERM waits for in-flight calls
+    # Server threads. Each heartbeat stream and each event watcher holds one for its lifetime, so this bounds the
+    # number of nodes plus watchers; keep it above the fleet size with room to spare.
+    max_streams: int = 256
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError(f"host must be a non-empty address, got {self.host!r}")
+        _int_in("port", self.port, 0, 65535)
+        _int_in("metrics_port", self.metrics_port, -1, 65535)
+        addr = self.coordinator_address
+        if not isinstance(addr, str) or (addr and (addr != addr.strip() or ":" not in addr)):
+            raise ConfigError(f"coordinator_address must be HOST:PORT or '' (no reporting), got {addr!r}")
+        _positive("report_timeout_s", self.report_timeout_s)
+        if not (isinstance(self.shutdown_grace_s, (int, float)) and math.isfinite(self.shutdown_grace_s)) or (
+            self.shutdown_grace_s < 0
+        ):
+            raise ConfigError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s!r}")
+        _int_in("max_streams", self.max_streams, 4, 100_000)
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"log_level: unknown value {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}")
+        self.detector()  # the detector's own checks (dead_after_s above the suspect threshold, ...)
+
+    def detector(self) -> DetectorConfig:
+        """The pure failure detector's configuration."""
+        return DetectorConfig(
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            suspect_after_missed=self.suspect_after_missed,
+            dead_after_s=self.dead_after_s,
+            forget_after_s=self.forget_after_s,
+        )
+
+
+def _int_in(name: str, value: object, lo: int, hi: int) -> None:
+    if not (isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi):
+        raise ConfigError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+
+
+def _positive(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    if not ok:
+        raise ConfigError(f"{name} must be a finite number > 0 (seconds), got {value!r}")
+
+
+# --- flags and environment ------------------------------------------------------------------------------------
+
+
+def env_name(flag: str) -> str:
+    """`--dead-after-s` -> `DILOCO_DEAD_AFTER_S`."""
+    return "DILOCO_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Argument errors become `ConfigError` (the caller prints them and exits 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message}")
+
+
+_d = HealthdConfig()
+_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+    ("--host", str, _d.host, "address to bind"),
+    ("--port", int, _d.port, "gRPC port (0: a free port)"),
+    ("--metrics-port", int, _d.metrics_port, "Prometheus port (-1: disabled, 0: a free port)"),
+    ("--coordinator-address", str, _d.coordinator_address, "HOST:PORT of the coordinator ('': do not report)"),
+    ("--heartbeat-interval-s", float, _d.heartbeat_interval_s, "expected time between heartbeats"),
+    ("--suspect-after-missed", int, _d.suspect_after_missed, "missed heartbeats before a node is suspect"),
+    ("--dead-after-s", float, _d.dead_after_s, "silence before a node is declared dead"),
+    ("--forget-after-s", float, _d.forget_after_s, "silence before a dead or left node leaves the table"),
+    ("--report-timeout-s", float, _d.report_timeout_s, "deadline of each call to the coordinator"),
+    ("--shutdown-grace-s", float, _d.shutdown_grace_s, "how long SIGTERM waits for in-flight calls"),
+    ("--max-streams", int, _d.max_streams, "server threads: heartbeat streams plus watchers it can hold"),
+    ("--log-level", str, _d.log_level, f"log level: {', '.join(LOG_LEVELS)}"),
+]
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="python -m services.healthd",
+        description="Run healthd, the failure detector. Every flag falls back to DILOCO_<FLAG> in the environment.",
+    )
+    for flag, conv, default, text in _FLAGS:
+        name = env_name(flag)
+        raw = env.get(name)
+        try:
+            value = default if raw is None else conv(raw)
+        except ValueError as e:
+            raise ConfigError(f"environment {name}={raw!r} is not valid for {flag}: {e}") from e
+        p.add_argument(flag, type=conv, default=value, help=f"{text} (env {name}; default {default!r})")
+    return p
+
+
+def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> HealthdConfig:
+    """Read the configuration from flags (`argv`, default `sys.argv[1:]`) with environment fallbacks (`env`,
+    default `os.environ`). Raises `ConfigError` with a message naming the flag or field."""
+    env = os.environ if env is None else env
+    a = build_parser(env).parse_args(argv)
+    return HealthdConfig(
+        host=a.host,
+        port=a.port,
+        metrics_port=a.metrics_port,
+        coordinator_address=a.coordinator_address,
+        heartbeat_interval_s=a.heartbeat_interval_s,
+        suspect_after_missed=a.suspect_after_missed,
+        dead_after_s=a.dead_after_s,
+        forget_after_s=a.forget_after_s,
+        report_timeout_s=a.report_timeout_s,
+        shutdown_grace_s=a.shutdown_grace_s,
+        max_streams=a.max_streams,
+        log_level=a.log_level,
+    )

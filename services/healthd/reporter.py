@@ -1,0 +1,245 @@
+"""Calls from healthd to the coordinator, on a thread of their own so a slow or absent coordinator never blocks
+heartbeats.
+
+- Dead workers (`ReportNodeFailure`): queued, retried (`diloco.rpc.retry`, deadline on every call) and, when a
+  round of retries fails, put back and tried again after `retry_pause_s` until delivered or healthd stops. A
+  non-retryable status drops the report with an error log. The call is idempotent: the coordinator answers
+  `known=false` for a worker it already dropped.
+- Throughput (`ReportThroughput`): at most once per `throughput_interval_s` per node, one attempt, dropped when
+  the coordinator does not answer (the next heartbeat brings a fresher value anyway).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from diloco.core.failure import Throughput
+from diloco.rpc.retry import RetryConfig, call_with_retry, is_retryable
+from diloco.rpc.server import channel
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.healthd.metrics import HealthdMetrics
+
+# Reconnect quickly after the coordinator comes back (gRPC's default backoff grows to two minutes).
+
+
+@dataclass(frozen=True)
+class FailureReport:
+    worker_id: str
+    reason: str
+    last_seen_unix_s: float
+    declared_dead_unix_s: float
+
+
+@dataclass
+class _Pending:
+    report: FailureReport
+    not_before: float  # monotonic
+    attempts: int = 0
+
+
+class CoordinatorReporter:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        metrics: HealthdMetrics,
+        log: Any,
+        clock: Callable[[], float] = time.time,
+        retry: RetryConfig | None = None,
+        retry_pause_s: float = 1.0,
+        throughput_interval_s: float = 1.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.metrics = metrics
+        self.log = log
+        self.clock = clock
+        # Bounded so that stop() is never held up for long by a round of retries.
+        self.retry = retry or RetryConfig(
+            max_attempts=4, max_total_s=max(3.0, 2 * timeout_s), initial_backoff_s=0.05, max_backoff_s=0.5
+        )
+        self.retry_pause_s = retry_pause_s
+        self.throughput_interval_s = throughput_interval_s
+        self._monotonic = monotonic
+        self._cond = threading.Condition()
+        self._failures: deque[_Pending] = deque()
+        self._throughput: dict[str, Throughput] = {}
+        self._throughput_sent_at: dict[str, float] = {}
+        self._stopping = False
+        self._busy = False
+        self._thread: threading.Thread | None = None
+        self._channel: grpc.Channel | None = None
+        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+
+    # --- producer side (any thread, never blocks on the network) ----------------------------------------------
+    def report_failure(self, report: FailureReport) -> None:
+        with self._cond:
+            if self._stopping:
+                return
+            self._failures.append(_Pending(report, not_before=self._monotonic()))
+            self._cond.notify_all()
+
+    def offer_throughput(self, node_id: str, throughput: Throughput) -> bool:
+        """Queue `throughput` for the coordinator unless this node's last one was queued less than
+        `throughput_interval_s` ago. Returns whether it was queued."""
+        now = self._monotonic()
+        with self._cond:
+            if self._stopping:
+                return False
+            last = self._throughput_sent_at.get(node_id)
+            if last is not None and now - last < self.throughput_interval_s:
+                return False
+            self._throughput_sent_at[node_id] = now
+            self._throughput[node_id] = throughput
+            self._cond.notify_all()
+            return True
+
+    def forget(self, node_id: str) -> None:
+        """The node is gone (dead or left): drop its throughput state."""
+        with self._cond:
+            self._throughput.pop(node_id, None)
+            self._throughput_sent_at.pop(node_id, None)
+
+    def idle(self) -> bool:
+        """Nothing queued and no call in flight (for tests and shutdown logs)."""
+        with self._cond:
+            return not self._failures and not self._throughput and not self._busy
+
+    def pending_failures(self) -> int:
+        with self._cond:
+            return len(self._failures)
+
+    # --- lifecycle --------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._channel = channel(self.address)
+            self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+            self._thread = threading.Thread(target=self._run, name="healthd-reporter", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop the thread; reports still queued are logged and dropped (a restarted healthd rebuilds its table
+        from heartbeats). Safe to call more than once."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread, chan = self._thread, self._channel
+            self._channel = None
+        if chan is not None:
+            chan.close()  # cancels a call in flight
+        if thread is not None:
+            thread.join(timeout_s)
+        with self._cond:
+            dropped = [p.report.worker_id for p in self._failures]
+            self._failures.clear()
+        if dropped:
+            self.log.warning("node.report_dropped", node_ids=dropped, reason="healthd stopping")
+
+    # --- the reporter thread ----------------------------------------------------------------------------------
+    def _next_job(self) -> _Pending | tuple[str, Throughput] | None:
+        """Wait for work: a due failure report first, else a throughput report. None: stopping."""
+        with self._cond:
+            while True:
+                self._busy = False
+                if self._stopping:
+                    return None
+                now = self._monotonic()
+                due = [p for p in self._failures if p.not_before <= now]
+                if due:
+                    self._failures.remove(due[0])
+                    self._busy = True
+                    return due[0]
+                if self._throughput:
+                    node_id = next(iter(self._throughput))
+                    self._busy = True
+                    return node_id, self._throughput.pop(node_id)
+                wake = min((p.not_before for p in self._failures), default=None)
+                self._cond.wait(None if wake is None else max(0.0, wake - now))
+
+    def _run(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                return
+            try:
+                if isinstance(job, _Pending):
+                    self._send_failure(job)
+                else:
+                    self._send_throughput(*job)
+            except Exception as e:  # never let the thread die; a closed channel during stop lands here
+                if not self._stopping:
+                    self.log.error("reporter.error", error=repr(e))
+
+    def _send_failure(self, pending: _Pending) -> None:
+        r = pending.report
+        stub = self._stub
+        if stub is None:
+            return
+        req = coordinator_pb2.ReportNodeFailureRequest(
+            worker_id=r.worker_id,
+            reason=r.reason,
+            last_seen_unix_s=r.last_seen_unix_s,
+            declared_dead_unix_s=r.declared_dead_unix_s,
+        )
+        pending.attempts += 1
+        try:
+            resp = call_with_retry(
+                lambda: stub.ReportNodeFailure(req, timeout=self.timeout_s), "ReportNodeFailure", self.retry
+            )
+        except grpc.RpcError as e:
+            if self._stopping:
+                return
+            self.metrics.report_failures.inc()
+            retry = is_retryable(e)
+            self.log.warning(
+                "node.report_failed",
+                node_id=r.worker_id,
+                code=e.code().name,
+                detail=e.details(),
+                attempts=pending.attempts,
+                will_retry=retry,
+                retry_in_s=self.retry_pause_s if retry else None,
+            )
+            if retry:
+                pending.not_before = self._monotonic() + self.retry_pause_s
+                with self._cond:
+                    self._failures.append(pending)
+            return
+        self.metrics.reports.inc()
+        self.log.info(
+            "node.reported",
+            node_id=r.worker_id,
+            known=resp.known,
+            reassigned_shards=list(resp.reassigned_shards),
+            silence_s=round(r.declared_dead_unix_s - r.last_seen_unix_s, 3),
+            report_latency_s=round(self.clock() - r.declared_dead_unix_s, 3),
+            attempts=pending.attempts,
+        )
+
+    def _send_throughput(self, node_id: str, tp: Throughput) -> None:
+        stub = self._stub
+        if stub is None:
+            return
+        req = coordinator_pb2.ReportThroughputRequest(
+            worker_id=node_id,
+            throughput=common_pb2.Throughput(
+                tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind
+            ),
+        )
+        try:
+            stub.ReportThroughput(req, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            self.metrics.throughput_dropped.inc()
+            self.log.debug("throughput.dropped", node_id=node_id, code=e.code().name)
+            return
+        self.metrics.throughput_forwarded.inc()

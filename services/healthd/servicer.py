@@ -1,0 +1,138 @@
+"""The HealthDaemon gRPC servicer: decode the request into domain types, call the monitor, encode the reply.
+Domain errors become status codes in `diloco.rpc.status`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Protocol
+
+import grpc
+
+from diloco.core.failure import NodeEvent, NodeRole, NodeState, NodeView, Throughput
+from diloco.errors import InvalidArgument
+from diloco.rpc.status import streaming, unary
+from diloco.v1 import common_pb2, healthd_pb2, healthd_pb2_grpc
+from services.healthd.hub import Subscription
+
+SERVICE_NAME = "diloco.v1.HealthDaemon"
+
+ROLE_FROM_PB = {healthd_pb2.NODE_ROLE_WORKER: NodeRole.WORKER, healthd_pb2.NODE_ROLE_COORDINATOR: NodeRole.COORDINATOR}
+ROLE_TO_PB = {v: k for k, v in ROLE_FROM_PB.items()}
+STATE_TO_PB = {
+    NodeState.ALIVE: healthd_pb2.NODE_STATE_ALIVE,
+    NodeState.SUSPECT: healthd_pb2.NODE_STATE_SUSPECT,
+    NodeState.DEAD: healthd_pb2.NODE_STATE_DEAD,
+    NodeState.LEFT: healthd_pb2.NODE_STATE_LEFT,
+}
+
+
+class MonitorLike(Protocol):
+    """What the servicer needs from the service (`services.healthd.monitor.Monitor`)."""
+
+    @property
+    def dead_after_s(self) -> float: ...
+
+    def heartbeat(
+        self, node_id: str, role: NodeRole, throughput: Throughput | None = None, version: int = 0
+    ) -> NodeState: ...
+
+    def leave(self, node_id: str) -> NodeState: ...
+
+    def nodes(self) -> list[NodeView]: ...
+
+    def subscribe(self) -> Subscription: ...
+
+
+def decode_role(role: int) -> NodeRole:
+    try:
+        return ROLE_FROM_PB[role]  # type: ignore[index]
+    except KeyError:
+        raise InvalidArgument(
+            f"role must be NODE_ROLE_WORKER or NODE_ROLE_COORDINATOR, got {role}; set HeartbeatRequest.role"
+        ) from None
+
+
+def decode_throughput(req: healthd_pb2.HeartbeatRequest) -> Throughput | None:
+    if not req.HasField("throughput"):
+        return None
+    tp = req.throughput
+    return Throughput(tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind)
+
+
+def encode_throughput(tp: Throughput | None) -> common_pb2.Throughput | None:
+    if tp is None:
+        return None
+    return common_pb2.Throughput(tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind)
+
+
+def encode_node(view: NodeView) -> healthd_pb2.NodeInfo:
+    return healthd_pb2.NodeInfo(
+        node_id=view.node_id,
+        role=ROLE_TO_PB[view.role],
+        state=STATE_TO_PB[view.state],
+        last_seen_unix_s=view.last_seen,
+        throughput=encode_throughput(view.throughput),
+        version=view.version,
+        heartbeats=view.heartbeats,
+    )
+
+
+def encode_event(ev: NodeEvent) -> healthd_pb2.NodeEvent:
+    previous = STATE_TO_PB[ev.previous_state] if ev.previous_state is not None else healthd_pb2.NODE_STATE_UNSPECIFIED
+    return healthd_pb2.NodeEvent(
+        node_id=ev.node_id,
+        state=STATE_TO_PB[ev.state],
+        previous_state=previous,
+        at_unix_s=ev.at,
+        reason=ev.reason,
+    )
+
+
+class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
+    def __init__(self, monitor: MonitorLike) -> None:
+        self.monitor = monitor
+
+    @streaming
+    def Heartbeat(
+        self, request_iterator: Iterable[healthd_pb2.HeartbeatRequest], context: grpc.ServicerContext
+    ) -> Iterator[healthd_pb2.HeartbeatResponse]:
+        node_id: str | None = None
+        last_sequence: int | None = None
+        for req in request_iterator:
+            if node_id is not None and req.node_id != node_id:
+                raise InvalidArgument(
+                    f"this stream carries heartbeats of node {node_id!r}, got {req.node_id!r}; open one stream per node"
+                )
+            if last_sequence is not None and req.sequence <= last_sequence:
+                raise InvalidArgument(
+                    f"sequence must increase within a stream: got {req.sequence} after {last_sequence}"
+                )
+            role = decode_role(req.role)
+            if req.leaving:
+                state = self.monitor.leave(req.node_id)
+            else:
+                state = self.monitor.heartbeat(req.node_id, role, decode_throughput(req), req.version)
+            node_id, last_sequence = req.node_id, req.sequence
+            yield healthd_pb2.HeartbeatResponse(
+                sequence=req.sequence, state=STATE_TO_PB[state], dead_after_s=self.monitor.dead_after_s
+            )
+
+    @unary
+    def ListNodes(
+        self, request: healthd_pb2.ListNodesRequest, context: grpc.ServicerContext
+    ) -> healthd_pb2.ListNodesResponse:
+        return healthd_pb2.ListNodesResponse(nodes=[encode_node(v) for v in self.monitor.nodes()])
+
+    @streaming
+    def WatchNodeEvents(
+        self, request: healthd_pb2.WatchNodeEventsRequest, context: grpc.ServicerContext
+    ) -> Iterator[healthd_pb2.NodeEvent]:
+        sub = self.monitor.subscribe()
+        context.add_callback(sub.close)  # the watcher cancels or goes away
+        # Headers go out once the subscription exists: a client that waits for them misses no later event.
+        context.send_initial_metadata(())
+        try:
+            for ev in sub:
+                yield encode_event(ev)
+        finally:
+            sub.close()

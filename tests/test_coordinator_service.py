@@ -1,0 +1,701 @@
+"""The coordinator service in-process on port 0, through a real gRPC channel: registration, parameter streams,
+uploads (happy path, every kind of bad input, idempotency, resume), checkpoints and the operator RPCs."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from diloco.core.codecs import get_codec
+from diloco.errors import ConfigError
+from diloco.rpc.payload import PayloadReceiver, meta_from_proto, meta_to_proto
+from diloco.rpc.server import channel
+from diloco.task.params import ParamSpec, param_specs
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator import checkpoint
+from services.coordinator.__main__ import main
+from services.coordinator.config import CoordinatorServiceConfig, parse
+from services.coordinator.server import CoordinatorServer
+from tests.conftest import tiny_task
+
+pytestmark = pytest.mark.timeout(60)
+
+pb = coordinator_pb2
+CHUNK = 16 << 10  # small chunks, so a tiny model's payload still spans several
+T = 5.0  # deadline of every unary call in these tests
+
+
+def config(**kw: Any) -> CoordinatorServiceConfig:
+    base: dict[str, Any] = {"task": tiny_task(), "eval_every": 0, "grace_max_s": 30.0, "min_quorum": 2}
+    return CoordinatorServiceConfig(**{**base, **kw})
+
+
+@dataclass
+class Env:
+    server: CoordinatorServer
+    stub: coordinator_pb2_grpc.CoordinatorStub
+    chan: grpc.Channel
+    specs: list[ParamSpec]
+
+    @property
+    def numel(self) -> int:
+        return self.server.core.params.numel()
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., Env]]:
+    made: list[Env] = []
+
+    def _start(**kw: Any) -> Env:
+        srv = CoordinatorServer(config(**kw))
+        srv.start()
+        chan = channel(srv.address)
+        env = Env(srv, coordinator_pb2_grpc.CoordinatorStub(chan), chan, param_specs(srv.task.model_fn(0)))
+        made.append(env)
+        return env
+
+    yield _start
+    for env in made:
+        env.chan.close()
+        env.server.stop(0)
+
+
+@pytest.fixture
+def env(start: Callable[..., Env]) -> Env:
+    return start()
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll a condition until it holds or the deadline passes."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def register(env: Env, name: str = "w") -> pb.RegisterResponse:
+    resp: pb.RegisterResponse = env.stub.Register(
+        pb.RegisterRequest(worker_name=name, model_fingerprint=env.server.task.fingerprint), timeout=T
+    )
+    return resp
+
+
+def make_upload(
+    env: Env,
+    reg: pb.RegisterResponse,
+    sid: str,
+    *,
+    codec: str = "fp32",
+    delta: torch.Tensor | None = None,
+    tokens: int = 128,
+    seed: int = 0,
+) -> tuple[pb.SubmissionHeader, bytes, torch.Tensor]:
+    """A valid submission against the learner's current plan: (header, encoded payload, the delta)."""
+    got = env.stub.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=reg.worker_id), timeout=T)
+    lease = got.plan.shards[0]
+    if delta is None:
+        delta = torch.randn(env.numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
+    data, meta = get_codec(codec).encode(delta)
+    header = pb.SubmissionHeader(
+        worker_id=reg.worker_id,
+        coordinator_epoch=reg.coordinator_epoch,
+        submission_id=sid,
+        base_version=got.version,
+        tokens=tokens,
+        steps=1,
+        ranges=[
+            common_pb2.ShardRange(
+                shard_id=lease.shard_id, epoch=lease.epoch, start=lease.cursor, end=lease.cursor + tokens
+            )
+        ],
+        payload=meta_to_proto(meta, env.specs),
+        plan_seq=got.plan.plan_seq,
+    )
+    return header, data, delta
+
+
+def requests(header: pb.SubmissionHeader | None, data: bytes, offset: int = 0) -> list[pb.SubmitPseudoGradientRequest]:
+    msgs = [pb.SubmitPseudoGradientRequest(header=header)] if header is not None else []
+    msgs += [pb.SubmitPseudoGradientRequest(data=data[i : i + CHUNK]) for i in range(offset, len(data), CHUNK)]
+    return msgs
+
+
+def submit(env: Env, header: pb.SubmissionHeader, data: bytes) -> pb.SubmitPseudoGradientResponse:
+    resp: pb.SubmitPseudoGradientResponse = env.stub.SubmitPseudoGradient(iter(requests(header, data)), timeout=T)
+    return resp
+
+
+def fetch_params(env: Env, after: int = 0) -> tuple[pb.ParametersHeader, torch.Tensor]:
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=after), timeout=T))
+    header = msgs[0].header
+    receiver = PayloadReceiver(meta_from_proto(header.payload), env.numel)
+    for m in msgs[1:]:
+        receiver.feed(m.data)
+    return header, receiver.finish()
+
+
+def frozen(env: Env) -> tuple[torch.Tensor, bytes, int]:
+    """Global parameters, the ledger and the version, to check that a refused call changed nothing."""
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    return env.server.core.params.clone(), ledger.SerializeToString(deterministic=True), ledger.version
+
+
+def assert_unchanged(env: Env, before: tuple[torch.Tensor, bytes, int]) -> None:
+    params, ledger, version = frozen(env)
+    assert torch.equal(params, before[0]) and ledger == before[1] and version == before[2]
+    assert env.server.core.acc.count == 0
+
+
+def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    err: Any = info.value
+    return err.code(), err.details()
+
+
+# --- registration and parameters ----------------------------------------------------------------------------------
+def test_register_returns_id_plan_and_settings(env: Env) -> None:
+    reg = register(env)
+    assert reg.worker_id and reg.coordinator_epoch > 0 and reg.version == 0
+    assert len(reg.plan.shards) == 8 and reg.plan.local_steps == 30 and reg.plan.plan_seq >= 1
+    assert reg.mode == pb.ROUND_MODE_DECOUPLED and reg.codec == common_pb2.CODEC_INT8
+    assert reg.task_json == tiny_task().to_json() and '"batch_size": 4' in reg.inner_json
+    # an empty fingerprint means "send me the task": the learner adopts task_json
+    assert env.stub.Register(pb.RegisterRequest(worker_name="observer-ish"), timeout=T).worker_id
+
+
+def test_register_refuses_another_model_and_bad_names(env: Env) -> None:
+    code, details = code_of(
+        lambda: env.stub.Register(pb.RegisterRequest(worker_name="w", model_fingerprint="0" * 16), timeout=T)
+    )
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "task_json" in details
+    code, _ = code_of(lambda: env.stub.Register(pb.RegisterRequest(worker_name=""), timeout=T))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert not env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers
+
+
+def test_health_and_reflection_are_served(env: Env) -> None:
+    health = health_pb2_grpc.HealthStub(env.chan)
+    resp = health.Check(health_pb2.HealthCheckRequest(service="diloco.v1.Coordinator"), timeout=T)
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_watch_parameters_streams_version_zero_then_each_new_version(env: Env) -> None:
+    header, params = fetch_params(env)
+    assert header.version == 0 and header.coordinator_epoch == env.server.state.epoch
+    assert [t.name for t in header.payload.tensors] == [s.name for s in env.specs]
+    assert torch.equal(params, env.server.core.params)
+    reg = register(env)
+    call = env.stub.WatchParameters(pb.WatchParametersRequest(worker_id=reg.worker_id, follow=True), timeout=30)
+    stream = iter(call)
+    first = next(stream)
+    assert first.header.version == 0 and len(first.header.plan.shards) == 8
+    receiver = PayloadReceiver(meta_from_proto(first.header.payload), env.numel)
+    while receiver.received < receiver.meta.encoded_bytes:
+        receiver.feed(next(stream).data)
+    h, data, _ = make_upload(env, reg, "s1")
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+    second = next(stream)
+    assert second.header.version == 1 and list(second.header.applied_submission_ids) == ["s1"]
+    assert second.header.plan.shards[0].cursor == h.ranges[0].end
+    call.cancel()
+    # not following: nothing newer than the current version means an empty stream
+    assert not list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=1), timeout=T))
+    code, _ = code_of(
+        lambda: list(env.stub.WatchParameters(pb.WatchParametersRequest(worker_id="nobody-9"), timeout=T))
+    )
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_stop_ends_following_parameter_streams(env: Env) -> None:
+    call = env.stub.WatchParameters(pb.WatchParametersRequest(follow=True), timeout=30)
+    got = list(itertools.islice(call, 2))  # header and the one data chunk of version 0
+    assert got[0].header.version == 0
+    env.server.stop(5.0)
+    assert list(call) == [] and call.code() == grpc.StatusCode.OK
+    health = health_pb2_grpc.HealthStub(env.chan)
+    assert code_of(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=T))[0] == grpc.StatusCode.UNAVAILABLE
+
+
+# --- submissions --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_submission_closes_a_round_and_commits_the_ledger(env: Env, codec: str) -> None:
+    reg = register(env)
+    before = env.server.core.params.clone()
+    h, data, delta = make_upload(env, reg, "s1", codec=codec)
+    resp = submit(env, h, data)
+    assert resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED and resp.version == 1 and resp.round == 1
+    assert resp.staleness == 0
+    decoded = get_codec(codec).decode(data, meta_from_proto(h.payload))
+    torch.testing.assert_close(env.server.core.params, before - 0.7 * 1.9 * decoded)  # first Nesterov step
+    if codec == "fp32":
+        assert torch.equal(decoded, delta)
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    shard = ledger.shards[h.ranges[0].shard_id]
+    assert ledger.version == 1 and shard.committed == shard.accepted == h.ranges[0].end
+    assert [(r.start, r.end) for r in shard.committed_ranges] == [(h.ranges[0].start, h.ranges[0].end)]
+    status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
+    assert status.version == 1 and status.tokens_applied == 128 and status.bytes_received == len(data)
+    header, params = fetch_params(env)
+    assert header.version == 1 and torch.equal(params, env.server.core.params)
+
+
+Mutation = Callable[[pb.SubmissionHeader, bytes], tuple[pb.SubmissionHeader | None, bytes]]
+
+
+def _set(**fields: Any) -> Mutation:
+    def mutate(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+        for k, v in fields.items():
+            setattr(h, k, v)
+        return h, data
+
+    return mutate
+
+
+def _payload(**fields: Any) -> Mutation:
+    def mutate(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+        for k, v in fields.items():
+            setattr(h.payload, k, v)
+        return h, data
+
+    return mutate
+
+
+def _range(**fields: int) -> Mutation:
+    def mutate(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+        for k, v in fields.items():
+            setattr(h.ranges[0], k, getattr(h.ranges[0], k) + v)
+        return h, data
+
+    return mutate
+
+
+def _no_header(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    return None, data
+
+
+def _wrong_shape(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    h.payload.tensors[0].shape[0] += 1
+    return h, data
+
+
+def _truncated(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    return h, data[: len(data) - 100]
+
+
+def _flipped(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    corrupt = bytearray(data)
+    corrupt[len(data) // 2] ^= 0x01  # the low mantissa bit of an fp32 value: still finite, wrong crc
+    return h, bytes(corrupt)
+
+
+def _extra(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    return h, data + b"\0" * 8
+
+
+def _oversized(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    n = h.payload.numel
+    h.payload.codec, h.payload.topk_count, h.payload.encoded_bytes = common_pb2.CODEC_TOPK, n, 8 * n
+    return h, b""
+
+
+def _nan(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+    values = torch.frombuffer(bytearray(data), dtype=torch.float32).clone()
+    values[7] = float("nan")
+    nan_data, meta = get_codec("fp32").encode(values)
+    h.payload.crc32 = meta.crc32
+    return h, nan_data
+
+
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+BAD_INPUTS: dict[str, tuple[Mutation, grpc.StatusCode]] = {
+    "no-header-first": (_no_header, INVALID),
+    "wrong-numel": (_payload(numel=10), INVALID),
+    "wrong-tensor-shape": (_wrong_shape, INVALID),
+    "unknown-codec-enum": (_payload(codec=99), INVALID),
+    "nan-fp32": (_nan, INVALID),
+    "truncated": (_truncated, INVALID),
+    "checksum-mismatch": (_flipped, INVALID),
+    "extra-bytes": (_extra, INVALID),
+    "oversized": (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "empty-submission-id": (_set(submission_id=""), INVALID),
+    "tokens-disagree-with-ranges": (_set(tokens=127), INVALID),
+    "unknown-worker": (_set(worker_id="nobody-9"), grpc.StatusCode.NOT_FOUND),
+    "future-base-version": (_set(base_version=5), PRECONDITION),
+    "stale-shard-epoch": (_range(epoch=-1), PRECONDITION),
+    "wrong-cursor": (_range(start=64, end=64), PRECONDITION),
+    "wrong-coordinator-epoch": (_set(coordinator_epoch=1), PRECONDITION),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_bad_submissions_are_refused_and_change_nothing(env: Env, case: str) -> None:
+    mutate, expected = BAD_INPUTS[case]
+    reg = register(env)
+    h, data, _ = make_upload(env, reg, "s1")
+    before = frozen(env)
+    header, payload = mutate(h, data)
+    code, details = code_of(lambda: env.stub.SubmitPseudoGradient(iter(requests(header, payload)), timeout=T))
+    assert code == expected, details
+    assert details
+    assert_unchanged(env, before)
+    assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).rejected_submissions == 1
+
+
+def test_too_stale_submission_is_refused(start: Callable[..., Env]) -> None:
+    env = start(max_staleness=1)
+    reg = register(env)
+    for i in range(2):
+        h, data, _ = make_upload(env, reg, f"s{i}", seed=i)
+        submit(env, h, data)
+    h, data, _ = make_upload(env, reg, "late")
+    h.base_version = 0
+    before = frozen(env)
+    code, details = code_of(lambda: submit(env, h, data))
+    assert code == PRECONDITION and "stale" in details
+    assert_unchanged(env, before)
+
+
+def test_duplicate_submission_is_idempotent(start: Callable[..., Env]) -> None:
+    env = start(expected_workers=2)
+    a, b = register(env, "a"), register(env, "b")
+    h, data, _ = make_upload(env, a, "a1")
+    first = submit(env, h, data)
+    assert first.outcome == pb.SUBMISSION_OUTCOME_ACCEPTED and first.round == 1
+    pending = frozen(env)
+    again = submit(env, h, data)
+    assert again.outcome == pb.SUBMISSION_OUTCOME_ACCEPTED and again.round == 1
+    assert torch.equal(env.server.core.params, pending[0]) and env.server.core.acc.count == 1
+    hb, data_b, _ = make_upload(env, b, "b1", seed=1)
+    assert submit(env, hb, data_b).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+    applied = frozen(env)
+    third = submit(env, h, data)
+    assert third.outcome == pb.SUBMISSION_OUTCOME_APPLIED and third.round == 1 and third.version == 1
+    status = env.stub.GetUploadStatus(pb.GetUploadStatusRequest(worker_id=a.worker_id, submission_id="a1"), timeout=T)
+    assert status.complete and status.received_bytes == len(data)
+    assert_unchanged(env, applied)
+    assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).version == 1
+
+
+def test_interrupted_upload_resumes_from_the_bytes_held(env: Env) -> None:
+    reg = register(env)
+    h, data, _ = make_upload(env, reg, "big")
+    msgs = requests(h, data)
+    half = len(msgs) // 2
+    held = min(len(data), (half - 1) * CHUNK)
+    release = threading.Event()
+
+    def first_attempt() -> Iterator[pb.SubmitPseudoGradientRequest]:
+        yield from msgs[:half]
+        release.wait(20)
+
+    future = env.stub.SubmitPseudoGradient.future(first_attempt(), timeout=30)
+
+    def status() -> pb.GetUploadStatusResponse:
+        req = pb.GetUploadStatusRequest(worker_id=reg.worker_id, submission_id="big")
+        resp: pb.GetUploadStatusResponse = env.stub.GetUploadStatus(req, timeout=T)
+        return resp
+
+    wait_for("half the chunks to arrive", lambda: status().received_bytes == held)
+    future.cancel()  # the link breaks
+    release.set()
+    assert status().received_bytes == held and not status().complete
+    wrong = pb.SubmissionHeader()
+    wrong.CopyFrom(h)
+    wrong.resume_offset = held + 1
+    code, details = code_of(lambda: env.stub.SubmitPseudoGradient(iter(requests(wrong, data, held + 1)), timeout=T))
+    assert code == PRECONDITION and f"resume from offset {held}" in details
+    h.resume_offset = held
+    resp = env.stub.SubmitPseudoGradient(iter(requests(h, data, held)), timeout=T)
+    assert resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED and resp.version == 1
+    assert status().complete
+    assert env.server.state.partial_uploads() == 0
+
+
+def test_truncated_upload_keeps_its_bytes_for_a_resume(env: Env) -> None:
+    reg = register(env)
+    h, data, _ = make_upload(env, reg, "t1")
+    cut = 2 * CHUNK
+    code, details = code_of(lambda: env.stub.SubmitPseudoGradient(iter(requests(h, data[:cut])), timeout=T))
+    assert code == INVALID and f"resume from offset {cut}" in details
+    h.resume_offset = cut
+    assert env.stub.SubmitPseudoGradient(iter(requests(h, data, cut)), timeout=T).version == 1
+
+
+def test_decoupled_round_closes_at_the_grace_deadline(start: Callable[..., Env]) -> None:
+    env = start(expected_workers=2, min_quorum=1, grace_max_s=0.2)
+    a, _ = register(env, "a"), register(env, "b")
+    h, data, _ = make_upload(env, a, "a1")
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
+    wait_for("the grace window to close the round", lambda: env.server.core.version == 1)
+    assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).pending_submissions == 0
+
+
+def test_validation_loss_is_evaluated_after_rounds(start: Callable[..., Env]) -> None:
+    env = start(eval_every=1, eval_batches=1, metrics_port=0)
+    reg = register(env)
+    h, data, _ = make_upload(env, reg, "s1")
+    submit(env, h, data)
+    wait_for("an evaluation of version 1", lambda: env.server.state.validation_version == 1)
+    loss = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).validation_loss
+    assert 0 < loss < 10
+    body = urllib.request.urlopen(f"http://127.0.0.1:{env.server.metrics_port}/metrics", timeout=T).read().decode()
+    assert "diloco_coordinator_rounds_total 1.0" in body and "diloco_coordinator_validation_loss" in body
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------------
+def one_round(env: Env, reg: pb.RegisterResponse, sid: str, seed: int = 0) -> None:
+    h, data, _ = make_upload(env, reg, sid, seed=seed)
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+
+
+def test_restart_resumes_version_params_and_ledger(start: Callable[..., Env], tmp_path: Path) -> None:
+    env = start(checkpoint_dir=str(tmp_path), checkpoint_every=1000)
+    reg = register(env)
+    one_round(env, reg, "s1")
+    saved = env.stub.Checkpoint(pb.CheckpointRequest(), timeout=T)
+    assert saved.version == 1 and Path(saved.path).exists()
+    params, ledger = env.server.core.params.clone(), env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    h, data, _ = make_upload(env, reg, "s2")  # made against the old coordinator
+    env.server.stop(1.0)
+    env.server.stop(1.0)  # idempotent
+    again = start(checkpoint_dir=str(tmp_path))
+    assert again.server.resumed_from == Path(saved.path)
+    assert again.server.core.version == 1 and torch.equal(again.server.core.params, params)
+    resumed = again.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    assert [(s.committed, list(s.committed_ranges)) for s in resumed.shards] == [
+        (s.committed, list(s.committed_ranges)) for s in ledger.shards
+    ]
+    assert again.server.state.epoch != reg.coordinator_epoch
+    code, details = code_of(lambda: submit(again, h, data))
+    assert code == PRECONDITION and "register again" in details
+    new = register(again)
+    one_round(again, new, "s3")
+    assert again.server.core.version == 2
+
+
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(start: Callable[..., Env], tmp_path: Path) -> None:
+    env = start(checkpoint_dir=str(tmp_path), checkpoint_every=1)
+    reg = register(env)
+    one_round(env, reg, "s1")
+    first = env.stub.Checkpoint(pb.CheckpointRequest(), timeout=T)
+    params_v1 = env.server.core.params.clone()
+    one_round(env, reg, "s2", seed=1)
+    env.server.stop(1.0)  # writes version 2 on the way out (if the jobs thread has not yet)
+    newest = checkpoint.checkpoint_path(tmp_path, 2)
+    assert newest.exists()
+    blob = bytearray(newest.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    newest.write_bytes(bytes(blob))
+    again = start(checkpoint_dir=str(tmp_path))
+    assert again.server.resumed_from == Path(first.path)
+    assert again.server.core.version == 1 and torch.equal(again.server.core.params, params_v1)
+
+
+def test_checkpoint_files_are_atomic_checksummed_and_pruned(tmp_path: Path) -> None:
+    for v in range(5):
+        checkpoint.save(tmp_path, {"version": v, "params": torch.full((3,), float(v))}, keep=3)
+    assert [v for v, _ in checkpoint.list_checkpoints(tmp_path)] == [4, 3, 2]
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    snap, path = checkpoint.load_latest(tmp_path) or ({}, None)
+    assert snap["version"] == 4 and path == checkpoint.checkpoint_path(tmp_path, 4)
+    checkpoint.checkpoint_path(tmp_path, 4).write_bytes(b"DLCKPT01" + b"\0" * 40)  # torn write
+    checkpoint.checkpoint_path(tmp_path, 3).write_bytes(checkpoint.checkpoint_path(tmp_path, 3).read_bytes()[:-10])
+    snap, path = checkpoint.load_latest(tmp_path) or ({}, None)
+    assert snap["version"] == 2 and torch.equal(snap["params"], torch.full((3,), 2.0))
+    assert checkpoint.load_latest(tmp_path / "missing") is None
+
+
+def test_checkpoint_rpc_without_a_folder_is_refused(env: Env) -> None:
+    code, details = code_of(lambda: env.stub.Checkpoint(pb.CheckpointRequest(), timeout=T))
+    assert code == PRECONDITION and "--checkpoint-dir" in details
+
+
+# --- operator and membership RPCs ---------------------------------------------------------------------------------
+def state_of(env: Env, worker_id: str) -> int:
+    workers = env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers
+    return next(w.state for w in workers if w.worker_id == worker_id)
+
+
+def test_status_workers_and_ledger(start: Callable[..., Env]) -> None:
+    env = start(expected_workers=2)
+    a, b = register(env, "a"), register(env, "b")
+    status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
+    assert status.mode == pb.ROUND_MODE_DECOUPLED and status.live_workers == 2 and status.codec == "int8"
+    assert status.min_quorum == 2 and status.coordinator_epoch == a.coordinator_epoch and not status.paused
+    assert status.validation_loss != status.validation_loss  # NaN: never evaluated (eval_every=0)
+    assert status.started_unix_s > 0 and not status.finished
+    workers = env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers
+    assert [w.worker_name for w in workers] == ["a", "b"]
+    assert all(w.state == common_pb2.WORKER_STATE_ACTIVE and len(w.shards) == 4 for w in workers)
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    assert len(ledger.shards) == 8 and {s.owner for s in ledger.shards} == {a.worker_id, b.worker_id}
+    env.stub.ReportThroughput(
+        pb.ReportThroughputRequest(worker_id=a.worker_id, throughput=common_pb2.Throughput(tokens_per_s=100.0)),
+        timeout=T,
+    )
+    assert env.server.core.worker(a.worker_id).speed == 100.0
+
+
+def test_node_failure_reassigns_shards_once(start: Callable[..., Env]) -> None:
+    env = start(expected_workers=2)
+    a, b = register(env, "a"), register(env, "b")
+    owned = sorted(s.shard_id for s in b.plan.shards)
+    req = pb.ReportNodeFailureRequest(
+        worker_id=b.worker_id, reason="missed heartbeats", declared_dead_unix_s=time.time()
+    )
+    resp = env.stub.ReportNodeFailure(req, timeout=T)
+    assert resp.known and sorted(resp.reassigned_shards) == owned
+    assert state_of(env, b.worker_id) == common_pb2.WORKER_STATE_DEAD
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    assert {s.owner for s in ledger.shards} == {a.worker_id}
+    assert not env.stub.ReportNodeFailure(req, timeout=T).known  # already gone
+    assert not env.stub.ReportNodeFailure(pb.ReportNodeFailureRequest(worker_id="nobody-9"), timeout=T).known
+    code, _ = code_of(lambda: env.stub.ReportNodeFailure(pb.ReportNodeFailureRequest(), timeout=T))
+    assert code == INVALID
+    code, _ = code_of(lambda: env.stub.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=b.worker_id), timeout=T))
+    assert code == PRECONDITION
+
+
+def test_a_pending_round_closes_when_the_missing_learner_dies(start: Callable[..., Env]) -> None:
+    env = start(mode="sync", expected_workers=2)
+    a, b = register(env, "a"), register(env, "b")
+    h, data, _ = make_upload(env, a, "a1")
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
+    env.stub.ReportNodeFailure(pb.ReportNodeFailureRequest(worker_id=b.worker_id), timeout=T)
+    assert env.server.core.version == 1
+
+
+def test_drain_evict_release_and_deregister(start: Callable[..., Env]) -> None:
+    env = start(expected_workers=3)
+    a, b, c = register(env, "a"), register(env, "b"), register(env, "c")
+    drained = env.stub.DrainWorker(pb.DrainWorkerRequest(worker_id=a.worker_id), timeout=T)
+    assert drained.state == common_pb2.WORKER_STATE_DRAINING
+    assert not env.stub.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=a.worker_id), timeout=T).plan.shards
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    owned_by_b = sorted(s.shard_id for s in ledger.shards if s.owner == b.worker_id)
+    evicted = env.stub.EvictWorker(pb.EvictWorkerRequest(worker_id=b.worker_id, reason="misbehaves"), timeout=T)
+    assert owned_by_b and sorted(evicted.reassigned_shards) == owned_by_b
+    assert state_of(env, b.worker_id) == common_pb2.WORKER_STATE_EVICTED
+    released = env.stub.ReleaseWorker(pb.ReleaseWorkerRequest(worker_id=c.worker_id), timeout=T)
+    assert released.state == common_pb2.WORKER_STATE_ACTIVE
+    code, _ = code_of(lambda: env.stub.ReleaseWorker(pb.ReleaseWorkerRequest(worker_id=b.worker_id), timeout=T))
+    assert code == PRECONDITION
+    env.stub.Deregister(pb.DeregisterRequest(worker_id=c.worker_id, reason="SIGTERM"), timeout=T)
+    assert state_of(env, c.worker_id) == common_pb2.WORKER_STATE_LEFT
+    code, _ = code_of(lambda: env.stub.DrainWorker(pb.DrainWorkerRequest(worker_id=c.worker_id), timeout=T))
+    assert code == PRECONDITION
+
+
+def test_pause_holds_rounds_and_resume_applies_them(env: Env) -> None:
+    reg = register(env)
+    assert env.stub.Pause(pb.PauseRequest(), timeout=T).paused
+    h, data, _ = make_upload(env, reg, "s1")
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
+    assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).paused and env.server.core.version == 0
+    assert not env.stub.Resume(pb.ResumeRequest(), timeout=T).paused
+    assert env.server.core.version == 1
+
+
+RPCS_WITH_A_WORKER: dict[str, Callable[[coordinator_pb2_grpc.CoordinatorStub, str], object]] = {
+    "GetWorkPlan": lambda s, w: s.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=w), timeout=T),
+    "GetUploadStatus": lambda s, w: s.GetUploadStatus(
+        pb.GetUploadStatusRequest(worker_id=w, submission_id="x"), timeout=T
+    ),
+    "Deregister": lambda s, w: s.Deregister(pb.DeregisterRequest(worker_id=w), timeout=T),
+    "ReportThroughput": lambda s, w: s.ReportThroughput(pb.ReportThroughputRequest(worker_id=w), timeout=T),
+    "DrainWorker": lambda s, w: s.DrainWorker(pb.DrainWorkerRequest(worker_id=w), timeout=T),
+    "EvictWorker": lambda s, w: s.EvictWorker(pb.EvictWorkerRequest(worker_id=w), timeout=T),
+    "ReleaseWorker": lambda s, w: s.ReleaseWorker(pb.ReleaseWorkerRequest(worker_id=w), timeout=T),
+}
+
+
+@pytest.mark.parametrize("rpc", list(RPCS_WITH_A_WORKER))
+def test_unknown_and_empty_worker_ids(env: Env, rpc: str) -> None:
+    call = RPCS_WITH_A_WORKER[rpc]
+    assert code_of(lambda: call(env.stub, "nobody-9"))[0] == grpc.StatusCode.NOT_FOUND
+    assert code_of(lambda: call(env.stub, ""))[0] == INVALID
+
+
+# --- configuration and the entry point ----------------------------------------------------------------------------
+def test_parse_reads_flags_with_env_fallbacks() -> None:
+    env = {"DILOCO_MODE": "sync", "DILOCO_CODEC": "bf16", "DILOCO_PORT": "7000", "DILOCO_SHARDS": "4"}
+    cfg = parse(["--port", "7001", "--d-model", "32", "--heads", "2"], env)
+    assert (cfg.mode, cfg.codec, cfg.port) == ("sync", "bf16", 7001)
+    assert cfg.task.data.num_shards == 4 and cfg.task.model.d_model == 32
+    assert parse([], {"DILOCO_TASK_JSON": tiny_task().to_json()}).task == tiny_task()
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "field"),
+    [
+        (["--mode", "fast"], {}, "mode"),
+        ([], {"DILOCO_CODEC": "int3"}, "codec"),
+        ([], {"DILOCO_PORT": "http"}, "DILOCO_PORT"),
+        (["--min-local-steps", "99"], {}, "min_local_steps"),
+        (["--expected-workers", "40"], {}, "expected_workers"),
+        (["--bogus"], {}, "bogus"),
+    ],
+)
+def test_bad_configuration_names_the_field(argv: list[str], env: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse(argv, env)
+
+
+def test_main_exits_2_on_bad_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--mode", "fast"], {}) == 2
+    assert "mode" in capsys.readouterr().err
+
+
+def test_python_m_services_coordinator_serves_and_drains_on_sigterm(tmp_path: Path) -> None:
+    task = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4"]
+    args = [*task, "--max-bytes", "400000", "--shards", "8", "--checkpoint-dir", str(tmp_path)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.coordinator", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "DILOCO_EVAL_EVERY": "0"},
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        assert proc.stdout is not None
+        port = 0
+        for line in proc.stdout:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") == "coordinator.started":
+                port = int(event["port"])
+                break
+        assert port > 0, "the coordinator never reported coordinator.started"
+        with channel(f"127.0.0.1:{port}") as chan:
+            status = coordinator_pb2_grpc.CoordinatorStub(chan).GetStatus(pb.GetStatusRequest(), timeout=T)
+            assert status.version == 0
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert '"coordinator.stopped"' in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert checkpoint.load_latest(tmp_path) is not None
