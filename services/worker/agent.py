@@ -110,6 +110,7 @@ class Worker:
         self.task_json = ""
         self.device = torch.device(cfg.device) if cfg.device else pick_device()
         self.exit_reason = ""
+        self.leaving = threading.Event()  # deregistered: the last heartbeat says so, so healthd sees no failure
         self._threads: list[threading.Thread] = []
 
     # --- lifecycle --------------------------------------------------------------------------------------------
@@ -575,11 +576,12 @@ class Worker:
             chan.close()
 
     def _beats(self, session: Session) -> Iterator[healthd_pb2.HeartbeatRequest]:
+        """One heartbeat per interval; after a clean deregistration a last one says the node is leaving."""
         seq = 0
-        while not session.ended.is_set():
+        while True:
             seq += 1
             tp = self.trainer.throughput() if self.trainer else None
-            leaving = self.stop_event.is_set()
+            leaving = self.leaving.is_set()
             yield healthd_pb2.HeartbeatRequest(
                 node_id=session.worker_id,
                 role=healthd_pb2.NODE_ROLE_WORKER,
@@ -593,5 +595,8 @@ class Worker:
                 steps_done=self.trainer.steps_done if self.trainer else 0,
                 leaving=leaving,
             )
-            if leaving or session.ended.wait(self.cfg.heartbeat_interval_s):
+            if leaving:
+                return
+            self.leaving.wait(self.cfg.heartbeat_interval_s)  # wakes at once when the worker leaves
+            if session.ended.is_set() and not self.leaving.is_set():
                 return

@@ -1,0 +1,163 @@
+"""Multi-process tests: real healthd, coordinator and worker processes on loopback, with faults injected by
+signals (SIGKILL, SIGSTOP/SIGCONT) while training goes on. Each run must finish with a validation loss clearly
+below the untrained model's, and the ledger must show every committed token range exactly once."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from diloco.cli.ctl import state_name
+from diloco.cluster import ClusterConfig, LocalCluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+UNTRAINED_LOSS = math.log(256)  # a byte-level model that knows nothing
+TASK = (
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "8",
+    "--max-bytes",
+    "400000",
+    "--shards",
+    "8",
+    "--eval-batches",
+    "2",
+)
+
+
+def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
+    """Poll `predicate` until true; returns the seconds it took. Fails with `what` on timeout."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except grpc.RpcError:
+            pass
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    overrides = getattr(request, "param", {})
+    # workers slowed down 8x, so a run lasts long enough (tens of seconds) to inject faults in the middle of it
+    cfg = ClusterConfig(
+        workers=3,
+        mode="decoupled",
+        slowdowns=(8.0, 8.0, 8.0),
+        outer_steps=30,
+        local_steps=10,
+        min_local_steps=2,
+        min_quorum=2,
+        codec="int8",
+        dead_after_s=2.0,
+        heartbeat_interval_s=0.25,
+        checkpoint_every=2,
+        run_dir=tmp_path,
+        task_args=TASK,
+        **overrides,
+    )
+    c = LocalCluster(cfg)
+    try:
+        c.start(timeout_s=60)
+        yield c
+    finally:
+        c.stop(grace_s=10)
+
+
+def worker_state(c: LocalCluster, name: str) -> str:
+    ws = [w for w in c.workers().workers if w.worker_name == name]
+    return state_name(max(ws, key=lambda w: w.registered_unix_s).state) if ws else "unknown"
+
+
+def assert_exactly_once(c: LocalCluster) -> None:
+    ledger = c.ledger()
+    total = 0
+    for shard in ledger.shards:
+        cursor = 0
+        for r in shard.committed_ranges:
+            assert r.start == cursor, f"shard {shard.shard_id}: range {r.start}-{r.end} leaves a gap or overlaps"
+            cursor = r.end
+        assert cursor == shard.committed
+        total += shard.committed
+    assert total == c.status().tokens_applied, "ledger and applied tokens disagree"
+
+
+def assert_finished_and_learned(c: LocalCluster) -> None:
+    wait_for("training to finish", lambda: c.status().finished, timeout_s=150, interval_s=0.2)
+    status = c.status()
+    assert status.validation_loss < UNTRAINED_LOSS - 1.0, f"loss {status.validation_loss} did not drop"
+    assert_exactly_once(c)
+
+
+def test_sigkill_worker_is_reassigned_within_the_window(cluster: LocalCluster) -> None:
+    wait_for("a first round", lambda: cluster.status().version >= 2, timeout_s=60)
+    victim = "worker2"
+    cluster.kill(victim)
+    killed = time.monotonic()
+    wait_for(f"{victim} declared dead", lambda: worker_state(cluster, victim) == "dead", timeout_s=10)
+    reassigned = time.monotonic() - killed
+    ledger = cluster.ledger()
+    dead_ids = {w.worker_id for w in cluster.workers().workers if w.worker_name == victim}
+    assert not any(s.owner in dead_ids for s in ledger.shards), "a dead worker still owns shards"
+    assert reassigned < 5.0, f"reassignment took {reassigned:.2f} s (window 5 s)"
+    version = cluster.status().version
+    wait_for("training to go on", lambda: cluster.status().version > version, timeout_s=60)
+    assert_finished_and_learned(cluster)
+
+
+def test_sigstop_worker_is_reassigned_then_rejoins(cluster: LocalCluster) -> None:
+    wait_for("a first round", lambda: cluster.status().version >= 2, timeout_s=60)
+    victim = "worker1"
+    cluster.signal(victim, signal.SIGSTOP)
+    stopped = time.monotonic()
+    wait_for(f"{victim} declared dead", lambda: worker_state(cluster, victim) == "dead", timeout_s=10)
+    assert time.monotonic() - stopped < 5.0
+    version = cluster.status().version
+    wait_for("training to go on without it", lambda: cluster.status().version > version, timeout_s=60)
+    cluster.signal(victim, signal.SIGCONT)
+    wait_for(
+        f"{victim} to rejoin as a new incarnation", lambda: worker_state(cluster, victim) == "active", timeout_s=30
+    )
+    incarnations = [w for w in cluster.workers().workers if w.worker_name == victim]
+    assert len(incarnations) >= 2
+    assert_finished_and_learned(cluster)
+
+
+def test_coordinator_restart_resumes_from_checkpoint(cluster: LocalCluster) -> None:
+    wait_for("a checkpoint", lambda: cluster.status().version >= 4, timeout_s=90)
+    before = cluster.status().version
+    cluster.kill("coordinator")
+    cluster.start_coordinator()
+    cluster.wait_serving(cluster.coordinator_address, timeout_s=30)
+    resumed = cluster.status().version
+    assert resumed >= before - 2, f"resumed at {resumed}, last checkpoint was at or after {before - before % 2}"
+    assert resumed >= 2
+    wait_for("workers to re-register", lambda: cluster.status().live_workers == 3, timeout_s=30)
+    assert_finished_and_learned(cluster)
+
+
+def test_healthd_restart_never_stops_training(cluster: LocalCluster) -> None:
+    wait_for("a first round", lambda: cluster.status().version >= 2, timeout_s=60)
+    cluster.kill("healthd")
+    version = cluster.status().version
+    wait_for("rounds while healthd is down", lambda: cluster.status().version >= version + 2, timeout_s=60)
+    cluster.start_healthd()
+    cluster.wait_serving(cluster.healthd_address, timeout_s=30)
+    wait_for("healthd to rebuild its table", lambda: len(cluster.nodes().nodes) >= 3, timeout_s=15)
+    assert_finished_and_learned(cluster)
