@@ -17,7 +17,7 @@ $(BIN)/diloco: pyproject.toml
 setup: $(BIN)/diloco
 
 run: setup
-	$(BIN)/diloco simulate --mode decoupled --speeds 1,1,0.5,0.25 --outer-steps 20 --plot runs-loss.png
+	$(BIN)/diloco local --workers 4 --mode decoupled --slowdown 1,1,1,4 --outer-steps 30
 
 test: setup
 	$(BIN)/ruff check .

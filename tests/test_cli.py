@@ -1,0 +1,84 @@
+"""The operator CLI against a real in-process coordinator, and the worker's configuration errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from diloco.cli.main import main
+from diloco.errors import ConfigError
+from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.server import CoordinatorServer
+from services.worker.config import parse as parse_worker
+from tests.conftest import tiny_task
+
+
+@pytest.fixture
+def coordinator() -> Iterator[CoordinatorServer]:
+    server = CoordinatorServer(CoordinatorServiceConfig(task=tiny_task(8), expected_workers=2))
+    server.start()
+    yield server
+    server.stop(0)
+
+
+def ctl(address: str, *args: str) -> list[str]:
+    return ["ctl", "--coordinator", address, *args]
+
+
+def test_ctl_status_workers_ledger_json(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
+    coordinator.core.register("w0", 0.0)
+    assert main(ctl(coordinator.address, "status", "--json")) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["live_workers"] == 1 and status["mode"] == "ROUND_MODE_DECOUPLED"
+    assert main(ctl(coordinator.address, "workers", "--json")) == 0
+    workers = json.loads(capsys.readouterr().out)["workers"]
+    assert [w["worker_name"] for w in workers] == ["w0"]
+    assert main(ctl(coordinator.address, "ledger")) == 0
+    assert "shard ledger at version 0" in capsys.readouterr().out
+
+
+def test_ctl_pause_resume_and_drain(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
+    worker_id = coordinator.core.register("w0", 0.0).worker_id
+    assert main(ctl(coordinator.address, "pause")) == 0
+    assert coordinator.core.paused
+    assert main(ctl(coordinator.address, "resume")) == 0
+    assert not coordinator.core.paused
+    assert main(ctl(coordinator.address, "drain", worker_id)) == 0
+    assert coordinator.core.workers[worker_id].state == "draining"
+
+
+def test_ctl_errors_are_clear(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(ctl(coordinator.address, "evict", "ghost-1")) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="give a WORKER_ID"):
+        main(ctl(coordinator.address, "evict"))
+
+
+def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["local", "--workers", "2", "-K", "3"]) == 2
+    assert "min_quorum" in capsys.readouterr().err
+    assert main(["local", "--workers", "2", "--slowdown", "1,0.5"]) == 2
+    assert "--slowdown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "field"),
+    [
+        ([], {}, "coordinator"),
+        (["--coordinator", "nohostport"], {}, "coordinator"),
+        (["--coordinator", "h:1", "--slowdown", "0.5"], {}, "slowdown"),
+        (["--coordinator", "h:1"], {"DILOCO_HEARTBEAT_INTERVAL_S": "-1"}, "heartbeat_interval_s"),
+        (["--coordinator", "h:1", "--device", "tpu"], {}, "device"),
+        (["--coordinator", "h:1", "--seed", "x"], {}, "numeric"),
+    ],
+)
+def test_worker_config_errors_name_the_field(argv: list[str], env: dict[str, str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse_worker(argv, env)
+
+
+def test_worker_exits_2_on_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--slowdown", "2"]) == 2
+    assert "DILOCO_COORDINATOR" in capsys.readouterr().err
