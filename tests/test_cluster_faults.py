@@ -118,6 +118,12 @@ def test_sigkill_worker_is_reassigned_within_the_window(cluster: LocalCluster) -
     assert reassigned < 5.0, f"reassignment took {reassigned:.2f} s (window 5 s)"
     version = cluster.status().version
     wait_for("training to go on", lambda: cluster.status().version > version, timeout_s=60)
+    # SIGTERM drains: the worker hands its work back, deregisters and exits 0; its shards move at once
+    cluster.signal("worker1", signal.SIGTERM)
+    assert cluster.procs["worker1"].popen.wait(timeout=30) == 0
+    wait_for("worker1 to have left", lambda: worker_state(cluster, "worker1") == "left", timeout_s=5)
+    left_ids = {w.worker_id for w in cluster.workers().workers if w.worker_name == "worker1"}
+    assert not any(s.owner in left_ids for s in cluster.ledger().shards)
     assert_finished_and_learned(cluster)
 
 
