@@ -23,6 +23,12 @@ def coordinator() -> Iterator[CoordinatorServer]:
     server.stop(0)
 
 
+def reply(out: str) -> dict[str, object]:
+    """The pretty-printed JSON reply, after any JSON log lines the in-process server wrote to stdout."""
+    doc: dict[str, object] = json.loads(out[out.index("{\n") :])
+    return doc
+
+
 def ctl(address: str, *args: str) -> list[str]:
     return ["ctl", "--coordinator", address, *args]
 
@@ -30,11 +36,11 @@ def ctl(address: str, *args: str) -> list[str]:
 def test_ctl_status_workers_ledger_json(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
     coordinator.core.register("w0", 0.0)
     assert main(ctl(coordinator.address, "status", "--json")) == 0
-    status = json.loads(capsys.readouterr().out)
+    status = reply(capsys.readouterr().out)
     assert status["live_workers"] == 1 and status["mode"] == "ROUND_MODE_DECOUPLED"
     assert main(ctl(coordinator.address, "workers", "--json")) == 0
-    workers = json.loads(capsys.readouterr().out)["workers"]
-    assert [w["worker_name"] for w in workers] == ["w0"]
+    workers = reply(capsys.readouterr().out)["workers"]
+    assert [w["worker_name"] for w in workers] == ["w0"]  # type: ignore[attr-defined]
     assert main(ctl(coordinator.address, "ledger")) == 0
     assert "shard ledger at version 0" in capsys.readouterr().out
 

@@ -134,9 +134,7 @@ def test_accept_rejects_stale_epoch_with_resume_hint() -> None:
     old = rng(ledger, 3, 100)
     ledger.assign(3, "b")
     ledger.assign(3, "a")  # a owns it again, but under a new epoch
-    msg = re.escape(
-        "shard 3 moved to epoch 4 (you sent epoch 2); fetch your work plan and resume from cursor 1200"
-    )
+    msg = re.escape("shard 3 moved to epoch 4 (you sent epoch 2); fetch your work plan and resume from cursor 1200")
     raises_unchanged(ledger, FailedPrecondition, msg, ledger.accept, "a", [old])
 
 
@@ -178,9 +176,7 @@ def test_accept_is_all_or_nothing_across_shards() -> None:
     ledger.assign(1, "b")
     good = rng(ledger, 0, 10)
     not_mine = rng(ledger, 1, 10)
-    raises_unchanged(
-        ledger, FailedPrecondition, "shard 1 is owned by 'b'", ledger.accept, "a", [good, not_mine]
-    )
+    raises_unchanged(ledger, FailedPrecondition, "shard 1 is owned by 'b'", ledger.accept, "a", [good, not_mine])
     assert ledger.state(0).accepted == 0
     assert ledger.pending() == []
 
@@ -219,9 +215,7 @@ def test_max_range_tokens_caps_ranges() -> None:
     ledger = ShardLedger(2, [1000, 1000], max_range_tokens=64)
     ledger.assign(0, "a")
     ledger.accept("a", [rng(ledger, 0, 64)])
-    raises_unchanged(
-        ledger, InvalidArgument, "more than the 64 allowed", ledger.accept, "a", [rng(ledger, 0, 65)]
-    )
+    raises_unchanged(ledger, InvalidArgument, "more than the 64 allowed", ledger.accept, "a", [rng(ledger, 0, 65)])
     with pytest.raises(InvalidArgument, match="max_range_tokens"):
         ShardLedger(1, [10], max_range_tokens=0)
 
@@ -290,13 +284,9 @@ def test_commit_twice_or_forged_is_rejected() -> None:
     ledger.assign(0, "a")
     receipt = ledger.accept("a", [rng(ledger, 0, 100)])
     forged = AcceptReceipt(receipt.receipt_id, "a", (ShardRange(0, 2, 0, 999),))
-    raises_unchanged(
-        ledger, FailedPrecondition, f"receipt {receipt.receipt_id} is not pending", ledger.commit, forged
-    )
+    raises_unchanged(ledger, FailedPrecondition, f"receipt {receipt.receipt_id} is not pending", ledger.commit, forged)
     ledger.commit(receipt)
-    raises_unchanged(
-        ledger, FailedPrecondition, "already committed, discarded or rolled back", ledger.commit, receipt
-    )
+    raises_unchanged(ledger, FailedPrecondition, "already committed, discarded or rolled back", ledger.commit, receipt)
     raises_unchanged(ledger, InvalidArgument, "expected AcceptReceipt", ledger.commit, "r1")
 
 

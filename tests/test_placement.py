@@ -147,9 +147,7 @@ def test_place_shards_rejects_out_of_range_current() -> None:
 
 
 worker_ids = st.sampled_from([f"w{i}" for i in range(8)])
-speed_maps = st.dictionaries(
-    worker_ids, st.one_of(st.floats(0.01, 100.0), st.just(0.0), st.just(math.nan)), max_size=8
-)
+speed_maps = st.dictionaries(worker_ids, st.one_of(st.floats(0.01, 100.0), st.just(0.0), st.just(math.nan)), max_size=8)
 
 
 @settings(max_examples=200, deadline=None)
@@ -158,9 +156,7 @@ speed_maps = st.dictionaries(
     speeds=speed_maps,
     current_owners=st.lists(st.one_of(st.none(), worker_ids), max_size=40),
 )
-def test_place_shards_properties(
-    num_shards: int, speeds: dict[str, float], current_owners: list[str | None]
-) -> None:
+def test_place_shards_properties(num_shards: int, speeds: dict[str, float], current_owners: list[str | None]) -> None:
     current = {i: o for i, o in enumerate(current_owners[:num_shards])}
     placement = place_shards(num_shards, speeds, current)
     # deterministic: insertion order of the speeds does not matter

@@ -10,8 +10,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_code_matches_the_protos(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gen_protos.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
     fresh = {p.name: p.read_bytes() for p in (tmp_path / "diloco" / "v1").glob("*_pb2*.py*")}
     committed = {p.name: p.read_bytes() for p in (ROOT / "diloco" / "v1").glob("*_pb2*.py*")}
     assert fresh, "the generator produced nothing"

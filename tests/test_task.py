@@ -127,9 +127,7 @@ def test_val_split_is_disjoint_from_shards(corpus: Corpus) -> None:
     batches = list(corpus.val_batches(4, 16, 3))
     again = list(corpus.val_batches(4, 16, 3))
     assert len(batches) == 3
-    assert all(
-        torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(batches, again, strict=True)
-    )
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(batches, again, strict=True))
 
 
 def test_text_file_source(tmp_path: Path) -> None:
@@ -282,9 +280,7 @@ def test_model_forward_and_initial_loss() -> None:
     idx = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
     assert model(idx).shape == (3, 16, 256)
     targets = (idx + 1) % 256
-    assert float(model.loss(idx, targets).detach()) == pytest.approx(
-        math.log(256), abs=0.1
-    )  # small init: ~uniform
+    assert float(model.loss(idx, targets).detach()) == pytest.approx(math.log(256), abs=0.1)  # small init: ~uniform
     with pytest.raises(InvalidArgument, match="seq_len"):
         model(torch.zeros(1, 17, dtype=torch.long))
 
@@ -447,9 +443,7 @@ class Bigram(nn.Module):
         super().__init__()
         self.table = nn.Embedding(256, 256)
         with torch.no_grad():
-            self.table.weight.copy_(
-                torch.randn(256, 256, generator=torch.Generator().manual_seed(seed)) * 0.01
-            )
+            self.table.weight.copy_(torch.randn(256, 256, generator=torch.Generator().manual_seed(seed)) * 0.01)
 
     def loss(self, x: Tensor, y: Tensor) -> Tensor:
         return nn.functional.cross_entropy(self.table(x).reshape(-1, 256), y.reshape(-1))
@@ -493,9 +487,7 @@ def test_build_default_task(corpus: Corpus) -> None:
 
 
 def test_factory_hook_loads_a_user_function() -> None:
-    cfg = TaskConfig(
-        model=TINY, data=DataConfig(num_shards=2), inner=TINY_INNER, factory=f"{__name__}:user_factory"
-    )
+    cfg = TaskConfig(model=TINY, data=DataConfig(num_shards=2), inner=TINY_INNER, factory=f"{__name__}:user_factory")
     task = build_task(cfg)
     model = task.model_fn(3)
     assert isinstance(model, Bigram)

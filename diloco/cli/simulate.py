@@ -14,10 +14,7 @@ from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.sim.config import SIM_MODES, SimConfig, parse_failures, parse_speeds
 from diloco.sim.engine import SimResult, simulate
-from diloco.task.data import DataConfig
-from diloco.task.factory import TaskConfig
-from diloco.task.inner import InnerConfig
-from diloco.task.model import ModelConfig
+from diloco.task.factory import task_from_flags
 
 
 def add_task_args(p: argparse.ArgumentParser, *, d_model: int = 64, seq_len: int = 64) -> None:
@@ -38,17 +35,6 @@ def add_task_args(p: argparse.ArgumentParser, *, d_model: int = 64, seq_len: int
     g.add_argument("--warmup-steps", type=int, default=20)
     g.add_argument("--total-steps", type=int, default=2000, help="inner steps of the cosine schedule")
     g.add_argument("--factory", default="", help="your own model/data: 'package.module:function'")
-
-
-def task_from_args(a: argparse.Namespace, num_shards: int) -> TaskConfig:
-    return TaskConfig(
-        model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads),
-        data=DataConfig(source=a.data, num_shards=num_shards, max_bytes=a.max_bytes),
-        inner=InnerConfig(
-            lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
-        ),
-        factory=a.factory,
-    )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -125,7 +111,7 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         train=not a.no_train,
         model_numel=a.model_numel,
         seed=a.seed,
-        task=task_from_args(a, a.shards),
+        task=task_from_flags(a),
     )
 
 

@@ -165,3 +165,18 @@ def build_task(cfg: TaskConfig) -> Task:
     corpus.check_vocab(cfg.model.vocab_size)
     corpus.check_batch(cfg.inner.batch_size, cfg.model.seq_len)
     return Task(config=cfg, corpus=corpus, fingerprint=fingerprint, build_model=build)
+
+
+def task_from_flags(a: Any) -> TaskConfig:
+    """The task from parsed command-line flags (`--task-json`, or `--data --max-bytes --shards --d-model --layers
+    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`)."""
+    if getattr(a, "task_json", ""):
+        return TaskConfig.from_json(a.task_json)
+    return TaskConfig(
+        model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads),
+        data=DataConfig(source=a.data, num_shards=a.shards, max_bytes=a.max_bytes),
+        inner=InnerConfig(
+            lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
+        ),
+        factory=a.factory,
+    )

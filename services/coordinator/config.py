@@ -10,9 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
 
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.coordinator import CoordinatorConfig
@@ -20,8 +19,10 @@ from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
+from diloco.flags import Flag, parse_bool
+from diloco.flags import build_parser as build_flag_parser
 from diloco.task.data import DataConfig
-from diloco.task.factory import TaskConfig
+from diloco.task.factory import TaskConfig, task_from_flags
 from diloco.task.inner import InnerConfig
 from diloco.task.model import ModelConfig
 
@@ -153,29 +154,8 @@ def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
 # --- flags and environment ------------------------------------------------------------------------------------
 
 
-def env_name(flag: str) -> str:
-    """`--checkpoint-dir` -> `DILOCO_CHECKPOINT_DIR`."""
-    return "DILOCO_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"expected true/false, got {text!r}")
-
-
-class _Parser(argparse.ArgumentParser):
-    """Argument errors become `ConfigError` (the caller prints them and exits 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{message} (see --help)")
-
-
 # (flag, type, default, help); the env fallback of each is env_name(flag)
-_SERVICE_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+_SERVICE_FLAGS: list[Flag] = [
     ("--host", str, "127.0.0.1", "address to bind"),
     ("--port", int, 0, "gRPC port (0: a free port)"),
     ("--metrics-port", int, -1, "Prometheus port (-1: disabled, 0: a free port)"),
@@ -188,7 +168,7 @@ _SERVICE_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--max-staleness", int, 4, "refuse pseudo-gradients staler than this"),
     ("--local-steps", int, 30, "H: inner steps per round for the fastest learner"),
     ("--min-local-steps", int, 5, "H_min"),
-    ("--fixed-local-steps", _bool, False, "same H for every learner (true/false)"),
+    ("--fixed-local-steps", parse_bool, False, "same H for every learner (true/false)"),
     ("--codec", str, "int8", f"upload codec: {', '.join(CODEC_NAMES)}"),
     ("--outer", str, "nesterov", f"outer optimizer: {', '.join(OUTER_NAMES)}"),
     ("--outer-lr", float, 0.7, "outer learning rate"),
@@ -205,7 +185,7 @@ _SERVICE_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
     ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
 ]
-_TASK_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+_TASK_FLAGS: list[Flag] = [
     ("--task-json", str, "", "the whole task as JSON (TaskConfig.to_json); overrides the task flags below"),
     ("--data", str, "stdlib", "'stdlib', a text file or folder, or a uint16 .bin file"),
     ("--max-bytes", int, 2_000_000, "cap on corpus size in bytes (0: none)"),
@@ -223,34 +203,11 @@ _TASK_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m services.coordinator",
-        description="Run the Decoupled DiLoCo coordinator. Every flag falls back to DILOCO_<FLAG> in the environment.",
-    )
-    for group_name, flags in (("service", _SERVICE_FLAGS), ("task", _TASK_FLAGS)):
-        group = p.add_argument_group(group_name)
-        for flag, conv, default, text in flags:
-            name = env_name(flag)
-            raw = env.get(name)
-            try:
-                value = default if raw is None else conv(raw)
-            except ValueError as e:
-                raise ConfigError(f"environment {name}={raw!r} is not valid for {flag}: {e}") from e
-            group.add_argument(flag, type=conv, default=value, help=f"{text} (env {name}; default {default!r})")
-    return p
-
-
-def task_from_args(a: argparse.Namespace) -> TaskConfig:
-    if a.task_json:
-        task = TaskConfig.from_json(a.task_json)
-        return task
-    return TaskConfig(
-        model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads),
-        data=DataConfig(source=a.data, num_shards=a.shards, max_bytes=a.max_bytes),
-        inner=InnerConfig(
-            lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
-        ),
-        factory=a.factory,
+    return build_flag_parser(
+        "python -m services.coordinator",
+        "Run the Decoupled DiLoCo coordinator.",
+        [("service", _SERVICE_FLAGS), ("task", _TASK_FLAGS)],
+        env,
     )
 
 
@@ -284,7 +241,7 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         eval_every=a.eval_every,
         eval_batches=a.eval_batches,
         seed=a.seed,
-        task=task_from_args(a),
+        task=task_from_flags(a),
         max_upload_bytes=a.max_upload_bytes,
         upload_ttl_s=a.upload_ttl_s,
         shutdown_grace_s=a.shutdown_grace_s,

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 from diloco.core.failure import DetectorConfig
 from diloco.errors import ConfigError
+from diloco.flags import Flag
+from diloco.flags import build_parser as build_flag_parser
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -80,20 +81,8 @@ def _positive(name: str, value: object) -> None:
 # --- flags and environment ------------------------------------------------------------------------------------
 
 
-def env_name(flag: str) -> str:
-    """`--dead-after-s` -> `DILOCO_DEAD_AFTER_S`."""
-    return "DILOCO_" + flag.lstrip("-").replace("-", "_").upper()
-
-
-class _Parser(argparse.ArgumentParser):
-    """Argument errors become `ConfigError` (the caller prints them and exits 2)."""
-
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(f"{self.prog}: {message}")
-
-
 _d = HealthdConfig()
-_FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
+_FLAGS: list[Flag] = [
     ("--host", str, _d.host, "address to bind"),
     ("--port", int, _d.port, "gRPC port (0: a free port)"),
     ("--metrics-port", int, _d.metrics_port, "Prometheus port (-1: disabled, 0: a free port)"),
@@ -110,19 +99,9 @@ _FLAGS: list[tuple[str, Callable[[str], Any], Any, str]] = [
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="python -m services.healthd",
-        description="Run healthd, the failure detector. Every flag falls back to DILOCO_<FLAG> in the environment.",
+    return build_flag_parser(
+        "python -m services.healthd", "Run healthd, the failure detector.", [("healthd", _FLAGS)], env
     )
-    for flag, conv, default, text in _FLAGS:
-        name = env_name(flag)
-        raw = env.get(name)
-        try:
-            value = default if raw is None else conv(raw)
-        except ValueError as e:
-            raise ConfigError(f"environment {name}={raw!r} is not valid for {flag}: {e}") from e
-        p.add_argument(flag, type=conv, default=value, help=f"{text} (env {name}; default {default!r})")
-    return p
 
 
 def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> HealthdConfig:

@@ -1,0 +1,52 @@
+"""Flags with `DILOCO_<FLAG>` environment fallbacks, for every service's `config.py`: a flag on the command line
+wins, then the environment, then the default. Bad values raise `ConfigError` naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
+
+from diloco.errors import ConfigError
+
+# (flag, type, default, help)
+Flag = tuple[str, Callable[[str], Any], Any, str]
+
+
+def env_name(flag: str) -> str:
+    """`--checkpoint-dir` -> `DILOCO_CHECKPOINT_DIR`."""
+    return "DILOCO_" + flag.lstrip("-").replace("-", "_").upper()
+
+
+def parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """Argument errors become `ConfigError` (the caller prints them and exits 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{self.prog}: {message} (see --help)")
+
+
+def build_parser(
+    prog: str, description: str, groups: Sequence[tuple[str, Sequence[Flag]]], env: Mapping[str, str]
+) -> FlagParser:
+    """A parser whose every flag defaults to its environment variable, else to its default."""
+    p = FlagParser(prog=prog, description=f"{description} Every flag falls back to DILOCO_<FLAG> in the environment.")
+    for group_name, flags in groups:
+        group = p.add_argument_group(group_name)
+        for flag, conv, default, text in flags:
+            name = env_name(flag)
+            raw = env.get(name)
+            try:
+                value = default if raw is None else conv(raw)
+            except ValueError as e:
+                raise ConfigError(f"environment {name}={raw!r} is not valid for {flag}: {e}") from e
+            group.add_argument(flag, type=conv, default=value, help=f"{text} (env {name}; default {default!r})")
+    return p
