@@ -27,7 +27,6 @@ import torch
 
 from diloco.core.codecs import Codec, ErrorFeedback, get_codec
 from diloco.core.coordinator import DEAD, CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
-from diloco.core.ledger import ShardRange
 from diloco.core.merge import Segment
 from diloco.errors import DilocoError
 from diloco.sim.config import SimConfig
@@ -35,6 +34,7 @@ from diloco.task.data import Corpus, evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.inner import InnerTrainer
 from diloco.task.params import flatten_params, load_flat_, merge_segments
+from diloco.task.progress import ReadProgress
 
 _EPS = 1e-9
 
@@ -51,19 +51,14 @@ class Learner:
     ef: ErrorFeedback | None = None
     training: bool = False
     t_cursor: float = 0.0
-    steps_since_submit: int = 0
     segment_steps: int = 0
     seg_gen: int = 0
-    cursors: dict[int, tuple[int, int]] = field(default_factory=dict)  # shard -> (epoch, local cursor)
-    ranges: dict[int, list[int]] = field(default_factory=dict)  # shard -> [epoch, start, end] unsent
-    tokens_since_submit: int = 0
-    rr: int = 0
+    progress: ReadProgress = field(default_factory=ReadProgress)
     plan_seq: int = 0
     base_version: int = 0
     uploading: bool = False
     awaiting: str | None = None  # submission id waiting for its round
     ready: bool = False  # H_m steps done, submission deferred
-    stashed: tuple[int, torch.Tensor] | None = None  # newest global params, adopted at the next submission
     alive_since: float = 0.0
     killed_at: float = 0.0
 
@@ -220,17 +215,13 @@ class Simulator:
         if learner.trainer is not None:
             learner.trainer.load_global(params)
         learner.base_version = version
-        learner.cursors, learner.ranges, learner.tokens_since_submit = {}, {}, 0
-        learner.awaiting, learner.ready, learner.stashed, learner.uploading = None, False, None, False
+        learner.progress.reset()
+        learner.awaiting, learner.ready, learner.uploading = None, False, False
         self.begin_segment(learner, self.now)
 
     def refresh_plan(self, learner: Learner) -> int:
         plan = self.core.plan(learner.worker_id)
-        cursors = {}
-        for lease in plan.shards:
-            held = learner.cursors.get(lease.shard_id)
-            cursors[lease.shard_id] = held if held and held[0] == lease.epoch else (lease.epoch, lease.cursor)
-        learner.cursors = cursors
+        learner.progress.adopt((lease.shard_id, lease.epoch, lease.cursor) for lease in plan.shards)
         learner.plan_seq = plan.plan_seq
         return plan.local_steps
 
@@ -238,13 +229,12 @@ class Simulator:
         steps = self.refresh_plan(learner)
         learner.seg_gen += 1
         learner.t_cursor = t
-        if not learner.cursors:  # no shards yet: ask again a little later
+        if not learner.progress.cursors:  # no shards yet: ask again a little later
             learner.training = False
             self.at(t + learner.step_time * self.cfg.min_local_steps, "retry_plan", learner.idx, learner.incarnation)
             return
         learner.training = True
         learner.segment_steps = steps
-        learner.steps_since_submit = 0
         self.at(t + steps * learner.step_time, "segment_end", learner.idx, learner.incarnation, learner.seg_gen)
 
     def on_retry_plan(self, idx: int, inc: int) -> None:
@@ -259,26 +249,16 @@ class Simulator:
         n = math.floor((t - learner.t_cursor) / learner.step_time + _EPS)
         if n <= 0:
             return
-        shard_ids = sorted(learner.cursors)
         bs, seq = self.cfg.task.inner.batch_size, self.cfg.task.model.seq_len
         for _ in range(n):
-            sid = shard_ids[learner.rr % len(shard_ids)]
-            learner.rr += 1
-            epoch, cursor = learner.cursors[sid]
+            shard, epoch, cursor = learner.progress.next_shard()
             if learner.trainer is not None:
                 assert self.corpus is not None
-                x, y, nxt = self.corpus.batch(sid, cursor, bs, seq)
+                x, y, nxt = self.corpus.batch(shard, cursor, bs, seq)
                 learner.trainer.step(x, y)
             else:
                 nxt = cursor + bs * seq
-            learner.cursors[sid] = (epoch, nxt)
-            r = learner.ranges.get(sid)
-            if r is None or r[0] != epoch:
-                learner.ranges[sid] = [epoch, cursor, nxt]
-            else:
-                r[2] = nxt
-            learner.tokens_since_submit += nxt - cursor
-        learner.steps_since_submit += n
+            learner.progress.consumed(shard, epoch, cursor, nxt)
         learner.t_cursor += n * learner.step_time
         self.busy_s[learner.idx] += n * learner.step_time
 
@@ -304,19 +284,10 @@ class Simulator:
             learner.trainer.mark_submitted()
         nbytes = self.payload_bytes if learner.trainer is None else meta.encoded_bytes
         sid = f"s{next(self.sub_ids)}"
-        ranges = tuple(ShardRange(s, e, a, b) for s, (e, a, b) in sorted(learner.ranges.items()))
-        sub = Submission(
-            learner.worker_id,
-            sid,
-            learner.base_version,
-            learner.tokens_since_submit,
-            learner.steps_since_submit,
-            ranges,
-            learner.plan_seq,
-        )
-        self.sub_cost[sid] = (learner.idx, learner.steps_since_submit * learner.step_time)
+        ranges, steps, tokens = learner.progress.take()
+        sub = Submission(learner.worker_id, sid, learner.base_version, tokens, steps, ranges, learner.plan_seq)
+        self.sub_cost[sid] = (learner.idx, steps * learner.step_time)
         self.bytes_up += nbytes
-        learner.ranges, learner.tokens_since_submit = {}, 0
         learner.uploading, learner.awaiting, learner.ready = True, sid, False
         self.at(
             t + self.cfg.latency_s + nbytes / self.cfg.bandwidth_bytes_per_s,
@@ -329,12 +300,6 @@ class Simulator:
         if self.cfg.mode == "sync":
             learner.training = False  # classic DiLoCo: wait for the new parameters
             return
-        if learner.stashed is not None and learner.trainer is not None:
-            version, params = learner.stashed
-            learner.stashed = None
-            if version > learner.base_version:
-                learner.trainer.rebase(params)
-                learner.base_version = version
         self.begin_segment(learner, t)
 
     def on_arrival(self, idx: int, inc: int, sub: Submission, delta: torch.Tensor) -> None:
@@ -408,15 +373,9 @@ class Simulator:
             self.begin_segment(learner, self.now)
             return
         self.advance(learner, self.now)
-        trainer = learner.trainer
-        if trainer is not None and trainer.has_submitted:
-            trainer.rebase(params)
-            learner.base_version = version
-            learner.stashed = None
-        elif trainer is None:
-            learner.base_version = version
-        else:
-            learner.stashed = (version, params)
+        if learner.trainer is not None:
+            learner.trainer.rebase(params)  # keeps the steps not yet submitted
+        learner.base_version = version
         if learner.ready and not learner.uploading and learner.awaiting is None:
             self.submit(learner)
 

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
+from diloco.errors import ConfigError, InvalidArgument
 from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
 from diloco.task.model import pick_device
@@ -183,25 +183,21 @@ class InnerTrainer:
         """Δ = Θ_base - θ (flat fp32, CPU)."""
         return (self._base - flatten_params(self.model)).cpu()
 
-    @property
-    def has_submitted(self) -> bool:
-        """True between `mark_submitted()` and the next `rebase()`/`load_global()`."""
-        return self._at_submit is not None
-
     def mark_submitted(self) -> None:
         """Remember θ_at_submit, the parameters whose pseudo-gradient was just sent."""
         self._at_submit = flatten_params(self.model)
 
     def rebase(self, new_global: Tensor) -> None:
-        """Adopt Θ_new, keeping the steps made since the submission.
+        """Adopt Θ_new, keeping the steps not yet submitted.
 
-        θ ← Θ_new + (θ - θ_at_submit) and base ← Θ_new, so those steps count in the next pseudo-gradient.
+        After a submission: θ ← Θ_new + (θ - θ_at_submit). Without one since the last adoption (a second newer
+        version arrived first): θ ← Θ_new + (θ - Θ_base), moving the unsent progress onto the newer base. Either
+        way base ← Θ_new, so those steps count, once, in the next pseudo-gradient.
         """
-        if self._at_submit is None:
-            raise FailedPrecondition("rebase() needs mark_submitted() first; use load_global() to resync")
         new = self._check_flat(new_global, "global parameters")
         theta = flatten_params(self.model)
-        load_flat_(self.model, new + (theta - self._at_submit))
+        reference = self._at_submit if self._at_submit is not None else self._base
+        load_flat_(self.model, new + (theta - reference))
         self._base = new.clone()
         self._at_submit = None
 

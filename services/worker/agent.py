@@ -32,6 +32,7 @@ from diloco.task.factory import TaskConfig, build_task
 from diloco.task.inner import InnerTrainer
 from diloco.task.model import pick_device
 from diloco.task.params import param_specs
+from diloco.task.progress import ReadProgress
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 from services.worker.config import WorkerConfig
 
@@ -294,9 +295,7 @@ class Worker:
         base = first.version
         self.metrics.version.set(base)
         ef = ErrorFeedback(get_codec(session.codec), trainer.numel)
-        cursors: dict[int, tuple[int, int]] = {}
-        ranges: dict[int, list[int]] = {}
-        steps = tokens = rr = 0
+        progress = ReadProgress()
         plan_seq = 0
         self.awaiting = None
         bs, seq = trainer.cfg.batch_size, trainer.seq_len
@@ -312,57 +311,40 @@ class Worker:
                 trainer.load_global(latest.flat)
                 base = latest.version
                 ef.reset()
-                cursors, ranges, steps, tokens = {}, {}, 0, 0
+                progress.reset()
                 self.awaiting = None
             if self.stop_event.is_set():
-                self._drain(session, ranges, steps, tokens, base, plan_seq, ef)
+                self._drain(session, progress, base, plan_seq, ef)
                 return False
             status = self._call(
                 "GetStatus",
                 lambda: self.stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=self.cfg.rpc_timeout_s),
             )
             if status.finished:
-                self._drain(session, ranges, steps, tokens, base, plan_seq, ef)
+                self._drain(session, progress, base, plan_seq, ef)
                 return True
             plan = self._plan(session)
             plan_seq = plan.plan_seq
-            cursors = {
-                s.shard_id: (
-                    cursors[s.shard_id]
-                    if s.shard_id in cursors and cursors[s.shard_id][0] == s.epoch
-                    else (s.epoch, s.cursor)
-                )
-                for s in plan.shards
-            }
-            if not cursors:
+            progress.adopt((s.shard_id, s.epoch, s.cursor) for s in plan.shards)
+            if not progress.cursors:
                 with self.cv:
                     self.cv.wait(0.5)
                 continue
             target = max(1, plan.local_steps)
-            shard_ids = sorted(cursors)
             while not self.stop_event.is_set() and not session.ended.is_set() and not session.resync:
-                base = self._maybe_rebase(session, base)
-                if steps >= target and self._can_submit():
+                ready = progress.steps >= target and self._can_submit()
+                base = self._maybe_rebase(session, base)  # after the check: submit against the newest version
+                if ready:
                     break
-                sid = shard_ids[rr % len(shard_ids)]
-                rr += 1
-                epoch, cursor = cursors[sid]
-                x, y, nxt = self.corpus.batch(sid, cursor, bs, seq)
+                shard, epoch, cursor = progress.next_shard()
+                x, y, nxt = self.corpus.batch(shard, cursor, bs, seq)
                 trainer.step(x, y)
-                cursors[sid] = (epoch, nxt)
-                r = ranges.get(sid)
-                if r is None or r[0] != epoch:
-                    ranges[sid] = [epoch, cursor, nxt]
-                else:
-                    r[2] = nxt
-                steps += 1
-                tokens += nxt - cursor
+                progress.consumed(shard, epoch, cursor, nxt)
                 self.metrics.steps.inc()
                 self.metrics.tokens.inc(nxt - cursor)
             if self.stop_event.is_set() or session.ended.is_set() or session.resync:
                 continue
-            self._submit(session, ranges, steps, tokens, base, plan_seq, ef)
-            ranges, steps, tokens = {}, 0, 0
+            self._submit(session, progress, base, plan_seq, ef)
             self.metrics.tokens_per_s.set(trainer.throughput().tokens_per_s)
             if session.mode == "sync":
                 latest = self._wait_params(session, base)
@@ -373,12 +355,11 @@ class Worker:
                 base = self._maybe_rebase(session, base)
 
     def _maybe_rebase(self, session: Session, base: int) -> int:
-        """Adopt newer global parameters, keeping the steps made since the last submission (θ ← Θ + θ − θ_sub).
-        Without a submission since the last adoption the newer version waits for the next submission."""
+        """Adopt newer global parameters, keeping the steps not yet submitted (see `InnerTrainer.rebase`)."""
         assert self.trainer is not None
         with self.cv:
             latest = self.latest
-        if latest is None or latest.version <= base or not self.trainer.has_submitted:
+        if latest is None or latest.version <= base:
             return base
         self.trainer.rebase(latest.flat)
         self.metrics.rebases.inc()
@@ -411,20 +392,13 @@ class Worker:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return call_with_retry(fn, what, self.retry)
 
-    def _submit(
-        self,
-        session: Session,
-        ranges: dict[int, list[int]],
-        steps: int,
-        tokens: int,
-        base: int,
-        plan_seq: int,
-        ef: ErrorFeedback,
-    ) -> str:
+    def _submit(self, session: Session, progress: ReadProgress, base: int, plan_seq: int, ef: ErrorFeedback) -> str:
+        """Compress the pseudo-gradient of everything read since the last submission and queue its upload."""
         assert self.trainer is not None
         payload, meta = ef.compress(self.trainer.pseudo_gradient())
         self.trainer.mark_submitted()
         sid = uuid.uuid4().hex
+        ranges, steps, tokens = progress.take()
         header = coordinator_pb2.SubmissionHeader(
             worker_id=session.worker_id,
             coordinator_epoch=session.epoch,
@@ -433,7 +407,7 @@ class Worker:
             tokens=tokens,
             steps=steps,
             ranges=[
-                common_pb2.ShardRange(shard_id=s, epoch=e, start=a, end=b) for s, (e, a, b) in sorted(ranges.items())
+                common_pb2.ShardRange(shard_id=r.shard_id, epoch=r.epoch, start=r.start, end=r.end) for r in ranges
             ],
             payload=meta_to_proto(meta, self.specs),
             plan_seq=plan_seq,
@@ -444,23 +418,14 @@ class Worker:
         self.uploads.put((session, header, payload))
         return sid
 
-    def _drain(
-        self,
-        session: Session,
-        ranges: dict[int, list[int]],
-        steps: int,
-        tokens: int,
-        base: int,
-        plan_seq: int,
-        ef: ErrorFeedback,
-    ) -> None:
+    def _drain(self, session: Session, progress: ReadProgress, base: int, plan_seq: int, ef: ErrorFeedback) -> None:
         """Hand the work done so far back (submit it if allowed), wait for the upload, then deregister."""
         deadline = time.monotonic() + 30
         self.upload_idle.wait(30)
-        if steps > 0 and not session.ended.is_set() and not session.resync:
+        if progress.steps > 0 and not session.ended.is_set() and not session.resync:
             with self.cv:
                 self.awaiting = None  # the drain submission may join any round
-            self._submit(session, ranges, steps, tokens, base, plan_seq, ef)
+            self._submit(session, progress, base, plan_seq, ef)
             self.upload_idle.wait(max(0.0, deadline - time.monotonic()))
         try:
             self.stub.Deregister(
