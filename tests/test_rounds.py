@@ -142,3 +142,13 @@ def test_config_errors_name_the_field() -> None:
         RoundConfig(min_quorum=0)
     with pytest.raises(ConfigError, match=r"K=5.*M=4"):
         RoundConfig(min_quorum=5).check_learners(4)
+
+
+def test_idle_learners_are_not_waited_for() -> None:
+    p = policy("sync", live=3)
+    p.idle = {"w2"}  # live, but no shards to train yet
+    sub(p, "w0", 1.0)
+    assert p.poll(1.0) is None
+    sub(p, "w1", 1.5)
+    close = p.poll(1.5)
+    assert close is not None and close.reason == "all_live" and p.quorum == 2

@@ -262,6 +262,7 @@ class StreamDecoder:
                 self._feed_section(section, piece)
         except CodecError as err:
             self._failed = err
+            self._sections = []
             raise
 
     def finish(self) -> torch.Tensor:
@@ -277,6 +278,7 @@ class StreamDecoder:
                 f"crc32 mismatch: payload has {self._crc:#010x}, header says {self.meta.crc32:#010x}; "
                 "the bytes were corrupted in transit: send them again"
             )
+        self._sections = []  # the section handlers are bound methods: drop them so no cycle keeps `out` alive
         return self.out
 
     def _feed_section(self, section: _Section, piece: memoryview) -> None:
@@ -310,6 +312,7 @@ class StreamDecoder:
 
     def _fail(self, message: str) -> NoReturn:
         self._failed = CodecError(message)
+        self._sections = []
         raise self._failed
 
     def _raise_if_failed(self) -> None:

@@ -259,6 +259,12 @@ class CoordinatorCore:
                 changed = True
         if changed:
             self.plan_seq += 1
+        self._refresh_idle()
+
+    def _refresh_idle(self) -> None:
+        """Tell the round policy which live learners have no shards to train (a round must not wait for them)."""
+        has_work = {s.owner for s in self.ledger.states() if s.owner is not None and s.shard_id not in self.staged}
+        self.policy.idle = {w for w in self.policy.live if w not in has_work}
 
     def _effective_owner(self, shard_id: int, owner: str | None) -> str | None:
         staged = self.staged.get(shard_id)
@@ -302,7 +308,8 @@ class CoordinatorCore:
         staleness = self.admit(sub)
         if delta.shape != self.params.shape:
             raise InvalidArgument(f"pseudo-gradient has {delta.numel()} elements; the model has {self.params.numel()}")
-        if not bool(torch.isfinite(delta).all()):
+        lo, hi = torch.aminmax(delta)  # one pass, no scratch tensor; NaN and Inf propagate into the extremes
+        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
             raise InvalidArgument("pseudo-gradient contains NaN or Inf; check the learner's training")
         receipt = self.ledger.accept(sub.worker_id, sub.ranges)
         self.acc.add(delta, sub.tokens)
@@ -323,6 +330,7 @@ class CoordinatorCore:
                 del self.staged[shard_id]
                 if self.workers[target].state == ACTIVE:
                     self.ledger.assign(shard_id, target)
+        self._refresh_idle()
 
     def poll(self, now: float) -> RoundApplied | None:
         """Close and apply a round if the policy says so (also call at `next_deadline()`)."""
@@ -335,8 +343,9 @@ class CoordinatorCore:
         return None if self.paused else self.policy.next_deadline()
 
     def _apply(self, close: RoundClose) -> RoundApplied:
-        delta = self.acc.result()
+        delta = self.acc.result()  # lives in the merge buffer until acc.reset()
         tokens = self.acc.tokens
+        delta_norm = float(torch.linalg.vector_norm(delta))
         self.outer.step(self.params, delta)
         for p in close.submissions:
             self.ledger.commit(self.receipts.pop(p.submission_id))
@@ -348,7 +357,7 @@ class CoordinatorCore:
             close.submissions,
             tokens,
             close.max_staleness,
-            float(torch.linalg.vector_norm(delta)),
+            delta_norm,
             close.reason,
             close.closed_at,
         )

@@ -73,10 +73,11 @@ class MergeAccumulator:
         self.tokens += tokens
 
     def result(self) -> torch.Tensor:
-        """The merged pseudo-gradient (a new tensor)."""
+        """The merged pseudo-gradient, computed in place in the accumulation buffer (no new allocation): the
+        buffer holds it until `reset()`, which zeroes it for the next round."""
         if self._sum is None or self.count == 0:
             raise InvalidArgument("no pseudo-gradient to merge")
-        out = self._sum / self.weight
+        out = self._sum.div_(self.weight)
         if self.method == "rda":
             for i, seg in enumerate(self.segments):
                 if seg.embedding:
@@ -91,7 +92,8 @@ class MergeAccumulator:
         return out
 
     def reset(self) -> None:
-        self._sum = None
+        if self._sum is not None:
+            self._sum.zero_()  # keep the buffer: a fresh one per round costs page faults on large models
         self._norm_sum.zero_()
         self.weight = 0.0
         self.count = 0

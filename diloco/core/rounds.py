@@ -6,7 +6,8 @@ when `poll` returns a `RoundClose`, every pending submission goes into that roun
 `next_deadline()` says when to poll again if nothing else happens (the end of a grace window).
 
 - `sync`: close when every live learner has a pending submission. A learner that leaves or dies drops out of
-  the expected set, so the round closes without it.
+  the expected set, so the round closes without it; so does a live learner with no shards to train (`idle`),
+  e.g. one that rejoined while the shards it will get are still being handed off.
 - `decoupled`: close when at least K submissions are pending (K capped at the live learners) and the grace
   window after the K-th arrival has passed, or at once when every live learner is in. The window is
   `min(grace_max_s, γ·slack)`, `slack` an EMA of the time between round closes (how long learners take to
@@ -80,6 +81,7 @@ class RoundPolicy:
     cfg: RoundConfig
     version: int = 0
     live: set[str] = field(default_factory=set)
+    idle: set[str] = field(default_factory=set)  # live learners with no shards to train: not waited for
     pending: list[Pending] = field(default_factory=list)
     slack_s: float | None = None  # EMA of the time between round closes
     last_close: float | None = None
@@ -92,14 +94,20 @@ class RoundPolicy:
     def worker_left(self, worker_id: str) -> None:
         """A learner died, left or was evicted. Its pending submissions stay (their data is accepted)."""
         self.live.discard(worker_id)
+        self.idle.discard(worker_id)
+
+    @property
+    def expected(self) -> set[str]:
+        """The learners a round waits for: live ones that have work."""
+        return self.live - self.idle
 
     @property
     def quorum(self) -> int:
         if self.cfg.mode == "async":
             return 1
         if self.cfg.mode == "sync":
-            return max(1, len(self.live))
-        return max(1, min(self.cfg.min_quorum, len(self.live)))
+            return max(1, len(self.expected))
+        return max(1, min(self.cfg.min_quorum, len(self.expected)))
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, worker_id: str, base_version: int) -> int:
@@ -132,7 +140,7 @@ class RoundPolicy:
         return min(self.cfg.grace_max_s, self.cfg.grace_gamma * self.slack_s)
 
     def _all_live_in(self) -> bool:
-        return self.live <= {p.worker_id for p in self.pending}
+        return self.expected <= {p.worker_id for p in self.pending}
 
     # --- closing ----------------------------------------------------------------------------------------------
     def poll(self, now: float) -> RoundClose | None:
