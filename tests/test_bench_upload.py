@@ -1,0 +1,39 @@
+"""`bench/bench_upload.py` at a tiny size, so the benchmark cannot rot: it starts a real coordinator, uploads
+fp32 and int8 pseudo-gradients through it, and reaps every child process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_bench_upload_runs_at_a_tiny_size() -> None:
+    proc = subprocess.run(
+        [sys.executable, "bench/bench_upload.py", "--params", "200000", "--repeats", "1", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["coordinator"]["exit_code"] == 0
+    assert doc["model"]["numel"] > 0
+    assert doc["tcp"]["gb_per_s"] > 0
+    assert [g["codec"] for g in doc["grpc"]] == ["fp32", "int8"]
+    for g in doc["grpc"]:
+        assert g["rpc_gb_per_s"] > 0 and g["upload_s"] > 0
+    # every upload closed one round, in order
+    assert [u["version"] for u in doc["uploads"]] == [1, 2]
+    assert doc["grpc"][0]["payload_bytes"] == 4 * doc["model"]["numel"]
+    assert {s["name"] for s in doc["sink"]} >= {"gRPC sink + decode fp32", "gRPC sink + decode int8"}
+    assert any(b["stage"].startswith("accept + round close") for b in doc["breakdown"])
+    assert isinstance(doc["target"]["rpc_met"], bool)
