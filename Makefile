@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test lint typecheck protos bench clean
+.PHONY: setup run test protos bench clean docker-engine images chaos
 
 $(BIN)/diloco: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,5 +30,16 @@ protos: setup
 bench: setup
 	$(BIN)/python bench/bench_core.py
 
+# Containers: start a Docker engine (installs docker.io when missing), build the images offline, run the
+# chaos suite (kills and pauses containers while training goes on).
+docker-engine:
+	bash scripts/start_docker.sh
+
+images: setup docker-engine
+	PYTHON=$(BIN)/python bash scripts/build_images.sh
+
+chaos: images
+	DILOCO_CHAOS_REQUIRE=1 $(BIN)/pytest -q -m chaos tests/chaos
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache wheelhouse

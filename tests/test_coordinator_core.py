@@ -145,3 +145,17 @@ def test_config_errors() -> None:
         CoordinatorCore(CoordinatorConfig(expected_workers=4), torch.zeros(2), [10, 10])
     with pytest.raises(ConfigError, match="allowed: mean, rda"):
         CoordinatorConfig(merge="sum")
+
+
+def test_learner_never_confirmed_alive_is_declared_dead() -> None:
+    cfg = CoordinatorConfig(rounds=RoundConfig(min_quorum=1), expected_workers=2, confirm_timeout_s=10.0)
+    c = CoordinatorCore(cfg, torch.zeros(N), [1000] * 4)
+    a = c.register("a", now=0.0).worker_id
+    b = c.register("b", now=1.0).worker_id
+    c.report_throughput(a, 100.0)  # healthd heard of a; b died before its first heartbeat
+    assert c.next_deadline() == 11.0
+    assert c.expire_unconfirmed(10.9) == []
+    [(dead, moved)] = c.expire_unconfirmed(11.0)
+    assert dead == b and moved and c.workers[b].state == DEAD
+    assert {s.owner for s in c.ledger.states()} == {a}
+    assert c.next_deadline() is None

@@ -45,6 +45,9 @@ class CoordinatorConfig:
     dynamic_local_steps: bool = True  # H_m from measured speed
     expected_workers: int = 0  # M at start: keeps the first learner from taking every shard
     target_outer_steps: int = 0  # 0: train until stopped
+    # > 0: a learner not confirmed alive (healthd forwarded its throughput, or it submitted) this long after it
+    # registered is declared dead: it died before its first heartbeat, so healthd can never report it
+    confirm_timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_NAMES:
@@ -57,6 +60,8 @@ class CoordinatorConfig:
             raise ConfigError(f"expected_workers must be >= 0, got {self.expected_workers}")
         if self.target_outer_steps < 0:
             raise ConfigError(f"target_outer_steps must be >= 0, got {self.target_outer_steps}")
+        if not self.confirm_timeout_s >= 0:
+            raise ConfigError(f"confirm_timeout_s must be >= 0 (0: off), got {self.confirm_timeout_s}")
         if self.expected_workers:
             self.rounds.check_learners(self.expected_workers)
         if self.rounds.mode == "async" and self.outer.name == "nesterov":
@@ -91,6 +96,7 @@ class WorkerRecord:
     tokens: int = 0
     last_base_version: int = 0
     state_reason: str = ""
+    confirmed: bool = False  # healthd has forwarded its throughput, or it has submitted
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,7 @@ class CoordinatorCore:
         if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
             raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
         rec.speed = tokens_per_s
+        rec.confirmed = True
         if device_kind:
             rec.device_kind = device_kind
 
@@ -319,6 +326,7 @@ class CoordinatorCore:
         rec.tokens += sub.tokens
         rec.last_base_version = sub.base_version
         rec.last_submit_at = now
+        rec.confirmed = True
         self._complete_handoffs(sub.worker_id, sub.plan_seq)
         self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now))
         applied = self.poll(now)
@@ -340,7 +348,26 @@ class CoordinatorCore:
         return self._apply(close) if close else None
 
     def next_deadline(self) -> float | None:
-        return None if self.paused else self.policy.next_deadline()
+        """When to call `poll` (a grace window ends) or `expire_unconfirmed` (a registration lease runs out)."""
+        deadlines = [
+            d for d in (None if self.paused else self.policy.next_deadline(), self._confirm_deadline()) if d is not None
+        ]
+        return min(deadlines, default=None)
+
+    def _unconfirmed(self) -> list[WorkerRecord]:
+        if not self.cfg.confirm_timeout_s:
+            return []
+        return [r for r in self.workers.values() if r.state in LIVE_STATES and not r.confirmed]
+
+    def _confirm_deadline(self) -> float | None:
+        return min((r.registered_at + self.cfg.confirm_timeout_s for r in self._unconfirmed()), default=None)
+
+    def expire_unconfirmed(self, now: float) -> list[tuple[str, list[int]]]:
+        """Declare dead the learners that registered but were never confirmed alive within `confirm_timeout_s`
+        (they died before healthd heard of them, so healthd cannot report them). Returns (worker, moved shards)."""
+        expired = [r for r in self._unconfirmed() if now >= r.registered_at + self.cfg.confirm_timeout_s]
+        reason = f"no heartbeat within {self.cfg.confirm_timeout_s:g} s of registering"
+        return [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in expired]
 
     def _apply(self, close: RoundClose) -> RoundApplied:
         delta = self.acc.result()  # lives in the merge buffer until acc.reset()

@@ -68,6 +68,7 @@ class CoordinatorServiceConfig:
     seed: int = 0
     task: TaskConfig = field(default_factory=default_task)
     max_upload_bytes: int = 0  # 0: derived from the model (its fp32 size + 1%)
+    confirm_timeout_s: float = 10.0  # with healthd: a learner never heard of this long after registering is dead
     upload_ttl_s: float = 120.0  # interrupted uploads are kept this long for a resume
     max_partial_uploads: int = 32  # each holds an fp32 buffer of the model size
     shutdown_grace_s: float = 5.0
@@ -99,6 +100,7 @@ class CoordinatorServiceConfig:
         _int_in("seed", self.seed, 0)
         _int_in("max_upload_bytes", self.max_upload_bytes, 0)
         _float_min("upload_ttl_s", self.upload_ttl_s, 0.0, open_=True)
+        _float_min("confirm_timeout_s", self.confirm_timeout_s, 0.0)
         _int_in("max_partial_uploads", self.max_partial_uploads, 1)
         _float_min("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         if not isinstance(self.healthd_address, str):
@@ -128,6 +130,7 @@ class CoordinatorServiceConfig:
             dynamic_local_steps=not self.fixed_local_steps and self.mode != "sync",
             expected_workers=self.expected_workers,
             target_outer_steps=self.target_outer_steps,
+            confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
         )
 
 
@@ -181,6 +184,12 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--eval-batches", int, 4, "validation batches per evaluation"),
     ("--seed", int, 0, "seed of the initial parameters"),
     ("--max-upload-bytes", int, 0, "largest pseudo-gradient payload (0: fp32 model size + 1%)"),
+    (
+        "--confirm-timeout-s",
+        float,
+        10.0,
+        "with healthd: declare dead a learner not heard of this long after registering",
+    ),
     ("--upload-ttl-s", float, 120.0, "how long an interrupted upload is kept for a resume"),
     ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
@@ -244,6 +253,7 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         task=task_from_flags(a),
         max_upload_bytes=a.max_upload_bytes,
         upload_ttl_s=a.upload_ttl_s,
+        confirm_timeout_s=a.confirm_timeout_s,
         shutdown_grace_s=a.shutdown_grace_s,
         log_level=a.log_level,
     )

@@ -281,6 +281,11 @@ class CoordinatorState:
             return self._poll_locked()
 
     def _poll_locked(self) -> RoundApplied | None:
+        for worker_id, released in self.core.expire_unconfirmed(self.clock()):
+            self.metrics.reassignments.inc(len(released))
+            self.log.warning(
+                "worker.dead", worker_id=worker_id, reason="never heard of by healthd", released_shards=released
+            )
         applied = self.core.poll(self.clock())
         if applied is not None:
             self._round_applied(applied)

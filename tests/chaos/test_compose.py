@@ -1,0 +1,172 @@
+"""docker-compose.yml as a user runs it: `up` trains the embedded default task and `diloco ctl` works from the
+host; a bad configuration makes its container exit with status 2 and a message naming the setting, and after
+`restart: on-failure:3` gives up, `ps` shows it exited rather than restarting forever.
+
+Each test uses a compose project of its own (unique name, free host ports) and removes it, volumes included."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from diloco.cluster import free_port
+from tests.chaos.harness import (
+    IMAGE,
+    UNTRAINED_LOSS,
+    LedgerShard,
+    ledger_problems,
+    remove_labelled,
+    unavailable,
+    wait_for,
+)
+
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+
+
+def compose_command() -> list[str] | None:
+    """`docker compose` (v2 plugin) where it exists, else the v1 `docker-compose`."""
+    if shutil.which("docker"):
+        probe = subprocess.run(["docker", "compose", "version"], capture_output=True, check=False)
+        if probe.returncode == 0:
+            return ["docker", "compose"]
+    path = shutil.which("docker-compose")
+    return [path] if path else None
+
+
+class Project:
+    def __init__(self, client: Any, name: str, env: dict[str, str]) -> None:
+        cmd = compose_command()
+        if cmd is None:
+            unavailable("neither `docker compose` nor `docker-compose` is installed (scripts/start_docker.sh)")
+        assert cmd is not None
+        self.client = client
+        self.name = f"diloco-chaos-{name}-{uuid.uuid4().hex[:8]}"
+        self.cmd = [*cmd, "-f", str(COMPOSE_FILE), "-p", self.name]
+        self.coordinator_port = free_port()
+        # the host's DILOCO_* settings must not leak into the project: only ours
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        self.env.update(
+            DILOCO_IMAGE=IMAGE,
+            DILOCO_PUBLISH_ADDRESS="127.0.0.1",
+            DILOCO_COORDINATOR_HOST_PORT=str(self.coordinator_port),
+            DILOCO_HEALTHD_HOST_PORT=str(free_port()),
+            DILOCO_COORDINATOR_METRICS_HOST_PORT=str(free_port()),
+            DILOCO_HEALTHD_METRICS_HOST_PORT=str(free_port()),
+            **env,
+        )
+
+    def run(self, *args: str, check: bool = True, timeout_s: float = 180) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [*self.cmd, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def container(self, service: str) -> Any:
+        found = self.client.containers.list(
+            all=True,
+            filters={"label": [f"com.docker.compose.project={self.name}", f"com.docker.compose.service={service}"]},
+        )
+        assert found, f"no container for {service}"
+        return found[0]
+
+    def down(self) -> None:
+        self.run("down", "--volumes", "--remove-orphans", "--timeout", "5", check=False)
+        remove_labelled(self.client, {"com.docker.compose.project": self.name})
+
+
+@pytest.fixture
+def project(docker_client: Any) -> Iterator[Any]:
+    made: list[Project] = []
+
+    def make(name: str, **env: str) -> Project:
+        p = Project(docker_client, name, env)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.down()
+
+
+def ctl(port: int, action: str) -> dict[str, Any]:
+    """`diloco ctl --coordinator 127.0.0.1:PORT ACTION --json`, run from the host as a user would."""
+    out = subprocess.run(
+        [sys.executable, "-m", "diloco.cli.main", "ctl", "--coordinator", f"127.0.0.1:{port}", "--json", action],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    reply: dict[str, Any] = json.loads(out)
+    return reply
+
+
+def test_compose_up_trains_the_default_task(project: Any) -> None:
+    p = project("up", DILOCO_TARGET_OUTER_STEPS="6", DILOCO_CHECKPOINT_EVERY="2")
+    p.run("up", "-d", "--scale", "worker=1")
+    wait_for("training to finish", lambda: ctl(p.coordinator_port, "status")["finished"], 240, 0.5)
+    status = ctl(p.coordinator_port, "status")
+    assert int(status["version"]) >= 6
+    assert float(status["validation_loss"]) < UNTRAINED_LOSS, status  # it learned something
+    ledger = ctl(p.coordinator_port, "ledger")
+    shards = [
+        LedgerShard(
+            int(s["shard_id"]),
+            int(s["committed"]),
+            tuple((int(r["start"]), int(r["end"])) for r in s["committed_ranges"]),
+        )
+        for s in ledger["shards"]
+    ]
+    assert not ledger_problems(shards, int(status["tokens_applied"]))
+    ps = p.run("ps").stdout
+    assert re.search(r"coordinator.*healthy", ps), ps
+    workers = {w["worker_name"] for w in ctl(p.coordinator_port, "workers")["workers"]}
+    assert "worker-slow" in workers and len(workers) == 2, workers
+
+
+BAD_CONFIGS = [
+    ("coordinator", {"DILOCO_MODE": "bogus"}, "mode: unknown value 'bogus'"),
+    ("coordinator", {"DILOCO_CODEC": "nope"}, "codec: unknown value 'nope'"),
+    ("worker", {"DILOCO_COORDINATOR": ""}, "coordinator: expected HOST:PORT"),
+]
+
+
+def test_bad_config_exits_with_a_clear_message(project: Any) -> None:
+    """All three at once (each in its own project): each container exits 2 with the message, docker restarts it
+    three times (`on-failure:3`), then it stays exited and `ps` says so."""
+    started = []
+    for i, (service, env, message) in enumerate(BAD_CONFIGS):
+        p = project(f"bad{i}", **env)
+        p.run("up", "-d", "--no-deps", service)
+        started.append((p, service, message))
+    for p, service, message in started:
+
+        def gave_up(p: Project = p, service: str = service) -> bool:
+            c = p.container(service)
+            c.reload()
+            return bool(c.status == "exited" and c.attrs["RestartCount"] >= 3)
+
+        wait_for(f"{service} in {p.name} to exit for good", gave_up, timeout_s=120, interval_s=0.5)
+        c = p.container(service)
+        assert c.attrs["State"]["ExitCode"] == 2
+        assert c.attrs["RestartCount"] == 3
+        logs = c.logs().decode(errors="replace")
+        assert "configuration error" in logs and message in logs, logs
+        ps = p.run("ps", "-a").stdout
+        line = next((ln for ln in ps.splitlines() if service in ln), "")
+        assert re.search(r"exit(ed)?\s*\(?2\)?", line, re.IGNORECASE), ps
