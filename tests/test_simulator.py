@@ -136,3 +136,123 @@ def test_empty_corpus_fails_at_start(tmp_path: object) -> None:
     bad = dataclasses.replace(task, data=dataclasses.replace(task.data, source=str(empty)))
     with pytest.raises(ConfigError, match="empty"):
         Simulator(cfg(task=bad))
+
+
+# --- the data-parallel baseline (mode "dp") -------------------------------------------------------------------
+
+
+def test_dp_with_one_learner_is_plain_training_on_the_same_batches() -> None:
+    from diloco.sim.dp import DataParallelSimulator
+    from diloco.task.factory import build_task
+    from diloco.task.inner import InnerTrainer
+    from diloco.task.params import flatten_params
+
+    c = cfg(mode="dp", speeds=(1.0,), num_shards=4, local_steps=5, outer_steps=3, task=tiny_task(4))
+    sim = DataParallelSimulator(c)
+    result = sim.run()
+    assert result.rounds == 15 and result.tokens == 15 * c.task.inner.batch_size * c.task.model.seq_len
+    assert result.bytes_up == 0 and result.bytes_down == 4 * sim.numel  # only the initial download
+    task = build_task(c.task)
+    ref = InnerTrainer(task.model_fn(c.seed), task.corpus, c.task.inner, seq_len=c.task.model.seq_len)
+    cursors = [0] * 4
+    for step in range(15):
+        shard = step % 4
+        x, y, cursors[shard] = task.corpus.batch(shard, cursors[shard], c.task.inner.batch_size, c.task.model.seq_len)
+        ref.step(x, y)
+    assert sim.trainer is not None
+    assert torch.equal(flatten_params(sim.trainer.model), flatten_params(ref.model))
+
+
+def test_dp_time_and_bytes_follow_the_ring_allreduce_model() -> None:
+    from diloco.sim.dp import allreduce_bytes_per_learner, allreduce_seconds
+
+    numel, m, bw, lat = 1_000_000, 4, 50e6, 0.5
+    c = cfg(
+        mode="dp",
+        speeds=(1.0, 1.0, 0.5, 1.0),
+        train=False,
+        model_numel=numel,
+        bandwidth_bytes_per_s=bw,
+        latency_s=lat,
+        local_steps=10,
+        outer_steps=2,
+    )
+    r = simulate(c)
+    assert allreduce_bytes_per_learner(numel, m) == round(2 * 3 / 4 * 4 * numel)
+    per_step = 2.0 + allreduce_seconds(numel, m, bw, lat)  # the slowest learner takes 2 s
+    assert allreduce_seconds(numel, m, bw, lat) == pytest.approx(1.5 * 4 * numel / bw + 3.0)
+    start = lat + 4 * numel / bw  # everyone downloads the initial parameters
+    assert r.rounds == 20 and r.time_s == pytest.approx(start + 20 * per_step)
+    assert r.bytes_up == 20 * m * allreduce_bytes_per_learner(numel, m)
+    assert r.bytes_down == r.bytes_up + m * 4 * numel
+    useful = 20 * (1 + 1 + 2 + 1)
+    assert r.goodput == pytest.approx(useful / (m * r.time_s))
+
+
+def test_dp_sends_over_100x_the_bytes_of_diloco_per_token() -> None:
+    common = {"speeds": (1.0,) * 4, "train": False, "model_numel": 10_000_000, "local_steps": 100, "outer_steps": 5}
+    dp = simulate(cfg(mode="dp", **common))
+    sync = simulate(cfg(mode="sync", codec="int8", **common))
+    assert dp.tokens == sync.tokens
+    assert (dp.bytes_up + dp.bytes_down) >= 100 * (sync.bytes_up + sync.bytes_down)
+
+
+def test_dp_loses_the_step_in_flight_and_stalls_on_a_failure() -> None:
+    base = {"mode": "dp", "speeds": (1.0,) * 3, "train": False, "latency_s": 0.0, "bandwidth_bytes_per_s": 1e18}
+    calm = simulate(cfg(**base, outer_steps=4))
+    hit = simulate(cfg(**base, outer_steps=4, failures=parse_failures("kill:2@10.5,revive:2@20"), dead_after_s=2.0))
+    assert calm.rounds == hit.rounds == 32 and calm.time_s == pytest.approx(32.0)
+    assert hit.lost_steps == 1 and hit.reassign_latency_s == [2.0]
+    # step 11 (10..11) is lost at 10.5; the survivors start again at 12.5; learner 2 is back for the step at 20.5
+    assert hit.time_s == pytest.approx(12.5 + (32 - 10))
+    assert hit.tokens == calm.tokens - 8 * c_tokens_per_step(cfg(**base, outer_steps=4))
+    assert hit.goodput < calm.goodput
+
+
+def c_tokens_per_step(c: SimConfig) -> int:
+    return c.task.inner.batch_size * c.task.model.seq_len
+
+
+def test_dp_mode_is_refused_by_the_diloco_engine() -> None:
+    with pytest.raises(ConfigError, match="simulate"):
+        Simulator(cfg(mode="dp"))
+
+
+def test_sync_round_closes_after_a_learner_rejoins_mid_round() -> None:
+    r = simulate(
+        cfg(
+            mode="sync",
+            speeds=(1.0,) * 3,
+            train=False,
+            outer_steps=6,
+            max_time_s=500.0,
+            failures=parse_failures("kill:2@10,revive:2@13"),
+        )
+    )
+    assert r.rounds == 6 and r.shardless_s < 20.0
+
+
+def test_random_failures_hit_at_the_same_times_in_every_mode() -> None:
+    from diloco.sim.dp import DataParallelSimulator
+
+    def kill_times(sim: Simulator | DataParallelSimulator) -> list[tuple[float, int]]:
+        seen: list[tuple[float, int]] = []
+        peers = sim.learners if isinstance(sim, Simulator) else sim.peers
+        original = sim.on_kill
+
+        def on_kill(idx: int, inc: int | None = None) -> None:
+            if peers[idx].alive and (inc is None or peers[idx].incarnation == inc):
+                seen.append((sim.now, idx))
+            original(idx, inc)
+
+        sim.on_kill = on_kill  # type: ignore[method-assign]
+        sim.run()
+        return seen
+
+    common = {"speeds": (1.0, 1.0, 0.5, 0.25), "train": False, "mtbf_s": 300.0, "repair_s": 50.0, "outer_steps": 0}
+    runs = [
+        kill_times(Simulator(cfg(mode="sync", max_time_s=2000.0, **common))),
+        kill_times(Simulator(cfg(mode="decoupled", max_time_s=2000.0, **common))),
+        kill_times(DataParallelSimulator(cfg(mode="dp", max_time_s=2000.0, **common))),
+    ]
+    assert len(runs[0]) > 5 and runs[0] == runs[1] == runs[2]

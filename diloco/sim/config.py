@@ -11,7 +11,8 @@ from diloco.core.rounds import RoundConfig
 from diloco.errors import ConfigError
 from diloco.task.factory import TaskConfig
 
-SIM_MODES = ("sync", "decoupled", "async")
+SIM_MODES = ("sync", "decoupled", "async", "dp")
+DILOCO_MODES = ("sync", "decoupled", "async")  # `dp`: the data-parallel baseline (every step all-reduced)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ def parse_failures(text: str) -> tuple[FailureEvent, ...]:
 
 @dataclass(frozen=True)
 class SimConfig:
+    """One simulated job. `mode` is a DiLoCo round policy (`sync`, `decoupled`, `async`) or `dp`, the data-parallel
+    baseline (`diloco/sim/dp.py`): every inner step ends in a ring all-reduce of the fp32 gradient, so `codec`,
+    `min_quorum`, `grace_*`, `max_staleness`, `outer` and `merge` do not apply to it."""
+
     mode: str = "decoupled"
     speeds: tuple[float, ...] = (1.0, 1.0, 0.5, 0.25)
     step_time_s: float = 1.0  # virtual seconds per inner step at speed 1
@@ -70,8 +75,8 @@ class SimConfig:
     num_shards: int = 16
     token_budget: int = 0  # stop after this many applied tokens (0: no limit)
     max_time_s: float = 0.0  # stop at this virtual time (0: no limit)
-    outer_steps: int = 0  # stop after this many rounds (0: no limit)
-    eval_every: int = 1  # evaluate global params every N rounds
+    outer_steps: int = 0  # stop after this many rounds (0: no limit; dp: a round is H optimizer steps)
+    eval_every: int = 1  # evaluate global params every N rounds (dp: every N·H optimizer steps)
     eval_batches: int = 4
     target_loss: float = 0.0  # report time to reach this validation loss (0: skip)
     train: bool = True  # False: timing only (no model), for large sweeps
@@ -119,8 +124,9 @@ class SimConfig:
         return len(self.speeds)
 
     def round_config(self) -> RoundConfig:
+        """The coordinator's round policy (the data-parallel baseline has none; it gets the `sync` one)."""
         return RoundConfig(
-            mode=self.mode,
+            mode=self.mode if self.mode in DILOCO_MODES else "sync",
             min_quorum=self.min_quorum,
             grace_max_s=self.grace_max_s,
             grace_gamma=self.grace_gamma,

@@ -25,16 +25,20 @@ from typing import Any
 
 import torch
 
-from diloco.core.codecs import Codec, ErrorFeedback, get_codec
+from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.coordinator import DEAD, CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
 from diloco.core.merge import Segment
-from diloco.errors import DilocoError
-from diloco.sim.config import SimConfig
+from diloco.errors import ConfigError, DilocoError
+from diloco.sim.config import DILOCO_MODES, SimConfig
+from diloco.sim.dp import DataParallelSimulator
+from diloco.sim.result import SimResult, encoded_size, time_to_target
 from diloco.task.data import Corpus, evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.inner import InnerTrainer
 from diloco.task.params import flatten_params, load_flat_, merge_segments
 from diloco.task.progress import ReadProgress
+
+__all__ = ["Learner", "SimResult", "Simulator", "encoded_size", "simulate"]
 
 _EPS = 1e-9
 
@@ -61,42 +65,15 @@ class Learner:
     ready: bool = False  # H_m steps done, submission deferred
     alive_since: float = 0.0
     killed_at: float = 0.0
-
-
-@dataclass
-class SimResult:
-    mode: str
-    history: list[dict[str, float]]
-    final_loss: float
-    initial_loss: float
-    time_s: float
-    tokens: int
-    rounds: int
-    goodput: float
-    bytes_up: int
-    bytes_down: int
-    mean_staleness: float
-    max_staleness: int
-    rejected: int
-    lost_uploads: int
-    reassign_latency_s: list[float]
-    time_to_target_s: float | None
-    busy_fraction: dict[int, float]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-
-def encoded_size(codec: Codec, numel: int) -> int:
-    """Bytes a codec produces for `numel` values (without encoding them)."""
-    _, meta = codec.encode(torch.zeros(min(numel, 4096), dtype=torch.float32))
-    if numel <= 4096:
-        return meta.encoded_bytes
-    return round(meta.encoded_bytes * numel / 4096)
+    shardless_since: float | None = None  # registered, but its plan holds no shard
 
 
 class Simulator:
     def __init__(self, cfg: SimConfig, progress: Callable[[dict[str, float]], None] | None = None) -> None:
+        if cfg.mode not in DILOCO_MODES:
+            raise ConfigError(
+                f"Simulator runs the DiLoCo modes ({', '.join(DILOCO_MODES)}); use simulate() for mode {cfg.mode!r}"
+            )
         self.cfg = cfg
         self.progress = progress
         self.rng = random.Random(cfg.seed)
@@ -151,6 +128,7 @@ class Simulator:
         self.rejected = 0
         self.lost_uploads = 0
         self.reassign_latency: list[float] = []
+        self.shardless_s = 0.0
         self.deadline_scheduled: float | None = None
         self.sub_ids = itertools.count()
         self.done = False
@@ -177,6 +155,7 @@ class Simulator:
         for learner in self.learners:
             if learner.alive:
                 self.available_s[learner.idx] += self.now - learner.alive_since
+                self.end_shardless(learner, self.now)
         if self.history[-1]["version"] != self.core.version:
             self.record(force_eval=True)
         return self.result(initial)
@@ -231,11 +210,19 @@ class Simulator:
         learner.t_cursor = t
         if not learner.progress.cursors:  # no shards yet: ask again a little later
             learner.training = False
+            if learner.shardless_since is None:
+                learner.shardless_since = t
             self.at(t + learner.step_time * self.cfg.min_local_steps, "retry_plan", learner.idx, learner.incarnation)
             return
+        self.end_shardless(learner, t)
         learner.training = True
         learner.segment_steps = steps
         self.at(t + steps * learner.step_time, "segment_end", learner.idx, learner.incarnation, learner.seg_gen)
+
+    def end_shardless(self, learner: Learner, t: float) -> None:
+        if learner.shardless_since is not None:
+            self.shardless_s += t - learner.shardless_since
+            learner.shardless_since = None
 
     def on_retry_plan(self, idx: int, inc: int) -> None:
         learner = self.learners[idx]
@@ -384,6 +371,7 @@ class Simulator:
         if not learner.alive or (inc is not None and learner.incarnation != inc):
             return
         self.advance(learner, self.now)
+        self.end_shardless(learner, self.now)
         learner.alive = False
         learner.training = False
         learner.trainer = None
@@ -454,8 +442,6 @@ class Simulator:
 
     def result(self, initial: float) -> SimResult:
         available = sum(self.available_s)
-        target = self.cfg.target_loss
-        ttt = next((p["time_s"] for p in self.history if target and p["val_loss"] <= target), None)
         return SimResult(
             mode=self.cfg.mode,
             history=self.history,
@@ -472,7 +458,8 @@ class Simulator:
             rejected=self.rejected,
             lost_uploads=self.lost_uploads,
             reassign_latency_s=self.reassign_latency,
-            time_to_target_s=ttt,
+            time_to_target_s=time_to_target(self.history, self.cfg.target_loss),
+            shardless_s=self.shardless_s,
             busy_fraction={
                 i: (self.busy_s[i] / self.available_s[i] if self.available_s[i] else 0.0)
                 for i in range(self.cfg.num_learners)
@@ -481,4 +468,7 @@ class Simulator:
 
 
 def simulate(cfg: SimConfig, progress: Callable[[dict[str, float]], None] | None = None) -> SimResult:
+    """Run one simulated job: the DiLoCo event engine, or the data-parallel baseline for `mode="dp"`."""
+    if cfg.mode == "dp":
+        return DataParallelSimulator(cfg, progress).run()
     return Simulator(cfg, progress).run()

@@ -1,0 +1,115 @@
+"""The benchmark suite (`diloco bench`): the `--quick` variant runs every section, including one short real-cluster
+run, into a temp dir, so the report code cannot rot; plus the pure helpers it measures with."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.cluster_bench import rate, recovery_s
+from bench.sim_bench import first_time_at_or_below, loss_at_tokens
+from bench.suite import parse_only, run_suite
+from diloco.cli.bench import SECTIONS
+from diloco.cli.main import main
+from diloco.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("bench-quick")
+    results = run_suite(out, quick=True, log=lambda line: None)
+    yield out, results
+
+
+def rows_of(readme: str, first_cells: str) -> list[str]:
+    return [line for line in readme.splitlines() if line.startswith(f"| {first_cells} |")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict[str, Any]]) -> None:
+    out, results = quick
+    readme = (out / "README.md").read_text()
+    for title in ("1. Time to target", "2. Scale sweep", "3. Compression sweep", "4. Real cluster", "5. Outer-opt"):
+        assert f"## {title}" in readme, f"section {title!r} missing"
+    for name in SECTIONS:
+        assert f"--only {name}" in readme, f"no regenerate command for {name}"
+    for profile in ("uniform", "mixed", "mixed+failures"):
+        for mode in ("dp", "sync", "decoupled"):
+            assert rows_of(readme, f"{profile} | {mode}"), f"no row for {profile}/{mode}"
+    for m in results["meta"]["profile"]["scale"]["learners"]:
+        assert len(rows_of(readme, str(m))) == 2, f"scale: M={m} should have a row per network"
+    for label in ("fp32", "bf16 + EF", "bf16 no EF", "int8 + EF", "int8 no EF", "int4 + EF", "int4 no EF", "topk + EF"):
+        assert rows_of(readme, label), f"compression: no row for {label}"
+    assert rows_of(readme, "decoupled"), "cluster: no row for the decoupled run"
+    for name in ("Nesterov", "FedAvg", "Delayed Nesterov"):
+        assert rows_of(readme, name), f"outer: no row for {name}"
+    assert "## Targets" in readme and ("**pass**" in readme or "**FAIL**" in readme)
+    for png in ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer"):
+        path = out / f"{png}.png"
+        assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000, f"{png}.png missing or empty"
+        assert f"]({png}.png)" in readme, f"{png}.png not linked from the report"
+    doc = json.loads((out / "results.json").read_text())  # strict JSON: NaN would have been written as null
+    assert set(doc["sections"]) == set(SECTIONS)
+    kill = next(r for r in doc["sections"]["cluster"]["runs"] if r["kill"])
+    assert 0 < kill["reassign_s"] < 10 and kill["samples"], "the failure run measured no reassignment"
+    assert doc["meta"]["wall_s"]["total"] < 180, "the quick suite should stay under 3 minutes"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_only_one_section_keeps_the_others(quick: tuple[Path, dict[str, Any]]) -> None:
+    out, _ = quick
+    before = json.loads((out / "results.json").read_text())
+    run_suite(out, quick=True, only=("outer",), log=lambda line: None)
+    after = json.loads((out / "results.json").read_text())
+    assert after["meta"]["sections_run"] == ["outer"]
+    assert after["sections"]["cluster"] == before["sections"]["cluster"]
+    assert (
+        after["sections"]["outer"]["runs"][0]["loss_at_budget"]
+        == before["sections"]["outer"]["runs"][0]["loss_at_budget"]
+    ), "the simulator is deterministic"
+    assert "## 4. Real cluster" in (out / "README.md").read_text()
+    (out / "README.md").unlink()
+    assert main(["bench", "--report-only", "--out", str(out)]) == 0
+    assert "## 4. Real cluster" in (out / "README.md").read_text()
+
+
+def test_cli_and_script_reject_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="unknown section"):
+        parse_only("scale,warp")
+    assert parse_only("scale, cluster") == ("scale", "cluster")
+    assert main(["bench", "--only", "warp", "--out", "/nonexistent"]) == 2
+    assert "unknown section" in capsys.readouterr().err
+    proc = subprocess.run(
+        [sys.executable, "bench/run_all.py", "--only", "warp"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "unknown section" in proc.stderr
+
+
+def test_loss_at_tokens_interpolates_between_evaluations() -> None:
+    h = [[0.0, 0.0, 5.0], [10.0, 100.0, 3.0], [20.0, 200.0, 2.0]]
+    assert loss_at_tokens(h, 150) == pytest.approx(2.5)
+    assert loss_at_tokens(h, 100) == 3.0
+    assert loss_at_tokens(h, 500) == 2.0  # past the end: the last evaluation
+    assert first_time_at_or_below(h, 3.0) == 10.0
+    assert first_time_at_or_below(h, 1.0) is None
+
+
+def test_recovery_is_the_first_full_window_after_the_kill_back_at_90_percent() -> None:
+    # 100 tokens/s, nothing from t=10 (kill) to t=14, then 100 tokens/s again
+    samples = [{"t": float(t), "tokens": 100 * min(t, 10) + 100 * max(0, t - 14)} for t in range(0, 31)]
+    assert rate(samples, 0, 10) == pytest.approx(100)
+    pre, rec = recovery_s(samples, kill_t=10.0, end_t=30.0, window_s=4.0, fraction=0.9)
+    assert pre == pytest.approx(100) and rec == pytest.approx(4.0)
+    never = [{"t": float(t), "tokens": 100 * min(t, 10)} for t in range(0, 31)]
+    assert recovery_s(never, kill_t=10.0, end_t=30.0, window_s=4.0, fraction=0.9)[1] is None
