@@ -160,6 +160,7 @@ def run(a: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=2)
         print()
     else:
+        console.print()
         t = Table(title="summary", show_header=False)
         for k, v in result.items():
             if k != "workers":
