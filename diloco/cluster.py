@@ -21,6 +21,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 
+# A task small enough that a round takes a fraction of a second on a CPU: for tests, chaos runs and quick demos.
+TINY_TASK_ARGS: tuple[str, ...] = (
+    *("--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "8"),
+    *("--max-bytes", "400000", "--shards", "8", "--eval-batches", "2"),
+)
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -14,29 +14,12 @@ import grpc
 import pytest
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import ClusterConfig, LocalCluster
+from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 UNTRAINED_LOSS = math.log(256)  # a byte-level model that knows nothing
-TASK = (
-    "--d-model",
-    "32",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--max-bytes",
-    "400000",
-    "--shards",
-    "8",
-    "--eval-batches",
-    "2",
-)
+TASK = TINY_TASK_ARGS
 
 
 def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:

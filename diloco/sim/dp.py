@@ -22,18 +22,16 @@ loss curve has the density of a `sync` run's.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from diloco.errors import ConfigError
 from diloco.sim.config import SimConfig
+from diloco.sim.events import EventLoop
 from diloco.sim.result import SimResult, time_to_target
 from diloco.task.data import Corpus, evaluate
 from diloco.task.factory import build_task
@@ -68,8 +66,9 @@ class _Peer:
     alive_since: float = 0.0
 
 
-class DataParallelSimulator:
+class DataParallelSimulator(EventLoop):
     def __init__(self, cfg: SimConfig, progress: Callable[[dict[str, float]], None] | None = None) -> None:
+        super().__init__()
         if cfg.mode != "dp":
             raise ConfigError(f"DataParallelSimulator runs mode 'dp', got {cfg.mode!r}; use Simulator for DiLoCo")
         self.cfg = cfg
@@ -96,9 +95,6 @@ class DataParallelSimulator:
         self.peers = [_Peer(i, cfg.step_time_s / v) for i, v in enumerate(cfg.speeds)]
         self.cursors = [0] * cfg.num_shards
         self.turn = 0
-        self.events: list[tuple[float, int, str, tuple[Any, ...]]] = []
-        self.seq = itertools.count()
-        self.now = 0.0
         self.history: list[dict[str, float]] = []
         self.steps = 0
         self.tokens = 0
@@ -113,12 +109,8 @@ class DataParallelSimulator:
         self.in_flight: list[int] | None = None
         self.step_started = 0.0
         self.stalled_until: float | None = None
-        self.done = False
 
     # --- event queue ------------------------------------------------------------------------------------------
-    def at(self, t: float, kind: str, *args: Any) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), kind, args))
-
     def run(self) -> SimResult:
         cfg = self.cfg
         initial = self.evaluate()
@@ -127,13 +119,7 @@ class DataParallelSimulator:
             self.join(peer, rejoin=False)
         for e in cfg.failures:
             self.at(e.at_s, e.action, e.learner)
-        while self.events and not self.done:
-            t, _, kind, args = heapq.heappop(self.events)
-            if cfg.max_time_s and t > cfg.max_time_s:
-                self.now = cfg.max_time_s
-                break
-            self.now = t
-            getattr(self, f"on_{kind}")(*args)
+        self.run_events(cfg.max_time_s)
         for peer in self.peers:
             if peer.alive:
                 self.available_s[peer.idx] += self.now - peer.alive_since

@@ -15,13 +15,11 @@ Learner behaviour follows ALGORITHM.md section 5:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -31,6 +29,7 @@ from diloco.core.merge import Segment
 from diloco.errors import ConfigError, DilocoError
 from diloco.sim.config import DILOCO_MODES, SimConfig
 from diloco.sim.dp import DataParallelSimulator
+from diloco.sim.events import EventLoop
 from diloco.sim.result import SimResult, encoded_size, time_to_target
 from diloco.task.data import Corpus, evaluate
 from diloco.task.factory import Task, build_task
@@ -68,8 +67,9 @@ class Learner:
     shardless_since: float | None = None  # registered, but its plan holds no shard
 
 
-class Simulator:
+class Simulator(EventLoop):
     def __init__(self, cfg: SimConfig, progress: Callable[[dict[str, float]], None] | None = None) -> None:
+        super().__init__()
         if cfg.mode not in DILOCO_MODES:
             raise ConfigError(
                 f"Simulator runs the DiLoCo modes ({', '.join(DILOCO_MODES)}); use simulate() for mode {cfg.mode!r}"
@@ -114,9 +114,6 @@ class Simulator:
         )
         self.core = CoordinatorCore(core_cfg, params, shard_lengths, segments)
         self.learners = [Learner(i, v, cfg.step_time_s / v) for i, v in enumerate(cfg.speeds)]
-        self.events: list[tuple[float, int, str, tuple[Any, ...]]] = []
-        self.seq = itertools.count()
-        self.now = 0.0
         self.history: list[dict[str, float]] = []
         self.bytes_up = 0
         self.bytes_down = 0
@@ -131,12 +128,8 @@ class Simulator:
         self.shardless_s = 0.0
         self.deadline_scheduled: float | None = None
         self.sub_ids = itertools.count()
-        self.done = False
 
     # --- event queue ------------------------------------------------------------------------------------------
-    def at(self, t: float, kind: str, *args: Any) -> None:
-        heapq.heappush(self.events, (t, next(self.seq), kind, args))
-
     def run(self) -> SimResult:
         cfg = self.cfg
         initial = self.evaluate()
@@ -145,13 +138,7 @@ class Simulator:
             self.join(learner, 0.0)
         for e in cfg.failures:
             self.at(e.at_s, e.action, e.learner)
-        while self.events and not self.done:
-            t, _, kind, args = heapq.heappop(self.events)
-            if cfg.max_time_s and t > cfg.max_time_s:
-                self.now = cfg.max_time_s
-                break
-            self.now = t
-            getattr(self, f"on_{kind}")(*args)
+        self.run_events(cfg.max_time_s)
         for learner in self.learners:
             if learner.alive:
                 self.available_s[learner.idx] += self.now - learner.alive_since

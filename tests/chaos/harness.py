@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import free_port
+from diloco.cluster import TINY_TASK_ARGS, free_port
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 
@@ -44,24 +44,7 @@ LOSS_MARGIN = 0.3
 FINAL_EVALS = 5  # "final loss": the mean of the last 5 evaluations
 
 # The tiny task of tests/test_cluster_faults.py: one layer, 32 wide; a round takes a fraction of a second.
-TASK_ARGS = (
-    "--d-model",
-    "32",
-    "--layers",
-    "1",
-    "--heads",
-    "2",
-    "--seq-len",
-    "32",
-    "--batch-size",
-    "8",
-    "--max-bytes",
-    "400000",
-    "--shards",
-    "8",
-    "--eval-batches",
-    "2",
-)
+TASK_ARGS = TINY_TASK_ARGS
 
 
 @dataclass(frozen=True)
