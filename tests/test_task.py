@@ -437,6 +437,26 @@ def test_slowdown_sleeps_and_is_reported_in_throughput(corpus: Corpus) -> None:
     assert tp.device_kind == "cpu"
 
 
+def test_slowdown_does_not_multiply_a_stall(corpus: Corpus) -> None:
+    """A step that stalled (the process was paused) is not slowed down further in proportion to the stall."""
+    # clock calls: train start, then (before, after) for each step, then train end
+    times = iter([0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 102.0, 102.0])
+    slept: list[float] = []
+    tr = InnerTrainer(
+        GPT(TINY),
+        corpus,
+        TINY_INNER,
+        seq_len=TINY.seq_len,
+        device=CPU,
+        slowdown=3.0,
+        sleep=slept.append,
+        clock=lambda: next(times),
+    )
+    tr.train([(0, 0, 0)], 3)  # steps of 1 s, 1 s, then one of 100 s (paused)
+    assert slept[:2] == [2.0, 2.0]
+    assert slept[2] == pytest.approx(2.0 * 2.0)  # capped at twice the usual compute, not 2 x 100 s
+
+
 # -- task config and factory --------------------------------------------------------------------------------
 
 
@@ -513,3 +533,11 @@ def test_factory_hook_loads_a_user_function() -> None:
 def test_factory_hook_bad_path_is_a_config_error(path: str, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         build_task(TaskConfig(model=TINY, inner=TINY_INNER, factory=path))
+
+
+def test_catch_up_moves_the_schedule_forward_only(corpus: Corpus) -> None:
+    tr = make_trainer(corpus)
+    tr.catch_up(500)
+    assert tr.steps_done == 500
+    tr.catch_up(10)  # never backwards
+    assert tr.steps_done == 500

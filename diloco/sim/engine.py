@@ -180,6 +180,7 @@ class Simulator(EventLoop):
             return
         if learner.trainer is not None:
             learner.trainer.load_global(params)
+            learner.trainer.catch_up(version * self.core.plan(learner.worker_id).local_steps)
         learner.base_version = version
         learner.progress.reset()
         learner.awaiting, learner.ready, learner.uploading = None, False, False

@@ -183,6 +183,11 @@ class InnerTrainer:
         """Δ = Θ_base - θ (flat fp32, CPU)."""
         return (self._base - flatten_params(self.model)).cpu()
 
+    def catch_up(self, step: int) -> None:
+        """Start the learning-rate schedule no earlier than `step`: a learner that joins (or comes back) late
+        resumes the schedule where it would be had it trained from the start, not at warmup and peak rate."""
+        self.steps_done = max(self.steps_done, step)
+
     def mark_submitted(self) -> None:
         """Remember θ_at_submit, the parameters whose pseudo-gradient was just sent."""
         self._at_submit = flatten_params(self.model)
@@ -218,7 +223,9 @@ class InnerTrainer:
         value = float(loss.detach())  # synchronizes with the device, so the timing below is real
         elapsed = self._clock() - t0
         if self.slowdown > 1.0:
-            pause = (self.slowdown - 1.0) * elapsed
+            # scale the step's compute, not a stall inside it (a SIGSTOP, a swap-in): cap at twice the usual step
+            compute = min(elapsed, 2 * self._step_time_s / self.slowdown) if self._step_time_s > 0 else elapsed
+            pause = (self.slowdown - 1.0) * compute
             self._sleep(pause)
             elapsed += pause
         prev, ema = self._step_time_s, self._EMA

@@ -69,6 +69,7 @@ class Session:
     epoch: int
     mode: str
     codec: str
+    local_steps: int  # H_m at registration
     ended: threading.Event = field(default_factory=threading.Event)
     resync: str = ""  # why the learner must adopt the newest parameters and its leases again
     watch_call: grpc.Future | None = None  # type: ignore[type-arg]
@@ -181,6 +182,7 @@ class Worker:
             resp.coordinator_epoch,
             MODE_NAMES.get(resp.mode, "decoupled"),
             CODEC_NAMES.get(resp.codec, "int8"),
+            max(1, resp.plan.local_steps),
         )
         if not self.cfg.healthd and resp.healthd_address:
             self.healthd_address = resp.healthd_address
@@ -292,6 +294,7 @@ class Worker:
         trainer = self.trainer
         first = self._wait_params(session, -1)
         trainer.load_global(first.flat)
+        trainer.catch_up(first.version * session.local_steps)  # joined late: resume the schedule, no re-warmup
         base = first.version
         self.metrics.version.set(base)
         ef = ErrorFeedback(get_codec(session.codec), trainer.numel)
