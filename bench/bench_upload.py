@@ -62,8 +62,8 @@ from typing import Any
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from diloco.cluster import wait_serving
 from diloco.core.codecs import EncodedMeta, get_codec, iter_chunks
 from diloco.core.coordinator import CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
@@ -191,21 +191,16 @@ class Coordinator:
         return f"127.0.0.1:{self.port}"
 
     def wait_serving(self, timeout_s: float) -> None:
-        """Wait for grpc.health.v1 SERVING (as `LocalCluster.wait_serving`)."""
-        deadline = time.monotonic() + timeout_s
-        with channel(self.address) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"the coordinator exited with {self.proc.returncode}:\n{self.tail()}")
-                try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-        raise TimeoutError(f"{self.address} did not become healthy within {timeout_s} s:\n{self.tail()}")
+        """Wait for grpc.health.v1 SERVING, giving up early if the coordinator exits."""
+
+        def check_alive() -> None:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the coordinator exited with {self.proc.returncode}:\n{self.tail()}")
+
+        try:
+            wait_serving(self.address, timeout_s, check_alive)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}:\n{self.tail()}") from e
 
     def accepted_at(self, submission_id: str) -> float | None:
         """Unix time of the `submission.accepted` log line of a submission (None when not logged)."""

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -26,6 +26,24 @@ TINY_TASK_ARGS: tuple[str, ...] = (
     *("--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "8"),
     *("--max-bytes", "400000", "--shards", "8", "--eval-batches", "2"),
 )
+
+
+def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None] = lambda: None) -> None:
+    """Poll grpc.health.v1 at `address` until it answers SERVING; `check_alive` may raise to give up early
+    (the process exited). Raises TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    with channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            check_alive()
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"{address} did not become healthy within {timeout_s} s")
 
 
 def free_port() -> int:
@@ -181,22 +199,14 @@ class LocalCluster:
             self.start_worker(i)
 
     def wait_serving(self, address: str, timeout_s: float) -> None:
-        """Wait until a service answers SERVING on grpc.health.v1 (raises TimeoutError with its log tail)."""
-        deadline = time.monotonic() + timeout_s
-        with channel(address) as ch:
-            stub = health_pb2_grpc.HealthStub(ch)
-            while time.monotonic() < deadline:
-                for p in self.procs.values():
-                    if not p.alive and p.name in ("coordinator", "healthd"):
-                        raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{self.tail(p.name)}")
-                try:
-                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.1)
-        raise TimeoutError(f"{address} did not become healthy within {timeout_s} s")
+        """Wait until a service answers SERVING on grpc.health.v1 (raises with the log tail if it exits)."""
+
+        def check_alive() -> None:
+            for p in self.procs.values():
+                if not p.alive and p.name in ("coordinator", "healthd"):
+                    raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{self.tail(p.name)}")
+
+        wait_serving(address, timeout_s, check_alive)
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.procs[name]
