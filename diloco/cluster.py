@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +26,38 @@ TINY_TASK_ARGS: tuple[str, ...] = (
     *("--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "8"),
     *("--max-bytes", "400000", "--shards", "8", "--eval-batches", "2"),
 )
+
+
+class RunShape(Protocol):
+    """What a cluster run asks of the coordinator (ClusterConfig here, the chaos suite's config in containers)."""
+
+    @property
+    def mode(self) -> str: ...
+    @property
+    def min_quorum(self) -> int: ...
+    @property
+    def local_steps(self) -> int: ...
+    @property
+    def min_local_steps(self) -> int: ...
+    @property
+    def codec(self) -> str: ...
+    @property
+    def workers(self) -> int: ...
+    @property
+    def outer_steps(self) -> int: ...
+    @property
+    def checkpoint_every(self) -> int: ...
+
+
+def coordinator_flags(run: RunShape, port: int, healthd_address: str, checkpoint_dir: str) -> list[str]:
+    """The coordinator's command-line flags for a run (the task flags come on top)."""
+    return [
+        *("--port", str(port), "--healthd-address", healthd_address, "--mode", run.mode),
+        *("--min-quorum", str(run.min_quorum), "--local-steps", str(run.local_steps)),
+        *("--min-local-steps", str(run.min_local_steps), "--codec", run.codec),
+        *("--expected-workers", str(run.workers), "--target-outer-steps", str(run.outer_steps)),
+        *("--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(run.checkpoint_every)),
+    ]
 
 
 def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None] = lambda: None) -> None:
@@ -140,28 +172,7 @@ class LocalCluster:
             "coordinator",
             "services.coordinator",
             [
-                "--port",
-                str(self.coordinator_port),
-                "--healthd-address",
-                self.healthd_address,
-                "--mode",
-                c.mode,
-                "--min-quorum",
-                str(c.min_quorum),
-                "--local-steps",
-                str(c.local_steps),
-                "--min-local-steps",
-                str(c.min_local_steps),
-                "--codec",
-                c.codec,
-                "--expected-workers",
-                str(c.workers),
-                "--target-outer-steps",
-                str(c.outer_steps),
-                "--checkpoint-dir",
-                str(self.run_dir / "checkpoints"),
-                "--checkpoint-every",
-                str(c.checkpoint_every),
+                *coordinator_flags(c, self.coordinator_port, self.healthd_address, str(self.run_dir / "checkpoints")),
                 *c.task_args,
                 *c.coordinator_args,
             ],

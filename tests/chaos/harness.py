@@ -24,7 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, free_port
+from diloco.cluster import TINY_TASK_ARGS, coordinator_flags, free_port
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 
@@ -159,28 +159,7 @@ class DockerCluster:
             "coordinator",
             [
                 "coordinator",
-                "--port",
-                str(COORDINATOR_PORT),
-                "--healthd-address",
-                f"{self.cname('healthd')}:{HEALTHD_PORT}",
-                "--mode",
-                c.mode,
-                "--min-quorum",
-                str(c.min_quorum),
-                "--local-steps",
-                str(c.local_steps),
-                "--min-local-steps",
-                str(c.min_local_steps),
-                "--codec",
-                c.codec,
-                "--expected-workers",
-                str(c.workers),
-                "--target-outer-steps",
-                str(c.outer_steps),
-                "--checkpoint-dir",
-                CHECKPOINT_DIR,
-                "--checkpoint-every",
-                str(c.checkpoint_every),
+                *coordinator_flags(c, COORDINATOR_PORT, f"{self.cname('healthd')}:{HEALTHD_PORT}", CHECKPOINT_DIR),
                 *TASK_ARGS,
             ],
             ports={f"{COORDINATOR_PORT}/tcp": ("127.0.0.1", self.coordinator_port)},
