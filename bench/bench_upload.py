@@ -117,6 +117,7 @@ class Coordinator:
             "services.coordinator",
             "--host",
             "127.0.0.1",
+            "--insecure",  # plaintext on loopback, like the raw TCP baseline
             "--port",
             "0",
             "--metrics-port",

@@ -5,10 +5,12 @@ benchmarks. Every child is reaped on exit, whatever happens."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +20,9 @@ from typing import IO, Protocol
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from diloco.rpc.security import SecurityConfig
 from diloco.rpc.server import channel
+from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, add_identity, write_bundle
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 
 # A task small enough that a round takes a fraction of a second on a CPU: for tests, chaos runs and quick demos.
@@ -60,11 +64,16 @@ def coordinator_flags(run: RunShape, port: int, healthd_address: str, checkpoint
     ]
 
 
-def wait_serving(address: str, timeout_s: float, check_alive: Callable[[], None] = lambda: None) -> None:
+def wait_serving(
+    address: str,
+    timeout_s: float,
+    check_alive: Callable[[], None] = lambda: None,
+    make_channel: Callable[[str], grpc.Channel] = channel,
+) -> None:
     """Poll grpc.health.v1 at `address` until it answers SERVING; `check_alive` may raise to give up early
-    (the process exited). Raises TimeoutError after `timeout_s`."""
+    (the process exited). Raises TimeoutError after `timeout_s`. `make_channel`: e.g. a TLS channel."""
     deadline = time.monotonic() + timeout_s
-    with channel(address) as ch:
+    with make_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             check_alive()
@@ -101,6 +110,8 @@ class ClusterConfig:
     task_args: tuple[str, ...] = ()  # model/data flags passed to the coordinator
     coordinator_args: tuple[str, ...] = ()
     worker_env: dict[str, str] = field(default_factory=dict)
+    worker_args: dict[int, tuple[str, ...]] = field(default_factory=dict)  # extra flags of one worker (fault tests)
+    insecure: bool = False  # False: mutual TLS and tokens, generated into a temporary folder
 
 
 @dataclass
@@ -126,6 +137,18 @@ class LocalCluster:
         self.healthd_port = free_port()
         self.procs: dict[str, Proc] = {}
         self._channel: grpc.Channel | None = None
+        self.tls_dir: Path | None = None
+        self.security = SecurityConfig()  # plaintext on loopback, no tokens
+        if not cfg.insecure:
+            self.tls_dir = Path(tempfile.mkdtemp(prefix="diloco-tls-"))
+            write_bundle(self.tls_dir, [f"worker{i}" for i in range(cfg.workers)], hosts=("localhost", "127.0.0.1"))
+            self.security = SecurityConfig(
+                tls_dir=str(self.tls_dir),
+                tls_name="admin",
+                insecure=False,
+                join_token=(self.tls_dir / JOIN_TOKEN_FILE).read_text().strip(),
+                admin_token=(self.tls_dir / ADMIN_TOKEN_FILE).read_text().strip(),
+            )
 
     @property
     def coordinator_address(self) -> str:
@@ -136,6 +159,18 @@ class LocalCluster:
         return f"127.0.0.1:{self.healthd_port}"
 
     # --- processes --------------------------------------------------------------------------------------------
+    def security_args(self, name: str, tokens: Sequence[str] = ("join", "admin")) -> list[str]:
+        """The security flags of child `name`: its TLS identity and token files (never token values in argv)."""
+        if self.tls_dir is None:
+            return ["--insecure"]
+        if not (self.tls_dir / f"{name}.pem").exists():
+            add_identity(self.tls_dir, name)
+        args = ["--tls-dir", str(self.tls_dir), "--tls-name", name]
+        for kind in tokens:
+            token_file = JOIN_TOKEN_FILE if kind == "join" else ADMIN_TOKEN_FILE
+            args += [f"--{kind}-token-file", str(self.tls_dir / token_file)]
+        return args
+
     def _spawn(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         old = self.procs.get(name)
         if old is not None and old.alive:
@@ -163,6 +198,7 @@ class LocalCluster:
                 str(c.heartbeat_interval_s),
                 "--dead-after-s",
                 str(c.dead_after_s),
+                *self.security_args("healthd"),
             ],
         )
 
@@ -175,6 +211,7 @@ class LocalCluster:
                 *coordinator_flags(c, self.coordinator_port, self.healthd_address, str(self.run_dir / "checkpoints")),
                 *c.task_args,
                 *c.coordinator_args,
+                *self.security_args("coordinator"),
             ],
         )
 
@@ -197,6 +234,8 @@ class LocalCluster:
                 str(c.heartbeat_interval_s),
                 "--seed",
                 str(i),
+                *self.security_args(f"worker{i}", tokens=("join",)),
+                *c.worker_args.get(i, ()),
             ],
             env=c.worker_env,
         )
@@ -217,7 +256,7 @@ class LocalCluster:
                 if not p.alive and p.name in ("coordinator", "healthd"):
                     raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{self.tail(p.name)}")
 
-        wait_serving(address, timeout_s, check_alive)
+        wait_serving(address, timeout_s, check_alive, make_channel=lambda a: self.security.channel(a, admin=True))
 
     def signal(self, name: str, sig: int) -> None:
         proc = self.procs[name]
@@ -255,6 +294,8 @@ class LocalCluster:
         if self._channel is not None:
             self._channel.close()
             self._channel = None
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -266,7 +307,7 @@ class LocalCluster:
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
         if self._channel is None:
-            self._channel = channel(self.coordinator_address)
+            self._channel = self.security.channel(self.coordinator_address, admin=True)
         return coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def status(self, timeout_s: float = 3.0) -> coordinator_pb2.GetStatusResponse:
@@ -279,7 +320,7 @@ class LocalCluster:
         return self.stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=timeout_s)
 
     def nodes(self, timeout_s: float = 3.0) -> healthd_pb2.ListNodesResponse:
-        with channel(self.healthd_address) as ch:
+        with self.security.channel(self.healthd_address, admin=True) as ch:
             return healthd_pb2_grpc.HealthDaemonStub(ch).ListNodes(healthd_pb2.ListNodesRequest(), timeout=timeout_s)
 
     def workers_alive(self) -> list[str]:

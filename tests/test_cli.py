@@ -30,7 +30,7 @@ def reply(out: str) -> dict[str, object]:
 
 
 def ctl(address: str, *args: str) -> list[str]:
-    return ["ctl", "--coordinator", address, *args]
+    return ["ctl", "--coordinator", address, "--insecure", *args]  # the in-process coordinator is plaintext
 
 
 def test_ctl_status_workers_ledger_json(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,9 +82,9 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
 )
 def test_worker_config_errors_name_the_field(argv: list[str], env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
-        parse_worker(argv, env)
+        parse_worker(["--insecure", *argv], env)  # field checks come before the transport's (TLS or loopback)
 
 
 def test_worker_exits_2_on_bad_config(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["worker", "--slowdown", "2"]) == 2
+    assert main(["worker", "--insecure", "--slowdown", "2"]) == 2
     assert "DILOCO_COORDINATOR" in capsys.readouterr().err

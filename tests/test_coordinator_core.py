@@ -159,3 +159,28 @@ def test_learner_never_confirmed_alive_is_declared_dead() -> None:
     assert dead == b and moved and c.workers[b].state == DEAD
     assert {s.owner for s in c.ledger.states()} == {a}
     assert c.next_deadline() is None
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_a_round_closed_without_every_learner_takes_a_partial_step(scale: bool) -> None:
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="decoupled", min_quorum=2, grace_max_s=1.0),
+        local_steps=10,
+        min_local_steps=2,
+        expected_workers=3,
+        scale_partial_rounds=scale,
+    )
+    c = CoordinatorCore(cfg, torch.zeros(N), [1000] * 6)
+    a, b, _ = (c.register(n, 0.0).worker_id for n in "abc")
+
+    def sub(worker: str, sid: str, steps: int) -> Submission:
+        s = submission(c, worker, sid, tokens=10)
+        return Submission(s.worker_id, s.submission_id, s.base_version, s.tokens, steps, s.ranges, s.plan_seq)
+
+    c.accept(sub(a, "s1", 10), torch.full((N,), 1.0), now=1.0)
+    assert c.accept(sub(b, "s2", 10), torch.full((N,), 1.0), now=1.0).applied is None  # grace window open
+    applied = c.poll(now=2.5)
+    assert applied is not None and applied.reason == "quorum_grace"
+    # 20 inner steps in, learner c's planned 10 missing: 2/3 of a step (Nesterov's first step: -lr * (1 + mu) * d)
+    fraction = 20 / 30 if scale else 1.0
+    assert c.params[0].item() == pytest.approx(-0.7 * 1.9 * fraction)

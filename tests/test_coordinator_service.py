@@ -637,10 +637,11 @@ def test_unknown_and_empty_worker_ids(env: Env, rpc: str) -> None:
 # --- configuration and the entry point ----------------------------------------------------------------------------
 def test_parse_reads_flags_with_env_fallbacks() -> None:
     env = {"DILOCO_MODE": "sync", "DILOCO_CODEC": "bf16", "DILOCO_PORT": "7000", "DILOCO_SHARDS": "4"}
+    env["DILOCO_INSECURE"] = "1"  # plaintext, allowed on loopback only (tests/test_security.py covers TLS)
     cfg = parse(["--port", "7001", "--d-model", "32", "--heads", "2"], env)
     assert (cfg.mode, cfg.codec, cfg.port) == ("sync", "bf16", 7001)
     assert cfg.task.data.num_shards == 4 and cfg.task.model.d_model == 32
-    assert parse([], {"DILOCO_TASK_JSON": tiny_task().to_json()}).task == tiny_task()
+    assert parse([], {"DILOCO_TASK_JSON": tiny_task().to_json(), "DILOCO_INSECURE": "1"}).task == tiny_task()
 
 
 @pytest.mark.parametrize(
@@ -666,7 +667,7 @@ def test_main_exits_2_on_bad_configuration(capsys: pytest.CaptureFixture[str]) -
 
 def test_python_m_services_coordinator_serves_and_drains_on_sigterm(tmp_path: Path) -> None:
     task = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4"]
-    args = [*task, "--max-bytes", "400000", "--shards", "8", "--checkpoint-dir", str(tmp_path)]
+    args = [*task, "--max-bytes", "400000", "--shards", "8", "--checkpoint-dir", str(tmp_path), "--insecure"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.coordinator", *args],
         stdout=subprocess.PIPE,

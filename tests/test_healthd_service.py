@@ -556,12 +556,13 @@ def test_throughput_is_forwarded_at_most_once_per_second(
 
 
 def test_parse_flags_win_over_environment() -> None:
-    env = {"DILOCO_DEAD_AFTER_S": "3.5", "DILOCO_COORDINATOR_ADDRESS": "coord:7000", "DILOCO_PORT": "7100"}
+    env = {"DILOCO_DEAD_AFTER_S": "3.5", "DILOCO_COORDINATOR_ADDRESS": "127.0.0.1:7000", "DILOCO_PORT": "7100"}
+    env["DILOCO_INSECURE"] = "1"  # plaintext, allowed on loopback only (tests/test_security.py covers TLS)
     cfg = parse(["--port", "7200", "--heartbeat-interval-s", "0.25"], env)
     assert (cfg.port, cfg.heartbeat_interval_s, cfg.dead_after_s) == (7200, 0.25, 3.5)
-    assert cfg.coordinator_address == "coord:7000" and cfg.metrics_port == -1 and cfg.suspect_after_missed == 2
+    assert cfg.coordinator_address == "127.0.0.1:7000" and cfg.metrics_port == -1 and cfg.suspect_after_missed == 2
     assert cfg.detector().suspect_after_s == 0.5
-    assert parse([], {}) == HealthdConfig()
+    assert parse([], {"DILOCO_INSECURE": "1"}) == HealthdConfig()
 
 
 @pytest.mark.parametrize(
@@ -592,7 +593,7 @@ def test_main_exits_2_on_a_config_error(capsys: pytest.CaptureFixture[str]) -> N
 def test_process_starts_serves_and_stops_on_sigterm() -> None:
     env = {**os.environ, "DILOCO_DEAD_AFTER_S": "0.6", "DILOCO_HEARTBEAT_INTERVAL_S": "0.1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.healthd", "--port", "0"],
+        [sys.executable, "-m", "services.healthd", "--port", "0", "--insecure"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
-from diloco.rpc.server import channel
+from diloco.rpc import security
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 
 MODE = {1: "sync", 2: "decoupled", 3: "async"}
@@ -36,11 +37,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("worker_id", nargs="?", help="for drain, evict and release")
     p.add_argument("--reason", default="evicted by operator")
+    security.add_flags(p, os.environ, tls_name="admin", tokens=("admin",))
     p.set_defaults(func=run)
 
 
 def call(args: argparse.Namespace) -> Message:
-    stub = coordinator_pb2_grpc.CoordinatorStub(channel(args.coordinator))
+    sec = security.from_args(args, os.environ)
+    stub = coordinator_pb2_grpc.CoordinatorStub(sec.channel(args.coordinator, admin=True))
     t = args.timeout_s
     needs_id = {"drain", "evict", "release"}
     if args.action in needs_id and not args.worker_id:

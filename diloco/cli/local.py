@@ -41,6 +41,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--run-dir", type=Path, default=None, help="logs and checkpoints (default runs/local-TIME)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="plaintext without tokens (default: mutual TLS and tokens, generated into a temporary folder)",
+    )
     p.set_defaults(func=run)
 
 
@@ -73,6 +78,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         codec=a.codec,
         dead_after_s=a.dead_after_s,
         run_dir=run_dir,
+        insecure=a.insecure,
     )
 
 

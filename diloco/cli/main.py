@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from diloco.cli import bench, ctl, local, simulate
+from diloco.cli import bench, certs, ctl, local, simulate
 from diloco.errors import ConfigError
 
 SERVICES = {
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_parser(sub)
     ctl.add_parser(sub)
     bench.add_parser(sub)
+    certs.add_parser(sub)
     for name, text in SERVICES.items():
         sub.add_parser(name, help=text, add_help=False)
     return parser

@@ -12,6 +12,15 @@ Shard placement follows speed (ALGORITHM.md section 6). A shard of a dead or dep
 shard moved away from a *live* learner (rebalancing after a join) is handed off: the learner's plan stops listing
 it, and the ledger moves it only after accepting a submission that learner made under that plan (`plan_seq`),
 so the learner never loses a submission to a move it could not know about.
+
+Robust merge (`diloco.core.guard`): a pseudo-gradient with a non-finite or outlier norm is refused and its
+learner is **quarantined**. A refused submission never reaches the ledger, so its token range stays uncommitted
+and is trained again. A quarantined learner stays live (it heartbeats and may be reached), is not waited for by
+rounds and gets no new shards, but keeps the ones it holds: its next submission is checked like any other, and
+a clean one is merged and releases it (so does `release`, the operator's ReleaseWorker). After
+`quarantine_strikes` refusals in a row its shards move to healthy learners (new epoch, resuming at the accepted
+cursor), so the data is trained again by someone else; it then stays quarantined, with no work, until an
+operator releases it.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from typing import Any
 
 import torch
 
+from diloco.core.guard import NON_FINITE, GuardConfig, NormGuard, Verdict
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
@@ -32,7 +42,26 @@ from diloco.core.rounds import Pending, RoundClose, RoundConfig, RoundPolicy
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
 ACTIVE, DRAINING, DEAD, LEFT, EVICTED = "active", "draining", "dead", "left", "evicted"
-LIVE_STATES = (ACTIVE, DRAINING)
+QUARANTINED = "quarantined"
+LIVE_STATES = (ACTIVE, DRAINING, QUARANTINED)
+
+
+class SubmissionRejected(FailedPrecondition):
+    """The guard refused a pseudo-gradient (an outlier norm) and quarantined its learner. The learner must adopt
+    the newest parameters and train the range again (its plan's cursors did not move)."""
+
+    def __init__(self, message: str, worker_id: str, verdict: Verdict, quarantined: bool, moved: list[int]) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+        self.verdict = verdict
+        self.newly_quarantined = quarantined  # this refusal put the learner in quarantine
+        self.moved_shards = moved  # shards moved off the learner (its strikes ran out)
+
+
+class NonFiniteRejected(SubmissionRejected, InvalidArgument):
+    """As `SubmissionRejected`, for a pseudo-gradient with NaN or Inf: malformed input (INVALID_ARGUMENT)."""
+
+    code = InvalidArgument.code
 
 
 @dataclass(frozen=True)
@@ -48,6 +77,10 @@ class CoordinatorConfig:
     # > 0: a learner not confirmed alive (healthd forwarded its throughput, or it submitted) this long after it
     # registered is declared dead: it died before its first heartbeat, so healthd can never report it
     confirm_timeout_s: float = 0.0
+    guard: GuardConfig = field(default_factory=GuardConfig)  # outlier check off unless outlier_factor > 0
+    # decoupled: a round closed on quorum + grace without every expected learner takes a step in proportion to the
+    # inner steps it holds (see `_round_fraction`); False: every round takes a full step, as ALGORITHM.md section 4
+    scale_partial_rounds: bool = True
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_NAMES:
@@ -97,6 +130,8 @@ class WorkerRecord:
     last_base_version: int = 0
     state_reason: str = ""
     confirmed: bool = False  # healthd has forwarded its throughput, or it has submitted
+    rejections: int = 0  # submissions refused by the guard, in total
+    strikes: int = 0  # refused in a row (reset by an accepted submission or a release)
 
 
 @dataclass(frozen=True)
@@ -126,6 +161,8 @@ class AcceptResult:
     staleness: int
     round: int  # the version the submission will produce (or produced)
     applied: RoundApplied | None  # the round this acceptance closed, if any
+    released: bool = False  # the submission was clean and released its learner from quarantine
+    norm_ratio: float = math.nan  # per-step norm / median of recent accepted ones (NaN: no reference yet)
 
 
 class CoordinatorCore:
@@ -159,6 +196,7 @@ class CoordinatorCore:
         self.registered_ever = 0
         self.tokens_applied = 0
         self.rejected = 0
+        self.guard = NormGuard(cfg.guard)
         self.paused = False
         self._incarnation = 0
 
@@ -231,6 +269,33 @@ class CoordinatorCore:
         rec.state, rec.state_reason = DRAINING, "drained by operator"
         return rec
 
+    def release(self, worker_id: str, reason: str = "released by operator") -> WorkerRecord:
+        """Lift a quarantine (a live learner that is not quarantined is returned as it is)."""
+        rec = self._live_worker(worker_id)
+        if rec.state == QUARANTINED:
+            rec.state, rec.state_reason, rec.strikes = ACTIVE, reason, 0
+            self._rebalance()
+        return rec
+
+    def _quarantine(self, rec: WorkerRecord, verdict: Verdict) -> tuple[bool, list[int]]:
+        """Refusal bookkeeping. Returns (newly quarantined, shards moved away because the strikes ran out)."""
+        self.rejected += 1
+        rec.rejections += 1
+        rec.strikes += 1
+        newly = rec.state != QUARANTINED
+        what = "non-finite values" if verdict.reason == NON_FINITE else f"norm {verdict.ratio:.3g}x the median"
+        rec.state, rec.state_reason = QUARANTINED, f"pseudo-gradient refused ({what})"
+        moved: list[int] = []
+        if rec.strikes >= self.cfg.guard.quarantine_strikes and self.ledger.owned_by(rec.worker_id):
+            moved = self.ledger.release(rec.worker_id)
+            for shard in moved:
+                self.staged.pop(shard, None)
+            rec.state_reason += f"; {rec.strikes} refusals in a row: shards moved away"
+            self._rebalance()
+        else:
+            self._refresh_idle()
+        return newly, moved
+
     def _membership_changed(self) -> None:
         live = self.live_ids()
         self.outer.set_num_learners(max(1, len(live)))
@@ -239,6 +304,7 @@ class CoordinatorCore:
     def _rebalance(self) -> None:
         """Place shards on the live learners in proportion to speed; moves off a live learner are staged."""
         speeds = {w: self.workers[w].speed for w in self.live_ids() if self.workers[w].state == ACTIVE}
+        kept = {w for w in self.live_ids() if self.workers[w].state == QUARANTINED}  # keep shards, get no new ones
         phantoms = max(0, self.cfg.expected_workers - self.registered_ever)
         slots = dict(speeds)
         known = [v for v in speeds.values() if v > 0]
@@ -252,6 +318,8 @@ class CoordinatorCore:
             if owner is not None and owner.startswith("\x00"):
                 owner = None
             now_owner = self.ledger.state(shard_id).owner
+            if now_owner in kept:
+                continue
             if owner == now_owner:
                 if self.staged.pop(shard_id, None) is not None:
                     changed = True
@@ -271,7 +339,8 @@ class CoordinatorCore:
     def _refresh_idle(self) -> None:
         """Tell the round policy which live learners have no shards to train (a round must not wait for them)."""
         has_work = {s.owner for s in self.ledger.states() if s.owner is not None and s.shard_id not in self.staged}
-        self.policy.idle = {w for w in self.policy.live if w not in has_work}
+        quarantined = {w for w, r in self.workers.items() if r.state == QUARANTINED}
+        self.policy.idle = {w for w in self.policy.live if w not in has_work or w in quarantined}
 
     def _effective_owner(self, shard_id: int, owner: str | None) -> str | None:
         staged = self.staged.get(shard_id)
@@ -315,22 +384,50 @@ class CoordinatorCore:
         staleness = self.admit(sub)
         if delta.shape != self.params.shape:
             raise InvalidArgument(f"pseudo-gradient has {delta.numel()} elements; the model has {self.params.numel()}")
-        lo, hi = torch.aminmax(delta)  # one pass, no scratch tensor; NaN and Inf propagate into the extremes
-        if not (math.isfinite(float(lo)) and math.isfinite(float(hi))):
-            raise InvalidArgument("pseudo-gradient contains NaN or Inf; check the learner's training")
+        rec = self.workers[sub.worker_id]
+        # one pass; NaN and Inf (or an overflow) make the norm non-finite
+        per_step = float(torch.linalg.vector_norm(delta)) / sub.steps
+        verdict = self.guard.check(per_step)
+        if not verdict.ok:
+            newly, moved = self._quarantine(rec, verdict)
+            if verdict.reason == NON_FINITE:
+                raise NonFiniteRejected(
+                    "pseudo-gradient contains NaN or Inf; check the learner's training. The learner is quarantined: "
+                    "adopt the newest parameters and train the range again",
+                    sub.worker_id,
+                    verdict,
+                    newly,
+                    moved,
+                )
+            raise SubmissionRejected(
+                f"pseudo-gradient refused: its norm per inner step ({verdict.norm:.4g}) is {verdict.ratio:.3g}x the "
+                f"median of recently accepted ones ({verdict.median:.4g}; limit {self.cfg.guard.outlier_factor:g}x). "
+                "The learner is quarantined: adopt the newest parameters and train the range again; a clean "
+                "submission (or ReleaseWorker) releases it",
+                sub.worker_id,
+                verdict,
+                newly,
+                moved,
+            )
         receipt = self.ledger.accept(sub.worker_id, sub.ranges)
         self.acc.add(delta, sub.tokens)
         self.receipts[sub.submission_id] = receipt
-        rec = self.workers[sub.worker_id]
+        self.guard.record(per_step)
+        released = rec.state == QUARANTINED
+        rec.strikes = 0
+        if released:
+            rec.state, rec.state_reason = ACTIVE, "released after a clean submission"
+            self._rebalance()
         rec.submissions += 1
         rec.tokens += sub.tokens
         rec.last_base_version = sub.base_version
         rec.last_submit_at = now
         rec.confirmed = True
         self._complete_handoffs(sub.worker_id, sub.plan_seq)
-        self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now))
+        self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now, sub.steps))
         applied = self.poll(now)
-        return AcceptResult(staleness, applied.version if applied else self.version + 1, applied)
+        version = applied.version if applied else self.version + 1
+        return AcceptResult(staleness, version, applied, released, verdict.ratio)
 
     def _complete_handoffs(self, worker_id: str, plan_seq: int) -> None:
         for shard_id, (target, staged_at) in list(self.staged.items()):
@@ -372,6 +469,9 @@ class CoordinatorCore:
     def _apply(self, close: RoundClose) -> RoundApplied:
         delta = self.acc.result()  # lives in the merge buffer until acc.reset()
         tokens = self.acc.tokens
+        scale = self._round_fraction(close)
+        if scale < 1.0:
+            delta.mul_(scale)
         delta_norm = float(torch.linalg.vector_norm(delta))
         self.outer.step(self.params, delta)
         for p in close.submissions:
@@ -388,6 +488,20 @@ class CoordinatorCore:
             close.reason,
             close.closed_at,
         )
+
+    def _round_fraction(self, close: RoundClose) -> float:
+        """How much of a full wave a round holds: 1 for a round with every expected learner in (and in `sync`
+        and `async`, whose rounds are whole by construction), else the inner steps it holds over those plus the
+        planned steps (H_m) of the expected learners it closed without. Two waves that fall out of phase (fast
+        learners in one round, slow ones in the next) then take one full step between them, not two."""
+        if not self.cfg.scale_partial_rounds or close.reason != "quorum_grace":
+            return 1.0
+        held = {p.worker_id for p in close.submissions}
+        steps_in = sum(p.steps for p in close.submissions)
+        missing = sum(self.plan(w).local_steps for w in self.policy.expected - held if w in self.workers)
+        if steps_in <= 0 or missing <= 0:
+            return 1.0
+        return steps_in / (steps_in + missing)
 
     def set_paused(self, paused: bool) -> None:
         self.paused = paused
@@ -408,6 +522,7 @@ class CoordinatorCore:
             "tokens_applied": self.tokens_applied,
             "workers": [vars(r).copy() for r in self.workers.values()],
             "incarnation": self._incarnation,
+            "guard_norms": self.guard.snapshot(),
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
@@ -435,6 +550,7 @@ class CoordinatorCore:
         self.policy = RoundPolicy(self.cfg.rounds, version=version)
         self.tokens_applied = int(snap.get("tokens_applied", 0))
         self._incarnation = int(snap.get("incarnation", 0))
+        self.guard.restore(snap.get("guard_norms", ()))
         self.registered_ever = 0
         self.workers = {}
         self.receipts = {}

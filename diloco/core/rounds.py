@@ -62,6 +62,7 @@ class Pending:
     base_version: int
     tokens: int
     arrived_at: float
+    steps: int = 0  # inner steps it holds
 
 
 @dataclass(frozen=True)

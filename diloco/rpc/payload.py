@@ -3,7 +3,10 @@ and a receiver that decodes chunk by chunk, checking order, size and checksum.""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import queue
+import threading
+from collections.abc import Generator, Iterator, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -12,6 +15,7 @@ from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
+T = TypeVar("T")
 
 CODEC_TO_ENUM: dict[str, int] = {
     "fp32": pb.CODEC_FP32,
@@ -87,3 +91,70 @@ class PayloadReceiver:
 
     def finish(self) -> torch.Tensor:
         return self.decoder.finish()
+
+
+class BufferPool:
+    """Keeps up to `size` fp32 buffers of `numel` elements for upload decoding. A fresh buffer costs a page fault
+    per 4 KiB on its first write (decoding into one runs at about a third of the speed of decoding into a reused
+    one); the pool hands out buffers that are already mapped. `give` back only a buffer nothing else refers to."""
+
+    def __init__(self, numel: int, size: int) -> None:
+        self.numel = numel
+        self.size = size
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> torch.Tensor | None:
+        """A mapped buffer, or None (the decoder then allocates its own)."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def give(self, buf: torch.Tensor) -> None:
+        if buf.numel() != self.numel or buf.dtype != torch.float32 or not buf.is_contiguous():
+            return
+        with self._lock:
+            if len(self._free) < self.size:
+                self._free.append(buf)
+
+
+_END = object()
+
+
+def prefetch(items: Iterator[T], depth: int = 4) -> Generator[T, None, None]:
+    """Iterate `items` from a background thread, up to `depth` ahead, so that receiving the next message (the
+    gRPC transport) overlaps with handling this one (decoding, which releases the GIL in torch and zlib).
+    An exception raised by `items` is re-raised here, in order, after the items before it. If the consumer
+    stops early, the reader thread stops at its next item."""
+    q: queue.Queue[object] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(x: object) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def read() -> None:
+        try:
+            for item in items:
+                if not put(item):
+                    return
+            put(_END)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            put(e)
+
+    reader = threading.Thread(target=read, name="prefetch", daemon=True)
+    reader.start()
+    try:
+        while True:
+            x = q.get()
+            if x is _END:
+                return
+            if isinstance(x, BaseException):
+                raise x
+            yield x  # type: ignore[misc]
+    finally:
+        stop.set()

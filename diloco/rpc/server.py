@@ -6,14 +6,21 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from diloco.rpc.auth import BearerTokenInterceptor
+
 MiB = 1 << 20
 # Bulk payloads travel as ~1 MiB chunks; messages above this are refused by gRPC itself.
 MAX_MESSAGE_BYTES = 8 * MiB
+
+# HTTP/2 frames default to 16 KiB: a 1 MiB chunk would be cut into 64 frames, each parsed and copied on its own.
+# Large frames let the transport move a chunk in one piece (about 2x the upload rate on loopback).
+_BULK_OPTIONS = [("grpc.http2.max_frame_size", (16 * MiB) - 1)]
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -23,6 +30,7 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
+    *_BULK_OPTIONS,
 ]
 
 
@@ -33,11 +41,24 @@ class GrpcService:
     NOT_SERVING as soon as stop begins, so load balancers and healthchecks see the drain.
     """
 
-    def __init__(self, host: str, port: int, service_names: Sequence[str], max_workers: int = 32) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Sequence[str],
+        max_workers: int = 32,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: Sequence[grpc.ServerInterceptor[Any, Any]] = (),
+    ) -> None:
+        """`credentials`: serve TLS (`diloco.rpc.tls.server_credentials`), else plaintext; `interceptors`: e.g.
+        the token check (`diloco.rpc.auth.TokenAuthInterceptor`)."""
         self.host = host
         self.requested_port = port
         self.service_names = list(service_names)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+        self.credentials = credentials
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS, interceptors=list(interceptors)
+        )
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -59,7 +80,11 @@ class GrpcService:
         with self._lock:
             if self._started:
                 return self.port
-            self.port = self.server.add_insecure_port(f"{self.host}:{self.requested_port}")
+            target = f"{self.host}:{self.requested_port}"
+            if self.credentials is None:
+                self.port = self.server.add_insecure_port(target)
+            else:
+                self.port = self.server.add_secure_port(target, self.credentials)
             if self.port == 0:
                 raise OSError(f"cannot bind {self.host}:{self.requested_port}; is the port in use?")
             self.server.start()
@@ -86,19 +111,34 @@ class GrpcService:
         return self._stopped.wait(timeout_s)
 
 
-def channel(address: str) -> grpc.Channel:
-    """A client channel with the same message limits and keepalive as the servers."""
-    return grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.enable_retries", 0),
-            # reconnect quickly after a peer restarts (gRPC's default backoff grows to two minutes)
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1_000),
-        ],
-    )
+def channel(
+    address: str,
+    credentials: grpc.ChannelCredentials | None = None,
+    token: str = "",
+    server_name: str = "",
+) -> grpc.Channel:
+    """A client channel with the same message limits and keepalive as the servers.
+
+    `credentials`: TLS (`diloco.rpc.tls.channel_credentials`), else plaintext; `token`: sent as
+    `authorization: Bearer <token>` on every call; `server_name`: the name to check the server certificate
+    against when it is not the host in `address` (grpc.ssl_target_name_override)."""
+    options: list[tuple[str, Any]] = [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.enable_retries", 0),
+        # reconnect quickly after a peer restarts (gRPC's default backoff grows to two minutes)
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+    ]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    if credentials is None:
+        ch = grpc.insecure_channel(address, options=options)
+    else:
+        ch = grpc.secure_channel(address, credentials, options=options)
+    if token:
+        ch = grpc.intercept_channel(ch, BearerTokenInterceptor(token))
+    return ch

@@ -64,6 +64,7 @@ class SimConfig:
     local_steps: int = 20  # H
     min_local_steps: int = 2
     dynamic_local_steps: bool = True  # H_m from speed (decoupled/async only; sync uses H for all)
+    scale_partial_rounds: bool = True  # see CoordinatorConfig.scale_partial_rounds
     min_quorum: int = 2  # K
     grace_max_s: float = 5.0
     grace_gamma: float = 0.5

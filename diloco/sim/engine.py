@@ -109,6 +109,7 @@ class Simulator(EventLoop):
             local_steps=cfg.local_steps,
             min_local_steps=cfg.min_local_steps,
             dynamic_local_steps=cfg.dynamic_local_steps and cfg.mode != "sync",
+            scale_partial_rounds=cfg.scale_partial_rounds,
             expected_workers=cfg.num_learners,
             target_outer_steps=cfg.outer_steps,
         )

@@ -15,12 +15,15 @@ from dataclasses import dataclass, field
 
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.coordinator import CoordinatorConfig
+from diloco.core.guard import GuardConfig
 from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
 from diloco.flags import Flag, parse_bool
 from diloco.flags import build_parser as build_flag_parser
+from diloco.rpc import security
+from diloco.rpc.security import SecurityConfig
 from diloco.task.data import DataConfig
 from diloco.task.factory import TaskConfig, task_from_flags
 from diloco.task.inner import InnerConfig
@@ -55,6 +58,7 @@ class CoordinatorServiceConfig:
     local_steps: int = 30
     min_local_steps: int = 5
     fixed_local_steps: bool = False  # True: every learner runs `local_steps` (no dynamic H_m)
+    scale_partial_rounds: bool = True  # a decoupled round without every learner takes a partial step
     codec: str = "int8"
     outer: str = "nesterov"
     outer_lr: float = 0.7
@@ -70,9 +74,15 @@ class CoordinatorServiceConfig:
     max_upload_bytes: int = 0  # 0: derived from the model (its fp32 size + 1%)
     confirm_timeout_s: float = 10.0  # with healthd: a learner never heard of this long after registering is dead
     upload_ttl_s: float = 120.0  # interrupted uploads are kept this long for a resume
-    max_partial_uploads: int = 32  # each holds an fp32 buffer of the model size
+    max_partial_uploads: int = 32  # uploads held in all (streaming or kept for a resume); each holds a model buffer
+    max_uploads_per_worker: int = 2  # uploads one learner may have held at once
+    outlier_factor: float = 10.0  # refuse a pseudo-gradient whose norm per step is above this x the median; 0: off
+    outlier_window: int = 32  # accepted norms the median is taken over
+    outlier_min_samples: int = 3  # accepted norms before any outlier judgement
+    quarantine_strikes: int = 3  # refusals in a row after which a quarantined learner's shards move away
     shutdown_grace_s: float = 5.0
     log_level: str = "info"
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -102,6 +112,11 @@ class CoordinatorServiceConfig:
         _float_min("upload_ttl_s", self.upload_ttl_s, 0.0, open_=True)
         _float_min("confirm_timeout_s", self.confirm_timeout_s, 0.0)
         _int_in("max_partial_uploads", self.max_partial_uploads, 1)
+        _int_in("max_uploads_per_worker", self.max_uploads_per_worker, 1, self.max_partial_uploads)
+        _float_min("outlier_factor", self.outlier_factor, 0.0)
+        _int_in("outlier_window", self.outlier_window, 1)
+        _int_in("outlier_min_samples", self.outlier_min_samples, 1, self.outlier_window)
+        _int_in("quarantine_strikes", self.quarantine_strikes, 1)
         _float_min("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         if not isinstance(self.healthd_address, str):
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
@@ -113,6 +128,7 @@ class CoordinatorServiceConfig:
                 f"({self.task.data.num_shards}); raise --shards"
             )
         self.core_config()  # the core's own checks (outer lr/momentum, quorum against expected workers)
+        self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
 
     def core_config(self) -> CoordinatorConfig:
         """The pure core's configuration."""
@@ -128,9 +144,16 @@ class CoordinatorServiceConfig:
             local_steps=self.local_steps,
             min_local_steps=self.min_local_steps,
             dynamic_local_steps=not self.fixed_local_steps and self.mode != "sync",
+            scale_partial_rounds=self.scale_partial_rounds,
             expected_workers=self.expected_workers,
             target_outer_steps=self.target_outer_steps,
             confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
+            guard=GuardConfig(
+                outlier_factor=self.outlier_factor,
+                window=self.outlier_window,
+                min_samples=self.outlier_min_samples,
+                quarantine_strikes=self.quarantine_strikes,
+            ),
         )
 
 
@@ -172,6 +195,12 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--local-steps", int, 30, "H: inner steps per round for the fastest learner"),
     ("--min-local-steps", int, 5, "H_min"),
     ("--fixed-local-steps", parse_bool, False, "same H for every learner (true/false)"),
+    (
+        "--scale-partial-rounds",
+        parse_bool,
+        True,
+        "decoupled: a round closed without every learner steps in proportion to the inner steps it holds",
+    ),
     ("--codec", str, "int8", f"upload codec: {', '.join(CODEC_NAMES)}"),
     ("--outer", str, "nesterov", f"outer optimizer: {', '.join(OUTER_NAMES)}"),
     ("--outer-lr", float, 0.7, "outer learning rate"),
@@ -183,7 +212,7 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--eval-every", int, 1, "rounds between validation evaluations (0: never)"),
     ("--eval-batches", int, 4, "validation batches per evaluation"),
     ("--seed", int, 0, "seed of the initial parameters"),
-    ("--max-upload-bytes", int, 0, "largest pseudo-gradient payload (0: fp32 model size + 1%)"),
+    ("--max-upload-bytes", int, 0, "largest pseudo-gradient payload (0: fp32 model size + 1%%)"),
     (
         "--confirm-timeout-s",
         float,
@@ -191,6 +220,18 @@ _SERVICE_FLAGS: list[Flag] = [
         "with healthd: declare dead a learner not heard of this long after registering",
     ),
     ("--upload-ttl-s", float, 120.0, "how long an interrupted upload is kept for a resume"),
+    ("--max-partial-uploads", int, 32, "uploads held at once in all, streaming or kept for a resume (memory bound)"),
+    ("--max-uploads-per-worker", int, 2, "uploads one learner may hold at once; more get RESOURCE_EXHAUSTED"),
+    (
+        "--outlier-factor",
+        float,
+        10.0,
+        "refuse and quarantine a pseudo-gradient whose norm per step exceeds this "
+        "x the median of recent accepted ones (0: off)",
+    ),
+    ("--outlier-window", int, 32, "accepted norms the outlier median is taken over"),
+    ("--outlier-min-samples", int, 3, "accepted norms before the outlier check judges"),
+    ("--quarantine-strikes", int, 3, "refusals in a row after which a quarantined learner's shards move away"),
     ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
 ]
@@ -212,12 +253,14 @@ _TASK_FLAGS: list[Flag] = [
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    return build_flag_parser(
+    p = build_flag_parser(
         "python -m services.coordinator",
         "Run the Decoupled DiLoCo coordinator.",
         [("service", _SERVICE_FLAGS), ("task", _TASK_FLAGS)],
         env,
     )
+    security.add_flags(p, env, tls_name="coordinator", tokens=("join", "admin"))
+    return p
 
 
 def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> CoordinatorServiceConfig:
@@ -239,6 +282,7 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         local_steps=a.local_steps,
         min_local_steps=a.min_local_steps,
         fixed_local_steps=a.fixed_local_steps,
+        scale_partial_rounds=a.scale_partial_rounds,
         codec=a.codec,
         outer=a.outer,
         outer_lr=a.outer_lr,
@@ -253,7 +297,14 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         task=task_from_flags(a),
         max_upload_bytes=a.max_upload_bytes,
         upload_ttl_s=a.upload_ttl_s,
+        max_partial_uploads=a.max_partial_uploads,
+        max_uploads_per_worker=a.max_uploads_per_worker,
+        outlier_factor=a.outlier_factor,
+        outlier_window=a.outlier_window,
+        outlier_min_samples=a.outlier_min_samples,
+        quarantine_strikes=a.quarantine_strikes,
         confirm_timeout_s=a.confirm_timeout_s,
         shutdown_grace_s=a.shutdown_grace_s,
         log_level=a.log_level,
+        security=security.from_args(a, env),
     )

@@ -49,4 +49,11 @@ class CoordinatorMetrics:
             _PREFIX + "validation_loss", "Validation loss of the global parameters", registry=r
         )
         self.checkpoints = Counter(_PREFIX + "checkpoints", "Checkpoints written", registry=r)
+        self.quarantines = Counter(
+            _PREFIX + "quarantines", "Learners quarantined after a refused (outlier, non-finite) submission", registry=r
+        )
+        self.quarantined_workers = Gauge(_PREFIX + "quarantined_workers", "Learners in quarantine now", registry=r)
+        self.uploads_evicted = Counter(
+            _PREFIX + "uploads_evicted", "Interrupted uploads dropped to make room for new ones", registry=r
+        )
         self.validation_loss.set(float("nan"))

@@ -132,6 +132,7 @@ class CoordinatorServer:
             max_upload_bytes=cfg.max_upload_bytes or default_max_upload_bytes(params.numel()),
             upload_ttl_s=cfg.upload_ttl_s,
             max_partial_uploads=cfg.max_partial_uploads,
+            max_uploads_per_worker=cfg.max_uploads_per_worker,
             metrics=self.metrics,
             clock=self.clock,
             on_round=self._on_round,
@@ -148,7 +149,14 @@ class CoordinatorServer:
             healthd_address=cfg.healthd_address,
             checkpoint=self.checkpoint_now,
         )
-        service = GrpcService(cfg.host, cfg.port, [SERVICE_NAME], max_workers=GRPC_THREADS)
+        service = GrpcService(
+            cfg.host,
+            cfg.port,
+            [SERVICE_NAME],
+            max_workers=GRPC_THREADS,
+            credentials=cfg.security.server_credentials(),
+            interceptors=cfg.security.server_interceptors(),
+        )
         service.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
         self._threads = [
             threading.Thread(target=state.run_poller, name="coordinator-rounds", daemon=True),
@@ -166,6 +174,8 @@ class CoordinatorServer:
         self.log.info(
             "coordinator.serving",
             address=service.address,
+            tls=cfg.security.tls,
+            auth=bool(cfg.security.join_token),
             metrics_port=self.metrics_port,
             version=core.version,
             mode=cfg.mode,

@@ -15,11 +15,19 @@ from diloco.core.coordinator import ACTIVE, DEAD, DRAINING, EVICTED, LEFT, Submi
 from diloco.core.ledger import ShardRange
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
 from diloco.rpc import status
-from diloco.rpc.payload import CHUNK_BYTES, CODEC_TO_ENUM, check_layout, chunks, meta_from_proto, meta_to_proto
+from diloco.rpc.payload import (
+    CHUNK_BYTES,
+    CODEC_TO_ENUM,
+    check_layout,
+    chunks,
+    meta_from_proto,
+    meta_to_proto,
+    prefetch,
+)
 from diloco.task.factory import TaskConfig, config_to_dict
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.state import CoordinatorState, ParamsSnapshot, SubmitResult, UploadHeader
+from services.coordinator.state import CoordinatorState, ParamsSnapshot, SubmitResult, Upload, UploadHeader
 
 MODE_TO_ENUM = {
     "sync": coordinator_pb2.ROUND_MODE_SYNC,
@@ -197,7 +205,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             return submit_response(opened)  # a duplicate: the earlier outcome, nothing changes
         upload, gen = opened
         try:
-            for msg in request_iterator:
+            return self._receive(upload, gen, request_iterator)
+        finally:
+            self.state.end_stream(upload)
+
+    def _receive(
+        self, upload: Upload, gen: int, request_iterator: Iterator[coordinator_pb2.SubmitPseudoGradientRequest]
+    ) -> coordinator_pb2.SubmitPseudoGradientResponse:
+        try:
+            for msg in prefetch(request_iterator):  # receive the next chunk while this one decodes
                 if msg.WhichOneof("kind") != "data":
                     raise InvalidArgument("an upload has one header; every following message must be data")
                 self.state.feed(upload, gen, msg.data)

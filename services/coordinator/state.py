@@ -28,9 +28,11 @@ from diloco.core.coordinator import (
     EVICTED,
     LEFT,
     LIVE_STATES,
+    QUARANTINED,
     CoordinatorCore,
     RoundApplied,
     Submission,
+    SubmissionRejected,
     WorkerRecord,
     WorkPlan,
 )
@@ -42,7 +44,7 @@ from diloco.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from diloco.rpc.payload import PayloadReceiver, encode_params
+from diloco.rpc.payload import BufferPool, PayloadReceiver, encode_params
 from services.coordinator.metrics import CoordinatorMetrics
 
 _DONE_RECORDS = 8192  # idempotency records of accepted submissions
@@ -77,6 +79,7 @@ class Upload:
     started_at: float
     touched_at: float
     gen: int = 0  # bumped by every stream that takes the upload over; older streams stop
+    streams: int = 0  # streams feeding it now (under `_uploads_lock`); 0: held only for a resume
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -144,6 +147,7 @@ class CoordinatorState:
         upload_ttl_s: float,
         max_partial_uploads: int,
         metrics: CoordinatorMetrics,
+        max_uploads_per_worker: int = 2,
         clock: Callable[[], float] = time.time,
         on_round: Callable[[RoundApplied], None] | None = None,
     ) -> None:
@@ -155,6 +159,8 @@ class CoordinatorState:
         self.max_upload_bytes = max_upload_bytes
         self.upload_ttl_s = upload_ttl_s
         self.max_partial_uploads = max_partial_uploads
+        self.max_uploads_per_worker = max_uploads_per_worker
+        self._buffers = BufferPool(self.numel, size=2)  # decode buffers, reused across uploads
         self.metrics = metrics
         self.clock = clock
         self.on_round = on_round
@@ -255,7 +261,7 @@ class CoordinatorState:
         return rec
 
     def release(self, worker_id: str) -> WorkerRecord:
-        """Lift a quarantine. Nothing quarantines learners yet, so a live learner is returned as it is."""
+        """Lift a quarantine (the operator's ReleaseWorker); a live learner not in quarantine is returned as it is."""
         with self.lock:
             rec = self.core.worker(worker_id)
             if rec.state not in LIVE_STATES:
@@ -263,7 +269,14 @@ class CoordinatorState:
                     f"worker {worker_id} is {rec.state} ({rec.state_reason or 'no reason given'}); "
                     "it cannot be released: the learner must register again"
                 )
-            return rec
+            was = rec.state
+            rec = self.core.release(worker_id)
+            self._refresh_gauges()
+            self.wake.notify_all()
+            view = WorkerRecord(**vars(rec))
+        if was != view.state:
+            self.log.info("worker.released", worker_id=worker_id, by="operator")
+        return view
 
     def set_paused(self, paused: bool) -> bool:
         with self.lock:
@@ -351,6 +364,7 @@ class CoordinatorState:
     def _refresh_gauges(self) -> None:
         self.metrics.version.set(self.core.version)
         self.metrics.live_workers.set(len(self.core.live_ids()))
+        self.metrics.quarantined_workers.set(sum(r.state == QUARANTINED for r in self.core.workers.values()))
         self.metrics.pending_submissions.set(len(self.core.policy.pending))
 
     def set_validation(self, version: int, loss: float) -> None:
@@ -449,7 +463,9 @@ class CoordinatorState:
                 )
             if h.resume_offset == 0:
                 old = up
-                up = Upload(sub, h.meta, PayloadReceiver(h.meta, self.numel), now, now)
+                if old is None:
+                    self._make_room(sub.worker_id)  # before the decoder takes a buffer
+                up = Upload(sub, h.meta, PayloadReceiver(h.meta, self.numel, out=self._buffers.take()), now, now)
                 if old is not None:
                     with old.lock:
                         old.gen += 1  # a stream still feeding it stops
@@ -468,11 +484,50 @@ class CoordinatorState:
                 gen = up.gen
                 up.touched_at = now
             with self._uploads_lock:
+                up.streams += 1
                 self._uploads[sub.submission_id] = up
                 self._uploads.move_to_end(sub.submission_id)
-                while len(self._uploads) > self.max_partial_uploads:
-                    self._uploads.popitem(last=False)
             return up, gen
+
+    def _make_room(self, worker_id: str) -> None:
+        """Under `lock`, before a new upload's buffer is allocated. Bounds the buffers held: at most
+        `max_uploads_per_worker` per learner and `max_partial_uploads` in all, counting interrupted uploads kept
+        for a resume. Those idle ones are evicted oldest first to make room; when the uploads in the way are all
+        streaming, the new one is refused (RESOURCE_EXHAUSTED)."""
+        with self._uploads_lock:
+            mine = [s for s, u in self._uploads.items() if u.sub.worker_id == worker_id]
+            limits = (
+                (mine, self.max_uploads_per_worker, f"concurrent uploads per worker ({worker_id})", "per_worker"),
+                (list(self._uploads), self.max_partial_uploads, "concurrent uploads in all", "total"),
+            )
+            for held, limit, what, scope in limits:
+                idle = [s for s in held if s in self._uploads and self._uploads[s].streams == 0]  # oldest first
+                while len(held) >= limit and idle:
+                    sid = idle.pop(0)
+                    held.remove(sid)
+                    self._evict(sid, scope)
+                held[:] = [s for s in held if s in self._uploads]
+                if len(held) >= limit:
+                    self.rejected += 1
+                    self.metrics.rejected.labels(reason=f"too_many_uploads_{scope}").inc()
+                    self.log.info("submission.rejected", reason=f"too_many_uploads_{scope}", worker_id=worker_id)
+                    raise ResourceExhausted(
+                        f"too many uploads in flight: the limit is {limit} {what}; "
+                        "finish or resume the uploads in flight first, then retry"
+                    )
+
+    def _evict(self, sid: str, scope: str) -> None:
+        """Under `_uploads_lock`: drop an idle partial upload (its learner restarts it from offset 0)."""
+        up = self._uploads.pop(sid)
+        self.metrics.uploads_evicted.inc()
+        self.log.info(
+            "upload.evicted", worker_id=up.sub.worker_id, submission_id=sid, scope=scope, received_bytes=up.received
+        )
+
+    def end_stream(self, up: Upload) -> None:
+        """A stream of `up` ended (finished, failed or broke): it no longer counts as streaming."""
+        with self._uploads_lock:
+            up.streams = max(0, up.streams - 1)
 
     def feed(self, up: Upload, gen: int, data: bytes) -> None:
         """Decode one chunk into the upload's buffer (without the core lock)."""
@@ -513,14 +568,19 @@ class CoordinatorState:
         now = self.clock()
         with self.lock:
             try:
-                result = self.core.accept(up.sub, delta, now)
+                result = self.core.accept(up.sub, delta, now)  # folds delta into the merge sum; keeps no reference
             except AlreadyExists:  # a concurrent stream of the same submission won
                 done = self._duplicate_locked(up.sub)
                 if done is None:
                     raise
                 return done
+            except SubmissionRejected as e:
+                self._guard_rejected(e, up.sub)
+                raise
             except DilocoError as e:
                 raise self.reject(e, e.code.lower()) from None
+            finally:
+                self._buffers.give(delta)
             self._done[up.sub.submission_id] = _Done(
                 up.sub.worker_id, result.staleness, result.round, up.meta.encoded_bytes
             )
@@ -538,6 +598,8 @@ class CoordinatorState:
                 codec=up.meta.codec,
                 bytes=up.meta.encoded_bytes,
             )
+            if result.released:
+                self.log.info("worker.released", worker_id=up.sub.worker_id, by="clean_submission")
             if result.applied is not None:
                 self._round_applied(result.applied)
             else:
@@ -582,6 +644,28 @@ class CoordinatorState:
         staleness = done.staleness if done else max(0, version - sub.base_version)
         round_ = done.round if done else (version + 1 if pending else version)
         return SubmitResult(not pending, version, staleness, round_)
+
+    def _guard_rejected(self, e: SubmissionRejected, sub: Submission) -> None:
+        """Under `lock`: count and log a submission the guard refused (its learner is now quarantined)."""
+        v = e.verdict
+        ratio = round(v.ratio, 3) if math.isfinite(v.ratio) else None  # no reference yet, or non-finite
+        with self._uploads_lock:
+            self.rejected += 1
+        self.metrics.rejected.labels(reason=v.reason).inc()
+        fields: dict[str, Any] = {"worker_id": sub.worker_id, "norm_ratio": ratio, "norm_per_step": v.norm}
+        fields["median"] = v.median
+        self.log.warning(
+            "submission.rejected", reason=v.reason, submission_id=sub.submission_id, tokens=sub.tokens, **fields
+        )
+        if e.newly_quarantined:
+            self.metrics.quarantines.inc()
+            self.log.warning("worker.quarantined", reason=v.reason, **fields)
+        if e.moved_shards:
+            self.metrics.reassignments.inc(len(e.moved_shards))
+            owners = {s: self.core.ledger.state(s).owner for s in e.moved_shards}
+            self.log.warning("shard.reassigned", worker_id=sub.worker_id, shards=e.moved_shards, owners=owners)
+        self._refresh_gauges()
+        self.wake.notify_all()
 
     def _check_gen(self, up: Upload, gen: int) -> None:
         if up.gen != gen:

@@ -10,12 +10,14 @@ import argparse
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco.core.failure import DetectorConfig
 from diloco.errors import ConfigError
 from diloco.flags import Flag
 from diloco.flags import build_parser as build_flag_parser
+from diloco.rpc import security
+from diloco.rpc.security import SecurityConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -37,7 +39,11 @@ class HealthdConfig:
     # Server threads. Each heartbeat stream and each event watcher holds one for its lifetime, so this bounds the
     # number of nodes plus watchers; keep it above the fleet size with room to spare.
     max_streams: int = 256
+    # a stream sending more than heartbeat_rate_factor x the expected rate (after a burst) ends RESOURCE_EXHAUSTED
+    heartbeat_rate_factor: float = 10.0
+    heartbeat_burst: int = 20
     log_level: str = "info"
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -53,9 +59,14 @@ class HealthdConfig:
         ):
             raise ConfigError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s!r}")
         _int_in("max_streams", self.max_streams, 4, 100_000)
+        _positive("heartbeat_rate_factor", self.heartbeat_rate_factor)
+        _int_in("heartbeat_burst", self.heartbeat_burst, 1, 100_000)
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"log_level: unknown value {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}")
         self.detector()  # the detector's own checks (dead_after_s above the suspect threshold, ...)
+        self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
+        if self.coordinator_address:
+            self.security.check_client(self.coordinator_address)
 
     def detector(self) -> DetectorConfig:
         """The pure failure detector's configuration."""
@@ -94,14 +105,18 @@ _FLAGS: list[Flag] = [
     ("--report-timeout-s", float, _d.report_timeout_s, "deadline of each call to the coordinator"),
     ("--shutdown-grace-s", float, _d.shutdown_grace_s, "how long SIGTERM waits for in-flight calls"),
     ("--max-streams", int, _d.max_streams, "server threads: heartbeat streams plus watchers it can hold"),
+    ("--heartbeat-rate-factor", float, _d.heartbeat_rate_factor, "a stream may send this x the expected rate"),
+    ("--heartbeat-burst", int, _d.heartbeat_burst, "heartbeats a stream may send at once above that rate"),
     ("--log-level", str, _d.log_level, f"log level: {', '.join(LOG_LEVELS)}"),
 ]
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
-    return build_flag_parser(
+    p = build_flag_parser(
         "python -m services.healthd", "Run healthd, the failure detector.", [("healthd", _FLAGS)], env
     )
+    security.add_flags(p, env, tls_name="healthd", tokens=("join", "admin"))
+    return p
 
 
 def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> HealthdConfig:
@@ -115,6 +130,8 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         metrics_port=a.metrics_port,
         coordinator_address=a.coordinator_address,
         heartbeat_interval_s=a.heartbeat_interval_s,
+        heartbeat_rate_factor=a.heartbeat_rate_factor,
+        heartbeat_burst=a.heartbeat_burst,
         suspect_after_missed=a.suspect_after_missed,
         dead_after_s=a.dead_after_s,
         forget_after_s=a.forget_after_s,
@@ -122,4 +139,5 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         shutdown_grace_s=a.shutdown_grace_s,
         max_streams=a.max_streams,
         log_level=a.log_level,
+        security=security.from_args(a, env),
     )

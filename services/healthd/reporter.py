@@ -56,8 +56,10 @@ class CoordinatorReporter:
         retry_pause_s: float = 1.0,
         throughput_interval_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
+        make_channel: Callable[[str], grpc.Channel] = channel,
     ) -> None:
         self.address = address
+        self._make_channel = make_channel  # TLS identity and admin token (diloco.rpc.security)
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.log = log
@@ -122,7 +124,7 @@ class CoordinatorReporter:
         with self._cond:
             if self._thread is not None:
                 return
-            self._channel = channel(self.address)
+            self._channel = self._make_channel(self.address)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
             self._thread = threading.Thread(target=self._run, name="healthd-reporter", daemon=True)
             self._thread.start()

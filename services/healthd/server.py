@@ -37,10 +37,22 @@ class HealthdServer:
                 self.log,
                 clock=clock,
                 retry_pause_s=min(1.0, cfg.heartbeat_interval_s * 2),
+                make_channel=lambda address: cfg.security.channel(address, admin=True),
             )
         self.monitor = Monitor(cfg.detector(), self.metrics, self.log, self.reporter, clock)
-        self.grpc = GrpcService(cfg.host, cfg.port, [SERVICE_NAME], max_workers=cfg.max_streams)
-        servicer = HealthDaemonServicer(self.monitor)
+        self.grpc = GrpcService(
+            cfg.host,
+            cfg.port,
+            [SERVICE_NAME],
+            max_workers=cfg.max_streams,
+            credentials=cfg.security.server_credentials(),
+            interceptors=cfg.security.server_interceptors(),
+        )
+        servicer = HealthDaemonServicer(
+            self.monitor,
+            max_heartbeats_per_s=cfg.heartbeat_rate_factor / cfg.heartbeat_interval_s,
+            burst=cfg.heartbeat_burst,
+        )
         self.grpc.add(lambda server: healthd_pb2_grpc.add_HealthDaemonServicer_to_server(servicer, server))
         self.metrics_port = -1
         self._metrics_server: Any = None

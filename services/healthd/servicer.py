@@ -1,15 +1,22 @@
 """The HealthDaemon gRPC servicer: decode the request into domain types, call the monitor, encode the reply.
-Domain errors become status codes in `diloco.rpc.status`."""
+Domain errors become status codes in `diloco.rpc.status`.
+
+Heartbeat floods: every heartbeat stream (one node each) has a token bucket allowing `rate_factor` times the
+configured heartbeat rate with a burst of `burst`. The first heartbeat over it is not applied: the stream ends
+with RESOURCE_EXHAUSTED (the node reconnects with backoff). Streams are bounded by the server's threads
+(`max_streams`), so healthd's memory and CPU stay bounded whatever the nodes send."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import grpc
 
 from diloco.core.failure import NodeEvent, NodeRole, NodeState, NodeView, Throughput
-from diloco.errors import InvalidArgument
+from diloco.core.ratelimit import TokenBucket
+from diloco.errors import InvalidArgument, ResourceExhausted
 from diloco.rpc.status import streaming, unary
 from diloco.v1 import common_pb2, healthd_pb2, healthd_pb2_grpc
 from services.healthd.hub import Subscription
@@ -89,8 +96,18 @@ def encode_event(ev: NodeEvent) -> healthd_pb2.NodeEvent:
 
 
 class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
-    def __init__(self, monitor: MonitorLike) -> None:
+    def __init__(
+        self,
+        monitor: MonitorLike,
+        *,
+        max_heartbeats_per_s: float = 200.0,
+        burst: float = 20.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.monitor = monitor
+        self.max_heartbeats_per_s = max_heartbeats_per_s
+        self.burst = burst
+        self.clock = clock
 
     @streaming
     def Heartbeat(
@@ -98,7 +115,13 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
     ) -> Iterator[healthd_pb2.HeartbeatResponse]:
         node_id: str | None = None
         last_sequence: int | None = None
+        bucket = TokenBucket(self.max_heartbeats_per_s, self.burst)
         for req in request_iterator:
+            if not bucket.allow(self.clock()):
+                raise ResourceExhausted(
+                    f"heartbeat flood from {req.node_id!r}: the limit is {self.max_heartbeats_per_s:g} heartbeats/s "
+                    f"(burst {self.burst:g}); send one every heartbeat interval"
+                )
             if node_id is not None and req.node_id != node_id:
                 raise InvalidArgument(
                     f"this stream carries heartbeats of node {node_id!r}, got {req.node_id!r}; open one stream per node"

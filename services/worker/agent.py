@@ -23,10 +23,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from diloco import log as logging
 from diloco.core.codecs import ErrorFeedback, get_codec
+from diloco.errors import ConfigError
 from diloco.rpc.metrics import serve_metrics
 from diloco.rpc.payload import PayloadReceiver, chunks, meta_from_proto, meta_to_proto
 from diloco.rpc.retry import RETRYABLE, RetryConfig, call_with_retry
-from diloco.rpc.server import channel
 from diloco.task.data import Corpus
 from diloco.task.factory import TaskConfig, build_task
 from diloco.task.inner import InnerTrainer
@@ -95,7 +95,7 @@ class Worker:
         self.name = cfg.display_name
         self.log = logging.get("worker", worker=self.name)
         self.stop_event = threading.Event()
-        self.channel = channel(cfg.coordinator)
+        self.channel = cfg.security.channel(cfg.coordinator)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.retry = RetryConfig(max_total_s=cfg.retry_total_s, max_attempts=1_000)
         self.metrics = Metrics()
@@ -398,7 +398,10 @@ class Worker:
     def _submit(self, session: Session, progress: ReadProgress, base: int, plan_seq: int, ef: ErrorFeedback) -> str:
         """Compress the pseudo-gradient of everything read since the last submission and queue its upload."""
         assert self.trainer is not None
-        payload, meta = ef.compress(self.trainer.pseudo_gradient())
+        delta = self.trainer.pseudo_gradient()
+        if self.cfg.fault_scale_updates != 1.0:  # fault injection (tests, chaos runs): a learner gone wrong
+            delta = delta * self.cfg.fault_scale_updates
+        payload, meta = ef.compress(delta)
         self.trainer.mark_submitted()
         sid = uuid.uuid4().hex
         ranges, steps, tokens = progress.take()
@@ -526,7 +529,12 @@ class Worker:
                 self.stop_event.wait(0.2)
                 continue
             if chan is None:
-                chan = channel(address)
+                try:
+                    chan = self.cfg.security.channel(address)
+                except ConfigError as e:  # e.g. plaintext to a healthd that is not on loopback
+                    self.log.error("worker.heartbeat_config", error=str(e))
+                    self.stop_event.wait(5.0)
+                    continue
             stub = healthd_pb2_grpc.HealthDaemonStub(chan)
             try:
                 for resp in stub.Heartbeat(self._beats(session)):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from diloco.errors import ConfigError
+from diloco.rpc import security
+from diloco.rpc.security import SecurityConfig
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class WorkerConfig:
     metrics_port: int = -1
     seed: int = 0
     device: str = ""  # "" = CUDA when present, else CPU
+    # FAULT INJECTION, for tests and chaos runs only: multiply every pseudo-gradient sent by this (1: off)
+    fault_scale_updates: float = 1.0
+    security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
     def __post_init__(self) -> None:
         if not self.coordinator or ":" not in self.coordinator:
@@ -36,8 +42,18 @@ class WorkerConfig:
         for name in ("heartbeat_interval_s", "rpc_timeout_s", "upload_timeout_s", "retry_total_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.fault_scale_updates) and self.fault_scale_updates > 0):
+            raise ConfigError(f"fault_scale_updates must be finite and > 0 (1: off), got {self.fault_scale_updates}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: allowed '', cpu, cuda, cuda:N; got {self.device!r}")
+        for address in (self.coordinator, self.healthd):
+            if address:
+                self.security.check_client(address)
+        if self.security.tls and not self.security.join_token:
+            raise ConfigError(
+                "a worker needs the join token: --join-token-file FILE or DILOCO_JOIN_TOKEN "
+                "(`diloco certs` writes join.token)"
+            )
 
     @property
     def display_name(self) -> str:
@@ -57,7 +73,14 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
     p.add_argument("--metrics-port", default=env.get("DILOCO_METRICS_PORT", "-1"))
     p.add_argument("--seed", default=env.get("DILOCO_SEED", "0"))
     p.add_argument("--device", default=env.get("DILOCO_DEVICE", ""))
+    p.add_argument(
+        "--fault-scale-updates",
+        default=env.get("DILOCO_FAULT_SCALE_UPDATES", "1"),
+        help="FAULT INJECTION for tests and chaos runs: multiply every pseudo-gradient sent by this (1: off)",
+    )
+    security.add_flags(p, env, tls_name="worker", tokens=("join",))
     a = p.parse_args(argv)
+    sec = security.from_args(a, env)
     try:
         return WorkerConfig(
             coordinator=a.coordinator,
@@ -70,6 +93,8 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
             metrics_port=int(a.metrics_port),
             seed=int(a.seed),
             device=a.device,
+            fault_scale_updates=float(a.fault_scale_updates),
+            security=sec,
         )
     except ValueError as e:
         if isinstance(e, ConfigError):

@@ -1,0 +1,56 @@
+"""Multi-process robust merge: one of four learners sends pseudo-gradients scaled x100 (worker fault injection,
+`--fault-scale-updates`). The coordinator refuses them, quarantines that learner, moves its shards to healthy
+learners after its strikes run out, and the run still learns as the other fault tests require, with every
+committed token range exactly once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from diloco.cluster import ClusterConfig, LocalCluster
+from tests.test_cluster_faults import TASK, assert_finished_and_learned, wait_for, worker_state
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+FAULTY = "worker3"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    cfg = ClusterConfig(
+        workers=4,
+        mode="decoupled",
+        # the faulty one is slower and runs the same H (no dynamic H_m), so its first submission arrives after the
+        # guard has its reference norms (no judgement before `--outlier-min-samples` accepted ones)
+        slowdowns=(2.0, 2.0, 2.0, 6.0),
+        coordinator_args=("--fixed-local-steps", "true"),
+        outer_steps=12,
+        local_steps=10,
+        min_local_steps=2,
+        min_quorum=2,
+        codec="int8",
+        heartbeat_interval_s=0.25,
+        checkpoint_every=4,
+        run_dir=tmp_path,
+        task_args=TASK,
+        worker_args={3: ("--fault-scale-updates", "100")},
+    )
+    c = LocalCluster(cfg)
+    try:
+        c.start(timeout_s=60)
+        yield c
+    finally:
+        c.stop(grace_s=10)
+
+
+def test_x100_learner_is_quarantined_and_the_run_still_learns(cluster: LocalCluster) -> None:
+    wait_for(f"{FAULTY} quarantined", lambda: worker_state(cluster, FAULTY) == "quarantined", timeout_s=90)
+    assert cluster.status().rejected_submissions >= 1
+    assert_finished_and_learned(cluster)
+    # never released (every submission was refused) and none of its work counted; at the end it drained and left
+    faulty = next(w for w in cluster.workers().workers if w.worker_name == FAULTY)
+    assert faulty.submissions == 0 and faulty.tokens == 0
+    log = (cluster.run_dir / "coordinator.log").read_text()
+    assert "worker.quarantined" in log and "submission.rejected" in log

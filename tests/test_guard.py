@@ -1,0 +1,230 @@
+"""Robust merge: the norm guard (golden cases, properties) and the core's quarantine, release and ledger."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from diloco.core.coordinator import (
+    ACTIVE,
+    QUARANTINED,
+    CoordinatorConfig,
+    CoordinatorCore,
+    NonFiniteRejected,
+    Submission,
+    SubmissionRejected,
+)
+from diloco.core.guard import NON_FINITE, OUTLIER, GuardConfig, NormGuard
+from diloco.core.ledger import ShardRange
+from diloco.core.rounds import RoundConfig
+from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
+
+N = 8
+
+# --- NormGuard ------------------------------------------------------------------------------------------------
+
+
+def guard(factor: float = 10.0, window: int = 8, min_samples: int = 3) -> NormGuard:
+    return NormGuard(GuardConfig(outlier_factor=factor, window=window, min_samples=min_samples))
+
+
+def test_golden_cases() -> None:
+    g = guard()
+    assert g.check(5.0).ok and math.isnan(g.check(5.0).ratio)  # no reference yet
+    for n in (1.0, 2.0):
+        g.record(n)
+    v = g.check(100.0)
+    assert v.ok and v.ratio == pytest.approx(100 / 1.5)  # 2 samples < min_samples: no judgement yet
+    g.record(3.0)
+    assert g.median() == 2.0
+    assert g.check(20.0).ok  # exactly the limit
+    v = g.check(20.1)
+    assert not v.ok and v.reason == OUTLIER and v.ratio == pytest.approx(10.05) and v.median == 2.0
+    assert g.check(0.0).ok  # short pseudo-gradients are harmless
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_non_finite_is_refused_even_before_warm_up(bad: float) -> None:
+    v = guard().check(bad)
+    assert not v.ok and v.reason == NON_FINITE
+
+
+def test_refused_norms_never_enter_the_window_and_the_window_slides() -> None:
+    g = guard(window=3, min_samples=3)
+    for n in (1.0, 1.0, 1.0):
+        g.record(n)
+    g.record(math.nan)
+    assert g.snapshot() == [1.0, 1.0, 1.0]
+    for n in (50.0, 50.0):
+        g.record(n)
+    assert g.median() == 50.0  # the oldest ones slid out
+    assert g.check(400.0).ok and not g.check(501.0).ok
+
+
+def test_factor_zero_turns_the_outlier_check_off() -> None:
+    g = guard(factor=0.0)
+    for _ in range(5):
+        g.record(1.0)
+    assert g.check(1e9).ok and not g.check(math.nan).ok
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"outlier_factor": 1.0}, {"outlier_factor": -2.0}, {"window": 0}, {"min_samples": 9}, {"quarantine_strikes": 0}],
+)
+def test_bad_guard_config(kw: dict[str, float]) -> None:
+    with pytest.raises(ConfigError):
+        GuardConfig(**{"window": 8, **kw})  # type: ignore[arg-type]
+
+
+norms = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(norms, min_size=3, max_size=40), st.sampled_from([math.nan, math.inf, 100.0]))
+def test_after_warm_up_a_non_finite_or_x100_norm_is_always_refused(history: list[float], bad: float) -> None:
+    g = guard(factor=10.0, window=16, min_samples=3)
+    for n in history:
+        g.record(n)
+    judged = bad if not math.isfinite(bad) else max(g.snapshot()) * bad  # x100 the largest: above 10x the median
+    assert not g.check(judged).ok
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(min_value=0.0, max_value=1e30, allow_nan=False), st.integers(1, 40), st.floats(1.0001, 100.0))
+def test_never_refuses_when_all_norms_are_equal(norm: float, count: int, factor: float) -> None:
+    g = guard(factor=factor, window=8, min_samples=1)
+    for _ in range(count):
+        assert g.check(norm).ok
+        g.record(norm)
+
+
+# --- CoordinatorCore: quarantine, release and the ledger ------------------------------------------------------
+
+
+def make_core(strikes: int = 3, k: int = 2, workers: int = 3) -> CoordinatorCore:
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="decoupled", min_quorum=k, grace_max_s=0.0),
+        local_steps=10,
+        min_local_steps=2,
+        expected_workers=workers,
+        guard=GuardConfig(outlier_factor=10.0, window=16, min_samples=2, quarantine_strikes=strikes),
+    )
+    return CoordinatorCore(cfg, torch.zeros(N), [1000] * 6)
+
+
+def sub(c: CoordinatorCore, worker: str, sid: str, tokens: int = 10, steps: int = 2) -> Submission:
+    plan = c.plan(worker)
+    lease = plan.shards[0]
+    rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + tokens)
+    return Submission(worker, sid, c.version, tokens, steps, (rng,), plan.plan_seq)
+
+
+def warm(c: CoordinatorCore, workers: list[str], now: float = 1.0) -> None:
+    for i, w in enumerate(workers):
+        c.accept(sub(c, w, f"warm-{w}"), torch.full((N,), 0.01), now=now + i * 0.01)
+
+
+def committed_ranges(c: CoordinatorCore) -> list[tuple[int, int, int]]:
+    return sorted((r.shard_id, r.start, r.end) for s in c.ledger.states() for r in s.committed_ranges)
+
+
+def test_outlier_is_refused_quarantined_and_its_range_stays_uncommitted() -> None:
+    c = make_core()
+    a, b, m = (c.register(n, 0.0).worker_id for n in "abm")
+    warm(c, [a, b])
+    params, tokens_applied = c.params.clone(), c.tokens_applied
+    bad = sub(c, m, "m1")
+    with pytest.raises(SubmissionRejected, match="quarantined") as info:
+        c.accept(bad, torch.full((N,), 0.01) * 100, now=2.0)
+    assert isinstance(info.value, FailedPrecondition) and info.value.newly_quarantined
+    assert info.value.verdict.ratio == pytest.approx(100.0)
+    rec = c.workers[m]
+    assert rec.state == QUARANTINED and "refused" in rec.state_reason and rec.rejections == 1
+    shard = bad.ranges[0].shard_id
+    assert c.ledger.state(shard).accepted == bad.ranges[0].start  # not accepted, so not committed either
+    assert c.ledger.state(shard).owner == m  # it keeps its shards (strikes left)
+    assert torch.equal(c.params, params) and c.tokens_applied == tokens_applied
+    assert m in c.policy.idle  # rounds do not wait for it
+    assert c.plan(m).shards  # it may train the range again
+
+
+def test_a_clean_submission_releases_and_the_range_is_trained_exactly_once() -> None:
+    c = make_core()
+    a, b, m = (c.register(n, 0.0).worker_id for n in "abm")
+    warm(c, [a, b])
+    bad = sub(c, m, "m1")
+    with pytest.raises(SubmissionRejected):
+        c.accept(bad, torch.full((N,), 1.0), now=2.0)
+    again = sub(c, m, "m2")  # the plan's cursor did not move: the same range again
+    assert again.ranges == bad.ranges
+    r = c.accept(again, torch.full((N,), 0.01), now=3.0)
+    assert r.released and c.workers[m].state == ACTIVE and c.workers[m].strikes == 0
+    c.accept(sub(c, a, "a2"), torch.full((N,), 0.01), now=3.1)
+    c.poll(10.0)
+    rng = bad.ranges[0]
+    assert committed_ranges(c).count((rng.shard_id, rng.start, rng.end)) == 1
+    assert c.ledger.committed_tokens() == c.tokens_applied == 40
+
+
+def test_operator_release_and_non_finite_rejection() -> None:
+    c = make_core()
+    a, _b, m = (c.register(n, 0.0).worker_id for n in "abm")
+    with pytest.raises(NonFiniteRejected) as info:  # before warm-up too
+        c.accept(sub(c, m, "m1"), torch.tensor([math.nan] * N), now=1.0)
+    assert isinstance(info.value, InvalidArgument) and info.value.code == "INVALID_ARGUMENT"
+    assert c.workers[m].state == QUARANTINED
+    assert c.release(m).state == ACTIVE and m not in c.policy.idle
+    assert c.release(a).state == ACTIVE  # not quarantined: unchanged
+
+
+def test_strikes_move_the_shards_and_the_data_is_trained_once_by_a_healthy_learner() -> None:
+    c = make_core(strikes=2)
+    a, b, m = (c.register(n, 0.0).worker_id for n in "abm")
+    warm(c, [a, b])
+    first = sub(c, m, "m1")
+    shards = {lease.shard_id for lease in c.plan(m).shards}
+    for i in range(2):
+        with pytest.raises(SubmissionRejected) as info:
+            c.accept(sub(c, m, f"m{i}"), torch.full((N,), 5.0), now=2.0 + i)
+    assert sorted(info.value.moved_shards) == sorted(shards)
+    assert c.workers[m].state == QUARANTINED and not c.plan(m).shards
+    owners = {c.ledger.state(s).owner for s in shards}
+    assert owners <= {a, b}
+    # the healthy owner resumes at the accepted cursor: the refused range is trained again, once
+    rng = first.ranges[0]
+    owner = c.ledger.state(rng.shard_id).owner
+    assert owner is not None
+    lease = next(s for s in c.plan(owner).shards if s.shard_id == rng.shard_id)
+    assert lease.cursor == rng.start
+    redo = Submission(owner, "redo", c.version, 10, 2, (ShardRange(rng.shard_id, lease.epoch, rng.start, rng.end),), 0)
+    c.accept(redo, torch.full((N,), 0.01), now=5.0)
+    other = b if owner == a else a
+    c.accept(sub(c, other, "o"), torch.full((N,), 0.01), now=5.1)
+    c.poll(10.0)
+    assert committed_ranges(c).count((rng.shard_id, rng.start, rng.end)) == 1
+    # the operator releases it: shards are handed back to it (staged, as for a learner that joins)
+    assert c.release(m).state == ACTIVE and any(target == m for target, _ in c.staged.values())
+
+
+def test_per_step_norms_make_learners_with_different_h_comparable() -> None:
+    c = make_core()
+    a, b, m = (c.register(n, 0.0).worker_id for n in "abm")
+    warm(c, [a, b])  # 2 steps, norm of 0.01 * sqrt(8)
+    # a learner that ran 20 steps and moved 10x as far is as healthy as the others
+    c.accept(sub(c, m, "m1", steps=20), torch.full((N,), 0.1), now=2.0)
+    assert c.workers[m].state == ACTIVE
+
+
+def test_guard_window_survives_a_checkpoint() -> None:
+    c = make_core()
+    a, b, _ = (c.register(n, 0.0).worker_id for n in "abm")
+    warm(c, [a, b])
+    c.poll(10.0)
+    fresh = make_core()
+    fresh.restore(c.snapshot())
+    assert fresh.guard.snapshot() == c.guard.snapshot() and fresh.guard.warm
