@@ -51,3 +51,15 @@ class Unavailable(DilocoError):
     """Draining, paused or not ready: retry later."""
 
     code = "UNAVAILABLE"
+
+
+class Unauthenticated(DilocoError):
+    """No valid credentials (a missing or unknown token)."""
+
+    code = "UNAUTHENTICATED"
+
+
+class PermissionDenied(DilocoError):
+    """Valid credentials without the role the call needs."""
+
+    code = "PERMISSION_DENIED"

@@ -31,9 +31,18 @@ def test_bench_upload_runs_at_a_tiny_size() -> None:
     assert [g["codec"] for g in doc["grpc"]] == ["fp32", "int8"]
     for g in doc["grpc"]:
         assert g["rpc_gb_per_s"] > 0 and g["upload_s"] > 0
-    # every upload closed one round, in order
-    assert [u["version"] for u in doc["uploads"]] == [1, 2]
+    assert [(b["path"], b["codec"]) for b in doc["bulk"]] == [("bulk", "fp32"), ("bulk", "int8")]
+    for b in doc["bulk"]:
+        assert b["rpc_gb_per_s"] > 0 and b["upload_s"] > 0
+    # every upload (fp32 over gRPC and the bulk port, then int8 over both) closed one round, in order
+    assert [(u["path"], u["codec"]) for u in doc["uploads"]] == [
+        ("grpc", "fp32"),
+        ("bulk", "fp32"),
+        ("grpc", "int8"),
+        ("bulk", "int8"),
+    ]
+    assert [u["version"] for u in doc["uploads"]] == [1, 2, 3, 4]
     assert doc["grpc"][0]["payload_bytes"] == 4 * doc["model"]["numel"]
     assert {s["name"] for s in doc["sink"]} >= {"gRPC sink + decode fp32", "gRPC sink + decode int8"}
     assert any(b["stage"].startswith("accept + round close") for b in doc["breakdown"])
-    assert isinstance(doc["target"]["rpc_met"], bool)
+    assert isinstance(doc["target"]["rpc_met"], bool) and isinstance(doc["target"]["bulk_upload_met"], bool)

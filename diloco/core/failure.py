@@ -282,3 +282,5 @@ def _check_node_id(node_id: str) -> None:
         raise InvalidArgument("node_id must be a non-empty string (the worker id the coordinator assigned)")
     if len(node_id) > MAX_NODE_ID_CHARS:
         raise InvalidArgument(f"node_id is {len(node_id)} characters; at most {MAX_NODE_ID_CHARS} are allowed")
+    if not node_id.isprintable():  # as the coordinator requires of worker ids, so a death report is never refused
+        raise InvalidArgument("node_id must be printable (no control characters); send the coordinator's worker id")

@@ -86,7 +86,7 @@ class PayloadReceiver:
     def received(self) -> int:
         return self.decoder.bytes_received
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | memoryview) -> None:
         self.decoder.feed(data)
 
     def finish(self) -> torch.Tensor:

@@ -17,9 +17,10 @@ from diloco.rpc.auth import BearerTokenInterceptor
 MiB = 1 << 20
 # Bulk payloads travel as ~1 MiB chunks; messages above this are refused by gRPC itself.
 MAX_MESSAGE_BYTES = 8 * MiB
+STOP_SLACK_S = 2.0  # how long `GrpcService.stop` waits for gRPC's shutdown beyond the grace period
 
-# HTTP/2 frames default to 16 KiB: a 1 MiB chunk would be cut into 64 frames, each parsed and copied on its own.
-# Large frames let the transport move a chunk in one piece (about 2x the upload rate on loopback).
+# HTTP/2 frames default to 16 KiB: a 1 MiB chunk would be cut into 64 frames, each parsed on its own. Large
+# frames let the transport move a chunk in fewer pieces.
 _BULK_OPTIONS = [("grpc.http2.max_frame_size", (16 * MiB) - 1)]
 
 SERVER_OPTIONS = [
@@ -103,7 +104,10 @@ class GrpcService:
                 self._stopped.set()
                 return
             self.set_serving(False)
-            self.server.stop(grace_s).wait()
+            # Bounded: after a streaming request that fails to deserialize, grpcio (1.85) sometimes never sets
+            # the shutdown event, which would hang every later drain (tests/test_fuzz_rpc.py found it). By then
+            # every call has been cancelled; only that event is missing.
+            self.server.stop(grace_s).wait(grace_s + STOP_SLACK_S)
             self._stopped.set()
 
     def wait(self, timeout_s: float | None = None) -> bool:

@@ -48,6 +48,7 @@ class CoordinatorServiceConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
+    bulk_port: int = 0  # the bulk upload path (raw TCP/TLS beside gRPC); 0: a free port; -1: off
     checkpoint_dir: str = ""  # "": no checkpoints
     checkpoint_every: int = 5  # rounds between automatic checkpoints
     keep_checkpoints: int = 3
@@ -108,6 +109,7 @@ class CoordinatorServiceConfig:
         _int_in("eval_every", self.eval_every, 0)
         _int_in("eval_batches", self.eval_batches, 1)
         _int_in("seed", self.seed, 0)
+        _int_in("bulk_port", self.bulk_port, -1, 65535)
         _int_in("max_upload_bytes", self.max_upload_bytes, 0)
         _float_min("upload_ttl_s", self.upload_ttl_s, 0.0, open_=True)
         _float_min("confirm_timeout_s", self.confirm_timeout_s, 0.0)
@@ -185,6 +187,7 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--host", str, "127.0.0.1", "address to bind"),
     ("--port", int, 0, "gRPC port (0: a free port)"),
     ("--metrics-port", int, -1, "Prometheus port (-1: disabled, 0: a free port)"),
+    ("--bulk-port", int, 0, "port of the bulk upload path beside gRPC (0: a free port, -1: off)"),
     ("--checkpoint-dir", str, "", "folder for checkpoints ('' : none)"),
     ("--checkpoint-every", int, 5, "rounds between checkpoints"),
     ("--keep-checkpoints", int, 3, "checkpoints to keep"),
@@ -272,6 +275,7 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
         host=a.host,
         port=a.port,
         metrics_port=a.metrics_port,
+        bulk_port=a.bulk_port,
         checkpoint_dir=a.checkpoint_dir,
         checkpoint_every=a.checkpoint_every,
         keep_checkpoints=a.keep_checkpoints,

@@ -16,6 +16,8 @@ from torch import nn
 from diloco import log as logging
 from diloco.core.coordinator import CoordinatorCore, RoundApplied
 from diloco.errors import ConfigError, InvalidArgument
+from diloco.rpc.auth import Tokens
+from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
 from diloco.rpc.metrics import serve_metrics
 from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
@@ -23,6 +25,7 @@ from diloco.task.factory import Task, build_task
 from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator import checkpoint
+from services.coordinator.bulk import BulkUploads
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.servicer import CoordinatorServicer
@@ -53,6 +56,7 @@ class CoordinatorServer:
         self._stopped = threading.Event()
         self._state: CoordinatorState | None = None
         self._grpc: GrpcService | None = None
+        self._bulk: BulkServer | None = None
         self._metrics_server: Any = None
         self._threads: list[threading.Thread] = []
         self._task: Task | None = None
@@ -170,10 +174,21 @@ class CoordinatorServer:
                 self._jobs.notify_all()
         self._grpc = service
         service.start()
+        if cfg.bulk_port >= 0:
+            sec = cfg.security
+            tokens = Tokens(sec.join_token, sec.admin_token) if sec.join_token else None
+            self._bulk = BulkServer(
+                cfg.host,
+                cfg.bulk_port,
+                BulkUploads(state, specs, tokens),
+                ssl_context=server_ssl_context_from_dir(sec.tls_dir, sec.tls_name) if sec.tls else None,
+            )
+            servicer.bulk_port = self._bulk.start()
         self._metrics_server, self.metrics_port = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
         self.log.info(
             "coordinator.serving",
             address=service.address,
+            bulk_port=servicer.bulk_port,
             tls=cfg.security.tls,
             auth=bool(cfg.security.join_token),
             metrics_port=self.metrics_port,
@@ -196,6 +211,8 @@ class CoordinatorServer:
             self.log.info("coordinator.stopping", grace_s=grace)
             state = self.state
             state.stop()
+            if self._bulk is not None:
+                self._bulk.stop(grace)
             if self._grpc is not None:
                 self._grpc.stop(grace)
             with self._jobs:

@@ -130,6 +130,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.inner_json = json.dumps(config_to_dict(task.inner), sort_keys=True)
         self.checkpoint = checkpoint
         self.chunk_bytes = chunk_bytes
+        self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
 
     # --- learners -------------------------------------------------------------------------------------------------
     @status.unary
@@ -148,6 +149,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             healthd_address=self.healthd_address,
             task_json=self.task_json,
             inner_json=self.inner_json,
+            bulk_port=self.bulk_port,
         )
 
     @status.streaming

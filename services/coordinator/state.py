@@ -529,7 +529,7 @@ class CoordinatorState:
         with self._uploads_lock:
             up.streams = max(0, up.streams - 1)
 
-    def feed(self, up: Upload, gen: int, data: bytes) -> None:
+    def feed(self, up: Upload, gen: int, data: bytes | memoryview) -> None:
         """Decode one chunk into the upload's buffer (without the core lock)."""
         with up.lock:
             self._check_gen(up, gen)

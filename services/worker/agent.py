@@ -9,6 +9,7 @@ time, resumable), and heartbeats to healthd. Only the training loop touches the 
 from __future__ import annotations
 
 import queue
+import ssl
 import threading
 import time
 import uuid
@@ -24,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from diloco import log as logging
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.errors import ConfigError
+from diloco.rpc.bulk import bulk_upload, client_ssl_context_from_dir
 from diloco.rpc.metrics import serve_metrics
 from diloco.rpc.payload import PayloadReceiver, chunks, meta_from_proto, meta_to_proto
 from diloco.rpc.retry import RETRYABLE, RetryConfig, call_with_retry
@@ -70,6 +72,7 @@ class Session:
     mode: str
     codec: str
     local_steps: int  # H_m at registration
+    bulk_port: int = 0  # the coordinator's bulk upload port (0: upload over gRPC)
     ended: threading.Event = field(default_factory=threading.Event)
     resync: str = ""  # why the learner must adopt the newest parameters and its leases again
     watch_call: grpc.Future | None = None  # type: ignore[type-arg]
@@ -97,6 +100,7 @@ class Worker:
         self.stop_event = threading.Event()
         self.channel = cfg.security.channel(cfg.coordinator)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self._bulk_ssl: ssl.SSLContext | None = None  # built on the first bulk upload over TLS
         self.retry = RetryConfig(max_total_s=cfg.retry_total_s, max_attempts=1_000)
         self.metrics = Metrics()
         self.cv = threading.Condition()
@@ -183,6 +187,7 @@ class Worker:
             MODE_NAMES.get(resp.mode, "decoupled"),
             CODEC_NAMES.get(resp.codec, "int8"),
             max(1, resp.plan.local_steps),
+            bulk_port=resp.bulk_port if self.cfg.upload_path == "auto" else 0,
         )
         if not self.cfg.healthd and resp.healthd_address:
             self.healthd_address = resp.healthd_address
@@ -469,8 +474,10 @@ class Worker:
                     yield coordinator_pb2.SubmitPseudoGradientRequest(data=bytes(c))
 
             try:
+                if session.bulk_port:
+                    return self._bulk_upload(session.bulk_port, header, memoryview(payload)[offset:])
                 return self.stub.SubmitPseudoGradient(requests(), timeout=self.cfg.upload_timeout_s)
-            except grpc.RpcError as e:
+            except grpc.RpcError as e:  # a BulkError is one too, with the same codes
                 if e.code() in RETRYABLE:
                     try:
                         st = self.stub.GetUploadStatus(
@@ -508,12 +515,31 @@ class Worker:
         self.log.info(
             "worker.submitted",
             submission_id=header.submission_id,
+            path="bulk" if session.bulk_port else "grpc",
             version=resp.version,
             staleness=resp.staleness,
             bytes=len(payload),
             tokens=header.tokens,
             steps=header.steps,
             seconds=round(time.monotonic() - started, 3),
+        )
+
+    def _bulk_upload(
+        self, port: int, header: coordinator_pb2.SubmissionHeader, payload: memoryview
+    ) -> coordinator_pb2.SubmitPseudoGradientResponse:
+        """The payload over the coordinator's bulk upload port (same host, same TLS identity and token)."""
+        host = self.cfg.coordinator.rsplit(":", 1)[0].strip("[]")
+        sec = self.cfg.security
+        if sec.tls and self._bulk_ssl is None:
+            self._bulk_ssl = client_ssl_context_from_dir(sec.tls_dir, sec.tls_name)
+        return bulk_upload(
+            f"{host}:{port}",
+            sec.join_token.encode(),
+            coordinator_pb2.SubmitPseudoGradientRequest(header=header),
+            payload,
+            timeout_s=self.cfg.upload_timeout_s,
+            ssl_context=self._bulk_ssl,
+            server_hostname=host if sec.tls else None,
         )
 
     # --- heartbeats -------------------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from diloco.errors import ConfigError
 from diloco.rpc import security
 from diloco.rpc.security import SecurityConfig
 
+UPLOAD_PATHS = ("auto", "grpc")
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -27,6 +29,7 @@ class WorkerConfig:
     metrics_port: int = -1
     seed: int = 0
     device: str = ""  # "" = CUDA when present, else CPU
+    upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     # FAULT INJECTION, for tests and chaos runs only: multiply every pseudo-gradient sent by this (1: off)
     fault_scale_updates: float = 1.0
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -44,6 +47,8 @@ class WorkerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not (math.isfinite(self.fault_scale_updates) and self.fault_scale_updates > 0):
             raise ConfigError(f"fault_scale_updates must be finite and > 0 (1: off), got {self.fault_scale_updates}")
+        if self.upload_path not in UPLOAD_PATHS:
+            raise ConfigError(f"upload_path: allowed {', '.join(UPLOAD_PATHS)}; got {self.upload_path!r}")
         if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device: allowed '', cpu, cuda, cuda:N; got {self.device!r}")
         for address in (self.coordinator, self.healthd):
@@ -74,6 +79,12 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
     p.add_argument("--seed", default=env.get("DILOCO_SEED", "0"))
     p.add_argument("--device", default=env.get("DILOCO_DEVICE", ""))
     p.add_argument(
+        "--upload-path",
+        default=env.get("DILOCO_UPLOAD_PATH", "auto"),
+        help="auto: pseudo-gradients over the coordinator's bulk upload port when it offers one, else gRPC; "
+        "grpc: always SubmitPseudoGradient",
+    )
+    p.add_argument(
         "--fault-scale-updates",
         default=env.get("DILOCO_FAULT_SCALE_UPDATES", "1"),
         help="FAULT INJECTION for tests and chaos runs: multiply every pseudo-gradient sent by this (1: off)",
@@ -93,6 +104,7 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
             metrics_port=int(a.metrics_port),
             seed=int(a.seed),
             device=a.device,
+            upload_path=a.upload_path,
             fault_scale_updates=float(a.fault_scale_updates),
             security=sec,
         )

@@ -1,0 +1,68 @@
+"""The coordinator's end of the bulk upload path (`diloco.rpc.bulk`): the same upload as `SubmitPseudoGradient`
+(header checks, idempotent submission ids, resumable byte offsets, chunk-by-chunk decoding, accept) on the
+coordinator's `CoordinatorState`, with the payload read from a plain byte stream instead of gRPC messages. The
+token is checked as the gRPC interceptor checks it for `SubmitPseudoGradient`."""
+
+from __future__ import annotations
+
+from diloco.errors import DilocoError, InvalidArgument, PermissionDenied, Unauthenticated
+from diloco.rpc import auth
+from diloco.rpc.bulk import BulkSink
+from diloco.task.params import ParamSpec
+from diloco.v1 import coordinator_pb2
+from services.coordinator.servicer import header_from_proto, submit_response
+from services.coordinator.state import CoordinatorState, SubmitResult, Upload
+
+SUBMIT_METHOD = f"/{auth.COORDINATOR_SERVICE}/SubmitPseudoGradient"
+
+
+class _UploadSink:
+    """One bulk connection feeding one upload of the state machine."""
+
+    def __init__(self, state: CoordinatorState, upload: Upload, gen: int, expected_bytes: int) -> None:
+        self.state = state
+        self.upload = upload
+        self.gen = gen
+        self.expected_bytes = expected_bytes
+
+    def feed(self, data: memoryview) -> None:
+        self.state.feed(self.upload, self.gen, data)
+
+    def finish(self) -> coordinator_pb2.SubmitPseudoGradientResponse:
+        return submit_response(self.state.finish_upload(self.upload, self.gen))
+
+    def interrupted(self) -> None:
+        self.state.interrupted(self.upload)
+
+    def close(self) -> None:
+        self.state.end_stream(self.upload)
+
+
+class BulkUploads:
+    """`diloco.rpc.bulk.BulkHandler` for the coordinator. `tokens` None: no token required (plaintext on loopback,
+    as the gRPC side)."""
+
+    def __init__(self, state: CoordinatorState, specs: list[ParamSpec], tokens: auth.Tokens | None) -> None:
+        self.state = state
+        self.specs = specs
+        self.tokens = tokens
+
+    def open(
+        self, token: bytes, request: coordinator_pb2.SubmitPseudoGradientRequest
+    ) -> BulkSink | coordinator_pb2.SubmitPseudoGradientResponse:
+        if self.tokens is not None:
+            denied = auth.check(self.tokens, SUBMIT_METHOD, token.decode("utf-8", "replace") or None)
+            if denied is not None:
+                kind = Unauthenticated if denied.code.name == "UNAUTHENTICATED" else PermissionDenied
+                raise kind(denied.message)
+        try:
+            if request.WhichOneof("kind") != "header":
+                raise InvalidArgument("a bulk upload starts with a SubmitPseudoGradientRequest holding its header")
+            header = header_from_proto(request.header, self.specs)
+        except DilocoError as e:
+            raise self.state.reject(e, "bad_header") from None
+        opened = self.state.open_upload(header)
+        if isinstance(opened, SubmitResult):
+            return submit_response(opened)  # a duplicate: the earlier outcome, nothing changes
+        upload, gen = opened
+        return _UploadSink(self.state, upload, gen, header.meta.encoded_bytes - header.resume_offset)

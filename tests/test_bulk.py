@@ -1,0 +1,540 @@
+"""The bulk data plane (`diloco.rpc.bulk`) over real sockets on 127.0.0.1 (port 0): framing, errors as status
+codes, interruption and resume, hostile input, the connection cap, mutual TLS."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from diloco.errors import ConfigError, DilocoError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from diloco.rpc import bulk
+from diloco.rpc.bulk import BulkError, BulkServer, BulkSink, bulk_upload
+from diloco.rpc.retry import RetryConfig, call_with_retry, is_retryable
+from diloco.rpc.tls import write_bundle
+from diloco.v1 import common_pb2, coordinator_pb2
+
+pytestmark = pytest.mark.timeout(60)
+
+Request = coordinator_pb2.SubmitPseudoGradientRequest
+Response = coordinator_pb2.SubmitPseudoGradientResponse
+TOKEN = b"join-token"
+U32 = struct.Struct(">I")
+
+
+class Unauthenticated(DilocoError):
+    code = "UNAUTHENTICATED"
+
+
+def eventually(pred: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.005)
+
+
+# --- a handler that behaves like the coordinator's upload state --------------------------------------------------
+class Store:
+    """Bytes held per submission (resumable from the bytes held), idempotent by submission id, with faults to
+    inject."""
+
+    def __init__(self) -> None:
+        self.cv = threading.Condition()
+        self.held: dict[str, bytearray] = {}
+        self.done: set[str] = set()
+        self.events: list[tuple[str, str]] = []
+        self.feed_sizes: list[int] = []
+        self.opened = 0
+        self.fail_open: DilocoError | None = None
+        self.fail_feed_at: int | None = None  # raise once this many bytes are held
+        self.fail_finish: DilocoError | None = None
+        self.block_feed: threading.Event | None = None
+
+    def record(self, sid: str, event: str) -> None:
+        with self.cv:
+            self.events.append((sid, event))
+            self.cv.notify_all()
+
+    def wait_event(self, sid: str, event: str, timeout_s: float = 10.0) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: (sid, event) in self.events, timeout_s), (sid, event, self.events)
+
+    def of(self, sid: str) -> list[str]:
+        with self.cv:
+            return [e for s, e in self.events if s == sid]
+
+    def open(self, token: bytes, request: Request) -> BulkSink | Response:
+        if token != TOKEN:
+            raise Unauthenticated("missing or unknown token; pass the join token")
+        if self.fail_open is not None:
+            raise self.fail_open
+        h = request.header
+        with self.cv:
+            self.opened += 1
+            if h.submission_id in self.done:
+                return Response(outcome=coordinator_pb2.SUBMISSION_OUTCOME_APPLIED, version=7)
+            held = self.held.setdefault(h.submission_id, bytearray())
+            if h.resume_offset != len(held):
+                raise FailedPrecondition(f"resume from offset {len(held)}, not {h.resume_offset}")
+        return Sink(self, h.submission_id, h.payload.encoded_bytes)
+
+
+class Sink:
+    def __init__(self, store: Store, sid: str, total: int) -> None:
+        self.store = store
+        self.sid = sid
+        self.total = total
+        self.held = store.held[sid]
+        self.expected_bytes = total - len(self.held)
+        store.record(sid, "open")
+
+    def feed(self, data: memoryview) -> None:
+        s = self.store
+        if s.block_feed is not None:
+            s.block_feed.wait(10)
+        if s.fail_feed_at is not None and len(self.held) + len(data) >= s.fail_feed_at:
+            raise InvalidArgument("payload is not valid int8: bad scale; re-encode and send it again")
+        with s.cv:
+            self.held += data
+            s.feed_sizes.append(len(data))
+
+    def finish(self) -> Response:
+        if self.store.fail_finish is not None:
+            raise self.store.fail_finish
+        assert len(self.held) == self.total
+        with self.store.cv:
+            self.store.done.add(self.sid)
+        self.store.record(self.sid, "finish")
+        return Response(outcome=coordinator_pb2.SUBMISSION_OUTCOME_ACCEPTED, version=zlib.crc32(self.held), round=3)
+
+    def interrupted(self) -> None:
+        self.store.record(self.sid, "interrupted")
+
+    def close(self) -> None:
+        self.store.record(self.sid, "close")
+
+
+def request(sid: str, total: int, offset: int = 0) -> Request:
+    return Request(
+        header=coordinator_pb2.SubmissionHeader(
+            worker_id="w0",
+            submission_id=sid,
+            payload=common_pb2.PayloadSpec(encoded_bytes=total),
+            resume_offset=offset,
+        )
+    )
+
+
+def preamble(token: bytes, req: Request | bytes) -> bytes:
+    body = req if isinstance(req, bytes) else req.SerializeToString()
+    return bulk.MAGIC + U32.pack(len(token)) + token + U32.pack(len(body)) + body
+
+
+def exchange(port: int, data: bytes, *, close_write: bool = True, timeout_s: float = 10.0) -> tuple[int, bytes] | None:
+    """Send `data` raw, half-close, read the server's frame (None: it closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+        try:
+            s.sendall(data)
+            if close_write:
+                s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        buf = bytearray()
+        try:
+            while chunk := s.recv(1 << 16):
+                buf += chunk
+        except ConnectionResetError:
+            pass
+    if len(buf) < 5:
+        return None
+    status, n = struct.unpack(">BI", buf[:5])
+    assert len(buf) == 5 + n, "one frame, then the server closes"
+    return status, bytes(buf[5:])
+
+
+def code_value(code: grpc.StatusCode) -> int:
+    return int(code.value[0])
+
+
+@pytest.fixture
+def store() -> Store:
+    return Store()
+
+
+@pytest.fixture
+def server(store: Store) -> Iterator[BulkServer]:
+    srv = BulkServer("127.0.0.1", 0, store, idle_timeout_s=3.0, max_connections=4)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def upload(srv: BulkServer, sid: str, payload: bytes, offset: int = 0, token: bytes = TOKEN, **kw: object) -> Response:
+    return bulk_upload(
+        f"127.0.0.1:{srv.port}",
+        token,
+        request(sid, len(payload), offset),
+        memoryview(payload)[offset:],
+        timeout_s=20,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def serves(srv: BulkServer, store: Store) -> None:
+    """The server still takes an upload."""
+    payload = os.urandom(300_000)
+    sid = f"probe-{time.monotonic_ns()}"
+    assert upload(srv, sid, payload).version == zlib.crc32(payload)
+    assert bytes(store.held[sid]) == payload
+
+
+# --- the happy path ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlap", [True, False])
+def test_payload_arrives_in_order_exactly_once(store: Store, overlap: bool) -> None:
+    srv = BulkServer("127.0.0.1", 0, store, overlap=overlap, buffer_bytes=1 << 20)
+    srv.start()
+    try:
+        payload = os.urandom(5 * (1 << 20) + 12345)
+        r = upload(srv, "s1", payload)
+        assert r.outcome == coordinator_pb2.SUBMISSION_OUTCOME_ACCEPTED and r.round == 3
+        assert r.version == zlib.crc32(payload)
+        assert bytes(store.held["s1"]) == payload
+        assert sum(store.feed_sizes) == len(payload) and max(store.feed_sizes) <= 1 << 20
+        assert store.of("s1") == ["open", "finish", "close"]
+    finally:
+        srv.stop()
+
+
+def test_empty_payload_and_start_stop_idempotent(store: Store) -> None:
+    srv = BulkServer("127.0.0.1", 0, store)
+    port = srv.start()
+    assert srv.start() == port
+    assert upload(srv, "empty", b"").version == zlib.crc32(b"")
+    assert store.of("empty") == ["open", "finish", "close"]
+    srv.stop()
+    srv.stop()
+    with pytest.raises(BulkError) as e:
+        upload(srv, "after", b"x")
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_duplicate_answered_without_payload(server: BulkServer, store: Store) -> None:
+    store.done.add("dup")
+    payload = bytes(64 << 20)  # far more than the socket buffers: the client must stop at the early answer
+    t0 = time.monotonic()
+    r = upload(server, "dup", payload)
+    assert r.outcome == coordinator_pb2.SUBMISSION_OUTCOME_APPLIED and r.version == 7
+    assert store.of("dup") == []  # no sink was opened
+    assert time.monotonic() - t0 < 15
+    serves(server, store)
+
+
+# --- errors become status codes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("where", "err", "code"),
+    [
+        ("open", FailedPrecondition("stale epoch; register again"), grpc.StatusCode.FAILED_PRECONDITION),
+        ("open", NotFound("unknown worker w0; register"), grpc.StatusCode.NOT_FOUND),
+        ("open", ResourceExhausted("payload too large; use int8"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        ("feed", None, grpc.StatusCode.INVALID_ARGUMENT),
+        ("finish", InvalidArgument("crc mismatch; send it again"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("finish", RuntimeError("boom"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_errors_arrive_as_status_and_message(
+    server: BulkServer, store: Store, where: str, err: Exception | None, code: grpc.StatusCode
+) -> None:
+    payload = os.urandom(20 << 20)  # the feed error comes early: the client stops sending at the answer
+    if where == "open":
+        assert isinstance(err, DilocoError)
+        store.fail_open = err
+    elif where == "feed":
+        store.fail_feed_at = 1 << 20
+    else:
+        store.fail_finish = err  # type: ignore[assignment]
+    with pytest.raises(BulkError) as e:
+        upload(server, "bad", payload)
+    assert e.value.code() == code
+    if where == "feed":
+        assert "re-encode" in e.value.details()
+    elif isinstance(err, DilocoError):
+        assert e.value.details() == str(err)
+    else:
+        assert "boom" in e.value.details()
+    assert isinstance(e.value, grpc.RpcError) and not is_retryable(e.value)
+    if where != "open":
+        assert store.of("bad")[-1] == "close" and "interrupted" not in store.of("bad")
+    store.fail_open = store.fail_finish = None
+    store.fail_feed_at = None
+    serves(server, store)
+
+
+def test_bad_token_is_unauthenticated(server: BulkServer, store: Store) -> None:
+    with pytest.raises(BulkError) as e:
+        upload(server, "t", b"abc", token=b"wrong")
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_connection_failures_are_unavailable_and_retryable(store: Store) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, not listening: connection refused
+    with pytest.raises(BulkError) as e:
+        bulk_upload(f"127.0.0.1:{port}", TOKEN, request("x", 1), memoryview(b"x"), timeout_s=5)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(e.value)
+    with pytest.raises(InvalidArgument):
+        bulk_upload("no-port", TOKEN, request("x", 1), memoryview(b"x"), timeout_s=5)
+
+
+def test_retry_policy_retries_an_unavailable_bulk_upload(server: BulkServer, store: Store) -> None:
+    calls = []
+    payload = os.urandom(1000)
+
+    def attempt() -> Response:
+        calls.append(1)
+        if len(calls) == 1:
+            raise BulkError(grpc.StatusCode.UNAVAILABLE, "connection reset")
+        return upload(server, "r", payload)
+
+    r = call_with_retry(attempt, "bulk", RetryConfig(max_attempts=3, initial_backoff_s=0.01))
+    assert len(calls) == 2 and r.version == zlib.crc32(payload)
+
+
+# --- interruption and resume -------------------------------------------------------------------------------------
+def test_disconnect_mid_payload_then_resume(server: BulkServer, store: Store) -> None:
+    payload = os.urandom(3 * (1 << 20) + 7)
+    half = len(payload) // 2
+    assert exchange(server.port, preamble(TOKEN, request("res", len(payload))) + payload[:half]) is not None
+    store.wait_event("res", "close")
+    assert store.of("res") == ["open", "interrupted", "close"]
+    assert bytes(store.held["res"]) == payload[:half]  # everything received was fed before interrupted()
+    with pytest.raises(BulkError) as e:  # resuming from the wrong offset: the handler says where
+        upload(server, "res", payload, offset=0)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and str(half) in e.value.details()
+    r = upload(server, "res", payload, offset=half)
+    assert r.version == zlib.crc32(payload) and bytes(store.held["res"]) == payload
+
+
+def test_payload_stall_is_interrupted(store: Store) -> None:
+    srv = BulkServer("127.0.0.1", 0, store, idle_timeout_s=0.3)
+    srv.start()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            s.sendall(preamble(TOKEN, request("stall", 1000)) + b"x" * 10)
+            store.wait_event("stall", "close")
+            frame = s.recv(1 << 16)
+        status, _ = struct.unpack(">BI", frame[:5])
+        assert status == code_value(grpc.StatusCode.UNAVAILABLE) and b"10 of 1000" in frame[5:]
+        assert store.of("stall") == ["open", "interrupted", "close"]
+        serves(srv, store)
+    finally:
+        srv.stop()
+
+
+def test_stop_cuts_a_running_upload_as_interrupted(store: Store) -> None:
+    srv = BulkServer("127.0.0.1", 0, store, idle_timeout_s=30)
+    srv.start()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(preamble(TOKEN, request("cut", 1000)) + b"x" * 10)
+        store.wait_event("cut", "open")
+        t0 = time.monotonic()
+        srv.stop(grace_s=0.1)
+        assert time.monotonic() - t0 < 5
+    assert store.of("cut") == ["open", "interrupted", "close"]
+    assert len(store.held["cut"]) == 10
+    assert srv.active_connections == 0
+
+
+# --- hostile input -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("data", "code", "words"),
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", grpc.StatusCode.INVALID_ARGUMENT, "magic"),
+        (bulk.MAGIC + U32.pack(bulk.MAX_TOKEN_BYTES + 1), grpc.StatusCode.RESOURCE_EXHAUSTED, "token"),
+        (bulk.MAGIC + U32.pack(0) + U32.pack(0xFFFFFFFF), grpc.StatusCode.RESOURCE_EXHAUSTED, "request"),
+        (bulk.MAGIC + U32.pack(0) + U32.pack(3) + b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "serialized"),
+        (preamble(TOKEN, Request(data=b"abc")), grpc.StatusCode.INVALID_ARGUMENT, "header"),
+        (b"DL", grpc.StatusCode.UNAVAILABLE, "ended"),
+        (bulk.MAGIC + U32.pack(10) + b"abc", grpc.StatusCode.UNAVAILABLE, "ended"),
+        (preamble(TOKEN, request("t", 10))[:-3], grpc.StatusCode.UNAVAILABLE, "ended"),
+        (preamble(TOKEN, request("short", 100)) + b"x" * 40, grpc.StatusCode.UNAVAILABLE, "40 of 100"),
+    ],
+    ids=[
+        "magic",
+        "token-len",
+        "header-len",
+        "header-bytes",
+        "data-first",
+        "cut-magic",
+        "cut-token",
+        "cut-header",
+        "short-payload",
+    ],
+)
+def test_bad_streams_get_an_error_frame(
+    server: BulkServer, store: Store, data: bytes, code: grpc.StatusCode, words: str
+) -> None:
+    frame = exchange(server.port, data)
+    assert frame is not None
+    assert frame[0] == code_value(code) and words in frame[1].decode(), frame
+    if b"short" in data:
+        store.wait_event("short", "close")
+        assert store.of("short") == ["open", "interrupted", "close"] and len(store.held["short"]) == 40
+    eventually(lambda: server.active_connections == 0)
+    serves(server, store)
+
+
+def test_idle_preamble_times_out(store: Store) -> None:
+    srv = BulkServer("127.0.0.1", 0, store, idle_timeout_s=0.3)
+    srv.start()
+    try:
+        t0 = time.monotonic()
+        frame = exchange(srv.port, bulk.MAGIC, close_write=False)  # then nothing: a slow or dead client
+        assert frame is not None and frame[0] == code_value(grpc.StatusCode.UNAVAILABLE)
+        assert time.monotonic() - t0 < 5
+    finally:
+        srv.stop()
+
+
+def test_connection_cap_is_resource_exhausted(store: Store) -> None:
+    srv = BulkServer("127.0.0.1", 0, store, max_connections=2, idle_timeout_s=10)
+    srv.start()
+    held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(2)]
+    try:
+        for s in held:
+            s.sendall(bulk.MAGIC)
+        eventually(lambda: srv.active_connections == 2)
+        with pytest.raises(BulkError) as e:
+            upload(srv, "over", os.urandom(1000))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2" in e.value.details()
+        frame = exchange(srv.port, b"")
+        assert frame is not None and frame[0] == code_value(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    finally:
+        for s in held:
+            s.close()
+    eventually(lambda: srv.active_connections == 0)
+    serves(srv, store)
+    srv.stop()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    prefix=st.sampled_from([b"", bulk.MAGIC, bulk.MAGIC + U32.pack(len(TOKEN)) + TOKEN, "preamble"]),
+    junk=st.binary(max_size=2048),
+    close_write=st.booleans(),
+)
+def test_random_bytes_never_crash_or_hang(
+    fuzz_server: tuple[BulkServer, Store], prefix: object, junk: bytes, close_write: bool
+) -> None:
+    srv, store = fuzz_server
+    start = preamble(TOKEN, request(f"fz-{len(junk)}", 1000)) if prefix == "preamble" else prefix
+    assert isinstance(start, bytes)
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        try:
+            s.sendall(start + junk)
+            if close_write:
+                s.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        if close_write:  # the server answers (or closes) by itself, within its timeouts
+            try:
+                while s.recv(1 << 16):
+                    pass
+            except ConnectionResetError:
+                pass
+    assert time.monotonic() - t0 < 10
+    serves(srv, store)
+
+
+@pytest.fixture(scope="module")
+def fuzz_server() -> Iterator[tuple[BulkServer, Store]]:
+    store = Store()
+    srv = BulkServer("127.0.0.1", 0, store, idle_timeout_s=1.0, max_connections=8)
+    srv.start()
+    yield srv, store
+    srv.stop()
+    assert srv.active_connections == 0
+
+
+# --- mutual TLS --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tls_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    good = tmp_path_factory.mktemp("tls")
+    other = tmp_path_factory.mktemp("tls-other")
+    write_bundle(good, clients=["worker"], tokens=False)
+    write_bundle(other, clients=["worker"], tokens=False)  # another CA
+    return good, other
+
+
+@pytest.fixture
+def tls_server(store: Store, tls_dirs: tuple[Path, Path]) -> Iterator[BulkServer]:
+    good, _ = tls_dirs
+    srv = BulkServer(
+        "127.0.0.1", 0, store, ssl_context=bulk.server_ssl_context_from_dir(good, "coordinator"), idle_timeout_s=3
+    )
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_tls_upload(tls_server: BulkServer, store: Store, tls_dirs: tuple[Path, Path]) -> None:
+    good, _ = tls_dirs
+    ctx = bulk.client_ssl_context_from_dir(good, "worker")
+    payload = os.urandom(6 << 20)
+    r = upload(tls_server, "tls", payload, ssl_context=ctx)
+    assert r.version == zlib.crc32(payload) and bytes(store.held["tls"]) == payload
+    store.done.add("tls-dup")
+    assert upload(tls_server, "tls-dup", payload, ssl_context=ctx).version == 7
+    r = upload(tls_server, "tls-host", b"abc", ssl_context=ctx, server_hostname="coordinator")
+    assert r.version == zlib.crc32(b"abc")
+
+
+def _no_cert(ca: Path) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cafile=str(ca))
+    return ctx
+
+
+@pytest.mark.parametrize("client", ["no-cert", "other-ca-cert", "untrusted-server"])
+def test_tls_refuses_unknown_clients(
+    tls_server: BulkServer, store: Store, tls_dirs: tuple[Path, Path], client: str
+) -> None:
+    good, other = tls_dirs
+    if client == "no-cert":
+        ctx = _no_cert(good / "ca.pem")
+    elif client == "other-ca-cert":  # trusts the server, but its certificate comes from another CA
+        ctx = bulk.client_ssl_context(good / "ca.pem", other / "worker.pem", other / "worker.key")
+    else:  # the client does not trust the server's CA
+        ctx = bulk.client_ssl_context(other / "ca.pem", other / "worker.pem", other / "worker.key")
+    with pytest.raises(BulkError) as e:
+        upload(tls_server, "intruder", os.urandom(2 << 20), ssl_context=ctx)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert store.opened == 0 and store.of("intruder") == []
+    eventually(lambda: tls_server.active_connections == 0)
+    r = upload(tls_server, "ok", b"fine", ssl_context=bulk.client_ssl_context_from_dir(good, "worker"))
+    assert r.version == zlib.crc32(b"fine")
+
+
+def test_plaintext_client_on_tls_server_is_refused(tls_server: BulkServer, store: Store) -> None:
+    with pytest.raises(BulkError) as e:
+        upload(tls_server, "plain", os.urandom(1000))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and store.opened == 0
+
+
+def test_config_is_validated(store: Store) -> None:
+    for kw in ({"max_connections": 0}, {"idle_timeout_s": 0.0}, {"buffer_bytes": 10}):
+        with pytest.raises(ConfigError):
+            BulkServer("127.0.0.1", 0, store, **kw)
