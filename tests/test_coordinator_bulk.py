@@ -6,18 +6,25 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
 import torch
+from google.protobuf.message import Message
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import MAGIC, BulkError, bulk_upload
 from diloco.rpc.security import SecurityConfig
-from diloco.v1 import coordinator_pb2
+from diloco.rpc.server import channel
+from diloco.task.params import param_specs
+from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.bulk import BulkUploads
-from tests.test_coordinator_service import Env, T, env, make_upload, register, start, wait_for
+from services.coordinator.server import CoordinatorServer
+from tests.proto_fuzz import garbage, mutated, mutated_bytes
+from tests.test_coordinator_service import Env, T, config, env, make_upload, register, start, wait_for
 
 __all__ = ["env", "start"]  # fixtures
 
@@ -117,3 +124,51 @@ def test_the_join_token_is_required_when_the_coordinator_has_tokens(env: Env) ->
     with pytest.raises(Exception) as bad_header:  # past the token check: the header itself is refused
         handler.open(b"join-secret", req)
     assert getattr(bad_header.value, "code", "") == "INVALID_ARGUMENT"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzz_the_bulk_port_with_mutated_uploads(
+    fuzz_env: tuple[Env, pb.RegisterResponse], data: st.DataObject
+) -> None:
+    """A mutated header (one field changed), mutated payload bytes, or garbage after the magic: every answer is a
+    proper status frame or a closed connection, within the deadline; the server keeps serving; parameters and the
+    committed ledger change only by an accepted submission (one version, its own ranges)."""
+    env, reg = fuzz_env
+    sid = f"f{data.draw(st.integers(0, 1 << 30))}"
+    header, payload, _ = make_upload(env, reg, sid, codec=data.draw(st.sampled_from(["fp32", "int8"])))
+    kind = data.draw(st.sampled_from(["header", "payload", "garbage"]))
+    request: Message = pb.SubmitPseudoGradientRequest(header=header)
+    if kind == "header":
+        request, _what = data.draw(mutated(request))
+    elif kind == "payload":
+        payload = data.draw(mutated_bytes(payload))
+    body = request.SerializeToString() if kind != "garbage" else data.draw(garbage())
+    before = frozen(env)
+    with socket.create_connection(("127.0.0.1", reg.bulk_port), timeout=T) as s:
+        s.settimeout(T)
+        try:
+            s.sendall(MAGIC + struct.pack(">I", 0) + struct.pack(">I", len(body)) + body + payload)
+            s.shutdown(socket.SHUT_WR)
+            answer = s.recv(1)
+        except OSError:  # the server answered early and closed: fine, as long as it still serves (below)
+            answer = b""
+    if answer == b"\x00" and frozen(env) != before:  # accepted: a valid submission may change the state
+        assert env.server.core.version in (before[2], before[2] + 1)
+    elif env.server.core.version == before[2]:
+        assert frozen(env) == before
+    assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).version == env.server.core.version
+    assert torch.isfinite(env.server.core.params).all()
+
+
+@pytest.fixture(scope="module")
+def fuzz_env() -> Iterator[tuple[Env, pb.RegisterResponse]]:
+    srv = CoordinatorServer(config(min_quorum=1, max_staleness=1000))
+    srv.start()
+    chan = channel(srv.address)
+    env = Env(srv, coordinator_pb2_grpc.CoordinatorStub(chan), chan, param_specs(srv.task.model_fn(0)))
+    try:
+        yield env, register(env, "fuzz")
+    finally:
+        chan.close()
+        srv.stop(0)
