@@ -146,7 +146,15 @@ def test_healthd_restart_never_stops_training(cluster: LocalCluster) -> None:
     cluster.kill("healthd")
     version = cluster.status().version
     wait_for("rounds while healthd is down", lambda: cluster.status().version >= version + 2, timeout_s=60)
+    # a worker dies while nobody watches: the restarted healthd never hears of it, so the coordinator declares it
+    # dead once healthd has reported the others for its lease (10 s) without it
+    cluster.kill("worker2")
     cluster.start_healthd()
     cluster.wait_serving(cluster.healthd_address, timeout_s=30)
-    wait_for("healthd to rebuild its table", lambda: len(cluster.nodes().nodes) >= 3, timeout_s=15)
+    restarted = time.monotonic()
+    wait_for("healthd to rebuild its table", lambda: len(cluster.nodes().nodes) >= 2, timeout_s=15)
+    wait_for("worker2 declared dead", lambda: worker_state(cluster, "worker2") == "dead", timeout_s=30)
+    assert time.monotonic() - restarted < 10.0 + 10.0, "the lease is 10 s from healthd's first report"
+    dead_ids = {w.worker_id for w in cluster.workers().workers if w.worker_name == "worker2"}
+    assert not any(s.owner in dead_ids for s in cluster.ledger().shards), "a dead worker still owns shards"
     assert_finished_and_learned(cluster)

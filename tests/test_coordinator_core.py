@@ -184,3 +184,34 @@ def test_a_round_closed_without_every_learner_takes_a_partial_step(scale: bool) 
     # 20 inner steps in, learner c's planned 10 missing: 2/3 of a step (Nesterov's first step: -lr * (1 + mu) * d)
     fraction = 20 / 30 if scale else 1.0
     assert c.params[0].item() == pytest.approx(-0.7 * 1.9 * fraction)
+
+
+def test_learner_that_died_while_healthd_was_down_is_declared_dead_once_healthd_reports_again() -> None:
+    cfg = CoordinatorConfig(rounds=RoundConfig(min_quorum=1), expected_workers=2, confirm_timeout_s=10.0)
+    c = CoordinatorCore(cfg, torch.zeros(N), [1000] * 4)
+    a, b = c.register("a", now=0.0).worker_id, c.register("b", now=0.0).worker_id
+    for t in range(0, 20):  # healthd reports both every second
+        c.report_throughput(a, 100.0, now=float(t))
+        c.report_throughput(b, 100.0, now=float(t))
+    assert c.expire_unconfirmed(20.0) == []
+    # healthd goes down at 20 s and b dies meanwhile; nobody is reported for a minute: nobody expires
+    assert c.expire_unconfirmed(80.0) == []
+    # healthd is back at 80 s and reports only a: b is not judged until healthd has reported for 10 s
+    for t in range(80, 90):
+        c.report_throughput(a, 100.0, now=float(t))
+        assert c.expire_unconfirmed(float(t)) == []
+    c.report_throughput(a, 100.0, now=90.0)
+    [(dead, moved)] = c.expire_unconfirmed(90.0)
+    assert dead == b and moved and c.workers[b].state == DEAD
+    assert c.workers[a].state != DEAD
+
+
+def test_a_learner_that_keeps_submitting_is_not_silent() -> None:
+    cfg = CoordinatorConfig(rounds=RoundConfig(min_quorum=1), expected_workers=2, confirm_timeout_s=10.0)
+    c = CoordinatorCore(cfg, torch.zeros(N), [1000] * 4)
+    a, b = c.register("a", now=0.0).worker_id, c.register("b", now=0.0).worker_id
+    c.report_throughput(b, 100.0, now=0.0)
+    for i, t in enumerate(range(1, 30, 3)):
+        c.report_throughput(a, 100.0, now=float(t))
+        c.accept(submission(c, b, f"s{i}"), torch.zeros(N), now=float(t))  # b's heartbeats are not forwarded
+        assert c.expire_unconfirmed(float(t)) == []

@@ -130,6 +130,7 @@ class WorkerRecord:
     last_base_version: int = 0
     state_reason: str = ""
     confirmed: bool = False  # healthd has forwarded its throughput, or it has submitted
+    seen_at: float = 0.0  # last sign of life: registration, throughput forwarded by healthd, or a submission
     rejections: int = 0  # submissions refused by the guard, in total
     strikes: int = 0  # refused in a row (reset by an accepted submission or a release)
 
@@ -190,6 +191,8 @@ class CoordinatorCore:
         self.acc = MergeAccumulator(params.numel(), cfg.merge, self.segments)
         self.workers: dict[str, WorkerRecord] = {}
         self.receipts: dict[str, AcceptReceipt] = {}  # submission id -> receipt, open round
+        self._healthd_seen_at: float | None = None  # when healthd last forwarded a throughput report
+        self._healthd_since: float | None = None  # when it started reporting after its last silence
         self.applied_ids: deque[str] = deque(maxlen=4096)  # recent applied submission ids (idempotency)
         self.staged: dict[int, tuple[str, int]] = {}  # shard -> (target worker, plan_seq it was staged at)
         self.plan_seq = 0
@@ -234,18 +237,29 @@ class CoordinatorCore:
             raise InvalidArgument(f"throughput.tokens_per_s must be a finite number >= 0, got {speed}")
         self._incarnation += 1
         worker_id = f"{name}-{self._incarnation}"
-        self.workers[worker_id] = WorkerRecord(worker_id, name, speed=speed, device_kind=device_kind, registered_at=now)
+        self.workers[worker_id] = WorkerRecord(
+            worker_id, name, speed=speed, device_kind=device_kind, registered_at=now, seen_at=now
+        )
         self.registered_ever += 1
         self.policy.worker_joined(worker_id)
         self._membership_changed()
         return self.workers[worker_id]
 
-    def report_throughput(self, worker_id: str, tokens_per_s: float, device_kind: str = "") -> None:
+    def report_throughput(
+        self, worker_id: str, tokens_per_s: float, device_kind: str = "", now: float | None = None
+    ) -> None:
+        """healthd forwards a learner's throughput (it heartbeats, so it is alive). `now`: when, for the leases."""
         rec = self.worker(worker_id)
         if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
             raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
         rec.speed = tokens_per_s
         rec.confirmed = True
+        if now is not None:
+            rec.seen_at = max(rec.seen_at, now)
+            gap = self.cfg.confirm_timeout_s / 2
+            if self._healthd_seen_at is None or now - self._healthd_seen_at > gap:
+                self._healthd_since = now  # healthd (re)started reporting: silences count from here
+            self._healthd_seen_at = max(self._healthd_seen_at or now, now)
         if device_kind:
             rec.device_kind = device_kind
 
@@ -423,6 +437,7 @@ class CoordinatorCore:
         rec.last_base_version = sub.base_version
         rec.last_submit_at = now
         rec.confirmed = True
+        rec.seen_at = max(rec.seen_at, now)
         self._complete_handoffs(sub.worker_id, sub.plan_seq)
         self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now, sub.steps))
         applied = self.poll(now)
@@ -459,12 +474,30 @@ class CoordinatorCore:
     def _confirm_deadline(self) -> float | None:
         return min((r.registered_at + self.cfg.confirm_timeout_s for r in self._unconfirmed()), default=None)
 
+    def _silent(self) -> list[WorkerRecord]:
+        """Live, confirmed learners healthd has not reported for `confirm_timeout_s` while it kept reporting
+        others: they died while healthd was down (a restarted healthd never hears of them). Judged only on the
+        times healthd reported, so no learner expires while healthd itself is silent."""
+        t, seen = self.cfg.confirm_timeout_s, self._healthd_seen_at
+        if not t or seen is None or self._healthd_since is None:
+            return []
+        since = self._healthd_since
+        return [
+            r
+            for r in self.workers.values()
+            if r.state in LIVE_STATES and r.confirmed and seen >= max(r.seen_at, since) + t
+        ]
+
     def expire_unconfirmed(self, now: float) -> list[tuple[str, list[int]]]:
-        """Declare dead the learners that registered but were never confirmed alive within `confirm_timeout_s`
-        (they died before healthd heard of them, so healthd cannot report them). Returns (worker, moved shards)."""
-        expired = [r for r in self._unconfirmed() if now >= r.registered_at + self.cfg.confirm_timeout_s]
-        reason = f"no heartbeat within {self.cfg.confirm_timeout_s:g} s of registering"
-        return [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in expired]
+        """Declare dead the learners healthd cannot report: registered but never confirmed alive within
+        `confirm_timeout_s` (they died before healthd heard of them), or silent while healthd reports the others
+        (`_silent`). Returns (worker, moved shards)."""
+        t = self.cfg.confirm_timeout_s
+        never = [r for r in self._unconfirmed() if now >= r.registered_at + t]
+        reason = f"no heartbeat within {t:g} s of registering"
+        out = [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in never]
+        reason = f"healthd reported other learners for {t:g} s but not this one"
+        return out + [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in self._silent()]
 
     def _apply(self, close: RoundClose) -> RoundApplied:
         delta = self.acc.result()  # lives in the merge buffer until acc.reset()

@@ -213,7 +213,8 @@ class CoordinatorState:
 
     def report_throughput(self, worker_id: str, tokens_per_s: float, device_kind: str) -> None:
         with self.lock:
-            self.core.report_throughput(worker_id, tokens_per_s, device_kind)
+            self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=self.clock())
+            self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
 
     def remove(self, worker_id: str, state: str, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
@@ -293,12 +294,15 @@ class CoordinatorState:
         with self.lock:
             return self._poll_locked()
 
-    def _poll_locked(self) -> RoundApplied | None:
+    def _expire_locked(self) -> None:
         for worker_id, released in self.core.expire_unconfirmed(self.clock()):
             self.metrics.reassignments.inc(len(released))
-            self.log.warning(
-                "worker.dead", worker_id=worker_id, reason="never heard of by healthd", released_shards=released
-            )
+            reason = self.core.workers[worker_id].state_reason
+            self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
+            self.wake.notify_all()
+
+    def _poll_locked(self) -> RoundApplied | None:
+        self._expire_locked()
         applied = self.core.poll(self.clock())
         if applied is not None:
             self._round_applied(applied)
