@@ -1,7 +1,10 @@
 """Container HEALTHCHECK: exit 0 when the service in this container is healthy, 1 when not.
 
 coordinator, healthd: `grpc.health.v1.Health/Check` on localhost:PORT must answer SERVING, PORT being the
-`--port` flag of the container's command or `DILOCO_PORT`.
+`--port` flag of the container's command or `DILOCO_PORT`. With a TLS folder (`--tls-dir` or `DILOCO_TLS_DIR`) the
+check is mutual TLS as the service's own identity (`--tls-name` or `DILOCO_TLS_NAME`, else the service's name),
+checking the server certificate against that name (every certificate `diloco certs` issues names itself); health
+checks need no token. Without one (`--insecure`, `DILOCO_INSECURE=1`), plaintext.
 worker (no gRPC server): its Prometheus endpoint on localhost:PORT must answer, PORT being `--metrics-port` or
 `DILOCO_METRICS_PORT`; a worker without a metrics endpoint is healthy while it runs.
 """
@@ -12,6 +15,11 @@ import os
 import sys
 import urllib.request
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import grpc
 
 TIMEOUT_S = 3.0
 
@@ -44,12 +52,31 @@ def service_of(argv: Sequence[str]) -> str:
     return ""
 
 
-def check_grpc(port: str) -> str:
+def grpc_channel(address: str, tls_dir: str, tls_name: str) -> grpc.Channel:
+    """Mutual TLS with `<tls_dir>/ca.pem` and `<tls_dir>/<tls_name>.{pem,key}` when `tls_dir`, else plaintext."""
+    import grpc
+
+    if not tls_dir:
+        return grpc.insecure_channel(address)
+    d = Path(tls_dir)
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=(d / "ca.pem").read_bytes(),
+        private_key=(d / f"{tls_name}.key").read_bytes(),
+        certificate_chain=(d / f"{tls_name}.pem").read_bytes(),
+    )
+    return grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", tls_name)])
+
+
+def check_grpc(port: str, tls_dir: str = "", tls_name: str = "") -> str:
     """'' when SERVING, else what is wrong."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    try:
+        channel = grpc_channel(f"127.0.0.1:{port}", tls_dir, tls_name)
+    except OSError as e:
+        return f"TLS files in {tls_dir} for {tls_name!r}: {e}"
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError as e:
@@ -71,7 +98,12 @@ def main(argv: Sequence[str], env: Mapping[str, str]) -> int:
     service = service_of(argv)
     if service in ("coordinator", "healthd"):
         port = flag(argv, "--port", env, "DILOCO_PORT")
-        problem = check_grpc(port) if port.isdigit() and port != "0" else f"{service}: no fixed --port to check"
+        tls_dir = flag(argv, "--tls-dir", env, "DILOCO_TLS_DIR")
+        tls_name = flag(argv, "--tls-name", env, "DILOCO_TLS_NAME") or service
+        if not (port.isdigit() and port != "0"):
+            problem = f"{service}: no fixed --port to check"
+        else:
+            problem = check_grpc(port, tls_dir, tls_name)
     elif service == "worker":
         port = flag(argv, "--metrics-port", env, "DILOCO_METRICS_PORT")
         problem = check_http(port) if port.isdigit() and port != "0" else ""

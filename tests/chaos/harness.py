@@ -4,6 +4,10 @@ Each `DockerCluster` gets its own user-defined bridge network, checkpoint volume
 with the run id, and removes them all in `stop()`. The host reaches the coordinator and healthd only through ports
 published on 127.0.0.1; the containers talk to one another on their own network and nowhere else.
 
+Every connection is mutual TLS with tokens, as in production: each cluster writes a CA, certificates (SANs: the
+containers' names and 127.0.0.1) and tokens into a temporary folder on the host (`diloco.rpc.tls.write_bundle`),
+bind-mounted read-only at /certs in every container; the host's own channels use the admin identity and token.
+
 The pure helpers (`ledger_problems`, `error_lines`, `median`, `render_table`) take plain data and are unit-tested
 without an engine (tests/chaos/test_harness.py).
 """
@@ -13,10 +17,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,7 +32,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.ctl import state_name
 from diloco.cluster import TINY_TASK_ARGS, coordinator_flags, free_port
-from diloco.rpc.server import channel
+from diloco.rpc.security import SecurityConfig
+from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, write_bundle
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 
 IMAGE = os.environ.get("DILOCO_IMAGE", "diloco:latest")
@@ -36,6 +44,8 @@ SESSION_LABEL = "org.diloco.chaos.session"
 COORDINATOR_PORT = 50051
 HEALTHD_PORT = 50052
 CHECKPOINT_DIR = "/var/lib/diloco/checkpoints"
+TLS_MOUNT = "/certs"  # where every container finds its TLS folder (read-only)
+IMAGE_UID = 10001  # the image's user (docker/Dockerfile), who must be able to read the keys and tokens
 UNTRAINED_LOSS = math.log(256)  # a byte-level model that knows nothing
 # How much worse than the fault-free run of the same length a run with faults may end, in nats of validation loss.
 # Fault-free runs here end (mean of the last FINAL_EVALS evaluations) within about 0.1 of each other, near 2.6 from
@@ -73,6 +83,39 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def write_tls(hosts: Sequence[str], workers: Sequence[str]) -> Path:
+    """A temporary TLS folder for one cluster (`diloco certs` layout): a CA, certificates for the services (SANs:
+    `hosts`), `admin` and each name in `workers`, and fresh tokens, readable by the containers' user. The caller
+    removes it."""
+    d = Path(tempfile.mkdtemp(prefix="diloco-chaos-tls-"))
+    write_bundle(d, clients=list(workers), hosts=list(hosts))
+    share_with_image_user(d)
+    return d
+
+
+def share_with_image_user(d: Path) -> None:
+    """Make the TLS folder `d` readable inside the containers (uid IMAGE_UID): as root, hand it over with the modes
+    kept (keys 0600); otherwise (a rootless engine's user) open the throwaway test keys to everyone."""
+    if os.geteuid() == 0:
+        for path in (d, *d.iterdir()):
+            os.chown(path, IMAGE_UID, IMAGE_UID)
+        return
+    d.chmod(0o755)
+    for path in d.iterdir():
+        path.chmod(0o644)
+
+
+def security_of(tls_dir: Path, name: str = "admin") -> SecurityConfig:
+    """The host's client side of a chaos cluster: identity `name` of `tls_dir` and both tokens."""
+    return SecurityConfig(
+        tls_dir=str(tls_dir),
+        tls_name=name,
+        insecure=False,
+        join_token=(tls_dir / JOIN_TOKEN_FILE).read_text().strip(),
+        admin_token=(tls_dir / ADMIN_TOKEN_FILE).read_text().strip(),
+    )
+
+
 def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
     """Poll `predicate` until true; returns the seconds it took. An RPC error counts as 'not yet'."""
     start = time.monotonic()
@@ -101,6 +144,8 @@ class DockerCluster:
         self.containers: dict[str, Any] = {}
         self.network: Any = None
         self.volume: Any = None
+        self.tls_dir: Path | None = None  # written by start()
+        self._security: SecurityConfig | None = None
         self._channel: grpc.Channel | None = None
         self.started_at = 0.0  # workers started
         self.training_since = 0.0  # first round applied
@@ -121,8 +166,28 @@ class DockerCluster:
     def worker_names(self) -> list[str]:
         return [f"worker{i}" for i in range(self.cfg.workers)]
 
+    @property
+    def security(self) -> SecurityConfig:
+        """The host's TLS identity (admin) and tokens for this cluster."""
+        if self._security is None:
+            raise RuntimeError("the cluster is not started: no TLS folder yet")
+        return self._security
+
     # --- containers -------------------------------------------------------------------------------------------
-    def _run(self, role: str, command: list[str], **kwargs: Any) -> Any:
+    def _run(
+        self,
+        role: str,
+        command: list[str],
+        tls_name: str,
+        tls_dir: Path | None = None,
+        environment: dict[str, str] | None = None,
+        volumes: dict[str, dict[str, str]] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Start container `role` with identity `tls_name` of the TLS folder `tls_dir` (default: the cluster's) at
+        /certs; tokens come from that folder unless `environment` says otherwise."""
+        certs = tls_dir or self.tls_dir
+        assert certs is not None
         container = self.client.containers.run(
             self.cfg.image,
             command=command,
@@ -130,14 +195,53 @@ class DockerCluster:
             hostname=role,
             network=self.network.name,
             labels={**self.labels, f"{LABEL}.role": role},
+            environment={"DILOCO_TLS_DIR": TLS_MOUNT, "DILOCO_TLS_NAME": tls_name, **(environment or {})},
+            volumes={str(certs): {"bind": TLS_MOUNT, "mode": "ro"}, **(volumes or {})},
             detach=True,
             **kwargs,
         )
         self.containers[role] = container
         return container
 
+    def worker_command(self, name: str, seed: int) -> list[str]:
+        c = self.cfg
+        return [
+            "worker",
+            "--coordinator",
+            f"{self.cname('coordinator')}:{COORDINATOR_PORT}",
+            "--healthd",
+            f"{self.cname('healthd')}:{HEALTHD_PORT}",
+            "--name",
+            name,
+            "--slowdown",
+            str(c.slowdown),
+            "--heartbeat-interval-s",
+            str(c.heartbeat_interval_s),
+            "--seed",
+            str(seed),
+        ]
+
+    def start_worker(
+        self,
+        name: str,
+        seed: int,
+        tls_name: str,
+        tls_dir: Path | None = None,
+        environment: dict[str, str] | None = None,
+    ) -> Any:
+        """One more learner container, `name`, with identity `tls_name` of `tls_dir` (default: the cluster's)."""
+        return self._run(name, self.worker_command(name, seed), tls_name, tls_dir, environment)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """What the services' certificates are valid for: their container names (from the other containers) and
+        127.0.0.1 (from the host, through the published ports)."""
+        return (self.cname("coordinator"), self.cname("healthd"), "localhost", "127.0.0.1")
+
     def start(self, timeout_s: float = 90.0) -> None:
         c = self.cfg
+        self.tls_dir = write_tls(self.hosts, self.worker_names)
+        self._security = security_of(self.tls_dir)
         self.network = self.client.networks.create(self.prefix, driver="bridge", labels=self.labels)
         self.volume = self.client.volumes.create(name=f"{self.prefix}-checkpoints", labels=self.labels)
         self._run(
@@ -153,6 +257,7 @@ class DockerCluster:
                 "--dead-after-s",
                 str(c.dead_after_s),
             ],
+            "healthd",
             ports={f"{HEALTHD_PORT}/tcp": ("127.0.0.1", self.healthd_port)},
         )
         self._run(
@@ -162,29 +267,17 @@ class DockerCluster:
                 *coordinator_flags(c, COORDINATOR_PORT, f"{self.cname('healthd')}:{HEALTHD_PORT}", CHECKPOINT_DIR),
                 *TASK_ARGS,
             ],
+            "coordinator",
             ports={f"{COORDINATOR_PORT}/tcp": ("127.0.0.1", self.coordinator_port)},
             volumes={self.volume.name: {"bind": "/var/lib/diloco", "mode": "rw"}},
         )
         self.wait_serving("healthd", self.healthd_address, timeout_s)  # both were started above, in parallel
         self.wait_serving("coordinator", self.coordinator_address, timeout_s)
-        for i in range(c.workers):
+        for i, name in enumerate(self.worker_names):
             self._run(
-                f"worker{i}",
-                [
-                    "worker",
-                    "--coordinator",
-                    f"{self.cname('coordinator')}:{COORDINATOR_PORT}",
-                    "--healthd",
-                    f"{self.cname('healthd')}:{HEALTHD_PORT}",
-                    "--name",
-                    f"worker{i}",
-                    "--slowdown",
-                    str(c.slowdown),
-                    "--heartbeat-interval-s",
-                    str(c.heartbeat_interval_s),
-                    "--seed",
-                    str(i),
-                ],
+                name,
+                self.worker_command(name, seed=i),
+                name,
                 cap_add=["NET_ADMIN"] if i == c.net_admin_worker else None,
             )
         self.started_at = time.monotonic()
@@ -199,7 +292,7 @@ class DockerCluster:
             container.reload()
             if container.status in ("exited", "dead"):
                 raise AssertionError(f"{role} exited:\n{self.logs(role, tail=30)}")
-            with channel(address) as ch:
+            with self.security.channel(address, admin=True) as ch:
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
@@ -218,6 +311,9 @@ class DockerCluster:
             self._channel = None
         remove_labelled(self.client, {LABEL: self.run_id})
         self.containers.clear()
+        if self.tls_dir is not None:
+            shutil.rmtree(self.tls_dir, ignore_errors=True)
+            self.tls_dir = None
 
     # --- faults -----------------------------------------------------------------------------------------------
     def kill(self, role: str) -> None:
@@ -236,7 +332,7 @@ class DockerCluster:
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
         if self._channel is None:
-            self._channel = channel(self.coordinator_address)
+            self._channel = self.security.channel(self.coordinator_address, admin=True)
         return coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def status(self) -> coordinator_pb2.GetStatusResponse:
@@ -249,7 +345,7 @@ class DockerCluster:
         return self.stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=5.0)
 
     def nodes(self) -> list[healthd_pb2.NodeInfo]:
-        with channel(self.healthd_address) as ch:
+        with self.security.channel(self.healthd_address, admin=True) as ch:
             stub = healthd_pb2_grpc.HealthDaemonStub(ch)
             return list(stub.ListNodes(healthd_pb2.ListNodesRequest(), timeout=3.0).nodes)
 

@@ -10,20 +10,33 @@ between registering and its first heartbeat is never declared dead: a known gap,
 
 Faults: SIGKILL (docker kill), SIGSTOP of the whole container (docker pause), a restart of the coordinator or of
 healthd, and a degraded network on one learner (tc netem inside its container, with NET_ADMIN for that container
-only; where the kernel lacks netem: tbf shaping plus random drops with iptables).
+only; where the kernel lacks netem: tbf shaping plus random drops with iptables). And one check that clients the
+cluster does not trust (another CA, a wrong token, plaintext) cannot get in.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import time
 from collections.abc import Callable
 
+import grpc
 import pytest
 
-from diloco.v1 import healthd_pb2
-from tests.chaos.harness import RESULTS, DockerCluster, ScenarioResult, finish_and_check, wait_for
+from diloco.rpc.security import SecurityConfig
+from diloco.rpc.server import channel
+from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2
+from tests.chaos.harness import (
+    RESULTS,
+    DockerCluster,
+    ScenarioResult,
+    finish_and_check,
+    security_of,
+    wait_for,
+    write_tls,
+)
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 
@@ -155,7 +168,64 @@ def test_degraded_network_on_one_worker(make_cluster: MakeCluster, baseline: Sce
     result.notes = f"{victim} submissions {submitted} -> {after} while degraded"
 
 
+def test_untrusted_clients_cannot_join(make_cluster: MakeCluster) -> None:
+    """Mutual TLS and tokens hold between containers: a learner whose certificate comes from another CA and one
+    with a valid certificate but a wrong join token never register, nor does the host get an answer in plaintext or
+    without a token, while training goes on."""
+    c = make_cluster("untrusted")
+    c.wait_version(1, timeout_s=90)
+    foreign = write_tls(c.hosts, ["intruder"])  # a CA of its own: the cluster does not trust it, nor it the cluster
+    give_up = {"DILOCO_RETRY_TOTAL_S": "5"}  # an unreachable coordinator is retried (UNAVAILABLE); not for ever here
+    try:
+        c.start_worker("intruder-ca", seed=7, tls_name="intruder", tls_dir=foreign, environment=give_up)
+        c.start_worker(
+            "intruder-token", seed=8, tls_name="worker0", environment={**give_up, "DILOCO_JOIN_TOKEN": "not-the-token"}
+        )
+        refused = {
+            "plaintext": rpc_code(lambda: channel(c.coordinator_address)),
+            "TLS, no token": rpc_code(
+                lambda: SecurityConfig(str(c.tls_dir), "admin", insecure=False).channel(c.coordinator_address)
+            ),
+            "foreign CA": rpc_code(lambda: security_of(foreign, "intruder").channel(c.coordinator_address, admin=True)),
+        }
+        assert refused == {
+            "plaintext": "UNAVAILABLE",
+            "TLS, no token": "UNAUTHENTICATED",
+            "foreign CA": "UNAVAILABLE",
+        }, refused
+        version = c.status().version
+        exits = {role: c.containers[role].wait(timeout=120)["StatusCode"] for role in ("intruder-ca", "intruder-token")}
+        logs = {role: c.logs(role, tail=3) for role in exits}
+        assert all(code != 0 for code in exits.values()), f"an intruder exited 0: {exits} {logs}"
+        assert "UNAUTHENTICATED" in c.logs("intruder-token"), logs
+        joined = {w.worker_name for w in c.workers()} & set(exits)
+        assert not joined, f"{joined} registered: {logs}"
+        c.wait_version(version + 2, timeout_s=90)  # the learners went on
+    finally:
+        shutil.rmtree(foreign, ignore_errors=True)
+    RESULTS.append(
+        ScenarioResult(
+            "untrusted-clients",
+            "learners with a foreign CA / a wrong join token; host calls in plaintext / without token",
+            notes="none got in: host "
+            + ", ".join(f"{k} {v}" for k, v in refused.items())
+            + "; intruders exited "
+            + ", ".join(f"{k} {v}" for k, v in exits.items()),
+        )
+    )
+
+
 # --- helpers ---------------------------------------------------------------------------------------------------
+def rpc_code(make_channel: Callable[[], grpc.Channel]) -> str:
+    """The status code of a GetStatus call on a fresh channel ('OK' when it answers)."""
+    with make_channel() as ch:
+        try:
+            coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=5.0)
+        except grpc.RpcError as e:
+            return str(e.code().name)
+    return "OK"
+
+
 def wait_all_live(c: DockerCluster, workers: int, since: float, timeout_s: float) -> float:
     wait_for(f"{workers} learners live again", lambda: c.status().live_workers >= workers, timeout_s, 0.1)
     return time.monotonic() - since

@@ -1,17 +1,21 @@
-"""docker-compose.yml as a user runs it: `up` trains the embedded default task and `diloco ctl` works from the
-host; a bad configuration makes its container exit with status 2 and a message naming the setting, and after
-`restart: on-failure:3` gives up, `ps` shows it exited rather than restarting forever.
+"""docker-compose.yml as a user runs it: `up` issues certificates and tokens (the `certs` service), trains the
+embedded default task over mutual TLS, and `diloco ctl` works both as the README says (`docker compose run --rm ctl
+...` inside the network, and from the host with the admin identity copied out of its volume); a bad configuration
+makes its container exit with status 2 and a message naming the setting, and after `restart: on-failure:3` gives
+up, `ps` shows it exited rather than restarting forever.
 
 Each test uses a compose project of its own (unique name, free host ports) and removes it, volumes included."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +38,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+CTL = [sys.executable, "-m", "diloco.cli.main", "ctl"]  # `diloco ctl` on the host
 
 
 def compose_command() -> list[str] | None:
@@ -64,6 +69,7 @@ class Project:
             DILOCO_COORDINATOR_HOST_PORT=str(self.coordinator_port),
             DILOCO_HEALTHD_HOST_PORT=str(free_port()),
             DILOCO_COORDINATOR_METRICS_HOST_PORT=str(free_port()),
+            DILOCO_COORDINATOR_BULK_HOST_PORT=str(free_port()),
             DILOCO_HEALTHD_METRICS_HOST_PORT=str(free_port()),
             **env,
         )
@@ -75,6 +81,21 @@ class Project:
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def copy_admin_tls(self, dest: Path) -> Path:
+        """The README's way to reach the cluster from the host: the admin identity out of the `ctl` volume."""
+        proc = subprocess.run(
+            [*self.cmd, "run", "--rm", "-T", "--entrypoint", "tar", "ctl", "-C", "/certs", "-cf", "-", "."],
+            env=self.env,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+        dest.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
+            tar.extractall(dest, filter="data")
+        return dest
 
     def container(self, service: str) -> Any:
         found = self.client.containers.list(
@@ -103,27 +124,32 @@ def project(docker_client: Any) -> Iterator[Any]:
         p.down()
 
 
-def ctl(port: int, action: str) -> dict[str, Any]:
-    """`diloco ctl --coordinator 127.0.0.1:PORT ACTION --json`, run from the host as a user would."""
-    out = subprocess.run(
-        [sys.executable, "-m", "diloco.cli.main", "ctl", "--coordinator", f"127.0.0.1:{port}", "--json", action],
+def ctl(port: int, tls_dir: Path, action: str) -> dict[str, Any]:
+    """`diloco ctl --coordinator 127.0.0.1:PORT --tls-dir DIR --json ACTION`, run from the host as a user would."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    proc = subprocess.run(
+        [*CTL, "--coordinator", f"127.0.0.1:{port}", "--tls-dir", str(tls_dir), "--json", action],
         capture_output=True,
         text=True,
         timeout=30,
-        check=True,
-    ).stdout
-    reply: dict[str, Any] = json.loads(out)
+        check=False,
+        env=env,
+    )
+    assert proc.returncode == 0, f"ctl {action} exited {proc.returncode}: {proc.stderr}"
+    reply: dict[str, Any] = json.loads(proc.stdout)
     return reply
 
 
-def test_compose_up_trains_the_default_task(project: Any) -> None:
+def test_compose_up_trains_the_default_task(project: Any, tmp_path: Path) -> None:
     p = project("up", DILOCO_TARGET_OUTER_STEPS="6", DILOCO_CHECKPOINT_EVERY="2")
     p.run("up", "-d", "--scale", "worker=1")
-    wait_for("training to finish", lambda: ctl(p.coordinator_port, "status")["finished"], 240, 0.5)
-    status = ctl(p.coordinator_port, "status")
+    tls = p.copy_admin_tls(tmp_path / "tls")
+    assert sorted(f.name for f in tls.iterdir()) == ["admin.key", "admin.pem", "admin.token", "ca.pem"]
+    wait_for("training to finish", lambda: ctl(p.coordinator_port, tls, "status")["finished"], 240, 0.5)
+    status = ctl(p.coordinator_port, tls, "status")
     assert int(status["version"]) >= 6
     assert float(status["validation_loss"]) < UNTRAINED_LOSS, status  # it learned something
-    ledger = ctl(p.coordinator_port, "ledger")
+    ledger = ctl(p.coordinator_port, tls, "ledger")
     shards = [
         LedgerShard(
             int(s["shard_id"]),
@@ -135,8 +161,29 @@ def test_compose_up_trains_the_default_task(project: Any) -> None:
     assert not ledger_problems(shards, int(status["tokens_applied"]))
     ps = p.run("ps").stdout
     assert re.search(r"coordinator.*healthy", ps), ps
-    workers = {w["worker_name"] for w in ctl(p.coordinator_port, "workers")["workers"]}
+    workers = {w["worker_name"] for w in ctl(p.coordinator_port, tls, "workers")["workers"]}
     assert "worker-slow" in workers and len(workers) == 2, workers
+    # the README's command, inside the compose network
+    inside = json.loads(p.run("run", "--rm", "-T", "ctl", "--json", "status").stdout)
+    assert inside["finished"] and int(inside["version"]) == int(status["version"]), inside
+    # what each role holds: its own identity and only the tokens it needs, unreadable to other users
+    listing = p.run("run", "--rm", "-T", "--entrypoint", "ls", "worker", "-ln", "/certs").stdout
+    assert sorted(line.split()[-1] for line in listing.splitlines()[1:]) == [
+        "ca.pem",
+        "join.token",
+        "worker.key",
+        "worker.pem",
+    ], listing
+    assert all(line.startswith("-rw-------") for line in listing.splitlines() if "worker.key" in line), listing
+    # no way in without the cluster's CA: plaintext from the host is refused
+    refused = subprocess.run(
+        [*CTL, "--coordinator", f"127.0.0.1:{p.coordinator_port}", "--insecure", "--timeout-s", "3", "status"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert refused.returncode != 0, refused.stdout
 
 
 BAD_CONFIGS = [
@@ -152,6 +199,7 @@ def test_bad_config_exits_with_a_clear_message(project: Any) -> None:
     started = []
     for i, (service, env, message) in enumerate(BAD_CONFIGS):
         p = project(f"bad{i}", **env)
+        p.run("run", "--rm", "certs")  # the certificates exist, so only the bad setting can stop the service
         p.run("up", "-d", "--no-deps", service)
         started.append((p, service, message))
     for p, service, message in started:

@@ -1,0 +1,89 @@
+"""docker/healthcheck.py, the containers' HEALTHCHECK: mutual TLS with the mounted certificates when a TLS folder is
+set (no token needed), plaintext otherwise; a check that cannot connect reports unhealthy."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from types import ModuleType
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from diloco.rpc.auth import TokenAuthInterceptor, Tokens
+from diloco.rpc.tls import TlsFiles, server_credentials, write_bundle
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_healthcheck() -> ModuleType:
+    # by path: `docker` is also the name of the Docker SDK package
+    spec = importlib.util.spec_from_file_location("diloco_healthcheck", ROOT / "docker" / "healthcheck.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+hc = load_healthcheck()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tls")
+    write_bundle(d, hosts=["coordinator", "healthd"])  # no 127.0.0.1: the check names the server it expects
+    return d
+
+
+def serve(tls_dir: Path | None) -> tuple[grpc.Server, int]:
+    """A health service behind the token interceptor, over mutual TLS with `tls_dir`'s coordinator identity, else
+    plaintext."""
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2), interceptors=[TokenAuthInterceptor(Tokens("join-t", "admin-t"))]
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    if tls_dir is None:
+        port = server.add_insecure_port("127.0.0.1:0")
+    else:
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsFiles.from_dir(tls_dir, "coordinator")))
+    server.start()
+    return server, port
+
+
+@pytest.fixture
+def tls_server(pki: Path) -> Iterator[int]:
+    server, port = serve(pki)
+    yield port
+    server.stop(None)
+
+
+def test_tls_check_with_the_mounted_certificates(tls_server: int, pki: Path) -> None:
+    argv = ["diloco", "coordinator", "--port", str(tls_server)]
+    assert hc.main(argv, {"DILOCO_TLS_DIR": str(pki), "DILOCO_TLS_NAME": "coordinator"}) == 0
+    assert hc.main([*argv, "--tls-dir", str(pki)], {}) == 0  # flags work too; the name defaults to the service
+
+
+def test_tls_check_fails_in_plaintext_or_with_another_ca(tls_server: int, tmp_path: Path) -> None:
+    argv = ["diloco", "coordinator", "--port", str(tls_server)]
+    assert hc.main(argv, {"DILOCO_INSECURE": "1"}) == 1
+    write_bundle(tmp_path)
+    assert hc.main(argv, {"DILOCO_TLS_DIR": str(tmp_path)}) == 1
+    assert hc.main(argv, {"DILOCO_TLS_DIR": str(tmp_path / "missing")}) == 1
+
+
+def test_plaintext_check_when_insecure() -> None:
+    server, port = serve(None)
+    try:
+        assert hc.main(["diloco", "healthd", "--port", str(port)], {"DILOCO_INSECURE": "1"}) == 0
+    finally:
+        server.stop(None)
+
+
+def test_a_stopped_server_is_unhealthy(pki: Path) -> None:
+    server, port = serve(pki)
+    assert hc.check_grpc(str(port), str(pki), "coordinator") == ""
+    server.stop(None)
+    assert hc.check_grpc(str(port), str(pki), "coordinator").startswith(f"health check on port {port}: ")
