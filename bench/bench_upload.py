@@ -830,7 +830,7 @@ def print_report(doc: dict[str, Any]) -> None:
     )
     mem_rows = [
         [
-            f"{r['codec']} #{r['repeat']}",
+            f"{r['codec']} {r['path']} #{r['repeat']}",
             _mb(r["payload_bytes"]),
             _mb(r["fp32_buffer_bytes"]),
             _mb(r["rss_before_bytes"]),
