@@ -5,13 +5,13 @@ token is checked as the gRPC interceptor checks it for `SubmitPseudoGradient`.""
 
 from __future__ import annotations
 
-from diloco.errors import DilocoError, InvalidArgument, PermissionDenied, Unauthenticated
+from diloco.errors import PermissionDenied, Unauthenticated
 from diloco.rpc import auth
 from diloco.rpc.bulk import BulkSink
 from diloco.task.params import ParamSpec
 from diloco.v1 import coordinator_pb2
-from services.coordinator.servicer import header_from_proto, submit_response
-from services.coordinator.state import CoordinatorState, SubmitResult, Upload
+from services.coordinator.servicer import open_submission, submit_response
+from services.coordinator.state import CoordinatorState, Upload
 
 SUBMIT_METHOD = f"/{auth.COORDINATOR_SERVICE}/SubmitPseudoGradient"
 
@@ -55,14 +55,8 @@ class BulkUploads:
             if denied is not None:
                 kind = Unauthenticated if denied.code.name == "UNAUTHENTICATED" else PermissionDenied
                 raise kind(denied.message)
-        try:
-            if request.WhichOneof("kind") != "header":
-                raise InvalidArgument("a bulk upload starts with a SubmitPseudoGradientRequest holding its header")
-            header = header_from_proto(request.header, self.specs)
-        except DilocoError as e:
-            raise self.state.reject(e, "bad_header") from None
-        opened = self.state.open_upload(header)
-        if isinstance(opened, SubmitResult):
-            return submit_response(opened)  # a duplicate: the earlier outcome, nothing changes
-        upload, gen = opened
+        opened = open_submission(self.state, request, self.specs)
+        if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
+            return opened  # a duplicate: the earlier outcome, nothing changes
+        upload, gen, header = opened
         return _UploadSink(self.state, upload, gen, header.meta.encoded_bytes - header.resume_offset)

@@ -96,6 +96,24 @@ def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2
     )
 
 
+def open_submission(
+    state: CoordinatorState, first: coordinator_pb2.SubmitPseudoGradientRequest | None, specs: list[ParamSpec]
+) -> coordinator_pb2.SubmitPseudoGradientResponse | tuple[Upload, int, UploadHeader]:
+    """The start of an upload on either path (this RPC or the bulk port): check its header message and open (or
+    resume) the upload. Returns the earlier outcome of a duplicate, else the upload, this stream's generation and
+    the header."""
+    try:
+        if first is None or first.WhichOneof("kind") != "header":
+            raise InvalidArgument("an upload starts with a message holding its header (SubmissionHeader)")
+        header = header_from_proto(first.header, specs)
+    except DilocoError as e:
+        raise state.reject(e, "bad_header") from None
+    opened = state.open_upload(header)
+    if isinstance(opened, SubmitResult):
+        return submit_response(opened)
+    return (*opened, header)
+
+
 def submit_response(r: SubmitResult) -> coordinator_pb2.SubmitPseudoGradientResponse:
     return coordinator_pb2.SubmitPseudoGradientResponse(
         outcome=coordinator_pb2.SUBMISSION_OUTCOME_APPLIED
@@ -195,17 +213,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def SubmitPseudoGradient(
         self, request_iterator: Iterator[coordinator_pb2.SubmitPseudoGradientRequest], context: grpc.ServicerContext
     ) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        first = next(request_iterator, None)
-        try:
-            if first is None or first.WhichOneof("kind") != "header":
-                raise InvalidArgument("the first message of an upload must be its header (SubmissionHeader)")
-            header = header_from_proto(first.header, self.specs)
-        except DilocoError as e:
-            raise self.state.reject(e, "bad_header") from None
-        opened = self.state.open_upload(header)
-        if isinstance(opened, SubmitResult):
-            return submit_response(opened)  # a duplicate: the earlier outcome, nothing changes
-        upload, gen = opened
+        opened = open_submission(self.state, next(request_iterator, None), self.specs)
+        if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
+            return opened  # a duplicate: the earlier outcome, nothing changes
+        upload, gen, _ = opened
         try:
             return self._receive(upload, gen, request_iterator)
         finally:
