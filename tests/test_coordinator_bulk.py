@@ -23,6 +23,8 @@ from diloco.task.params import param_specs
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.bulk import BulkUploads
 from services.coordinator.server import CoordinatorServer
+from services.worker.agent import Worker
+from services.worker.config import WorkerConfig
 from tests.proto_fuzz import garbage, mutated, mutated_bytes
 from tests.test_coordinator_service import Env, T, config, env, make_upload, register, start, wait_for
 
@@ -172,3 +174,21 @@ def fuzz_env() -> Iterator[tuple[Env, pb.RegisterResponse]]:
     finally:
         chan.close()
         srv.stop(0)
+
+
+def test_a_worker_whose_bulk_port_went_away_finishes_the_upload_over_the_rpc(env: Env) -> None:
+    """The bulk port changes with every coordinator start; the RPC address does not. A worker whose upload to the
+    advertised port fails goes on over SubmitPseudoGradient (here: accepted; after a restart: told to resync)."""
+    worker = Worker(WorkerConfig(coordinator=env.server.address, retry_total_s=10.0))
+    session = worker._register()
+    register(env, "b")
+    assert session.bulk_port > 0
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    session.bulk_port = dead_port
+    reg = pb.RegisterResponse(worker_id=session.worker_id, coordinator_epoch=session.epoch)
+    header, data, _ = make_upload(env, reg, "s1")
+    worker._upload(session, header, data)
+    assert env.server.state.upload_status(session.worker_id, "s1") == (len(data), True)
+    assert worker.metrics.uploads.labels(outcome="accepted")._value.get() == 1

@@ -463,9 +463,12 @@ class Worker:
     def _upload(self, session: Session, header: coordinator_pb2.SubmissionHeader, payload: bytes) -> None:
         offset = 0
         started = time.monotonic()
+        # the bulk port, while it answers; after it fails once, this upload goes on over the RPC, whose address
+        # stays right when the coordinator restarts (the port does not: it changes with every start)
+        bulk_port = session.bulk_port
 
         def attempt() -> coordinator_pb2.SubmitPseudoGradientResponse:
-            nonlocal offset
+            nonlocal offset, bulk_port
             header.resume_offset = offset
 
             def requests() -> Iterator[coordinator_pb2.SubmitPseudoGradientRequest]:
@@ -474,11 +477,12 @@ class Worker:
                     yield coordinator_pb2.SubmitPseudoGradientRequest(data=bytes(c))
 
             try:
-                if session.bulk_port:
-                    return self._bulk_upload(session.bulk_port, header, memoryview(payload)[offset:])
+                if bulk_port:
+                    return self._bulk_upload(bulk_port, header, memoryview(payload)[offset:])
                 return self.stub.SubmitPseudoGradient(requests(), timeout=self.cfg.upload_timeout_s)
             except grpc.RpcError as e:  # a BulkError is one too, with the same codes
                 if e.code() in RETRYABLE:
+                    bulk_port = 0
                     try:
                         st = self.stub.GetUploadStatus(
                             coordinator_pb2.GetUploadStatusRequest(
@@ -515,7 +519,7 @@ class Worker:
         self.log.info(
             "worker.submitted",
             submission_id=header.submission_id,
-            path="bulk" if session.bulk_port else "grpc",
+            path="bulk" if bulk_port else "grpc",
             version=resp.version,
             staleness=resp.staleness,
             bytes=len(payload),
