@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 import sys
 import warnings
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -41,6 +40,7 @@ from typing import ClassVar, NoReturn
 
 import numpy as np
 import torch
+from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values, about 7x faster than zlib's
 
 from diloco.errors import InvalidArgument
 
@@ -173,11 +173,11 @@ def _tensor_view(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> to
 
 
 def _join_with_crc(parts: Sequence[bytes | memoryview]) -> tuple[bytes, int]:
-    """b"".join(parts) and its zlib.crc32. For large payloads the crc runs in a second thread (zlib releases
-    the GIL) while this one copies: the two single-threaded passes then overlap."""
+    """b"".join(parts) and its crc32. For large payloads the crc runs in a second thread (it releases the GIL)
+    while this one copies: the two single-threaded passes then overlap."""
     if sum(len(p) for p in parts) < _PARALLEL_CRC_MIN_BYTES:
         data = b"".join(parts)
-        return data, zlib.crc32(data)
+        return data, crc32(data)
     with ThreadPoolExecutor(max_workers=1) as pool:
         crc = pool.submit(_crc_of_parts, parts)
         data = b"".join(parts)
@@ -187,7 +187,7 @@ def _join_with_crc(parts: Sequence[bytes | memoryview]) -> tuple[bytes, int]:
 def _crc_of_parts(parts: Sequence[bytes | memoryview]) -> int:
     crc = 0
     for part in parts:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return crc
 
 
@@ -252,7 +252,7 @@ class StreamDecoder:
                 f"received {self._received + len(view)} bytes but the payload has {self.meta.encoded_bytes}; "
                 "the stream carries extra data or belongs to another payload: restart the transfer"
             )
-        self._crc = zlib.crc32(view, self._crc)
+        self._crc = crc32(view, self._crc)
         self._received += len(view)
         try:
             while view:
