@@ -679,8 +679,11 @@ class CoordinatorState:
             )
 
     def reject(self, err: DilocoError, reason: str) -> DilocoError:
-        with self._uploads_lock:
-            self.rejected += 1
+        """Count and log a refused submission. After the run's last round every submission is refused
+        ("finished"): those are counted by the metric's reason label only, not in the status figure."""
+        if reason != "finished":
+            with self._uploads_lock:
+                self.rejected += 1
         self.metrics.rejected.labels(reason=reason).inc()
         self.log.info("submission.rejected", reason=reason, error=str(err))
         return err
