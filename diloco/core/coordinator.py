@@ -368,13 +368,16 @@ class CoordinatorCore:
             for s in self.ledger.owned_by(worker_id)
             if s.shard_id not in self.staged
         )
-        steps = self.cfg.local_steps
-        if self.cfg.dynamic_local_steps and rec.speed > 0:
-            fastest = max(self.workers[w].speed for w in self.live_ids())
-            steps = local_steps(self.cfg.local_steps, rec.speed, fastest, self.cfg.min_local_steps)
         if rec.state == DRAINING:
             leases = ()
-        return WorkPlan(leases, steps, self.plan_seq, self.version)
+        return WorkPlan(leases, self._local_steps(rec), self.plan_seq, self.version)
+
+    def _local_steps(self, rec: WorkerRecord) -> int:
+        """H_m: the inner steps the learner's plan asks for (ALGORITHM.md section 6)."""
+        if not (self.cfg.dynamic_local_steps and rec.speed > 0):
+            return self.cfg.local_steps
+        fastest = max(self.workers[w].speed for w in self.live_ids())
+        return local_steps(self.cfg.local_steps, rec.speed, fastest, self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> int:
@@ -531,7 +534,7 @@ class CoordinatorCore:
             return 1.0
         held = {p.worker_id for p in close.submissions}
         steps_in = sum(p.steps for p in close.submissions)
-        missing = sum(self.plan(w).local_steps for w in self.policy.expected - held if w in self.workers)
+        missing = sum(self._local_steps(self.workers[w]) for w in self.policy.expected - held if w in self.workers)
         if steps_in <= 0 or missing <= 0:
             return 1.0
         return steps_in / (steps_in + missing)

@@ -21,7 +21,7 @@ STOP_SLACK_S = 2.0  # how long `GrpcService.stop` waits for gRPC's shutdown beyo
 
 # HTTP/2 frames default to 16 KiB: a 1 MiB chunk would be cut into 64 frames, each parsed on its own. Large
 # frames let the transport move a chunk in fewer pieces.
-_BULK_OPTIONS = [("grpc.http2.max_frame_size", (16 * MiB) - 1)]
+_LARGE_FRAMES = [("grpc.http2.max_frame_size", (16 * MiB) - 1)]
 
 SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -31,7 +31,7 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
-    *_BULK_OPTIONS,
+    *_LARGE_FRAMES,
 ]
 
 
@@ -136,6 +136,7 @@ def channel(
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1_000),
+        *_LARGE_FRAMES,  # for what the channel receives (parameter streams), as the servers do for uploads
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))

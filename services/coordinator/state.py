@@ -498,6 +498,7 @@ class CoordinatorState:
         `max_uploads_per_worker` per learner and `max_partial_uploads` in all, counting interrupted uploads kept
         for a resume. Those idle ones are evicted oldest first to make room; when the uploads in the way are all
         streaming, the new one is refused (RESOURCE_EXHAUSTED)."""
+        refused: tuple[ResourceExhausted, str] | None = None
         with self._uploads_lock:
             mine = [s for s, u in self._uploads.items() if u.sub.worker_id == worker_id]
             limits = (
@@ -512,13 +513,14 @@ class CoordinatorState:
                     self._evict(sid, scope)
                 held[:] = [s for s in held if s in self._uploads]
                 if len(held) >= limit:
-                    self.rejected += 1
-                    self.metrics.rejected.labels(reason=f"too_many_uploads_{scope}").inc()
-                    self.log.info("submission.rejected", reason=f"too_many_uploads_{scope}", worker_id=worker_id)
-                    raise ResourceExhausted(
+                    message = (
                         f"too many uploads in flight: the limit is {limit} {what}; "
                         "finish or resume the uploads in flight first, then retry"
                     )
+                    refused = (ResourceExhausted(message), f"too_many_uploads_{scope}")
+                    break
+        if refused is not None:  # counted and logged outside `_uploads_lock`, which `reject` takes
+            raise self.reject(*refused)
 
     def _evict(self, sid: str, scope: str) -> None:
         """Under `_uploads_lock`: drop an idle partial upload (its learner restarts it from offset 0)."""
@@ -653,9 +655,7 @@ class CoordinatorState:
         """Under `lock`: count and log a submission the guard refused (its learner is now quarantined)."""
         v = e.verdict
         ratio = round(v.ratio, 3) if math.isfinite(v.ratio) else None  # no reference yet, or non-finite
-        with self._uploads_lock:
-            self.rejected += 1
-        self.metrics.rejected.labels(reason=v.reason).inc()
+        self._count_rejected(v.reason)
         fields: dict[str, Any] = {"worker_id": sub.worker_id, "norm_ratio": ratio, "norm_per_step": v.norm}
         fields["median"] = v.median
         self.log.warning(
@@ -681,12 +681,15 @@ class CoordinatorState:
     def reject(self, err: DilocoError, reason: str) -> DilocoError:
         """Count and log a refused submission. After the run's last round every submission is refused
         ("finished"): those are counted by the metric's reason label only, not in the status figure."""
+        self._count_rejected(reason)
+        self.log.info("submission.rejected", reason=reason, error=str(err))
+        return err
+
+    def _count_rejected(self, reason: str) -> None:
         if reason != "finished":
             with self._uploads_lock:
                 self.rejected += 1
         self.metrics.rejected.labels(reason=reason).inc()
-        self.log.info("submission.rejected", reason=reason, error=str(err))
-        return err
 
     def _forget_upload(self, up: Upload) -> None:
         with self._uploads_lock:

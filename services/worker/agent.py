@@ -29,6 +29,7 @@ from diloco.rpc.bulk import bulk_upload, client_ssl_context_from_dir
 from diloco.rpc.metrics import serve_metrics
 from diloco.rpc.payload import PayloadReceiver, chunks, meta_from_proto, meta_to_proto
 from diloco.rpc.retry import RETRYABLE, RetryConfig, call_with_retry
+from diloco.rpc.security import host_of
 from diloco.task.data import Corpus
 from diloco.task.factory import TaskConfig, build_task
 from diloco.task.inner import InnerTrainer
@@ -532,7 +533,7 @@ class Worker:
         self, port: int, header: coordinator_pb2.SubmissionHeader, payload: memoryview
     ) -> coordinator_pb2.SubmitPseudoGradientResponse:
         """The payload over the coordinator's bulk upload port (same host, same TLS identity and token)."""
-        host = self.cfg.coordinator.rsplit(":", 1)[0].strip("[]")
+        host = host_of(self.cfg.coordinator)
         sec = self.cfg.security
         if sec.tls and self._bulk_ssl is None:
             self._bulk_ssl = client_ssl_context_from_dir(sec.tls_dir, sec.tls_name)
