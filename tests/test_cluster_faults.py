@@ -39,7 +39,7 @@ def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, interva
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     overrides = getattr(request, "param", {})
     # workers slowed down 8x, so a run lasts long enough (tens of seconds) to inject faults in the middle of it
-    cfg = ClusterConfig(
+    settings = dict(
         workers=3,
         mode="decoupled",
         slowdowns=(8.0, 8.0, 8.0),
@@ -53,8 +53,8 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
         checkpoint_every=2,
         run_dir=tmp_path,
         task_args=TASK,
-        **overrides,
     )
+    cfg = ClusterConfig(**{**settings, **overrides})
     c = LocalCluster(cfg)
     try:
         c.start(timeout_s=60)
@@ -141,6 +141,8 @@ def test_coordinator_restart_resumes_from_checkpoint(cluster: LocalCluster) -> N
     assert_finished_and_learned(cluster)
 
 
+# the run must outlast healthd's restart plus the coordinator's 10 s lease: 30 rounds take about 10 s here
+@pytest.mark.parametrize("cluster", [{"outer_steps": 120}], indirect=True)
 def test_healthd_restart_never_stops_training(cluster: LocalCluster) -> None:
     wait_for("a first round", lambda: cluster.status().version >= 2, timeout_s=60)
     cluster.kill("healthd")
@@ -153,7 +155,14 @@ def test_healthd_restart_never_stops_training(cluster: LocalCluster) -> None:
     cluster.wait_serving(cluster.healthd_address, timeout_s=30)
     restarted = time.monotonic()
     wait_for("healthd to rebuild its table", lambda: len(cluster.nodes().nodes) >= 2, timeout_s=15)
-    wait_for("worker2 declared dead", lambda: worker_state(cluster, "worker2") == "dead", timeout_s=30)
+
+    def declared_dead() -> bool:
+        if worker_state(cluster, "worker2") == "dead":
+            return True
+        assert not cluster.status().finished, "the run ended before the lease ran out: make it longer"
+        return False
+
+    wait_for("worker2 declared dead", declared_dead, timeout_s=30)
     assert time.monotonic() - restarted < 10.0 + 10.0, "the lease is 10 s from healthd's first report"
     dead_ids = {w.worker_id for w in cluster.workers().workers if w.worker_name == "worker2"}
     assert not any(s.owner in dead_ids for s in cluster.ledger().shards), "a dead worker still owns shards"
