@@ -18,10 +18,14 @@ from diloco.core.coordinator import (
     Submission,
     SubmissionRejected,
 )
-from diloco.core.guard import NON_FINITE, OUTLIER, GuardConfig, NormGuard
+from diloco.core.guard import CEILING, NON_FINITE, OUTLIER, GuardConfig, NormGuard, adamw_move_bound
 from diloco.core.ledger import ShardRange
 from diloco.core.rounds import RoundConfig
 from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
+from diloco.task.factory import build_task
+from diloco.task.inner import InnerConfig, InnerTrainer
+from diloco.task.params import flatten_params
+from tests.conftest import tiny_task
 
 N = 8
 
@@ -74,7 +78,16 @@ def test_factor_zero_turns_the_outlier_check_off() -> None:
 
 @pytest.mark.parametrize(
     "kw",
-    [{"outlier_factor": 1.0}, {"outlier_factor": -2.0}, {"window": 0}, {"min_samples": 9}, {"quarantine_strikes": 0}],
+    [
+        {"outlier_factor": 1.0},
+        {"outlier_factor": -2.0},
+        {"window": 0},
+        {"min_samples": 9},
+        {"quarantine_strikes": 0},
+        {"step_move": -1.0},
+        {"step_decay": math.nan},
+        {"ceiling_slack": 0.5},
+    ],
 )
 def test_bad_guard_config(kw: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
@@ -228,3 +241,87 @@ def test_guard_window_survives_a_checkpoint() -> None:
     fresh = make_core()
     fresh.restore(c.snapshot())
     assert fresh.guard.snapshot() == c.guard.snapshot() and fresh.guard.warm
+
+
+# --- the ceiling: what no honest AdamW learner can exceed ---------------------------------------------------------
+
+
+def test_adamw_move_bound_golden_values() -> None:
+    assert adamw_move_bound((0.9, 0.95)) == pytest.approx(1.16496, abs=1e-4)  # the task's default betas
+    assert adamw_move_bound((0.9, 0.999)) == pytest.approx(7.2703, abs=1e-3)
+    assert adamw_move_bound((0.0, 0.99)) == 1.0  # m̂ = g: every step moves by exactly lr
+    assert adamw_move_bound((0.99, 0.9)) == math.inf  # β1² ≥ β2: no bound, so no ceiling
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-1e3, 1e3, allow_nan=False, allow_subnormal=False), min_size=1, max_size=60),
+    st.sampled_from([(0.9, 0.95), (0.9, 0.999), (0.8, 0.99), (0.5, 0.5)]),
+)
+def test_torch_adamw_never_moves_a_parameter_further_than_the_bound(
+    grads: list[float], betas: tuple[float, float]
+) -> None:
+    """Adversarial gradient sequences through torch's own AdamW (no weight decay, lr 1): no step exceeds B."""
+    p = torch.zeros(1, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=1.0, betas=betas, weight_decay=0.0)
+    bound = adamw_move_bound(betas)
+    for g in grads:
+        before = float(p.detach())
+        p.grad = torch.tensor([g], dtype=torch.float64)
+        opt.step()
+        assert abs(float(p.detach()) - before) <= bound * (1 + 1e-9)
+
+
+def test_ceiling_is_judged_before_warm_up() -> None:
+    g = guard()
+    v = g.check(3.0, ceiling=2.0)
+    assert not v.ok and v.reason == CEILING and v.ceiling == 2.0 and "above" in v.describe()
+    assert g.check(2.0, ceiling=2.0).ok
+    assert not g.check(math.nan, ceiling=2.0).ok  # non-finite first
+    cfg = GuardConfig(step_move=0.01, step_decay=0.001, ceiling_slack=2.0)
+    assert cfg.ceiling(100, 5.0) == pytest.approx(2 * (0.01 * 10 + 0.001 * 5))
+    assert GuardConfig().ceiling(100, 5.0) == math.inf  # off by default
+    assert GuardConfig(step_move=math.inf).ceiling(100, 5.0) == math.inf
+
+
+def test_honest_learners_stay_under_the_ceiling() -> None:
+    """Real inner training on the tiny task, round lengths 1 to 20 steps, from a fresh optimizer (its first steps
+    move every parameter by the full lr): the per-step norm stays below the ceiling even without its slack."""
+    inner = InnerConfig(lr=3e-2, batch_size=4, warmup_steps=2, total_steps=200)
+    task = build_task(tiny_task())
+    tr = InnerTrainer(task.build_model(0), task.corpus, inner, seq_len=task.config.model.seq_len)
+    cfg = GuardConfig(step_move=inner.lr * adamw_move_bound(inner.betas), step_decay=inner.lr * inner.weight_decay)
+    cursor = 0
+    for steps in (1, 2, 5, 20, 1, 3):
+        theta = flatten_params(tr.model)
+        result = tr.train([(0, 0, cursor)], steps)
+        cursor = result.ranges[0].end
+        per_step = float(torch.linalg.vector_norm(tr.pseudo_gradient())) / steps
+        limit = cfg.ceiling(theta.numel(), float(torch.linalg.vector_norm(theta))) / cfg.ceiling_slack
+        assert per_step <= limit, f"{steps} steps: {per_step:.4g} > {limit:.4g}"
+        tr.load_global(flatten_params(tr.model))
+
+
+def ceiling_core() -> CoordinatorCore:
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="decoupled", min_quorum=2, grace_max_s=0.0),
+        local_steps=10,
+        min_local_steps=2,
+        expected_workers=3,
+        guard=GuardConfig(outlier_factor=10.0, window=16, min_samples=3, step_move=0.003, step_decay=0.0003),
+    )
+    return CoordinatorCore(cfg, torch.full((N,), 0.5), [1000] * 6)
+
+
+def test_a_x100_learner_is_refused_from_its_first_submission() -> None:
+    """The warm-up gap closed: with no accepted norm yet, the ceiling alone refuses a scaled-up update."""
+    c = ceiling_core()
+    a, m = (c.register(n, 0.0).worker_id for n in "am")
+    honest = torch.full((N,), 0.002)  # 2 steps of 0.001 per parameter
+    with pytest.raises(SubmissionRejected, match="AdamW settings") as info:
+        c.accept(sub(c, m, "m1"), honest * 100, now=1.0)
+    assert info.value.verdict.reason == CEILING and math.isnan(info.value.verdict.median)
+    assert c.workers[m].state == QUARANTINED and "no AdamW learner" in c.workers[m].state_reason
+    assert torch.equal(c.params, torch.full((N,), 0.5)) and not c.guard.snapshot()
+    c.accept(sub(c, a, "a1"), honest, now=1.1)  # an honest one gets in
+    assert c.guard.snapshot() == [pytest.approx(float(torch.linalg.vector_norm(honest)) / 2)]

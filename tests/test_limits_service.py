@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+import torch
 
 from diloco.rpc.server import MAX_MESSAGE_BYTES
 from diloco.v1 import common_pb2
@@ -92,11 +93,16 @@ def test_too_many_concurrent_uploads_from_one_worker(start: Callable[..., Env]) 
 def test_outlier_is_refused_quarantined_listed_and_released(start: Callable[..., Env]) -> None:
     env = start(outlier_factor=10.0, outlier_min_samples=2, expected_workers=3, min_quorum=3)
     a, b, m = register(env, "a"), register(env, "b"), register(env, "m")
+
+    def small(seed: int) -> torch.Tensor:
+        # 1e-4 per parameter and step: x30 is an outlier against the median yet under the AdamW ceiling (lr 3e-3)
+        return torch.randn(env.numel, generator=torch.Generator().manual_seed(seed)) * 1e-4
+
     for reg, seed in ((a, 1), (b, 2)):
-        h, data, _ = make_upload(env, reg, f"{reg.worker_id}-1", seed=seed)
+        h, data, _ = make_upload(env, reg, f"{reg.worker_id}-1", delta=small(seed))
         assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
-    h, _, delta = make_upload(env, m, "m-1", seed=3)
-    hb, data_bad, _ = make_upload(env, m, "m-1", delta=delta * 100)
+    delta = small(3)
+    hb, data_bad, _ = make_upload(env, m, "m-1", delta=delta * 30)
     before = frozen(env)
     code, details = code_of(lambda: submit(env, hb, data_bad))
     assert code == grpc.StatusCode.FAILED_PRECONDITION and "quarantined" in details and "median" in details

@@ -13,9 +13,10 @@ shard moved away from a *live* learner (rebalancing after a join) is handed off:
 it, and the ledger moves it only after accepting a submission that learner made under that plan (`plan_seq`),
 so the learner never loses a submission to a move it could not know about.
 
-Robust merge (`diloco.core.guard`): a pseudo-gradient with a non-finite or outlier norm is refused and its
-learner is **quarantined**. A refused submission never reaches the ledger, so its token range stays uncommitted
-and is trained again. A quarantined learner stays live (it heartbeats and may be reached), is not waited for by
+Robust merge (`diloco.core.guard`): a pseudo-gradient with a non-finite norm, a norm above what AdamW can
+produce (the ceiling) or an outlier norm against the recent median is refused and its learner is
+**quarantined**. A refused submission never reaches the ledger, so its token range stays uncommitted and is
+trained again. A quarantined learner stays live (it heartbeats and may be reached), is not waited for by
 rounds and gets no new shards, but keeps the ones it holds: its next submission is checked like any other, and
 a clean one is merged and releases it (so does `release`, the operator's ReleaseWorker). After
 `quarantine_strikes` refusals in a row its shards move to healthy learners (new epoch, resuming at the accepted
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from diloco.core.guard import NON_FINITE, GuardConfig, NormGuard, Verdict
+from diloco.core.guard import CEILING, NON_FINITE, GuardConfig, NormGuard, Verdict
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
@@ -200,6 +201,7 @@ class CoordinatorCore:
         self.tokens_applied = 0
         self.rejected = 0
         self.guard = NormGuard(cfg.guard)
+        self._param_norm: tuple[int, float] | None = None  # (version, ‖Θ‖) for the guard's ceiling
         self.paused = False
         self._incarnation = 0
 
@@ -297,8 +299,7 @@ class CoordinatorCore:
         rec.rejections += 1
         rec.strikes += 1
         newly = rec.state != QUARANTINED
-        what = "non-finite values" if verdict.reason == NON_FINITE else f"norm {verdict.ratio:.3g}x the median"
-        rec.state, rec.state_reason = QUARANTINED, f"pseudo-gradient refused ({what})"
+        rec.state, rec.state_reason = QUARANTINED, f"pseudo-gradient refused ({verdict.describe()})"
         moved: list[int] = []
         if rec.strikes >= self.cfg.guard.quarantine_strikes and self.ledger.owned_by(rec.worker_id):
             moved = self.ledger.release(rec.worker_id)
@@ -404,7 +405,7 @@ class CoordinatorCore:
         rec = self.workers[sub.worker_id]
         # one pass; NaN and Inf (or an overflow) make the norm non-finite
         per_step = float(torch.linalg.vector_norm(delta)) / sub.steps
-        verdict = self.guard.check(per_step)
+        verdict = self.guard.check(per_step, self._ceiling())
         if not verdict.ok:
             newly, moved = self._quarantine(rec, verdict)
             if verdict.reason == NON_FINITE:
@@ -416,11 +417,20 @@ class CoordinatorCore:
                     newly,
                     moved,
                 )
+            if verdict.reason == CEILING:
+                why = (
+                    f"its norm per inner step ({verdict.norm:.4g}) is above {verdict.ceiling:.4g}, more than the "
+                    "task's AdamW settings let any learner move the parameters (a wrong learning rate or a scaled "
+                    "update)"
+                )
+            else:
+                why = (
+                    f"its norm per inner step ({verdict.norm:.4g}) is {verdict.ratio:.3g}x the median of recently "
+                    f"accepted ones ({verdict.median:.4g}; limit {self.cfg.guard.outlier_factor:g}x)"
+                )
             raise SubmissionRejected(
-                f"pseudo-gradient refused: its norm per inner step ({verdict.norm:.4g}) is {verdict.ratio:.3g}x the "
-                f"median of recently accepted ones ({verdict.median:.4g}; limit {self.cfg.guard.outlier_factor:g}x). "
-                "The learner is quarantined: adopt the newest parameters and train the range again; a clean "
-                "submission (or ReleaseWorker) releases it",
+                f"pseudo-gradient refused: {why}. The learner is quarantined: adopt the newest parameters and train "
+                "the range again; a clean submission (or ReleaseWorker) releases it",
                 sub.worker_id,
                 verdict,
                 newly,
@@ -446,6 +456,14 @@ class CoordinatorCore:
         applied = self.poll(now)
         version = applied.version if applied else self.version + 1
         return AcceptResult(staleness, version, applied, released, verdict.ratio)
+
+    def _ceiling(self) -> float:
+        """The guard's ceiling for the current parameters (their norm is computed once per version)."""
+        if not self.cfg.guard.step_move:
+            return math.inf
+        if self._param_norm is None or self._param_norm[0] != self.version:
+            self._param_norm = (self.version, float(torch.linalg.vector_norm(self.params)))
+        return self.cfg.guard.ceiling(self.params.numel(), self._param_norm[1])
 
     def _complete_handoffs(self, worker_id: str, plan_seq: int) -> None:
         for shard_id, (target, staged_at) in list(self.staged.items()):
@@ -578,6 +596,7 @@ class CoordinatorCore:
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"checkpoint is malformed: {e}") from e
         self.params.copy_(params)
+        self._param_norm = None
         self.ledger = ledger
         self.ledger.rollback_uncommitted()
         for shard in self.ledger.states():

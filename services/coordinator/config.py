@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.coordinator import CoordinatorConfig
-from diloco.core.guard import GuardConfig
+from diloco.core.guard import GuardConfig, adamw_move_bound
 from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.rounds import MODES, RoundConfig
@@ -150,12 +150,21 @@ class CoordinatorServiceConfig:
             expected_workers=self.expected_workers,
             target_outer_steps=self.target_outer_steps,
             confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
-            guard=GuardConfig(
-                outlier_factor=self.outlier_factor,
-                window=self.outlier_window,
-                min_samples=self.outlier_min_samples,
-                quarantine_strikes=self.quarantine_strikes,
-            ),
+            guard=self.guard_config(),
+        )
+
+    def guard_config(self) -> GuardConfig:
+        """The robust merge. With it on (`outlier_factor > 0`), the ceiling comes from the task's AdamW settings;
+        not for `topk`, whose error feedback holds back most of every update and may send it rounds later."""
+        inner = self.task.inner
+        ceiling = self.outlier_factor > 0 and self.codec != "topk"
+        return GuardConfig(
+            outlier_factor=self.outlier_factor,
+            window=self.outlier_window,
+            min_samples=self.outlier_min_samples,
+            quarantine_strikes=self.quarantine_strikes,
+            step_move=inner.lr * adamw_move_bound(inner.betas) if ceiling else 0.0,
+            step_decay=inner.lr * inner.weight_decay if ceiling else 0.0,
         )
 
 
@@ -230,7 +239,7 @@ _SERVICE_FLAGS: list[Flag] = [
         float,
         10.0,
         "refuse and quarantine a pseudo-gradient whose norm per step exceeds this "
-        "x the median of recent accepted ones (0: off)",
+        "x the median of recent accepted ones, or what AdamW can produce (0: both off)",
     ),
     ("--outlier-window", int, 32, "accepted norms the outlier median is taken over"),
     ("--outlier-min-samples", int, 3, "accepted norms before the outlier check judges"),

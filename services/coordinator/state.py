@@ -657,7 +657,8 @@ class CoordinatorState:
         ratio = round(v.ratio, 3) if math.isfinite(v.ratio) else None  # no reference yet, or non-finite
         self._count_rejected(v.reason)
         fields: dict[str, Any] = {"worker_id": sub.worker_id, "norm_ratio": ratio, "norm_per_step": v.norm}
-        fields["median"] = v.median
+        fields["median"] = v.median if math.isfinite(v.median) else None  # JSON has no NaN
+        fields["ceiling"] = v.ceiling if math.isfinite(v.ceiling) else None
         self.log.warning(
             "submission.rejected", reason=v.reason, submission_id=sub.submission_id, tokens=sub.tokens, **fields
         )
