@@ -77,12 +77,25 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["--coordinator", "h:1", "--slowdown", "0.5"], {}, "slowdown"),
         (["--coordinator", "h:1"], {"DILOCO_HEARTBEAT_INTERVAL_S": "-1"}, "heartbeat_interval_s"),
         (["--coordinator", "h:1", "--device", "tpu"], {}, "device"),
-        (["--coordinator", "h:1", "--seed", "x"], {}, "numeric"),
+        (["--coordinator", "h:1", "--seed", "x"], {}, "--seed"),
+        (["--coordinator", "h:1"], {"DILOCO_SLOWDOWN": "fast"}, "DILOCO_SLOWDOWN"),
+        (["--coordinator", "h:1", "--slowdown", "inf"], {}, "slowdown"),
+        (["--coordinator", "h:1", "--metrics-port", "70000"], {}, "metrics_port"),
+        (["--coordinator", "h:1", "--seed", "-3"], {}, "seed"),
+        (["--coordinator", "h:1", "--name", "bad\nname"], {}, "name"),
     ],
 )
 def test_worker_config_errors_name_the_field(argv: list[str], env: dict[str, str], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         parse_worker(["--insecure", *argv], env)  # field checks come before the transport's (TLS or loopback)
+
+
+def test_worker_flags_fall_back_to_the_environment() -> None:
+    cfg = parse_worker(
+        ["--insecure", "--slowdown", "3"],
+        {"DILOCO_COORDINATOR": "127.0.0.1:7", "DILOCO_NAME": "w7", "DILOCO_SLOWDOWN": "2", "DILOCO_SEED": "4"},
+    )
+    assert (cfg.coordinator, cfg.name, cfg.slowdown, cfg.seed) == ("127.0.0.1:7", "w7", 3.0, 4)  # the flag wins
 
 
 def test_worker_exits_2_on_bad_config(capsys: pytest.CaptureFixture[str]) -> None:

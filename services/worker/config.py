@@ -10,6 +10,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.errors import ConfigError
+from diloco.flags import Flag
+from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.security import SecurityConfig
 
@@ -40,11 +42,18 @@ class WorkerConfig:
                 "coordinator: expected HOST:PORT (flag --coordinator or env DILOCO_COORDINATOR), "
                 f"got {self.coordinator!r}"
             )
-        if not self.slowdown >= 1.0:
-            raise ConfigError(f"slowdown must be >= 1.0 (1 = full speed), got {self.slowdown}")
+        if len(self.name) > 128 or not self.name.isprintable():
+            raise ConfigError(f"name must be at most 128 printable characters, got {self.name!r}")
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
+            raise ConfigError(f"slowdown must be a finite number >= 1.0 (1 = full speed), got {self.slowdown}")
         for name in ("heartbeat_interval_s", "rpc_timeout_s", "upload_timeout_s", "retry_total_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {value}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in [-1, 65535] (-1: off, 0: a free port), got {self.metrics_port}")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if not (math.isfinite(self.fault_scale_updates) and self.fault_scale_updates > 0):
             raise ConfigError(f"fault_scale_updates must be finite and > 0 (1: off), got {self.fault_scale_updates}")
         if self.upload_path not in UPLOAD_PATHS:
@@ -65,50 +74,56 @@ class WorkerConfig:
         return self.name or f"{socket.gethostname()}-{os.getpid()}"
 
 
-def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
-    env = os.environ if env is None else env
-    p = argparse.ArgumentParser(prog="diloco worker", description="Run one learner.")
-    p.add_argument("--coordinator", default=env.get("DILOCO_COORDINATOR", ""), help="HOST:PORT")
-    p.add_argument("--name", default=env.get("DILOCO_WORKER_NAME", ""))
-    p.add_argument("--healthd", default=env.get("DILOCO_HEALTHD", ""), help="HOST:PORT (default: from coordinator)")
-    p.add_argument("--slowdown", default=env.get("DILOCO_SLOWDOWN", "1.0"), help="emulate older hardware, >= 1")
-    p.add_argument("--heartbeat-interval-s", default=env.get("DILOCO_HEARTBEAT_INTERVAL_S", "0.5"))
-    p.add_argument("--rpc-timeout-s", default=env.get("DILOCO_RPC_TIMEOUT_S", "10"))
-    p.add_argument("--retry-total-s", default=env.get("DILOCO_RETRY_TOTAL_S", "60"))
-    p.add_argument("--metrics-port", default=env.get("DILOCO_METRICS_PORT", "-1"))
-    p.add_argument("--seed", default=env.get("DILOCO_SEED", "0"))
-    p.add_argument("--device", default=env.get("DILOCO_DEVICE", ""))
-    p.add_argument(
+_FLAGS: list[Flag] = [
+    ("--coordinator", str, "", "the coordinator's HOST:PORT (required)"),
+    ("--name", str, "", "a stable name for this learner (default: hostname-pid)"),
+    ("--healthd", str, "", "healthd's HOST:PORT (default: the one the coordinator names)"),
+    ("--slowdown", float, 1.0, "emulate older hardware: >= 1, sleeps (slowdown - 1) x the step time after each step"),
+    ("--heartbeat-interval-s", float, 0.5, "time between heartbeats to healthd"),
+    ("--rpc-timeout-s", float, 10.0, "deadline of every control RPC"),
+    ("--retry-total-s", float, 60.0, "give up on an unreachable coordinator after this long"),
+    ("--metrics-port", int, -1, "Prometheus metrics port (0: any free port, -1: off)"),
+    ("--seed", int, 0, "seed of the model replica (its parameters come from the coordinator)"),
+    ("--device", str, "", "cpu, cuda or cuda:N (default: CUDA when present, else CPU)"),
+    (
         "--upload-path",
-        default=env.get("DILOCO_UPLOAD_PATH", "auto"),
-        help="auto: pseudo-gradients over the coordinator's bulk upload port when it offers one, else gRPC; "
+        str,
+        "auto",
+        "auto: pseudo-gradients over the coordinator's bulk upload port when it offers one, else gRPC; "
         "grpc: always SubmitPseudoGradient",
-    )
-    p.add_argument(
+    ),
+    (
         "--fault-scale-updates",
-        default=env.get("DILOCO_FAULT_SCALE_UPDATES", "1"),
-        help="FAULT INJECTION for tests and chaos runs: multiply every pseudo-gradient sent by this (1: off)",
-    )
+        float,
+        1.0,
+        "FAULT INJECTION for tests and chaos runs: multiply every pseudo-gradient sent by this (1: off)",
+    ),
+]
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    p = build_flag_parser("diloco worker", "Run one learner.", [("worker", _FLAGS)], env)
     security.add_flags(p, env, tls_name="worker", tokens=("join",))
-    a = p.parse_args(argv)
-    sec = security.from_args(a, env)
-    try:
-        return WorkerConfig(
-            coordinator=a.coordinator,
-            name=a.name,
-            healthd=a.healthd,
-            slowdown=float(a.slowdown),
-            heartbeat_interval_s=float(a.heartbeat_interval_s),
-            rpc_timeout_s=float(a.rpc_timeout_s),
-            retry_total_s=float(a.retry_total_s),
-            metrics_port=int(a.metrics_port),
-            seed=int(a.seed),
-            device=a.device,
-            upload_path=a.upload_path,
-            fault_scale_updates=float(a.fault_scale_updates),
-            security=sec,
-        )
-    except ValueError as e:
-        if isinstance(e, ConfigError):
-            raise
-        raise ConfigError(f"worker: a numeric flag has a non-numeric value ({e})") from e
+    return p
+
+
+def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Read the configuration from flags (`argv`, default `sys.argv[1:]`) with environment fallbacks (`env`,
+    default `os.environ`). Raises `ConfigError` with a message naming the flag or field."""
+    env = os.environ if env is None else env
+    a = build_parser(env).parse_args(argv)
+    return WorkerConfig(
+        coordinator=a.coordinator,
+        name=a.name,
+        healthd=a.healthd,
+        slowdown=a.slowdown,
+        heartbeat_interval_s=a.heartbeat_interval_s,
+        rpc_timeout_s=a.rpc_timeout_s,
+        retry_total_s=a.retry_total_s,
+        metrics_port=a.metrics_port,
+        seed=a.seed,
+        device=a.device,
+        upload_path=a.upload_path,
+        fault_scale_updates=a.fault_scale_updates,
+        security=security.from_args(a, env),
+    )
