@@ -73,7 +73,9 @@ class Handler:
         self.out = out
         self.work = work
 
-    def open(self, token: bytes, request: coordinator_pb2.SubmitPseudoGradientRequest) -> BulkSink | Response:
+    def open(
+        self, token: bytes, request: coordinator_pb2.SubmitPseudoGradientRequest, identity: str | None
+    ) -> BulkSink | Response:
         return CopyCrcSink(self.out, self.work)
 
 

@@ -57,6 +57,7 @@ class Store:
         self.events: list[tuple[str, str]] = []
         self.feed_sizes: list[int] = []
         self.opened = 0
+        self.identities: list[str | None] = []  # the client certificate's name per upload (None: plaintext)
         self.fail_open: DilocoError | None = None
         self.fail_feed_at: int | None = None  # raise once this many bytes are held
         self.fail_finish: DilocoError | None = None
@@ -75,7 +76,8 @@ class Store:
         with self.cv:
             return [e for s, e in self.events if s == sid]
 
-    def open(self, token: bytes, request: Request) -> BulkSink | Response:
+    def open(self, token: bytes, request: Request, identity: str | None) -> BulkSink | Response:
+        self.identities.append(identity)
         if token != TOKEN:
             raise Unauthenticated("missing or unknown token; pass the join token")
         if self.fail_open is not None:
@@ -500,6 +502,7 @@ def test_tls_upload(tls_server: BulkServer, store: Store, tls_dirs: tuple[Path, 
     assert upload(tls_server, "tls-dup", payload, ssl_context=ctx).version == 7
     r = upload(tls_server, "tls-host", b"abc", ssl_context=ctx, server_hostname="coordinator")
     assert r.version == zlib.crc32(b"abc")
+    assert store.identities == ["worker"] * 3  # the handler learns who the verified certificate names
 
 
 def _no_cert(ca: Path) -> ssl.SSLContext:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from diloco.cli.main import main
 from diloco.errors import ConfigError
+from diloco.rpc.tls import write_bundle
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
 from services.worker.config import parse as parse_worker
@@ -96,6 +99,15 @@ def test_worker_flags_fall_back_to_the_environment() -> None:
         {"DILOCO_COORDINATOR": "127.0.0.1:7", "DILOCO_NAME": "w7", "DILOCO_SLOWDOWN": "2", "DILOCO_SEED": "4"},
     )
     assert (cfg.coordinator, cfg.name, cfg.slowdown, cfg.seed) == ("127.0.0.1:7", "w7", 3.0, 4)  # the flag wins
+
+
+def test_worker_name_defaults_to_its_own_certificate(tmp_path: Path) -> None:
+    write_bundle(tmp_path, clients=["worker", "site-a"])
+    env = {"DILOCO_JOIN_TOKEN": "t"}
+    own = parse_worker(["--coordinator", "127.0.0.1:1", "--tls-dir", str(tmp_path), "--tls-name", "site-a"], env)
+    assert own.display_name == "site-a"
+    shared = parse_worker(["--coordinator", "127.0.0.1:1", "--tls-dir", str(tmp_path)], env)  # the shared `worker`
+    assert shared.display_name.endswith(f"-{os.getpid()}")
 
 
 def test_worker_exits_2_on_bad_config(capsys: pytest.CaptureFixture[str]) -> None:

@@ -118,13 +118,13 @@ def test_the_join_token_is_required_when_the_coordinator_has_tokens(env: Env) ->
     handler = BulkUploads(env.server.state, env.specs, Tokens(sec.join_token, sec.admin_token))
     req = pb.SubmitPseudoGradientRequest(header=pb.SubmissionHeader())
     with pytest.raises(Exception) as missing:
-        handler.open(b"", req)
+        handler.open(b"", req, None)
     assert getattr(missing.value, "code", "") == "UNAUTHENTICATED"
     with pytest.raises(Exception) as wrong:
-        handler.open(b"not-the-token", req)
+        handler.open(b"not-the-token", req, None)
     assert getattr(wrong.value, "code", "") == "UNAUTHENTICATED"
     with pytest.raises(Exception) as bad_header:  # past the token check: the header itself is refused
-        handler.open(b"join-secret", req)
+        handler.open(b"join-secret", req, None)
     assert getattr(bad_header.value, "code", "") == "INVALID_ARGUMENT"
 
 

@@ -9,23 +9,29 @@ import signal
 import stat
 import subprocess
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import torch
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.main import main
 from diloco.cluster import wait_serving
+from diloco.core.codecs import get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.auth import METHOD_ROLES, Role
+from diloco.rpc.bulk import BulkError, bulk_upload, client_ssl_context_from_dir
+from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.security import SecurityConfig
 from diloco.rpc.server import channel
 from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, TlsFiles, channel_credentials, write_bundle
-from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
+from diloco.task.params import param_specs
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 from services.coordinator import config as coordinator_config
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
@@ -45,7 +51,7 @@ Code = grpc.StatusCode
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tls")
-    write_bundle(d, clients=["worker0"])
+    write_bundle(d, clients=["worker0", "worker1", "worker"])
     return d
 
 
@@ -259,19 +265,91 @@ def test_worker_rpcs_need_a_token_and_work_with_the_join_token(
     join, _ = tokens(pki)
     stub = coord_stub(connect(coordinator.address, name="worker0", token=join))
     resp = stub.Register(
-        coordinator_pb2.RegisterRequest(worker_name="w0", model_fingerprint=coordinator.task.fingerprint), timeout=T
+        coordinator_pb2.RegisterRequest(worker_name="worker0", model_fingerprint=coordinator.task.fingerprint),
+        timeout=T,
     )
     assert resp.worker_id
     beats = healthd_pb2_grpc.HealthDaemonStub(connect(healthd.address, name="worker0", token=join))
-    ack = next(
-        iter(
-            beats.Heartbeat(
-                iter([healthd_pb2.HeartbeatRequest(node_id="w0", role=healthd_pb2.NODE_ROLE_WORKER)]), timeout=T
-            )
+    ack = next(iter(beats.Heartbeat(iter([beat(resp.worker_id)]), timeout=T)))
+    assert ack is not None
+    assert resp.worker_id in [n.node_id for n in beats.ListNodes(healthd_pb2.ListNodesRequest(), timeout=T).nodes]
+
+
+def beat(node_id: str, role: int = healthd_pb2.NODE_ROLE_WORKER) -> healthd_pb2.HeartbeatRequest:
+    return healthd_pb2.HeartbeatRequest(node_id=node_id, role=role)  # type: ignore[arg-type]
+
+
+def test_a_learner_certificate_acts_only_as_its_own_learner(
+    coordinator: CoordinatorServer, healthd: HealthdServer, connect: Callable[..., grpc.Channel], pki: Path
+) -> None:
+    """worker0's certificate cannot register, plan, watch, upload (gRPC or bulk port), ask upload status, leave or
+    heartbeat as worker1; the shared `worker` certificate may act as any learner."""
+    join, _ = tokens(pki)
+    fp = coordinator.task.fingerprint
+    w0 = coord_stub(connect(coordinator.address, name="worker0", token=join))
+    w1 = coord_stub(connect(coordinator.address, name="worker1", token=join))
+    shared = coord_stub(connect(coordinator.address, name="worker", token=join))
+    deny = Code.PERMISSION_DENIED
+    assert code_of(lambda: w0.Register(coordinator_pb2.RegisterRequest(worker_name="worker1"), timeout=T)) == deny
+    victim = w1.Register(coordinator_pb2.RegisterRequest(worker_name="worker1", model_fingerprint=fp), timeout=T)
+    vid = victim.worker_id
+    calls: list[Callable[[], Any]] = [
+        lambda: w0.GetWorkPlan(coordinator_pb2.GetWorkPlanRequest(worker_id=vid), timeout=T),
+        lambda: next(iter(w0.WatchParameters(coordinator_pb2.WatchParametersRequest(worker_id=vid), timeout=T))),
+        lambda: w0.GetUploadStatus(coordinator_pb2.GetUploadStatusRequest(worker_id=vid, submission_id="s"), timeout=T),
+        lambda: w0.Deregister(coordinator_pb2.DeregisterRequest(worker_id=vid), timeout=T),
+        lambda: w0.SubmitPseudoGradient(iter([upload_header(coordinator, victim)]), timeout=T),
+    ]
+    for call in calls:
+        assert code_of(call) == deny
+    with pytest.raises(BulkError) as e:
+        bulk_upload(
+            f"127.0.0.1:{victim.bulk_port}",
+            join.encode(),
+            upload_header(coordinator, victim),
+            b"",
+            timeout_s=T,
+            ssl_context=client_ssl_context_from_dir(pki, "worker0"),
+            server_hostname="localhost",
+        )
+    assert e.value.code() == deny and "worker0" in (e.value.details() or "")
+    h0 = healthd_pb2_grpc.HealthDaemonStub(connect(healthd.address, name="worker0", token=join))
+    assert code_of(lambda: next(iter(h0.Heartbeat(iter([beat(vid, healthd_pb2.NODE_ROLE_WORKER)]), timeout=T)))) == deny
+    leave = healthd_pb2.HeartbeatRequest(node_id=vid, role=healthd_pb2.NODE_ROLE_WORKER, leaving=True)
+    assert code_of(lambda: next(iter(h0.Heartbeat(iter([leave]), timeout=T)))) == deny
+    as_coordinator = beat("coordinator", healthd_pb2.NODE_ROLE_COORDINATOR)
+    assert code_of(lambda: next(iter(h0.Heartbeat(iter([as_coordinator]), timeout=T)))) == deny
+    # the victim is untouched; its own certificate and the shared one both act as it
+    assert w1.GetWorkPlan(coordinator_pb2.GetWorkPlanRequest(worker_id=vid), timeout=T).plan.shards
+    assert shared.GetWorkPlan(coordinator_pb2.GetWorkPlanRequest(worker_id=vid), timeout=T).plan.shards
+    assert shared.Register(coordinator_pb2.RegisterRequest(worker_name="any-name", model_fingerprint=fp), timeout=T)
+    hs = healthd_pb2_grpc.HealthDaemonStub(connect(healthd.address, name="worker", token=join))
+    assert next(iter(hs.Heartbeat(iter([beat(vid)]), timeout=T))).state
+
+
+def upload_header(
+    coordinator: CoordinatorServer, reg: coordinator_pb2.RegisterResponse
+) -> coordinator_pb2.SubmitPseudoGradientRequest:
+    """The header of a valid fp32 upload for learner `reg` (no payload is needed: the identity check comes first)."""
+    lease = reg.plan.shards[0]
+    model = coordinator.task.model_fn(0)
+    _, meta = get_codec("fp32").encode(torch.zeros(sum(p.numel() for p in model.parameters())))
+    return coordinator_pb2.SubmitPseudoGradientRequest(
+        header=coordinator_pb2.SubmissionHeader(
+            worker_id=reg.worker_id,
+            coordinator_epoch=reg.coordinator_epoch,
+            submission_id=uuid.uuid4().hex,
+            base_version=reg.version,
+            tokens=16,
+            steps=1,
+            ranges=[
+                common_pb2.ShardRange(
+                    shard_id=lease.shard_id, epoch=lease.epoch, start=lease.cursor, end=lease.cursor + 16
+                )
+            ],
+            payload=meta_to_proto(meta, param_specs(model)),
         )
     )
-    assert ack is not None
-    assert [n.node_id for n in beats.ListNodes(healthd_pb2.ListNodesRequest(), timeout=T).nodes] == ["w0"]
 
 
 def test_ctl_uses_tls_and_the_admin_token(
@@ -342,16 +420,9 @@ def test_tokens_never_appear_in_service_logs(pki: Path, tmp_path: Path) -> None:
             admin_sec = server_security(pki, "admin")
             address = wait_for_address(log_path, proc)
             wait_serving(address, 30, make_channel=lambda a: admin_sec.channel(a, admin=True))
-            with admin_sec.channel(address) as ch:  # join token: a heartbeat, then a refused-nothing list
+            with server_security(pki, "worker0").channel(address) as ch:  # join token: a heartbeat
                 stub = healthd_pb2_grpc.HealthDaemonStub(ch)
-                next(
-                    iter(
-                        stub.Heartbeat(
-                            iter([healthd_pb2.HeartbeatRequest(node_id="w0", role=healthd_pb2.NODE_ROLE_WORKER)]),
-                            timeout=T,
-                        )
-                    )
-                )
+                next(iter(stub.Heartbeat(iter([beat("worker0-1")]), timeout=T)))
             with channel(address, credentials=channel_credentials(TlsFiles.from_dir(pki, "admin")), token="bad") as ch:
                 code_of(
                     lambda: healthd_pb2_grpc.HealthDaemonStub(ch).ListNodes(healthd_pb2.ListNodesRequest(), timeout=T)

@@ -7,6 +7,12 @@ node). The admin token is accepted wherever the join token is. Read-only operato
 checking and reflection stay open (healthchecks use them).
 
 Missing or unknown token: UNAUTHENTICATED; a valid token of the wrong role: PERMISSION_DENIED.
+
+Identity: with mutual TLS, a learner's certificate also says *which* learner it may act as (`may_act_as`). A
+certificate issued for one name (`diloco certs --workers N` or `--names`) registers, uploads, heartbeats and
+leaves only as that name, so one compromised learner cannot upload, drain or fake the heartbeats of another. The
+shared `worker` certificate (the default of `diloco certs`, used by `docker compose --scale`) may act as any
+learner; plaintext on loopback has no identity to check.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ from typing import Any, NamedTuple
 
 import grpc
 
+from diloco.errors import PermissionDenied
+
 COORDINATOR_SERVICE = "diloco.v1.Coordinator"
 HEALTHD_SERVICE = "diloco.v1.HealthDaemon"
 OPEN_SERVICES = (
@@ -26,6 +34,7 @@ OPEN_SERVICES = (
     "grpc.reflection.v1.ServerReflection",
 )
 METADATA_KEY = "authorization"
+SHARED_WORKER_IDENTITY = "worker"  # the certificate every learner may share; it may act as any learner
 
 
 class Role(enum.Enum):
@@ -85,6 +94,37 @@ def required_role(method: str) -> Role | None:
     if service in OPEN_SERVICES:
         return None
     return METHOD_ROLES[service][name]
+
+
+def peer_identity(context: grpc.ServicerContext) -> str | None:
+    """The common name of the client certificate the TLS handshake verified ('' when it has none); None on a
+    plaintext channel."""
+    props: Mapping[str, Any] = context.auth_context()
+    if b"ssl" not in list(props.get("transport_security_type") or ()):
+        return None
+    names = list(props.get("x509_common_name") or ())
+    return bytes(names[0]).decode("utf-8", "replace") if names else ""
+
+
+def may_act_as(identity: str | None, worker_name: str) -> bool:
+    """Whether a client with certificate name `identity` (None: plaintext) may act as learner `worker_name`."""
+    return identity is None or identity in (SHARED_WORKER_IDENTITY, worker_name)
+
+
+def act_as(identity: str | None, worker_name: str) -> None:
+    """Raise PermissionDenied unless `identity` may act as learner `worker_name`."""
+    if not may_act_as(identity, worker_name):
+        raise PermissionDenied(
+            f"this client's certificate is for {identity!r}, which may act only as learner {identity!r}, not "
+            f"{worker_name!r}: run the learner with --name {identity} or with its own certificate "
+            f"(`diloco certs --names {worker_name}`)"
+        )
+
+
+def worker_name_of(worker_id: str) -> str:
+    """The learner name in a learner id: the coordinator's Register makes ids `<name>-<incarnation>`."""
+    name, sep, n = worker_id.rpartition("-")
+    return name if sep and n.isdigit() else worker_id
 
 
 def bearer(metadata: Any) -> str | None:

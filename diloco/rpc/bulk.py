@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -133,10 +133,25 @@ class BulkHandler(Protocol):
     """Checks the token and the header before any payload byte is read: returns the sink to feed, or a response to
     answer at once (a duplicate of a submission already accepted). Raises `DilocoError`s."""
 
-    def open(self, token: bytes, request: Request) -> BulkSink | Response: ...
+    def open(self, token: bytes, request: Request, identity: str | None) -> BulkSink | Response:
+        """`identity`: the common name of the client's verified certificate; None without TLS."""
+        ...
 
 
 # --- the server ---------------------------------------------------------------------------------------------------
+
+
+def peer_identity(sock: socket.socket) -> str | None:
+    """The common name of the certificate the client presented (the handshake verified it against the CA; ''
+    when it names none); None on a plaintext connection."""
+    if not isinstance(sock, ssl.SSLSocket):
+        return None
+    cert: dict[str, Any] = dict(sock.getpeercert() or {})
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float, idle_timeout_s: float) -> bytes:
@@ -422,7 +437,7 @@ class BulkServer:
             raise InvalidArgument("the request is not a serialized SubmitPseudoGradientRequest") from None
         if request.WhichOneof("kind") != "header":
             raise InvalidArgument("the request must carry the upload's header (SubmissionHeader), not data")
-        opened = self.handler.open(token, request)
+        opened = self.handler.open(token, request, peer_identity(sock))
         if isinstance(opened, Response):
             _send_reply(sock, STATUS_OK, opened.SerializeToString())
             return True

@@ -48,14 +48,14 @@ class BulkUploads:
         self.tokens = tokens
 
     def open(
-        self, token: bytes, request: coordinator_pb2.SubmitPseudoGradientRequest
+        self, token: bytes, request: coordinator_pb2.SubmitPseudoGradientRequest, identity: str | None
     ) -> BulkSink | coordinator_pb2.SubmitPseudoGradientResponse:
         if self.tokens is not None:
             denied = auth.check(self.tokens, SUBMIT_METHOD, token.decode("utf-8", "replace") or None)
             if denied is not None:
                 kind = Unauthenticated if denied.code.name == "UNAUTHENTICATED" else PermissionDenied
                 raise kind(denied.message)
-        opened = open_submission(self.state, request, self.specs)
+        opened = open_submission(self.state, request, self.specs, identity)
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
         upload, gen, header = opened

@@ -13,8 +13,8 @@ import grpc
 
 from diloco.core.coordinator import ACTIVE, DEAD, DRAINING, EVICTED, LEFT, Submission, WorkerRecord, WorkPlan
 from diloco.core.ledger import ShardRange
-from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument
-from diloco.rpc import status
+from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
+from diloco.rpc import auth, status
 from diloco.rpc.payload import (
     CHUNK_BYTES,
     CODEC_TO_ENUM,
@@ -97,17 +97,25 @@ def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2
 
 
 def open_submission(
-    state: CoordinatorState, first: coordinator_pb2.SubmitPseudoGradientRequest | None, specs: list[ParamSpec]
+    state: CoordinatorState,
+    first: coordinator_pb2.SubmitPseudoGradientRequest | None,
+    specs: list[ParamSpec],
+    identity: str | None,
 ) -> coordinator_pb2.SubmitPseudoGradientResponse | tuple[Upload, int, UploadHeader]:
-    """The start of an upload on either path (this RPC or the bulk port): check its header message and open (or
-    resume) the upload. Returns the earlier outcome of a duplicate, else the upload, this stream's generation and
-    the header."""
+    """The start of an upload on either path (this RPC or the bulk port): check its header message and the
+    client's certificate `identity` (`auth.act_as`), then open (or resume) the upload. Returns the earlier outcome
+    of a duplicate, else the upload, this stream's generation and the header."""
     try:
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("an upload starts with a message holding its header (SubmissionHeader)")
         header = header_from_proto(first.header, specs)
     except DilocoError as e:
         raise state.reject(e, "bad_header") from None
+    if identity is not None:
+        try:
+            auth.act_as(identity, state.worker_name(header.sub.worker_id))
+        except PermissionDenied as e:
+            raise state.reject(e, "identity") from None
     opened = state.open_upload(header)
     if isinstance(opened, SubmitResult):
         return submit_response(opened)
@@ -155,6 +163,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def Register(
         self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.RegisterResponse:
+        auth.act_as(auth.peer_identity(context), request.worker_name)
         tp = request.throughput
         rec, plan = self.state.register(request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind)
         return coordinator_pb2.RegisterResponse(
@@ -176,6 +185,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> Iterator[coordinator_pb2.ParametersChunk]:
         worker_id = request.worker_id
         if worker_id:
+            self._act_as(context, worker_id)
             self.state.plan(worker_id)  # NOT_FOUND / FAILED_PRECONDITION before anything is sent
         context.add_callback(self.state.wake_watchers)
         # 0, or a version newer than ours (we restarted from an older checkpoint): send the current one
@@ -197,6 +207,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if not request.follow:
                 return
 
+    def _act_as(self, context: grpc.ServicerContext, worker_id: str) -> str:
+        """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`); returns it."""
+        identity = auth.peer_identity(context)
+        if identity is not None:
+            auth.act_as(identity, self.state.worker_name(worker_id))
+        return worker_id
+
     def _params_header(self, snap: ParamsSnapshot, worker_id: str) -> coordinator_pb2.ParametersHeader:
         header = coordinator_pb2.ParametersHeader(
             version=snap.version,
@@ -213,7 +230,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def SubmitPseudoGradient(
         self, request_iterator: Iterator[coordinator_pb2.SubmitPseudoGradientRequest], context: grpc.ServicerContext
     ) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        opened = open_submission(self.state, next(request_iterator, None), self.specs)
+        opened = open_submission(self.state, next(request_iterator, None), self.specs, auth.peer_identity(context))
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
         upload, gen, _ = opened
@@ -239,23 +256,23 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     def GetUploadStatus(
         self, request: coordinator_pb2.GetUploadStatusRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.GetUploadStatusResponse:
-        held, complete = self.state.upload_status(
-            _require_id(request.worker_id, "worker_id"), _require_id(request.submission_id, "submission_id")
-        )
+        worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"))
+        held, complete = self.state.upload_status(worker_id, _require_id(request.submission_id, "submission_id"))
         return coordinator_pb2.GetUploadStatusResponse(received_bytes=held, complete=complete)
 
     @status.unary
     def GetWorkPlan(
         self, request: coordinator_pb2.GetWorkPlanRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.GetWorkPlanResponse:
-        plan, version = self.state.plan(_require_id(request.worker_id, "worker_id"))
+        plan, version = self.state.plan(self._act_as(context, _require_id(request.worker_id, "worker_id")))
         return coordinator_pb2.GetWorkPlanResponse(plan=plan_to_proto(plan), version=version)
 
     @status.unary
     def Deregister(
         self, request: coordinator_pb2.DeregisterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.DeregisterResponse:
-        self.state.remove(_require_id(request.worker_id, "worker_id"), LEFT, request.reason or "left")
+        worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"))
+        self.state.remove(worker_id, LEFT, request.reason or "left")
         return coordinator_pb2.DeregisterResponse()
 
     @status.unary

@@ -207,6 +207,11 @@ class CoordinatorState:
         )
         return rec, plan
 
+    def worker_name(self, worker_id: str) -> str:
+        """The name learner `worker_id` registered under (NOT_FOUND when unknown)."""
+        with self.lock:
+            return self.core.worker(worker_id).name
+
     def plan(self, worker_id: str) -> tuple[WorkPlan, int]:
         with self.lock:
             return self.core.plan(worker_id), self.core.version

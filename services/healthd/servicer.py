@@ -16,7 +16,8 @@ import grpc
 
 from diloco.core.failure import NodeEvent, NodeRole, NodeState, NodeView, Throughput
 from diloco.core.ratelimit import TokenBucket
-from diloco.errors import InvalidArgument, ResourceExhausted
+from diloco.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from diloco.rpc import auth
 from diloco.rpc.status import streaming, unary
 from diloco.v1 import common_pb2, healthd_pb2, healthd_pb2_grpc
 from services.healthd.hub import Subscription
@@ -95,6 +96,21 @@ def encode_event(ev: NodeEvent) -> healthd_pb2.NodeEvent:
     )
 
 
+def _check_identity(identity: str | None, node_id: str, role: NodeRole) -> None:
+    """With mutual TLS, a stream may carry only the heartbeats of the node its certificate names: the coordinator's
+    for role coordinator, a learner's own (or any, with the shared `worker` certificate) for role worker. So no
+    learner can keep another alive, or announce that it leaves."""
+    if identity is None:
+        return
+    if role is NodeRole.COORDINATOR:
+        if identity != "coordinator":
+            raise PermissionDenied(
+                f"heartbeats of role coordinator need the coordinator's certificate; this client's is {identity!r}"
+            )
+        return
+    auth.act_as(identity, auth.worker_name_of(node_id))
+
+
 class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
     def __init__(
         self,
@@ -131,6 +147,8 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
                     f"sequence must increase within a stream: got {req.sequence} after {last_sequence}"
                 )
             role = decode_role(req.role)
+            if node_id is None:
+                _check_identity(auth.peer_identity(context), req.node_id, role)
             if req.leaving:
                 state = self.monitor.leave(req.node_id)
             else:

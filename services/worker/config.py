@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from diloco.errors import ConfigError
 from diloco.flags import Flag
 from diloco.flags import build_parser as build_flag_parser
-from diloco.rpc import security
+from diloco.rpc import auth, security
 from diloco.rpc.security import SecurityConfig
 
 UPLOAD_PATHS = ("auto", "grpc")
@@ -71,12 +71,25 @@ class WorkerConfig:
 
     @property
     def display_name(self) -> str:
-        return self.name or f"{socket.gethostname()}-{os.getpid()}"
+        """`name`; else the certificate's name when it is a learner's own (the coordinator lets a certificate act
+        only as the learner it names, see `auth.act_as`); else hostname-pid."""
+        if self.name:
+            return self.name
+        own = self.security.tls_name
+        if own and own != auth.SHARED_WORKER_IDENTITY:
+            return own
+        return f"{socket.gethostname()}-{os.getpid()}"
 
 
 _FLAGS: list[Flag] = [
     ("--coordinator", str, "", "the coordinator's HOST:PORT (required)"),
-    ("--name", str, "", "a stable name for this learner (default: hostname-pid)"),
+    (
+        "--name",
+        str,
+        "",
+        "a stable name for this learner (default: the name of its own certificate, else hostname-pid); with a "
+        "learner's own certificate it must be that certificate's name",
+    ),
     ("--healthd", str, "", "healthd's HOST:PORT (default: the one the coordinator names)"),
     ("--slowdown", float, 1.0, "emulate older hardware: >= 1, sleeps (slowdown - 1) x the step time after each step"),
     ("--heartbeat-interval-s", float, 0.5, "time between heartbeats to healthd"),
