@@ -290,7 +290,9 @@ def compression_md(r: dict[str, Any]) -> str:
         [
             f"Settings: `sync` on `uniform` (M = 4, no failures), everything else as in section 1 (budget "
             f"{s['token_budget']:,} tokens, H = {s['local_steps']}); only the upload codec and error feedback (EF) "
-            "change. topk keeps 1% of the entries. Broadcasts stay fp32, so total bytes shrink less than uploads.",
+            "change. topk keeps 1% of the entries; its error feedback carries half of the residual to the next round "
+            "(exact feedback diverged at this density, see `diloco.core.codecs.ErrorFeedback`), the other codecs' "
+            "all of it. Broadcasts stay fp32, so total bytes shrink less than uploads.",
             table(
                 [
                     "codec",

@@ -338,18 +338,19 @@ _LOSSY.append(get_codec("topk", topk_fraction=0.1))
 def test_error_feedback_keeps_exactly_what_was_not_sent(codec: Codec) -> None:
     gen = torch.Generator().manual_seed(5)
     feedback = ErrorFeedback(codec, 1000)
-    assert feedback.enabled
+    assert feedback.enabled and feedback.decay == (0.5 if codec.name == "topk" else 1.0)
     for _ in range(5):
         delta = torch.randn(1000, generator=gen)
-        target = delta + feedback.residual
+        target = delta + feedback.decay * feedback.residual
         data, meta = feedback.compress(delta)
         assert torch.equal(feedback.residual, target - codec.decode(data, meta))
 
 
 def _run_feedback(codec: Codec, steps: int, enabled: bool, numel: int = 2048) -> tuple[list[float], list[float], float]:
-    """Per step: the norm of sum(true deltas) - sum(decoded) and of the residual; and the delta norm."""
+    """Exact feedback (β = 1), per step: the norm of sum(true deltas) - sum(decoded) and of the residual; and the
+    delta norm."""
     gen = torch.Generator().manual_seed(6)
-    feedback = ErrorFeedback(codec, numel, enabled=enabled)
+    feedback = ErrorFeedback(codec, numel, enabled=enabled, decay=1.0)
     sent = torch.zeros(numel, dtype=torch.float64)
     true = torch.zeros(numel, dtype=torch.float64)
     drift, residual = [], []
@@ -382,6 +383,22 @@ def test_topk_without_feedback_drifts_away() -> None:
     assert drift_plain[-1] > 3.0 * max(drift_fb)
 
 
+def test_decayed_feedback_bounds_the_residual_of_a_repeated_delta() -> None:
+    """A learner that restarts from Θ pushes its unsent entries the same way every round. With exact feedback
+    their residual grows without bound; with β < 1 it stays under |Δ|/(1-β), and what is sent is still the
+    largest entries of Δ + β·e."""
+    codec = get_codec("topk", topk_fraction=0.01)
+    delta = torch.linspace(0.5, 1.0, 1000)  # the same pseudo-gradient every round
+    exact, decayed = ErrorFeedback(codec, 1000, decay=1.0), ErrorFeedback(codec, 1000)
+    for _ in range(200):
+        exact.compress(delta)
+        decayed.compress(delta)
+    assert float(exact.residual.max()) > 50.0
+    assert float(decayed.residual.max()) <= 1.0 / (1 - decayed.decay) + 1e-4
+    with pytest.raises(CodecError, match="decay"):
+        ErrorFeedback(codec, 10, decay=1.5)
+
+
 def test_encode_and_subtract_needs_a_contiguous_cpu_target() -> None:
     codec = get_codec("int8", block_size=16)
     with pytest.raises(CodecError, match="works in place"):
@@ -400,6 +417,8 @@ def test_error_feedback_defaults_and_reset() -> None:
     feedback = ErrorFeedback(get_codec("topk", topk_fraction=0.25), 4)
     feedback.compress(torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert feedback.residual.tolist() == [1.0, 2.0, 3.0, 0.0]
+    feedback.compress(torch.tensor([1.0, 2.0, 3.0, 4.0]))  # + 0.5 x the residual: 1.5, 3, 4.5, 4; 4.5 is sent
+    assert feedback.residual.tolist() == [1.5, 3.0, 0.0, 4.0]
     feedback.reset()
     assert torch.equal(feedback.residual, torch.zeros(4))
 
