@@ -291,6 +291,8 @@ def test_a_learner_certificate_acts_only_as_its_own_learner(
     shared = coord_stub(connect(coordinator.address, name="worker", token=join))
     deny = Code.PERMISSION_DENIED
     assert code_of(lambda: w0.Register(coordinator_pb2.RegisterRequest(worker_name="worker1"), timeout=T)) == deny
+    admin = coord_stub(connect(coordinator.address, name="admin", token=join))  # the operator is not a learner
+    assert code_of(lambda: admin.Register(coordinator_pb2.RegisterRequest(worker_name="admin"), timeout=T)) == deny
     victim = w1.Register(coordinator_pb2.RegisterRequest(worker_name="worker1", model_fingerprint=fp), timeout=T)
     vid = victim.worker_id
     calls: list[Callable[[], Any]] = [

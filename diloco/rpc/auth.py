@@ -12,7 +12,8 @@ Identity: with mutual TLS, a learner's certificate also says *which* learner it 
 certificate issued for one name (`diloco certs --workers N` or `--names`) registers, uploads, heartbeats and
 leaves only as that name, so one compromised learner cannot upload, drain or fake the heartbeats of another. The
 shared `worker` certificate (the default of `diloco certs`, used by `docker compose --scale`) may act as any
-learner; plaintext on loopback has no identity to check.
+learner; the services' and the operator's certificates act as none. Plaintext on loopback has no identity to
+check.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 import grpc
 
 from diloco.errors import PermissionDenied
+from diloco.rpc.tls import RESERVED_NAMES
 
 COORDINATOR_SERVICE = "diloco.v1.Coordinator"
 HEALTHD_SERVICE = "diloco.v1.HealthDaemon"
@@ -107,12 +109,20 @@ def peer_identity(context: grpc.ServicerContext) -> str | None:
 
 
 def may_act_as(identity: str | None, worker_name: str) -> bool:
-    """Whether a client with certificate name `identity` (None: plaintext) may act as learner `worker_name`."""
-    return identity is None or identity in (SHARED_WORKER_IDENTITY, worker_name)
+    """Whether a client with certificate name `identity` (None: plaintext) may act as learner `worker_name`. The
+    services' and the operator's certificates act as no learner."""
+    if identity is None:
+        return True
+    return identity not in RESERVED_NAMES and identity in (SHARED_WORKER_IDENTITY, worker_name)
 
 
 def act_as(identity: str | None, worker_name: str) -> None:
     """Raise PermissionDenied unless `identity` may act as learner `worker_name`."""
+    if identity in RESERVED_NAMES:
+        raise PermissionDenied(
+            f"this client's certificate is {identity!r}, a service's or the operator's: it cannot act as a learner; "
+            "run learners with a worker certificate (`diloco certs` writes worker.pem)"
+        )
     if not may_act_as(identity, worker_name):
         raise PermissionDenied(
             f"this client's certificate is for {identity!r}, which may act only as learner {identity!r}, not "

@@ -31,6 +31,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from diloco.errors import ConfigError
 
 SERVICE_NAMES = ("coordinator", "healthd")
+RESERVED_NAMES = (*SERVICE_NAMES, "admin")  # identities that are not learners
 DEFAULT_HOSTS = ("coordinator", "healthd", "localhost", "127.0.0.1")
 JOIN_TOKEN_FILE = "join.token"
 ADMIN_TOKEN_FILE = "admin.token"
@@ -214,7 +215,7 @@ def write_bundle(
     d.mkdir(parents=True, exist_ok=True)
     for name in clients:
         _check_name(name)
-        if name in (*SERVICE_NAMES, "admin"):
+        if name in RESERVED_NAMES:
             raise ConfigError(f"worker name {name!r} clashes with a service or the admin identity; pick another")
     ca_cert, ca_key = make_ca()
     (d / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
