@@ -4,13 +4,15 @@ wins, then the environment, then the default. Bad values raise `ConfigError` nam
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from diloco.errors import ConfigError
 
 # (flag, type, default, help)
 Flag = tuple[str, Callable[[str], Any], Any, str]
+C = TypeVar("C")
 
 
 def env_name(flag: str) -> str:
@@ -50,3 +52,13 @@ def build_parser(
                 raise ConfigError(f"environment {name}={raw!r} is not valid for {flag}: {e}") from e
             group.add_argument(flag, type=conv, default=value, help=f"{text} (env {name}; default {default!r})")
     return p
+
+
+def config_from_flags(cls: type[C], a: argparse.Namespace, **fields: Any) -> C:
+    """An instance of the config dataclass `cls` from parsed flags: flag `--x-y` fills field `x_y`; `fields` fill
+    the rest (nested configs); fields no flag names keep their defaults. The dataclass validates."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = set(fields) - names
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no fields {sorted(unknown)}")
+    return cls(**{k: v for k, v in vars(a).items() if k in names}, **fields)

@@ -20,7 +20,7 @@ from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
-from diloco.flags import Flag, parse_bool
+from diloco.flags import Flag, config_from_flags, parse_bool
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.security import SecurityConfig
@@ -280,44 +280,4 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
     default `os.environ`). Raises `ConfigError` with a message naming the flag or field."""
     env = os.environ if env is None else env
     a = build_parser(env).parse_args(argv)
-    return CoordinatorServiceConfig(
-        host=a.host,
-        port=a.port,
-        metrics_port=a.metrics_port,
-        bulk_port=a.bulk_port,
-        checkpoint_dir=a.checkpoint_dir,
-        checkpoint_every=a.checkpoint_every,
-        keep_checkpoints=a.keep_checkpoints,
-        mode=a.mode,
-        min_quorum=a.min_quorum,
-        grace_max_s=a.grace_max_s,
-        max_staleness=a.max_staleness,
-        local_steps=a.local_steps,
-        min_local_steps=a.min_local_steps,
-        fixed_local_steps=a.fixed_local_steps,
-        scale_partial_rounds=a.scale_partial_rounds,
-        codec=a.codec,
-        outer=a.outer,
-        outer_lr=a.outer_lr,
-        outer_momentum=a.outer_momentum,
-        merge=a.merge,
-        expected_workers=a.expected_workers,
-        target_outer_steps=a.target_outer_steps,
-        healthd_address=a.healthd_address,
-        eval_every=a.eval_every,
-        eval_batches=a.eval_batches,
-        seed=a.seed,
-        task=task_from_flags(a),
-        max_upload_bytes=a.max_upload_bytes,
-        upload_ttl_s=a.upload_ttl_s,
-        max_partial_uploads=a.max_partial_uploads,
-        max_uploads_per_worker=a.max_uploads_per_worker,
-        outlier_factor=a.outlier_factor,
-        outlier_window=a.outlier_window,
-        outlier_min_samples=a.outlier_min_samples,
-        quarantine_strikes=a.quarantine_strikes,
-        confirm_timeout_s=a.confirm_timeout_s,
-        shutdown_grace_s=a.shutdown_grace_s,
-        log_level=a.log_level,
-        security=security.from_args(a, env),
-    )
+    return config_from_flags(CoordinatorServiceConfig, a, task=task_from_flags(a), security=security.from_args(a, env))

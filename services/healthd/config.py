@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from diloco.core.failure import DetectorConfig
 from diloco.errors import ConfigError
-from diloco.flags import Flag
+from diloco.flags import Flag, config_from_flags
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.security import SecurityConfig
@@ -124,20 +124,4 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
     default `os.environ`). Raises `ConfigError` with a message naming the flag or field."""
     env = os.environ if env is None else env
     a = build_parser(env).parse_args(argv)
-    return HealthdConfig(
-        host=a.host,
-        port=a.port,
-        metrics_port=a.metrics_port,
-        coordinator_address=a.coordinator_address,
-        heartbeat_interval_s=a.heartbeat_interval_s,
-        heartbeat_rate_factor=a.heartbeat_rate_factor,
-        heartbeat_burst=a.heartbeat_burst,
-        suspect_after_missed=a.suspect_after_missed,
-        dead_after_s=a.dead_after_s,
-        forget_after_s=a.forget_after_s,
-        report_timeout_s=a.report_timeout_s,
-        shutdown_grace_s=a.shutdown_grace_s,
-        max_streams=a.max_streams,
-        log_level=a.log_level,
-        security=security.from_args(a, env),
-    )
+    return config_from_flags(HealthdConfig, a, security=security.from_args(a, env))

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.errors import ConfigError
-from diloco.flags import Flag
+from diloco.flags import Flag, config_from_flags
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import auth, security
 from diloco.rpc.security import SecurityConfig
@@ -125,18 +125,4 @@ def parse(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = Non
     default `os.environ`). Raises `ConfigError` with a message naming the flag or field."""
     env = os.environ if env is None else env
     a = build_parser(env).parse_args(argv)
-    return WorkerConfig(
-        coordinator=a.coordinator,
-        name=a.name,
-        healthd=a.healthd,
-        slowdown=a.slowdown,
-        heartbeat_interval_s=a.heartbeat_interval_s,
-        rpc_timeout_s=a.rpc_timeout_s,
-        retry_total_s=a.retry_total_s,
-        metrics_port=a.metrics_port,
-        seed=a.seed,
-        device=a.device,
-        upload_path=a.upload_path,
-        fault_scale_updates=a.fault_scale_updates,
-        security=security.from_args(a, env),
-    )
+    return config_from_flags(WorkerConfig, a, security=security.from_args(a, env))
