@@ -337,6 +337,7 @@ BAD_INPUTS: dict[str, tuple[Mutation, grpc.StatusCode]] = {
     "oversized": (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED),
     "empty-submission-id": (_set(submission_id=""), INVALID),
     "tokens-disagree-with-ranges": (_set(tokens=127), INVALID),
+    "more-steps-than-tokens": (_set(steps=1000), INVALID),  # would shrink its norm per step
     "unknown-worker": (_set(worker_id="nobody-9"), grpc.StatusCode.NOT_FOUND),
     "future-base-version": (_set(base_version=5), PRECONDITION),
     "stale-shard-epoch": (_range(epoch=-1), PRECONDITION),

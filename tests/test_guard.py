@@ -325,3 +325,22 @@ def test_a_x100_learner_is_refused_from_its_first_submission() -> None:
     assert torch.equal(c.params, torch.full((N,), 0.5)) and not c.guard.snapshot()
     c.accept(sub(c, a, "a1"), honest, now=1.1)  # an honest one gets in
     assert c.guard.snapshot() == [pytest.approx(float(torch.linalg.vector_norm(honest)) / 2)]
+
+
+def test_claiming_more_steps_than_tokens_is_refused_so_the_median_cannot_be_dragged_down() -> None:
+    """Norms are judged per step: a learner claiming 10,000 steps for 10 tokens would enter a tiny norm, and a
+    few such would make every honest learner an outlier. With `tokens_per_step` the claim must match its tokens."""
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="decoupled", min_quorum=1, grace_max_s=0.0),
+        local_steps=10,
+        min_local_steps=2,
+        guard=GuardConfig(outlier_factor=10.0, window=16, min_samples=1),
+        tokens_per_step=5,
+    )
+    c = CoordinatorCore(cfg, torch.zeros(N), [1000] * 6)
+    a = c.register("a", 0.0).worker_id
+    with pytest.raises(InvalidArgument, match="steps"):
+        c.accept(sub(c, a, "inflated", tokens=10, steps=10_000), torch.full((N,), 0.01), now=1.0)
+    assert not c.guard.snapshot() and c.workers[a].state == ACTIVE
+    c.accept(sub(c, a, "honest", tokens=10, steps=2), torch.full((N,), 0.01), now=1.1)
+    assert c.guard.snapshot() == [pytest.approx(0.01 * N**0.5 / 2)]

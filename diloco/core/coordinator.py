@@ -82,6 +82,10 @@ class CoordinatorConfig:
     # decoupled: a round closed on quorum + grace without every expected learner takes a step in proportion to the
     # inner steps it holds (see `_round_fraction`); False: every round takes a full step, as ALGORITHM.md section 4
     scale_partial_rounds: bool = True
+    # > 0: every inner step trains one batch of this many tokens, so a submission's tokens must be steps x this.
+    # The guard judges norms per step; a learner claiming more steps than it trained would shrink its own norm
+    # and, once accepted, drag the median down until honest learners look like outliers.
+    tokens_per_step: int = 0
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_NAMES:
@@ -92,6 +96,8 @@ class CoordinatorConfig:
             raise ConfigError(f"min_local_steps must be in [1, H={self.local_steps}], got {self.min_local_steps}")
         if self.expected_workers < 0:
             raise ConfigError(f"expected_workers must be >= 0, got {self.expected_workers}")
+        if self.tokens_per_step < 0:
+            raise ConfigError(f"tokens_per_step must be >= 0 (0: unchecked), got {self.tokens_per_step}")
         if self.target_outer_steps < 0:
             raise ConfigError(f"target_outer_steps must be >= 0, got {self.target_outer_steps}")
         if not self.confirm_timeout_s >= 0:
@@ -388,6 +394,12 @@ class CoordinatorCore:
         self._live_worker(sub.worker_id)
         if sub.tokens <= 0 or sub.steps <= 0:
             raise InvalidArgument(f"tokens and steps must be > 0 (got tokens={sub.tokens}, steps={sub.steps})")
+        tps = self.cfg.tokens_per_step
+        if tps and sub.tokens != sub.steps * tps:
+            raise InvalidArgument(
+                f"tokens ({sub.tokens}) must be steps ({sub.steps}) x {tps}, the tokens of one batch: every inner "
+                "step trains one batch of the task"
+            )
         if sum(r.end - r.start for r in sub.ranges) != sub.tokens:
             raise InvalidArgument(
                 f"the shard ranges add up to {sum(r.end - r.start for r in sub.ranges)} tokens "

@@ -151,6 +151,7 @@ class CoordinatorServiceConfig:
             target_outer_steps=self.target_outer_steps,
             confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
             guard=self.guard_config(),
+            tokens_per_step=self.task.inner.batch_size * self.task.model.seq_len,
         )
 
     def guard_config(self) -> GuardConfig:
