@@ -83,7 +83,7 @@ SEQ_LEN = 64
 HEAD_DIM = 64
 TARGET_X_TCP = 0.6  # the goal: an fp32 upload into the coordinator at >= 0.6x raw loopback TCP
 PATHS = ("grpc", "bulk")  # SubmitPseudoGradient, and the bulk upload port beside it
-TOKENS_PER_SUBMISSION = 64
+TOKENS_PER_SUBMISSION = SEQ_LEN  # one step of batch size 1
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -150,6 +150,8 @@ class Coordinator:
             str(model.n_heads),
             "--seq-len",
             str(model.seq_len),
+            "--batch-size",  # one sequence per step: a submission of one step holds TOKENS_PER_SUBMISSION tokens
+            "1",
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # flags only, no surprises
         self._log_file = self.log_path.open("wb")
@@ -705,8 +707,9 @@ def _core_accept_s(delta: torch.Tensor, repeats: int) -> float:
     for i in range(repeats + 1):
         plan = core.plan(worker_id)
         lease = plan.shards[0]
-        rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + TOKENS_PER_SUBMISSION)
-        sub = Submission(worker_id, f"s{i}", core.version, TOKENS_PER_SUBMISSION, 1, (rng,), plan.plan_seq)
+        tokens = core.cfg.tokens_per_step  # one inner step of the default task
+        rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + tokens)
+        sub = Submission(worker_id, f"s{i}", core.version, tokens, 1, (rng,), plan.plan_seq)
         gc.collect()
         t0 = time.perf_counter()
         result = core.accept(sub, delta, float(i))
