@@ -471,8 +471,8 @@ class CoordinatorCore:
 
     def _ceiling(self) -> float:
         """The guard's ceiling for the current parameters (their norm is computed once per version)."""
-        if not self.cfg.guard.step_move:
-            return math.inf
+        if not self.cfg.guard.has_ceiling:
+            return math.inf  # and no pass over the parameters for their norm
         if self._param_norm is None or self._param_norm[0] != self.version:
             self._param_norm = (self.version, float(torch.linalg.vector_norm(self.params)))
         return self.cfg.guard.ceiling(self.params.numel(), self._param_norm[1])

@@ -85,10 +85,14 @@ class GuardConfig:
         if not (math.isfinite(self.ceiling_slack) and self.ceiling_slack >= 1):
             raise ConfigError(f"guard ceiling_slack must be a finite number >= 1, got {self.ceiling_slack}")
 
+    @property
+    def has_ceiling(self) -> bool:
+        return 0 < self.step_move < math.inf
+
     def ceiling(self, numel: int, param_norm: float) -> float:
         """The largest per-step norm an honest learner can submit for a model of `numel` parameters with norm
         `param_norm`; inf when the ceiling is off."""
-        if not self.step_move or math.isinf(self.step_move):
+        if not self.has_ceiling:
             return math.inf
         return self.ceiling_slack * (self.step_move * math.sqrt(numel) + self.step_decay * param_norm)
 

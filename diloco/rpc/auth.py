@@ -8,7 +8,7 @@ checking and reflection stay open (healthchecks use them).
 
 Missing or unknown token: UNAUTHENTICATED; a valid token of the wrong role: PERMISSION_DENIED.
 
-Identity: with mutual TLS, a learner's certificate also says *which* learner it may act as (`may_act_as`). A
+Identity: with mutual TLS, a learner's certificate also says *which* learner it may act as (`act_as`). A
 certificate issued for one name (`diloco certs --workers N` or `--names`) registers, uploads, heartbeats and
 leaves only as that name, so one compromised learner cannot upload, drain or fake the heartbeats of another. The
 shared `worker` certificate (the default of `diloco certs`, used by `docker compose --scale`) may act as any
@@ -108,22 +108,18 @@ def peer_identity(context: grpc.ServicerContext) -> str | None:
     return bytes(names[0]).decode("utf-8", "replace") if names else ""
 
 
-def may_act_as(identity: str | None, worker_name: str) -> bool:
-    """Whether a client with certificate name `identity` (None: plaintext) may act as learner `worker_name`. The
-    services' and the operator's certificates act as no learner."""
-    if identity is None:
-        return True
-    return identity not in RESERVED_NAMES and identity in (SHARED_WORKER_IDENTITY, worker_name)
-
-
 def act_as(identity: str | None, worker_name: str) -> None:
-    """Raise PermissionDenied unless `identity` may act as learner `worker_name`."""
+    """Raise PermissionDenied unless a client with certificate name `identity` (None: plaintext, no identity to
+    check) may act as learner `worker_name`: its own name, or any with the shared certificate. The services' and
+    the operator's certificates act as no learner."""
+    if identity is None:
+        return
     if identity in RESERVED_NAMES:
         raise PermissionDenied(
             f"this client's certificate is {identity!r}, a service's or the operator's: it cannot act as a learner; "
             "run learners with a worker certificate (`diloco certs` writes worker.pem)"
         )
-    if not may_act_as(identity, worker_name):
+    if identity not in (SHARED_WORKER_IDENTITY, worker_name):
         raise PermissionDenied(
             f"this client's certificate is for {identity!r}, which may act only as learner {identity!r}, not "
             f"{worker_name!r}: run the learner with --name {identity} or with its own certificate "
