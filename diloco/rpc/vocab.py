@@ -1,0 +1,80 @@
+"""One table per vocabulary: the domain's names and the proto enum values that carry them.
+
+Every translation between a mode, codec or state name and its enum goes through a `Vocabulary` here, in both
+directions. An unknown value is an error (`InvalidArgument`), never a silent default: a peer that sends an enum
+value this build does not know must be told, not misread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Generic, TypeVar
+
+from diloco.core.failure import NodeState
+from diloco.errors import InvalidArgument
+from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
+
+K = TypeVar("K")
+
+
+class Vocabulary(Generic[K]):
+    """A one-to-one table between domain values `K` and proto enum numbers."""
+
+    def __init__(self, what: str, table: Mapping[K, int]) -> None:
+        if len(set(table.values())) != len(table):
+            raise ValueError(f"{what}: two names share one enum value")
+        self.what = what
+        self._to_proto = dict(table)
+        self._from_proto = {v: k for k, v in table.items()}
+
+    @property
+    def names(self) -> tuple[K, ...]:
+        return tuple(self._to_proto)
+
+    def to_proto(self, name: K) -> int:
+        try:
+            return self._to_proto[name]
+        except KeyError:
+            raise InvalidArgument(f"unknown {self.what} {name!r}; use one of {self._choices()}") from None
+
+    def from_proto(self, value: int) -> K:
+        try:
+            return self._from_proto[value]
+        except KeyError:
+            raise InvalidArgument(
+                f"unknown {self.what} enum value {value}; use one of {self._choices()} (is the peer newer?)"
+            ) from None
+
+    def _choices(self) -> str:
+        return ", ".join(str(k) for k in self._to_proto)
+
+
+MODES: Vocabulary[str] = Vocabulary(
+    "round mode",
+    {
+        "sync": coordinator_pb2.ROUND_MODE_SYNC,
+        "decoupled": coordinator_pb2.ROUND_MODE_DECOUPLED,
+        "async": coordinator_pb2.ROUND_MODE_ASYNC,
+    },
+)
+
+CODECS: Vocabulary[str] = Vocabulary(
+    "codec",
+    {
+        "fp32": common_pb2.CODEC_FP32,
+        "bf16": common_pb2.CODEC_BF16,
+        "int8": common_pb2.CODEC_INT8,
+        "int4": common_pb2.CODEC_INT4,
+        "topk": common_pb2.CODEC_TOPK,
+    },
+)
+
+NODE_STATES: Vocabulary[NodeState] = Vocabulary(
+    "node state",
+    {
+        NodeState.ALIVE: healthd_pb2.NODE_STATE_ALIVE,
+        NodeState.SUSPECT: healthd_pb2.NODE_STATE_SUSPECT,
+        NodeState.DEAD: healthd_pb2.NODE_STATE_DEAD,
+        NodeState.LEFT: healthd_pb2.NODE_STATE_LEFT,
+    },
+)
