@@ -73,18 +73,20 @@ class WatchParametersRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SUBMISSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     version: int
     coordinator_epoch: int
     payload: _common_pb2.PayloadSpec
     plan: _common_pb2.WorkPlan
     applied_submission_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    finished: bool
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")

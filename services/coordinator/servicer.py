@@ -220,6 +220,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             coordinator_epoch=snap.coordinator_epoch,
             payload=meta_to_proto(snap.meta, self.specs),
             applied_submission_ids=list(snap.applied_ids),
+            finished=snap.finished,
         )
         if worker_id:
             plan, _ = self.state.plan(worker_id)

@@ -104,6 +104,7 @@ class ParamsSnapshot:
     data: bytes
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
+    finished: bool  # the run reached its target: this is the last version
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,9 @@ class CoordinatorState:
         v = self.core.version
         if self._params is None or self._params.version != v:
             data, meta = encode_params(self.core.params)
-            self._params = ParamsSnapshot(v, self.epoch, data, meta, self._applied_by_version.get(v, ()))
+            self._params = ParamsSnapshot(
+                v, self.epoch, data, meta, self._applied_by_version.get(v, ()), self.core.finished
+            )
         return self._params
 
     def params_snapshot(self) -> ParamsSnapshot:
