@@ -17,8 +17,20 @@ States and the events reported on each transition (each transition is reported o
 
 Silence is judged at the time of the call, whoever makes it: a heartbeat or leave arriving after a silence
 longer than a threshold first reports the transitions the silence earned (with `at` = that call's `now`), so
-the outcome does not depend on how often the caller ticks. DEAD and LEFT nodes are forgotten (dropped without
-an event) `forget_after_s` after their last heartbeat, which bounds the table when nodes come and go.
+the outcome does not depend on when within its cadence the caller ticks. DEAD and LEFT nodes are forgotten
+(dropped without an event) `forget_after_s` after their last heartbeat, which bounds the table when nodes come
+and go.
+
+Stalls of the detector itself. Silence only counts while the detector was awake to hear heartbeats: if the
+process (or its whole host) was paused, heartbeats sent meanwhile could not arrive, and judging that silence
+would declare every node dead at once. So, while any node is ALIVE or SUSPECT, `next_deadline()` asks to be
+called again within `tick_interval_s`, and a call (tick, heartbeat or leave) that comes more than
+`stall_after_s` after the previous call is taken as a stall of the detector over that gap. On a stall every
+node's silence window restarts at the resume: a node is suspect `suspect_after_s`, and dead `dead_after_s`,
+after max(its last heartbeat, the end of the last stall). A node that really died before or during the stall is
+therefore declared dead `dead_after_s` after the resume (at the latest), and a healthy node has a full window
+to be heard again. Each stall is reported once by `take_stalls()`. With regular calls no gap exceeds
+`stall_after_s` and the detector behaves exactly as without stall detection (`stall_after_s = inf`).
 
 The detector is not thread-safe; the caller serializes calls.
 """
@@ -52,6 +64,10 @@ class DetectorConfig:
     suspect_after_missed: int = 2
     dead_after_s: float = 2.0
     forget_after_s: float = 3600.0  # DEAD/LEFT nodes are dropped this long after their last heartbeat
+    # While nodes are watched the caller calls at least this often (next_deadline() says when) ...
+    tick_interval_s: float = 0.25
+    # ... so a gap between two calls longer than this is a stall of the detector itself (inf: never a stall).
+    stall_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         _positive_finite("heartbeat_interval_s", self.heartbeat_interval_s)
@@ -69,6 +85,17 @@ class DetectorConfig:
             raise ConfigError(
                 f"forget_after_s ({self.forget_after_s}) must be greater than dead_after_s ({self.dead_after_s})"
             )
+        _positive_finite("tick_interval_s", self.tick_interval_s)
+        stall = self.stall_after_s
+        if not (isinstance(stall, (int, float)) and not isinstance(stall, bool) and stall > self.tick_interval_s):
+            raise ConfigError(
+                f"stall_after_s must be a number of seconds greater than tick_interval_s ({self.tick_interval_s}), "
+                f"or inf to never detect a stall; got {stall!r}"
+            )
+
+    @property
+    def detects_stalls(self) -> bool:
+        return math.isfinite(self.stall_after_s)
 
     @property
     def suspect_after_s(self) -> float:
@@ -116,6 +143,20 @@ class NodeEvent:
 
 
 @dataclass(frozen=True)
+class Stall:
+    """A stall of the detector itself: no call between `started_at` (the last call before it) and `resumed_at`.
+    `watched` nodes (ALIVE or SUSPECT) had their silence window restarted at `resumed_at`."""
+
+    started_at: float
+    resumed_at: float
+    watched: int
+
+    @property
+    def length_s(self) -> float:
+        return self.resumed_at - self.started_at
+
+
+@dataclass(frozen=True)
 class NodeView:
     """A read-only view of one node. `deaths` counts how often this node id was declared dead."""
 
@@ -156,10 +197,17 @@ class _Node:
         )
 
 
+_WATCHED = (NodeState.ALIVE, NodeState.SUSPECT)
+
+
 class FailureDetector:
     def __init__(self, cfg: DetectorConfig = DetectorConfig()) -> None:
         self.cfg = cfg
         self._nodes: dict[str, _Node] = {}
+        self._counts: dict[NodeState, int] = dict.fromkeys(NodeState, 0)
+        self._last_call: float | None = None  # the latest `now` of any call
+        self._resumed_at = -math.inf  # the end of the last stall: no silence window starts before it
+        self._stalls: list[Stall] = []  # detected, not yet taken
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def heartbeat(
@@ -176,11 +224,13 @@ class FailureDetector:
             raise InvalidArgument(f"role must be one of {', '.join(r.value for r in NodeRole)}, got {role!r}")
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidArgument(f"version must be an integer >= 0, got {version!r}")
+        self._observe(now)
         node = self._nodes.get(node_id)
         events: list[NodeEvent] = []
         if node is None:
             node = _Node(node_id, role, NodeState.ALIVE, last_seen=now, joined_at=now)
             self._nodes[node_id] = node
+            self._counts[NodeState.ALIVE] += 1
             events.append(self._event(node, NodeState.ALIVE, None, now, "joined"))
         else:
             events.extend(self._advance(node, now))
@@ -188,7 +238,7 @@ class FailureDetector:
             node.role = role
             node.last_seen = max(node.last_seen, now)  # callers' clocks may race by a hair
             if previous is not NodeState.ALIVE:
-                node.state = NodeState.ALIVE
+                self._set_state(node, NodeState.ALIVE)
                 if previous is NodeState.SUSPECT:
                     reason = "recovered"
                 elif previous is NodeState.DEAD:
@@ -206,29 +256,37 @@ class FailureDetector:
     def leave(self, node_id: str, now: float) -> list[NodeEvent]:
         """The node shuts down cleanly: LEFT (not a failure). Unknown or already-left nodes: no event."""
         _check_node_id(node_id)
+        self._observe(now)
         node = self._nodes.get(node_id)
         if node is None or node.state is NodeState.LEFT:
             return []
         events = self._advance(node, now)
         previous = node.state
-        node.state = NodeState.LEFT
+        self._set_state(node, NodeState.LEFT)
         node.last_seen = max(node.last_seen, now)
         events.append(self._event(node, NodeState.LEFT, previous, now, "left"))
         return events
 
     def tick(self, now: float) -> list[NodeEvent]:
         """Apply the transitions that silence up to `now` has earned, each reported once."""
+        self._observe(now)
         events: list[NodeEvent] = []
-        forget: list[str] = []
+        forget: list[_Node] = []
         for node in self._nodes.values():
             if node.state in (NodeState.DEAD, NodeState.LEFT):
                 if now >= node.last_seen + self.cfg.forget_after_s:
-                    forget.append(node.node_id)
+                    forget.append(node)
             else:
                 events.extend(self._advance(node, now))
-        for node_id in forget:
-            del self._nodes[node_id]
+        for node in forget:
+            del self._nodes[node.node_id]
+            self._counts[node.state] -= 1
         return events
+
+    def take_stalls(self) -> list[Stall]:
+        """The stalls of the detector itself detected since the last call of this method, oldest first."""
+        stalls, self._stalls = self._stalls, []
+        return stalls
 
     # --- queries --------------------------------------------------------------------------------------------
     def get(self, node_id: str) -> NodeView | None:
@@ -240,35 +298,61 @@ class FailureDetector:
         return [self._nodes[k].view() for k in sorted(self._nodes)]
 
     def counts(self) -> dict[NodeState, int]:
-        counts = dict.fromkeys(NodeState, 0)
-        for node in self._nodes.values():
-            counts[node.state] += 1
-        return counts
+        return dict(self._counts)
 
     def next_deadline(self) -> float | None:
-        """The earliest time at which `tick` could change something (None: nothing to wait for)."""
+        """The earliest time at which `tick` could change something (None: nothing to wait for). While a node is
+        ALIVE or SUSPECT and stalls are detected, that is at most `tick_interval_s` after the last call: a
+        caller that ticks at every deadline is then never silent long enough to look stalled."""
         deadlines = [self._deadline(node) for node in self._nodes.values()]
+        if self._watched() and self.cfg.detects_stalls and self._last_call is not None:
+            deadlines.append(self._last_call + self.cfg.tick_interval_s)
         return min(deadlines) if deadlines else None
 
     # --- internals ------------------------------------------------------------------------------------------
+    def _watched(self) -> int:
+        return sum(self._counts[s] for s in _WATCHED)
+
+    def _observe(self, now: float) -> None:
+        """Every call starts here: a gap since the previous call longer than `stall_after_s`, while nodes were
+        watched (so the caller had been asked to call sooner), is a stall of the detector itself."""
+        last = self._last_call
+        if last is not None and now - last > self.cfg.stall_after_s and self._watched():
+            self._resumed_at = now
+            self._stalls.append(Stall(started_at=last, resumed_at=now, watched=self._watched()))
+        if last is None or now > last:
+            self._last_call = now
+
+    def _set_state(self, node: _Node, state: NodeState) -> None:
+        self._counts[node.state] -= 1
+        self._counts[state] += 1
+        node.state = state
+
+    def _window_start(self, node: _Node) -> float:
+        """Where the node's silence is measured from: its last heartbeat, or the end of a later stall."""
+        return max(node.last_seen, self._resumed_at)
+
     def _deadline(self, node: _Node) -> float:
         # Must be the same expressions `_advance` and `tick` compare against, so a tick at the deadline acts.
         if node.state is NodeState.ALIVE:
-            return node.last_seen + self.cfg.suspect_after_s
+            return self._window_start(node) + self.cfg.suspect_after_s
         if node.state is NodeState.SUSPECT:
-            return node.last_seen + self.cfg.dead_after_s
+            return self._window_start(node) + self.cfg.dead_after_s
         return node.last_seen + self.cfg.forget_after_s
 
     def _advance(self, node: _Node, now: float) -> list[NodeEvent]:
         events: list[NodeEvent] = []
-        if node.state is NodeState.ALIVE and now >= node.last_seen + self.cfg.suspect_after_s:
-            node.state = NodeState.SUSPECT
+        start = self._window_start(node)
+        if node.state is NodeState.ALIVE and now >= start + self.cfg.suspect_after_s:
+            self._set_state(node, NodeState.SUSPECT)
             missed = self.cfg.suspect_after_missed
             events.append(self._event(node, NodeState.SUSPECT, NodeState.ALIVE, now, f"missed {missed} heartbeats"))
-        if node.state is NodeState.SUSPECT and now >= node.last_seen + self.cfg.dead_after_s:
-            node.state = NodeState.DEAD
+        if node.state is NodeState.SUSPECT and now >= start + self.cfg.dead_after_s:
+            self._set_state(node, NodeState.DEAD)
             node.deaths += 1
             reason = f"no heartbeat for {now - node.last_seen:.2f} s"
+            if start > node.last_seen:
+                reason += f" ({now - start:.2f} s of it since the failure detector resumed from a stall)"
             events.append(self._event(node, NodeState.DEAD, NodeState.SUSPECT, now, reason))
         return events
 
