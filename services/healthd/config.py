@@ -34,6 +34,8 @@ class HealthdConfig:
     suspect_after_missed: int = 2
     dead_after_s: float = 2.0
     forget_after_s: float = 3600.0  # dead/left nodes leave the table this long after their last heartbeat
+    tick_interval_s: float = 0.25  # the detector's ticker runs at least this often while nodes are watched
+    stall_after_s: float = 1.0  # a ticker gap above this is healthd's own stall: silence windows restart
     report_timeout_s: float = 2.0  # deadline of each call to the coordinator
     shutdown_grace_s: float = 2.0  # how long SIGTERM waits for in-flight calls
     # Server threads. Each heartbeat stream and each event watcher holds one for its lifetime, so this bounds the
@@ -75,6 +77,8 @@ class HealthdConfig:
             suspect_after_missed=self.suspect_after_missed,
             dead_after_s=self.dead_after_s,
             forget_after_s=self.forget_after_s,
+            tick_interval_s=self.tick_interval_s,
+            stall_after_s=self.stall_after_s,
         )
 
 
@@ -102,6 +106,13 @@ _FLAGS: list[Flag] = [
     ("--suspect-after-missed", int, _d.suspect_after_missed, "missed heartbeats before a node is suspect"),
     ("--dead-after-s", float, _d.dead_after_s, "silence before a node is declared dead"),
     ("--forget-after-s", float, _d.forget_after_s, "silence before a dead or left node leaves the table"),
+    ("--tick-interval-s", float, _d.tick_interval_s, "the ticker runs at least this often while nodes are watched"),
+    (
+        "--stall-after-s",
+        float,
+        _d.stall_after_s,
+        "a ticker gap above this is healthd's own stall: nobody is declared dead for it (inf: off)",
+    ),
     ("--report-timeout-s", float, _d.report_timeout_s, "deadline of each call to the coordinator"),
     ("--shutdown-grace-s", float, _d.shutdown_grace_s, "how long SIGTERM waits for in-flight calls"),
     ("--max-streams", int, _d.max_streams, "server threads: heartbeat streams plus watchers it can hold"),

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from diloco.core.failure import NodeState
 
 DETECTION_BUCKETS = (0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0, 30.0, 60.0)
+STALL_BUCKETS = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
 class HealthdMetrics:
@@ -21,6 +22,12 @@ class HealthdMetrics:
             "diloco_healthd_detection_seconds",
             "Silence of a node when it was declared dead",
             buckets=DETECTION_BUCKETS,
+            registry=r,
+        )
+        self.stall_seconds = Histogram(
+            "diloco_healthd_stall_seconds",
+            "Stalls of healthd itself (its process or host did not run): each one's length",
+            buckets=STALL_BUCKETS,
             registry=r,
         )
         self.reports = Counter("diloco_healthd_reports", "Dead workers reported to the coordinator", registry=r)

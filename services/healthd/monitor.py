@@ -2,6 +2,11 @@
 condition until `next_deadline()` (woken early when a join makes an earlier deadline), and the consequences of
 every event: fan-out to watchers, logs, metrics, and reports of dead workers to the coordinator.
 
+The monitor only passes the time: every call hands the detector `clock()`, and the ticker ticks at every
+deadline, which while nodes are watched comes at least every `tick_interval_s`. When this process (or its host)
+was paused, the detector sees the gap and reports a stall (logged `healthd.stalled` with its length, counted in
+`diloco_healthd_stall_seconds`); it declares nobody dead for the silence that overlaps it.
+
 Events are published under the lock, so watchers see them in the order they happened."""
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from diloco.core.failure import (
     NodeRole,
     NodeState,
     NodeView,
+    Stall,
     Throughput,
 )
 from services.healthd.hub import EventHub, Subscription
@@ -63,7 +69,9 @@ class Monitor:
             events = self._detector.heartbeat(node_id, role, self.clock(), throughput, version)
             view = self._detector.get(node_id)
             first_deaths = self._changed(events)
+            stalls = self._detector.take_stalls()
         self.metrics.heartbeats.inc()
+        self._stalled(stalls)
         self._consequences(events, first_deaths)
         if any(e.previous_state is NodeState.DEAD and e.state is NodeState.ALIVE for e in events):
             return NodeState.DEAD  # the coordinator no longer knows this id: no throughput to forward
@@ -75,6 +83,8 @@ class Monitor:
         with self._cond:
             events = self._detector.leave(node_id, self.clock())
             first_deaths = self._changed(events)
+            stalls = self._detector.take_stalls()
+        self._stalled(stalls)
         self._consequences(events, first_deaths)
         return NodeState.LEFT
 
@@ -126,6 +136,8 @@ class Monitor:
                 self._waiting_until = math.inf
                 events = self._detector.tick(self.clock())
                 first_deaths = self._changed(events)
+                stalls = self._detector.take_stalls()
+            self._stalled(stalls)
             self._consequences(events, first_deaths)
 
     def _changed(self, events: list[NodeEvent]) -> set[str]:
@@ -144,6 +156,19 @@ class Monitor:
         if deadline is not None and deadline < self._waiting_until:
             self._cond.notify_all()
         return first_deaths
+
+    def _stalled(self, stalls: list[Stall]) -> None:
+        """Outside the lock: this process did not run for a while (paused, or its host was)."""
+        for stall in stalls:
+            self.metrics.stall_seconds.observe(stall.length_s)
+            self.log.warning(
+                "healthd.stalled",
+                stall_s=round(stall.length_s, 3),
+                stalled_from_unix_s=stall.started_at,
+                resumed_unix_s=stall.resumed_at,
+                nodes_given_a_fresh_window=stall.watched,
+                dead_after_s=self.cfg.dead_after_s,
+            )
 
     def _consequences(self, events: list[NodeEvent], first_deaths: set[str]) -> None:
         """Outside the lock: logs, metrics and coordinator reports (queued, never blocking)."""
