@@ -155,9 +155,7 @@ def test_a_learner_killed_during_the_pause_is_dead_within_dead_after_of_the_resu
     assert DEAD_AFTER_S - 1e-3 <= after_resume <= DEAD_AFTER_S + SLACK_S, f"declared {after_resume:.2f} s after"
     assert dead["reporting"] is True
 
-    wait_for(
-        f"the coordinator to drop {victim}", lambda: worker_states(cluster).get(victim) == ["dead"], timeout_s=10
-    )
+    wait_for(f"the coordinator to drop {victim}", lambda: worker_states(cluster).get(victim) == ["dead"], timeout_s=10)
     assert time.time() - resumed < WINDOW_S + SLACK_S
     assert not any(s.owner == ids[victim] for s in cluster.ledger().shards), "the dead learner still owns shards"
     # nobody else was declared dead
