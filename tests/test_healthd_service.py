@@ -22,12 +22,17 @@ from typing import Any, TypeVar
 
 import grpc
 import pytest
+import structlog
 
+from diloco import log as dlog
+from diloco.core.failure import NodeRole, NodeState
 from diloco.errors import ConfigError
 from diloco.rpc.server import channel
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 from services.healthd.__main__ import main
 from services.healthd.config import HealthdConfig, parse
+from services.healthd.metrics import HealthdMetrics
+from services.healthd.monitor import Monitor
 from services.healthd.server import HealthdServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -563,6 +568,8 @@ def test_parse_flags_win_over_environment() -> None:
     assert cfg.coordinator_address == "127.0.0.1:7000" and cfg.metrics_port == -1 and cfg.suspect_after_missed == 2
     assert cfg.detector().suspect_after_s == 0.5
     assert parse([], {"DILOCO_INSECURE": "1"}) == HealthdConfig()
+    off = parse([], {"DILOCO_INSECURE": "1", "DILOCO_STALL_AFTER_S": "inf"}).detector()
+    assert not off.detects_stalls and HealthdConfig().detector().detects_stalls
 
 
 @pytest.mark.parametrize(
@@ -576,6 +583,8 @@ def test_parse_flags_win_over_environment() -> None:
         (["--report-timeout-s", "0"], {}, "report_timeout_s"),
         (["--log-level", "loud"], {}, "log_level"),
         (["--max-streams", "1"], {}, "max_streams"),
+        (["--stall-after-s", "0.2"], {}, "stall_after_s"),  # not above --tick-interval-s (0.25)
+        (["--tick-interval-s", "0"], {}, "tick_interval_s"),
         (["--unknown-flag"], {}, "unrecognized"),
     ],
 )
@@ -637,3 +646,25 @@ def test_process_starts_serves_and_stops_on_sigterm() -> None:
         for stream in (proc.stdout, proc.stderr):
             if stream is not None:
                 stream.close()
+
+
+def test_a_stall_of_healthd_is_logged_and_counted_and_declares_nobody_dead() -> None:
+    """The monitor only passes its clock; when that clock jumps past stall_after_s between two calls (the process
+    did not run), the stall is logged `healthd.stalled` with its length and observed in the stall histogram."""
+    now = [1000.0]
+    metrics = HealthdMetrics()
+    cfg = healthd_config()
+    with structlog.testing.capture_logs() as logs:
+        monitor = Monitor(cfg.detector(), metrics, dlog.get("healthd"), clock=lambda: now[0])
+        for node in ("w1", "w2"):
+            monitor.heartbeat(node, NodeRole.WORKER)
+        now[0] += 9.0  # nothing ran for 9 s; then w1's buffered heartbeat is the first call
+        assert monitor.heartbeat("w1", NodeRole.WORKER) is NodeState.ALIVE
+        assert {v.node_id: v.state for v in monitor.nodes()} == {"w1": NodeState.ALIVE, "w2": NodeState.ALIVE}
+    (stalled,) = [r for r in logs if r["event"] == "healthd.stalled"]
+    assert stalled["stall_s"] == 9.0 and stalled["nodes_given_a_fresh_window"] == 2
+    assert stalled["resumed_unix_s"] == 1009.0 and stalled["log_level"] == "warning"
+    assert not [r for r in logs if r["event"] in ("node.dead", "node.suspect")]
+    assert metrics.registry.get_sample_value("diloco_healthd_stall_seconds_count") == 1.0
+    assert metrics.registry.get_sample_value("diloco_healthd_stall_seconds_sum") == 9.0
+    assert metrics.registry.get_sample_value("diloco_healthd_deaths_total") == 0.0
