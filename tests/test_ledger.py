@@ -8,22 +8,15 @@ import re
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (
-    Bundle,
-    RuleBasedStateMachine,
-    consumes,
-    initialize,
-    invariant,
-    multiple,
-    precondition,
-    rule,
-)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from diloco.core.coordinator import DEAD, LEFT, CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
-from diloco.core.placement import place_shards
-from diloco.errors import FailedPrecondition, InvalidArgument, NotFound
+from diloco.core.rounds import RoundConfig
+from diloco.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 # ---------------------------------------------------------------- helpers
 
@@ -431,101 +424,179 @@ def test_snapshot_is_a_copy() -> None:
 # ---------------------------------------------------------------- stateful property test
 
 
-class LedgerMachine(RuleBasedStateMachine):
-    """Workers join, submit, die and go stale; rounds commit; the coordinator restarts from its checkpoint.
+N_PARAMS = 4
 
-    The model keeps what the coordinator would: the pending receipts in acceptance order, the live workers,
-    every (shard, epoch) -> owner pairing ever observed, and the tokens applied per shard.
+
+def fingerprint(core: CoordinatorCore) -> Any:
+    """Everything a submission could change: a refused one must leave all of it as it was."""
+    return (
+        core.params.tolist(),
+        core.ledger.snapshot(),
+        core.version,
+        {w: vars(r).copy() for w, r in core.workers.items()},
+        list(core.receipts),
+        dict(core.staged),
+        core.plan_seq,
+        list(core.policy.pending),
+        core.policy.quorum_at,
+        core.acc.tokens,
+        core.tokens_applied,
+        list(core.applied_ids),
+    )
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    """The ledger driven the way production drives it: through `CoordinatorCore`. Learners register (shards are
+    placed by speed, moves off a live learner handed off after its next submission), fetch plans, submit ranges
+    from them, die or leave; rounds close on the policy's clock and commit; the coordinator restarts from its
+    checkpoint and the learners register again. Stale owners, impostors, malformed and replayed submissions are
+    refused and change nothing.
+
+    The model keeps what an observer of the coordinator can know: the live learners, every (shard, epoch) -> owner
+    pairing ever observed, the submissions accepted and not yet applied, and the ranges applied per shard.
     """
 
     NUM_SHARDS = 5
     LENGTH = 200
 
-    receipts = Bundle("receipts")
-
     def __init__(self) -> None:
         super().__init__()
-        self.ledger = ShardLedger(self.NUM_SHARDS, [self.LENGTH] * self.NUM_SHARDS)
-        self.speeds: dict[str, float] = {}
-        self.next_worker = 0
-        self.pending: list[AcceptReceipt] = []  # the coordinator's pending submissions, acceptance order
+        self.now = 0.0
+        self.live: dict[str, str] = {}  # worker id -> name
+        self.next_name = 0
+        self.sent: dict[str, Submission] = {}  # every submission this core accepted, by id
+        self.open: list[str] = []  # accepted, not yet applied, in acceptance order
         self.epoch_owner: dict[tuple[int, int], str | None] = {}  # fencing: one owner per (shard, epoch)
         self.stale: list[tuple[str, ShardRange]] = []  # ranges a former owner may still try to send
         # per shard, the (start, end, epoch, worker) of every applied range, in order
         self.applied: dict[int, list[tuple[int, int, int, str]]] = {i: [] for i in range(self.NUM_SHARDS)}
         self.last_epoch = [1] * self.NUM_SHARDS
         self.last_committed = [0] * self.NUM_SHARDS
-        self.checkpoint = self.ledger.snapshot()
-        self.checkpoint_applied = copy.deepcopy(self.applied)
-        self.record_owners()
+        self.next_sid = 0
 
     # -------------------------------------------------------------- model helpers
 
+    def new_core(self) -> CoordinatorCore:
+        return CoordinatorCore(self.cfg, torch.zeros(N_PARAMS), [self.LENGTH] * self.NUM_SHARDS)
+
     def record_owners(self) -> None:
-        for s in self.ledger.states():
+        for s in self.core.ledger.states():
             key = (s.shard_id, s.epoch)
             assert self.epoch_owner.setdefault(key, s.owner) == s.owner, "an epoch changed owner"
 
-    def rebalance(self) -> None:
-        before = {s.shard_id: (s.owner, s.epoch, s.accepted) for s in self.ledger.states()}
-        placement = place_shards(self.NUM_SHARDS, self.speeds, self.ledger.owners())
-        self.ledger.apply_placement(placement)
-        for sid, (owner, epoch, accepted) in before.items():
-            if owner is not None and self.ledger.state(sid).owner != owner:  # the old owner goes stale
-                self.stale.append((owner, ShardRange(sid, epoch, accepted, accepted + 1)))
+    def act(self, fn: Any, *args: Any) -> Any:
+        """Run a production call; a shard whose epoch moved under its owner makes that owner's lease stale."""
+        before = {s.shard_id: (s.owner, s.epoch, s.accepted) for s in self.core.ledger.states()}
+        result = fn(*args)
+        for s in self.core.ledger.states():
+            owner, epoch, accepted = before[s.shard_id]
+            if owner is not None and s.epoch != epoch:
+                self.stale.append((owner, ShardRange(s.shard_id, epoch, accepted, accepted + 1)))
         self.record_owners()
+        return result
 
-    def expect_rejected(self, exc: type[Exception], worker_id: str, ranges: list[ShardRange]) -> None:
-        before = self.ledger.snapshot()
+    def applied_round(self, applied: RoundApplied | None) -> None:
+        if applied is None:
+            return
+        for p in applied.submissions:
+            assert p.submission_id == self.open.pop(0), "a round applies submissions in acceptance order"
+            for r in self.sent[p.submission_id].ranges:
+                self.applied[r.shard_id].append((r.start, r.end, r.epoch, p.worker_id))
+
+    def sid(self) -> str:
+        self.next_sid += 1
+        return f"s{self.next_sid}"
+
+    def refused(self, exc: type[Exception] | tuple[type[Exception], ...], fn: Any, *args: Any) -> None:
+        before = fingerprint(self.core)
         with pytest.raises(exc):
-            self.ledger.accept(worker_id, ranges)
-        assert self.ledger.snapshot() == before
+            fn(*args)
+        assert fingerprint(self.core) == before, "a refused call changed the coordinator"
+
+    def submit_ranges(self, worker_id: str, ranges: list[ShardRange], base: int, plan_seq: int) -> Submission:
+        tokens = sum(r.end - r.start for r in ranges)
+        return Submission(worker_id, self.sid(), base, tokens, 1, tuple(ranges), plan_seq)
 
     # -------------------------------------------------------------- rules
 
-    @initialize(n=st.integers(1, 3))
-    def start(self, n: int) -> None:
+    @initialize(
+        mode=st.sampled_from(["sync", "decoupled", "async"]),
+        quorum=st.integers(1, 2),
+        expected=st.sampled_from([0, 2]),
+        n=st.integers(1, 3),
+    )
+    def start(self, mode: str, quorum: int, expected: int, n: int) -> None:
+        self.cfg = CoordinatorConfig(
+            rounds=RoundConfig(mode=mode, min_quorum=quorum, grace_max_s=1.0, max_staleness=2),
+            local_steps=10,
+            min_local_steps=2,
+            expected_workers=expected,  # phantom slots keep shards for learners still to come
+        )
+        self.core = self.new_core()
+        self.checkpoint = self.core.snapshot()
+        self.checkpoint_applied = copy.deepcopy(self.applied)
+        self.record_owners()
         for _ in range(n):
             self.join(1.0)
 
     @rule(speed=st.sampled_from([0.25, 0.5, 1.0, 2.0, 0.0]))
     def join(self, speed: float) -> None:
-        worker_id = f"w{self.next_worker}"
-        self.next_worker += 1
-        self.speeds[worker_id] = speed
-        self.rebalance()
+        name = f"w{self.next_name}"
+        self.next_name += 1
+        rec = self.act(self.core.register, name, self.now, speed)
+        self.live[rec.worker_id] = name
 
-    @precondition(lambda self: bool(self.speeds))
-    @rule(target=receipts, data=st.data())
-    def submit(self, data: st.DataObject) -> Any:
-        worker_id = data.draw(st.sampled_from(sorted(self.speeds)))
-        owned = self.ledger.owned_by(worker_id)
-        if not owned:
-            return multiple()
-        chosen = data.draw(st.lists(st.sampled_from(owned), min_size=1, unique_by=lambda s: s.shard_id))
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), speed=st.sampled_from([0.5, 1.0, 4.0]))
+    def throughput(self, data: st.DataObject, speed: float) -> None:
+        """healthd forwards a measured speed: H_m changes, placement does not until membership does."""
+        worker_id = data.draw(st.sampled_from(sorted(self.live)))
+        self.act(self.core.report_throughput, worker_id, speed, "cpu", self.now)
+
+    def working(self) -> list[str]:
+        """The live learners whose plan lists shards."""
+        return [w for w in sorted(self.live) if self.core.plan(w).shards]
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def submit(self, data: st.DataObject) -> None:
+        working = self.working()
+        if not working:
+            return
+        worker_id = data.draw(st.sampled_from(working))
+        plan = self.core.plan(worker_id)
+        chosen = data.draw(st.lists(st.sampled_from(plan.shards), min_size=1, unique_by=lambda lease: lease.shard_id))
         ranges = []
-        for s in chosen:
-            assert self.epoch_owner[(s.shard_id, s.epoch)] == worker_id
+        for lease in chosen:
+            assert self.epoch_owner[(lease.shard_id, lease.epoch)] == worker_id
             n = data.draw(st.integers(1, self.LENGTH))
-            ranges.append(ShardRange(s.shard_id, s.epoch, s.accepted, s.accepted + n))
-        receipt = self.ledger.accept(worker_id, ranges)
-        assert receipt.ranges == tuple(ranges)
-        for r in ranges:
-            assert self.ledger.state(r.shard_id).accepted == r.end
-        self.pending.append(receipt)
-        return receipt
+            ranges.append(ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + n))
+        limit = 0 if self.cfg.rounds.mode == "sync" else self.cfg.rounds.max_staleness
+        base = data.draw(st.integers(max(0, self.core.version - limit), self.core.version))
+        sub = self.submit_ranges(worker_id, ranges, base, plan.plan_seq)
+        self.now += data.draw(st.sampled_from([0.0, 0.1, 0.7]))
+        result = self.act(self.core.accept, sub, torch.zeros(N_PARAMS), self.now)
+        assert result.staleness == self.core.version - base - (1 if result.applied else 0)
+        for r in ranges:  # the ledger took the range (it may already be committed by the round it closed)
+            assert self.core.ledger.state(r.shard_id).accepted >= r.end
+        self.sent[sub.submission_id] = sub
+        self.open.append(sub.submission_id)
+        self.applied_round(result.applied)
 
-    @precondition(lambda self: bool(self.speeds))
+    @precondition(lambda self: bool(self.live))
     @rule(
         data=st.data(),
-        fault=st.sampled_from(["epoch-1", "epoch+1", "start-1", "start+1", "not-owner", "long"]),
+        fault=st.sampled_from(
+            ["epoch-1", "epoch+1", "start-1", "start+1", "not-owner", "impostor", "long", "too-stale", "future"]
+        ),
     )
     def submit_bad(self, data: st.DataObject, fault: str) -> None:
-        worker_id = data.draw(st.sampled_from(sorted(self.speeds)))
-        owned = self.ledger.owned_by(worker_id)
-        if not owned:
+        working = self.working()
+        if not working:
             return
-        good = [ShardRange(s.shard_id, s.epoch, s.accepted, s.accepted + 1) for s in owned]
+        worker_id = data.draw(st.sampled_from(working))
+        plan = self.core.plan(worker_id)
+        good = [ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + 1) for lease in plan.shards]
         victim = data.draw(st.sampled_from(good))
         e, a = victim.epoch, victim.start
         bad = {
@@ -533,126 +604,107 @@ class LedgerMachine(RuleBasedStateMachine):
             "epoch+1": ShardRange(victim.shard_id, e + 1, a, a + 1),
             "start-1": ShardRange(victim.shard_id, e, a - 1, a + 1),
             "start+1": ShardRange(victim.shard_id, e, a + 1, a + 2),
-            "not-owner": victim,
             "long": ShardRange(victim.shard_id, e, a, a + self.LENGTH + 1),
-        }[fault]
+        }.get(fault, victim)
         # the good ranges must not land either
         ranges = [bad if r.shard_id == victim.shard_id else r for r in good]
-        if fault == "not-owner":
-            self.expect_rejected(FailedPrecondition, worker_id + "-impostor", ranges)
+        base = self.core.version
+        sender = worker_id
+        expected: type[Exception] = FailedPrecondition
+        if fault == "not-owner":  # another live learner sends this learner's ranges
+            others = sorted(set(self.live) - {worker_id})
+            if not others:
+                return
+            sender = data.draw(st.sampled_from(others))
+        elif fault == "impostor":  # an id the coordinator never issued
+            sender, expected = worker_id + "-impostor", NotFound
+        elif fault == "too-stale":
+            limit = 0 if self.cfg.rounds.mode == "sync" else self.cfg.rounds.max_staleness
+            if self.core.version <= limit:
+                return
+            base = self.core.version - limit - 1
+        elif fault == "future":
+            base = self.core.version + 1
         elif fault == "long" or bad.start < 0 or bad.epoch < 1:
-            self.expect_rejected(InvalidArgument, worker_id, ranges)
-        else:
-            self.expect_rejected(FailedPrecondition, worker_id, ranges)
+            expected = InvalidArgument
+        sub = self.submit_ranges(sender, ranges, base, plan.plan_seq)
+        self.refused(expected, self.core.accept, sub, torch.zeros(N_PARAMS), self.now)
 
     @precondition(lambda self: bool(self.stale))
     @rule(data=st.data())
     def stale_owner_submits(self, data: st.DataObject) -> None:
         worker_id, r = data.draw(st.sampled_from(self.stale))
         # even when it got the shard back (under a newer epoch) the old epoch stays fenced
-        assert self.ledger.state(r.shard_id).epoch > r.epoch
-        self.expect_rejected(FailedPrecondition, worker_id, [r])
+        assert self.core.ledger.state(r.shard_id).epoch > r.epoch
+        sub = self.submit_ranges(worker_id, [r], self.core.version, self.core.plan_seq)
+        expected = FailedPrecondition if worker_id in self.core.workers else NotFound
+        self.refused(expected, self.core.accept, sub, torch.zeros(N_PARAMS), self.now)
 
-    @precondition(lambda self: bool(self.pending))
-    @rule(n=st.integers(1, 4))
-    def apply_round(self, n: int) -> None:
-        """A round closes: its submissions are applied (committed) in acceptance order."""
-        for receipt in self.pending[:n]:
-            self.ledger.commit(receipt)
-            for r in receipt.ranges:
-                self.applied[r.shard_id].append((r.start, r.end, r.epoch, receipt.worker_id))
-        del self.pending[:n]
-
-    @rule(receipt=consumes(receipts))
-    def commit_out_of_order_or_twice(self, receipt: AcceptReceipt) -> None:
-        if receipt in self.pending:
-            shards = set(receipt.shard_ids)
-            earlier = [p for p in self.pending[: self.pending.index(receipt)] if shards & set(p.shard_ids)]
-            if not earlier:
-                return  # it would be legal to commit now; apply_round does that in order
-        before = self.ledger.snapshot()
-        with pytest.raises(FailedPrecondition):
-            self.ledger.commit(receipt)
-        assert self.ledger.snapshot() == before
-
-    @precondition(lambda self: bool(self.speeds))
+    @precondition(lambda self: bool(self.sent))
     @rule(data=st.data())
-    def die(self, data: st.DataObject) -> None:
-        worker_id = data.draw(st.sampled_from(sorted(self.speeds)))
-        owned = {s.shard_id: s for s in self.ledger.owned_by(worker_id)}
-        released = self.ledger.release(worker_id)
-        assert released == sorted(owned)
+    def replay(self, data: st.DataObject) -> None:
+        """A learner retries a submission that was already accepted (pending or applied): refused, nothing moves."""
+        sub = self.sent[data.draw(st.sampled_from(sorted(self.sent)))]
+        self.refused(AlreadyExists, self.core.accept, sub, torch.zeros(N_PARAMS), self.now)
+
+    @rule(dt=st.sampled_from([0.0, 0.3, 1.0, 2.5]))
+    def poll(self, dt: float) -> None:
+        """Time passes; the service polls at the policy's deadlines."""
+        self.now += dt
+        self.applied_round(self.act(self.core.poll, self.now))
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data(), state=st.sampled_from([DEAD, LEFT]))
+    def remove(self, data: st.DataObject, state: str) -> None:
+        """healthd reports a death, or the learner deregisters: its shards move at once, its pending data stays."""
+        worker_id = data.draw(st.sampled_from(sorted(self.live)))
+        owned = {s.shard_id: s for s in self.core.ledger.owned_by(worker_id)}
+        moved = self.act(self.core.remove, worker_id, state, "test")
+        assert moved == sorted(owned)
         for sid, s in owned.items():
-            after = self.ledger.state(sid)
-            assert after.owner is None and after.epoch == s.epoch + 1
+            after = self.core.ledger.state(sid)
+            assert after.owner != worker_id and after.epoch > s.epoch
             assert after.accepted == s.accepted  # pending data stays accepted
-            self.stale.append((worker_id, ShardRange(sid, s.epoch, s.accepted, s.accepted + 1)))
-        del self.speeds[worker_id]
-        self.rebalance()
-
-    @precondition(lambda self: bool(self.pending))
-    @rule(data=st.data())
-    def discard_pending(self, data: st.DataObject) -> None:
-        receipt = data.draw(st.sampled_from(self.pending))
-        later = self.pending[self.pending.index(receipt) + 1 :]
-        is_last = not any(set(receipt.shard_ids) & set(p.shard_ids) for p in later)
-        if not is_last:
-            before = self.ledger.snapshot()
-            with pytest.raises(FailedPrecondition):
-                self.ledger.discard(receipt)
-            assert self.ledger.snapshot() == before
-            return
-        self.ledger.discard(receipt)
-        self.pending.remove(receipt)
-        for r in receipt.ranges:
-            assert self.ledger.state(r.shard_id).accepted == r.start
+        del self.live[worker_id]
+        self.refused(FailedPrecondition, self.core.plan, worker_id)  # it must register again
+        assert self.core.remove(worker_id, DEAD, "again") == []
 
     @precondition(lambda self: self.applied != self.checkpoint_applied)
     @rule()
     def take_checkpoint(self) -> None:
-        self.checkpoint = json.loads(json.dumps(self.ledger.snapshot()))
+        self.checkpoint = self.core.snapshot()
         self.checkpoint_applied = copy.deepcopy(self.applied)
-        assert ShardLedger.restore(self.checkpoint).snapshot() == self.ledger.snapshot()
 
-    @precondition(lambda self: bool(self.pending) or self.applied != self.checkpoint_applied)
+    @precondition(lambda self: bool(self.open) or self.applied != self.checkpoint_applied)
     @rule()
     def coordinator_restart(self) -> None:
-        """Restart from the last checkpoint: pending submissions and everything applied after it are lost."""
-        ledger = ShardLedger.restore(self.checkpoint)
-        ledger.rollback_uncommitted()
-        self.ledger = ledger
-        self.pending = []
+        """A new process restores the last checkpoint: submissions accepted after it are lost (their learners
+        train those ranges again), and every live learner registers again under a new id."""
+        core = self.new_core()
+        core.restore(self.checkpoint)
+        self.core = core
+        self.open = []
+        self.sent = {}
         self.applied = copy.deepcopy(self.checkpoint_applied)
         # epochs issued after the checkpoint are issued again by the restored ledger; in the real system the
         # coordinator epoch fences submissions made against the lost state, so the model forgets them
-        self.epoch_owner = {k: v for k, v in self.epoch_owner.items() if k[1] < ledger.state(k[0]).epoch}
+        self.epoch_owner = {k: v for k, v in self.epoch_owner.items() if k[1] < core.ledger.state(k[0]).epoch}
         self.stale = []
-        self.last_epoch = [s.epoch for s in ledger.states()]
-        self.last_committed = [s.committed for s in ledger.states()]
+        self.last_epoch = [s.epoch for s in core.ledger.states()]
+        self.last_committed = [s.committed for s in core.ledger.states()]
+        assert all(s.owner is None and s.accepted == s.committed for s in core.ledger.states())
         self.record_owners()
-        self.rebalance()  # owners that died after the checkpoint lose their shards; live workers re-register
-
-    @precondition(lambda self: bool(self.pending))
-    @rule()
-    def rollback_in_place(self) -> None:
-        """Pending submissions lost without a restore: accepted falls back to committed, every epoch bumps."""
-        before = self.ledger.states()
-        self.ledger.rollback_uncommitted()
-        after = self.ledger.states()
-        assert [(s.owner, s.committed, s.committed, s.epoch + 1) for s in before] == [
-            (s.owner, s.accepted, s.committed, s.epoch) for s in after
-        ]
-        for s in before:
-            if s.owner is not None:  # its in-flight work was against the old epoch
-                self.stale.append((s.owner, ShardRange(s.shard_id, s.epoch, s.accepted, s.accepted + 1)))
-        self.pending = []
-        self.record_owners()
+        names = sorted(self.live.values())
+        self.live = {}
+        for name in names:
+            rec = self.act(core.register, name, self.now, 1.0)
+            self.live[rec.worker_id] = name
 
     # -------------------------------------------------------------- invariants
 
     @invariant()
     def committed_ranges_tile_from_zero_exactly_once(self) -> None:
-        for s in self.ledger.states():
+        for s in self.core.ledger.states():
             end = 0
             for r in s.committed_ranges:
                 assert r.shard_id == s.shard_id
@@ -671,30 +723,43 @@ class LedgerMachine(RuleBasedStateMachine):
                 else:
                     merged.append((start, stop, epoch))
             assert merged == [(r.start, r.end, r.epoch) for r in s.committed_ranges]
+        assert self.core.tokens_applied == sum(s.committed for s in self.core.ledger.states())
 
     @invariant()
-    def cursors_and_epochs_are_consistent(self) -> None:
-        for s in self.ledger.states():
+    def cursors_epochs_and_owners_are_consistent(self) -> None:
+        for s in self.core.ledger.states():
             assert 0 <= s.committed <= s.accepted
             assert s.epoch >= self.last_epoch[s.shard_id]
             assert s.committed >= self.last_committed[s.shard_id]
             self.last_epoch[s.shard_id] = s.epoch
             self.last_committed[s.shard_id] = s.committed
-            assert s.owner is None or s.owner in self.speeds
-            if self.speeds:
+            assert s.owner is None or s.owner in self.live
+            if self.live and self.core.registered_ever >= self.cfg.expected_workers:
                 assert s.owner is not None  # placement keeps every shard owned while anyone is alive
-        assert self.ledger.committed_tokens() == sum(s.committed for s in self.ledger.states())
+        assert set(self.core.live_ids()) == set(self.live)
+
+    @invariant()
+    def plans_match_the_ledger(self) -> None:
+        """What a learner is told to train is where the ledger will accept it: nothing skipped, nothing twice."""
+        for worker_id in self.live:
+            for lease in self.core.plan(worker_id).shards:
+                s = self.core.ledger.state(lease.shard_id)
+                assert (s.owner, s.epoch, s.accepted) == (worker_id, lease.epoch, lease.cursor)
+                assert lease.shard_id not in self.core.staged  # a shard being handed off is in no plan
 
     @invariant()
     def pending_matches_model_and_was_fenced(self) -> None:
-        assert self.ledger.pending() == self.pending
-        cursor = {s.shard_id: s.committed for s in self.ledger.states()}
-        for receipt in self.pending:
+        assert [p.submission_id for p in self.core.policy.pending] == self.open
+        assert sorted(self.core.receipts) == sorted(self.open)
+        cursor = {s.shard_id: s.committed for s in self.core.ledger.states()}
+        for sid in self.open:
+            receipt = self.core.receipts[sid]
+            assert receipt.ranges == self.sent[sid].ranges and receipt.worker_id == self.sent[sid].worker_id
             for r in receipt.ranges:
                 assert self.epoch_owner[(r.shard_id, r.epoch)] == receipt.worker_id  # owner at that epoch
                 assert r.start == cursor[r.shard_id]
                 cursor[r.shard_id] = r.end
-        assert cursor == {s.shard_id: s.accepted for s in self.ledger.states()}
+        assert cursor == {s.shard_id: s.accepted for s in self.core.ledger.states()}
 
 
 LedgerMachine.TestCase.settings = settings(
