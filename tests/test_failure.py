@@ -366,6 +366,8 @@ def test_with_calls_never_further_apart_than_stall_after_stall_detection_changes
                 results.append(d.leave(node, now=now))
         assert results[0] == results[1]
         assert on.nodes() == off.nodes()
+        recount = {state: sum(v.state is state for v in on.nodes()) for state in NodeState}
+        assert on.counts() == off.counts() == recount  # kept up to date on every transition
     assert on.take_stalls() == []
 
 
