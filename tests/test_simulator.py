@@ -24,7 +24,7 @@ def cfg(**kw: object) -> SimConfig:
         "codec": "fp32",
         "latency_s": 0.2,
         "bandwidth_bytes_per_s": 1e8,
-        "eval_batches": 2,
+        "eval_tokens": 1024,
     }
     base.update(kw)
     return SimConfig(**base)  # type: ignore[arg-type]
