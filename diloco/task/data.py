@@ -15,9 +15,11 @@ the first `max_bytes // 2` tokens. Every document ends with a blank line.
 
 Split (by document, independent of the seed): documents are held out for validation in the order of a stable
 hash of their id until they hold at least `val_fraction` of the tokens, so no document sits on both sides and
-the held-out set is a fixed pseudo-random pick. The validation documents are concatenated in id order. The training documents are concatenated in an order shuffled by
-`DataConfig.seed` (so the seed changes the data order, never the split) and the result is cut into `num_shards`
-contiguous shards of (almost) equal length.
+the held-out set is a fixed pseudo-random pick. The validation documents are concatenated in id order. The
+training documents are concatenated in an order shuffled by `DataConfig.seed` (so the seed changes the data
+order, never the split) and the result is cut into `num_shards` contiguous shards of (almost) equal length.
+Only files (stdlib, folders) are real documents: a single text file, a `.bin` file or a bare token array is split
+by block, so there a document can be cut across blocks.
 
 Batches (ALGORITHM.md section 7): the `B` rows of a batch are spread across the shard. With a shard of `L` tokens,
 row `j` reads from `j·R`, `R = ⌊L/B⌋`, and every row advances one sequence of `T = seq_len` tokens per step, so a
