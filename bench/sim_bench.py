@@ -71,6 +71,7 @@ def summarize(r: SimResult, wall_s: float, budget: int) -> dict[str, Any]:
         "final_loss": r.final_loss,
         "loss_at_budget": loss_at_tokens(history, budget) if budget else r.final_loss,
         "best_loss": min((p[2] for p in history if not budget or p[1] <= budget), default=math.nan),
+        "eval_tokens": int(r.history[-1].get("eval_tokens", 0)),  # validation tokens behind every loss
         "goodput": r.goodput,
         "bytes_up": r.bytes_up,
         "bytes_down": r.bytes_down,
@@ -102,7 +103,8 @@ class SimRunner:
         start = time.monotonic()
         out = summarize(simulate(cfg), time.monotonic() - start, budget)
         self.log(
-            f"  {label}: loss {out['loss_at_budget']:.4f} at {out['tokens']:,} tokens, "
+            f"  {label}: loss {out['loss_at_budget']:.4f} ({out['eval_tokens']:,} val tokens) "
+            f"at {out['tokens']:,} tokens, "
             f"{out['time_s']:,.0f} s virtual, goodput {out['goodput']:.0%}, {out['wall_s']:.1f} s wall"
         )
         self.cache[key] = out
@@ -148,7 +150,7 @@ def sim_config(
         outer=outer or OuterConfig(),
         num_shards=s.num_shards,
         token_budget=s.token_budget,
-        eval_batches=s.eval_batches,
+        eval_tokens=s.eval_tokens,
         seed=s.seed,
         task=task_config(s),
     )

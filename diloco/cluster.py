@@ -28,7 +28,7 @@ from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, health
 # A task small enough that a round takes a fraction of a second on a CPU: for tests, chaos runs and quick demos.
 TINY_TASK_ARGS: tuple[str, ...] = (
     *("--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "8"),
-    *("--max-bytes", "400000", "--shards", "8", "--eval-batches", "2"),
+    *("--max-bytes", "400000", "--shards", "8", "--eval-tokens", "2048"),
 )
 
 

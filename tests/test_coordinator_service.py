@@ -450,7 +450,7 @@ def test_decoupled_round_closes_at_the_grace_deadline(start: Callable[..., Env])
 
 
 def test_validation_loss_is_evaluated_after_rounds(start: Callable[..., Env]) -> None:
-    env = start(eval_every=1, eval_batches=1, metrics_port=0)
+    env = start(eval_every=1, eval_tokens=256, metrics_port=0)
     reg = register(env)
     h, data, _ = make_upload(env, reg, "s1")
     submit(env, h, data)

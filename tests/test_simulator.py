@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,7 +25,7 @@ def cfg(**kw: object) -> SimConfig:
         "codec": "fp32",
         "latency_s": 0.2,
         "bandwidth_bytes_per_s": 1e8,
-        "eval_batches": 2,
+        "eval_tokens": 1024,
     }
     base.update(kw)
     return SimConfig(**base)  # type: ignore[arg-type]
@@ -105,11 +106,24 @@ def test_timing_only_sweep_runs_many_learners() -> None:
         ({"num_shards": 2, "speeds": (1.0,) * 4}, "num_shards"),
         ({"failures": (FailureEvent(1.0, 9, "kill"),)}, "failures"),
         ({"outer_steps": 0}, "stopping rule"),
+        ({"eval_tokens": 31}, r"eval_tokens must be 0 .* >= model\.seq_len = 32"),
+        ({"eval_every": 0}, "eval_every"),
     ],
 )
 def test_bad_config_names_the_field(change: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         cfg(**change)
+
+
+def test_history_reports_the_tokens_scored_and_the_seed_orders_the_data() -> None:
+    a, b = Simulator(cfg(mode="sync", speeds=(1.0, 1.0), outer_steps=2)), Simulator(cfg(outer_steps=2, seed=1))
+    assert a.corpus is not None and b.corpus is not None
+    assert np.array_equal(a.corpus.val, b.corpus.val)  # the seed never moves the split ...
+    assert not np.array_equal(a.corpus.shard_tokens(0), b.corpus.shard_tokens(0))  # ... but orders the data
+    r = a.run()
+    assert [p["eval_tokens"] for p in r.history] == [1024] * 3
+    whole = simulate(cfg(mode="sync", speeds=(1.0, 1.0), outer_steps=1, eval_tokens=0))
+    assert whole.history[-1]["eval_tokens"] == (a.corpus.val.shape[0] - 1) // 32 * 32
 
 
 def test_parsers_reject_garbage() -> None:

@@ -69,11 +69,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--outer-steps", type=int, default=0, help="stop after this many rounds")
     p.add_argument("--max-time-s", type=float, default=0.0, help="stop at this virtual time")
     p.add_argument("--eval-every", type=int, default=1)
-    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument(
+        "--eval-tokens", type=int, default=32_768, help="validation tokens per evaluation (0: the whole split)"
+    )
     p.add_argument("--target-loss", type=float, default=0.0)
     p.add_argument("--no-train", action="store_true", help="timing only: no model, for large sweeps")
     p.add_argument("--model-numel", type=int, default=0, help="payload size for --no-train")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="initial parameters, failure times and data order")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", type=Path, help="write a PNG of validation loss against virtual time")
     add_task_args(p)
@@ -106,7 +108,7 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         outer_steps=a.outer_steps,
         max_time_s=a.max_time_s,
         eval_every=a.eval_every,
-        eval_batches=a.eval_batches,
+        eval_tokens=a.eval_tokens,
         target_loss=a.target_loss,
         train=not a.no_train,
         model_numel=a.model_numel,
@@ -116,7 +118,8 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
 
 
 def print_result(console: Console, r: SimResult) -> None:
-    table = Table(title=f"{r.mode}: validation loss against virtual time")
+    scored = int(r.history[-1].get("eval_tokens", 0))
+    table = Table(title=f"{r.mode}: validation loss ({scored:,} tokens scored) against virtual time")
     for col in ("time (s)", "tokens", "version", "val loss"):
         table.add_column(col, justify="right")
     step = max(1, len(r.history) // 20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -9,6 +10,7 @@ from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
 from diloco.errors import ConfigError
+from diloco.task.data import check_eval_tokens
 from diloco.task.factory import TaskConfig
 
 SIM_MODES = ("sync", "decoupled", "async", "dp")
@@ -78,11 +80,11 @@ class SimConfig:
     max_time_s: float = 0.0  # stop at this virtual time (0: no limit)
     outer_steps: int = 0  # stop after this many rounds (0: no limit; dp: a round is H optimizer steps)
     eval_every: int = 1  # evaluate global params every N rounds (dp: every N·H optimizer steps)
-    eval_batches: int = 4
+    eval_tokens: int = 32_768  # validation tokens scored per evaluation (0: the whole split; see task.data)
     target_loss: float = 0.0  # report time to reach this validation loss (0: skip)
     train: bool = True  # False: timing only (no model), for large sweeps
     model_numel: int = 0  # timing-only payload size (0: the task model's size)
-    seed: int = 0
+    seed: int = 0  # the run's seed: initial parameters, failure times and the training data order
     task: TaskConfig = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
@@ -116,13 +118,19 @@ class SimConfig:
                     f"failures: {e.action}:{e.learner}@{e.at_s} needs action kill|revive, "
                     f"learner in 0..{self.num_learners - 1}, time >= 0"
                 )
-        if self.eval_every < 1 or self.eval_batches < 1:
-            raise ConfigError("eval_every and eval_batches must be >= 1")
+        if self.eval_every < 1:
+            raise ConfigError(f"eval_every must be >= 1, got {self.eval_every}")
+        check_eval_tokens(self.eval_tokens, self.task.model.seq_len)
         self.round_config()
 
     @property
     def num_learners(self) -> int:
         return len(self.speeds)
+
+    def task_config(self) -> TaskConfig:
+        """The task the simulator trains: `task` cut into `num_shards` shards, its data ordered by `seed`."""
+        data = dataclasses.replace(self.task.data, num_shards=self.num_shards, seed=self.seed)
+        return dataclasses.replace(self.task, data=data)
 
     def round_config(self) -> RoundConfig:
         """The coordinator's round policy (the data-parallel baseline has none; it gets the `sync` one)."""

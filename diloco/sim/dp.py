@@ -33,7 +33,7 @@ from diloco.errors import ConfigError
 from diloco.sim.config import SimConfig
 from diloco.sim.events import EventLoop
 from diloco.sim.result import SimResult, time_to_target
-from diloco.task.data import Corpus, evaluate
+from diloco.task.data import Corpus, EvalResult, evaluate
 from diloco.task.factory import build_task
 from diloco.task.inner import InnerTrainer
 from diloco.task.params import num_params
@@ -79,10 +79,7 @@ class DataParallelSimulator(EventLoop):
         self.trainer: InnerTrainer | None = None
         self.corpus: Corpus | None = None
         if cfg.train:
-            data = cfg.task.data
-            if data.num_shards != cfg.num_shards:
-                data = type(data)(**{**vars(data), "num_shards": cfg.num_shards})
-            task = build_task(type(cfg.task)(**{**vars(cfg.task), "data": data}))
+            task = build_task(cfg.task_config())
             self.corpus = task.corpus
             model = task.model_fn(cfg.seed)
             self.numel = num_params(model)
@@ -114,7 +111,9 @@ class DataParallelSimulator(EventLoop):
     def run(self) -> SimResult:
         cfg = self.cfg
         initial = self.evaluate()
-        self.history.append({"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial})
+        self.history.append(
+            {"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial.loss, "eval_tokens": initial.tokens}
+        )
         for peer in self.peers:
             self.join(peer, rejoin=False)
         for e in cfg.failures:
@@ -125,7 +124,7 @@ class DataParallelSimulator(EventLoop):
                 self.available_s[peer.idx] += self.now - peer.alive_since
         if self.history[-1]["version"] != self.steps:
             self.record(force=True)
-        return self.result(initial)
+        return self.result(initial.loss)
 
     # --- membership -------------------------------------------------------------------------------------------
     def join(self, peer: _Peer, *, rejoin: bool) -> None:
@@ -239,13 +238,11 @@ class DataParallelSimulator(EventLoop):
         )
 
     # --- measurements -----------------------------------------------------------------------------------------
-    def evaluate(self) -> float:
+    def evaluate(self) -> EvalResult:
         if self.trainer is None or self.corpus is None:
-            return math.nan
-        inner, model = self.cfg.task.inner, self.cfg.task.model
-        return evaluate(
-            self.trainer.model, self.corpus, inner.batch_size, model.seq_len, self.cfg.eval_batches, torch.device("cpu")
-        )
+            return EvalResult(math.nan, 0)
+        model = self.trainer.model
+        return evaluate(model, self.corpus, self.cfg.task.model.seq_len, self.cfg.eval_tokens, torch.device("cpu"))
 
     def record(self, force: bool = False) -> None:
         if not force and self.history[-1]["version"] == self.steps:
@@ -254,8 +251,9 @@ class DataParallelSimulator(EventLoop):
             "time_s": self.now,
             "tokens": float(self.tokens),
             "version": float(self.steps),
-            "val_loss": self.evaluate(),
         }
+        ev = self.evaluate()
+        point.update(val_loss=ev.loss, eval_tokens=ev.tokens)
         self.history.append(point)
         if self.progress:
             self.progress(point)

@@ -31,7 +31,7 @@ from diloco.sim.config import DILOCO_MODES, SimConfig
 from diloco.sim.dp import DataParallelSimulator
 from diloco.sim.events import EventLoop
 from diloco.sim.result import SimResult, encoded_size, time_to_target
-from diloco.task.data import Corpus, evaluate
+from diloco.task.data import Corpus, EvalResult, evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.inner import InnerTrainer
 from diloco.task.params import flatten_params, load_flat_, merge_segments
@@ -83,10 +83,7 @@ class Simulator(EventLoop):
         self.corpus: Corpus | None = None
         segments: list[Segment] | None = None
         if cfg.train:
-            data = cfg.task.data
-            if data.num_shards != cfg.num_shards:
-                data = type(data)(**{**vars(data), "num_shards": cfg.num_shards})
-            self.task = build_task(type(cfg.task)(**{**vars(cfg.task), "data": data}))
+            self.task = build_task(cfg.task_config())
             self.corpus = self.task.corpus
             model = self.task.model_fn(cfg.seed)
             params = flatten_params(model).cpu()
@@ -134,7 +131,9 @@ class Simulator(EventLoop):
     def run(self) -> SimResult:
         cfg = self.cfg
         initial = self.evaluate()
-        self.history.append({"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial})
+        self.history.append(
+            {"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial.loss, "eval_tokens": initial.tokens}
+        )
         for learner in self.learners:
             self.join(learner, 0.0)
         for e in cfg.failures:
@@ -146,7 +145,7 @@ class Simulator(EventLoop):
                 self.end_shardless(learner, self.now)
         if self.history[-1]["version"] != self.core.version:
             self.record(force_eval=True)
-        return self.result(initial)
+        return self.result(initial.loss)
 
     # --- learners ---------------------------------------------------------------------------------------------
     def join(self, learner: Learner, t: float) -> None:
@@ -398,17 +397,12 @@ class Simulator(EventLoop):
         self.schedule_deadline()
 
     # --- measurements -----------------------------------------------------------------------------------------
-    def evaluate(self) -> float:
+    def evaluate(self) -> EvalResult:
         if self.task is None or self.corpus is None:
-            return math.nan
+            return EvalResult(math.nan, 0)
         load_flat_(self.eval_model, self.core.params)
         return evaluate(
-            self.eval_model,
-            self.corpus,
-            self.cfg.task.inner.batch_size,
-            self.cfg.task.model.seq_len,
-            self.cfg.eval_batches,
-            torch.device("cpu"),
+            self.eval_model, self.corpus, self.cfg.task.model.seq_len, self.cfg.eval_tokens, torch.device("cpu")
         )
 
     def record(self, force_eval: bool = False) -> None:
@@ -419,8 +413,9 @@ class Simulator(EventLoop):
             "time_s": self.now,
             "tokens": float(self.core.tokens_applied),
             "version": float(v),
-            "val_loss": self.evaluate(),
         }
+        ev = self.evaluate()
+        point.update(val_loss=ev.loss, eval_tokens=ev.tokens)
         self.history.append(point)
         if self.progress:
             self.progress(point)

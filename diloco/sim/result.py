@@ -12,6 +12,9 @@ from diloco.core.codecs import Codec
 
 @dataclass
 class SimResult:
+    """`history` holds one point per evaluation: `time_s`, `tokens` (applied), `version`, `val_loss` and
+    `eval_tokens` (the validation tokens the loss was scored on)."""
+
     mode: str
     history: list[dict[str, float]]
     final_loss: float

@@ -2,7 +2,7 @@
 a learner (`inner`), flat parameter vectors (`params`) and the JSON task config with its plug-in hook
 (`factory`). Pure torch + stdlib (+ numpy); no gRPC."""
 
-from diloco.task.data import Corpus, DataConfig, decode, encode, evaluate
+from diloco.task.data import Corpus, DataConfig, EvalResult, decode, encode, evaluate
 from diloco.task.factory import Task, TaskConfig, build_task
 from diloco.task.inner import (
     InnerConfig,
@@ -20,6 +20,7 @@ __all__ = [
     "GPT",
     "Corpus",
     "DataConfig",
+    "EvalResult",
     "InnerConfig",
     "InnerTrainer",
     "ModelConfig",

@@ -8,7 +8,8 @@ Set `TaskConfig.factory = "package.module:function"`. `build_task` imports the m
 
 It returns `(model_fn, corpus)`: `model_fn(seed)` builds a fresh model (deterministically for a given seed)
 that defines `loss(x, y) -> Tensor` for int64 token batches `x`, `y` of shape (batch, cfg.model.seq_len);
-`corpus` is the data (e.g. `Corpus(tokens, cfg.data)` over your own uint16 token array), or None to load
+`corpus` is the data (e.g. `Corpus(tokens, cfg.data)` over your own uint16 token array, or over a list of
+`(document_id, tokens)` pairs so the validation split keeps documents whole), or None to load
 `cfg.data` as usual. Token ids must stay below `cfg.model.vocab_size`. The fingerprint then hashes the factory
 path, the model config and the parameter layout, so learners with a different model are refused.
 """
@@ -169,12 +170,14 @@ def build_task(cfg: TaskConfig) -> Task:
 
 def task_from_flags(a: Any) -> TaskConfig:
     """The task from parsed command-line flags (`--task-json`, or `--data --max-bytes --shards --d-model --layers
-    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`)."""
+    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`). A `--seed` flag, where the
+    command has one, also orders the training data (`DataConfig.seed`), so a run's seed changes the data order as
+    well as the initial parameters."""
     if getattr(a, "task_json", ""):
         return TaskConfig.from_json(a.task_json)
     return TaskConfig(
         model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads),
-        data=DataConfig(source=a.data, num_shards=a.shards, max_bytes=a.max_bytes),
+        data=DataConfig(source=a.data, num_shards=a.shards, max_bytes=a.max_bytes, seed=getattr(a, "seed", 0)),
         inner=InnerConfig(
             lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
         ),

@@ -24,7 +24,7 @@ from diloco.flags import Flag, config_from_flags, parse_bool
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.security import SecurityConfig
-from diloco.task.data import DataConfig
+from diloco.task.data import DataConfig, check_eval_tokens
 from diloco.task.factory import TaskConfig, task_from_flags
 from diloco.task.inner import InnerConfig
 from diloco.task.model import ModelConfig
@@ -69,7 +69,7 @@ class CoordinatorServiceConfig:
     target_outer_steps: int = 0  # 0: train until stopped
     healthd_address: str = ""
     eval_every: int = 1  # rounds between validation evaluations; 0: never
-    eval_batches: int = 4
+    eval_tokens: int = 32_768  # validation tokens per evaluation; 0: the whole split
     seed: int = 0
     task: TaskConfig = field(default_factory=default_task)
     max_upload_bytes: int = 0  # 0: derived from the model (its fp32 size + 1%)
@@ -107,7 +107,6 @@ class CoordinatorServiceConfig:
         _int_in("expected_workers", self.expected_workers, 0)
         _int_in("target_outer_steps", self.target_outer_steps, 0)
         _int_in("eval_every", self.eval_every, 0)
-        _int_in("eval_batches", self.eval_batches, 1)
         _int_in("seed", self.seed, 0)
         _int_in("bulk_port", self.bulk_port, -1, 65535)
         _int_in("max_upload_bytes", self.max_upload_bytes, 0)
@@ -124,6 +123,7 @@ class CoordinatorServiceConfig:
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
         if not isinstance(self.task, TaskConfig):
             raise ConfigError(f"task must be a TaskConfig, got {type(self.task).__name__}")
+        check_eval_tokens(self.eval_tokens, self.task.model.seq_len)
         if self.expected_workers > self.task.data.num_shards:
             raise ConfigError(
                 f"expected_workers ({self.expected_workers}) must be <= the number of shards "
@@ -223,8 +223,8 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--target-outer-steps", int, 0, "stop applying rounds after this many (0: never)"),
     ("--healthd-address", str, "", "HOST:PORT of healthd, told to learners"),
     ("--eval-every", int, 1, "rounds between validation evaluations (0: never)"),
-    ("--eval-batches", int, 4, "validation batches per evaluation"),
-    ("--seed", int, 0, "seed of the initial parameters"),
+    ("--eval-tokens", int, 32_768, "validation tokens scored per evaluation (0: the whole split)"),
+    ("--seed", int, 0, "seed of the initial parameters and of the training data order"),
     ("--max-upload-bytes", int, 0, "largest pseudo-gradient payload (0: fp32 model size + 1%%)"),
     (
         "--confirm-timeout-s",

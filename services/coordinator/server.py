@@ -273,11 +273,8 @@ class CoordinatorServer:
         model, task = self._eval_model, self.task
         assert model is not None
         load_flat_(model, params)
-        cfg = task.config
-        loss = evaluate(
-            model, task.corpus, cfg.inner.batch_size, cfg.model.seq_len, self.cfg.eval_batches, torch.device("cpu")
-        )
-        self.state.set_validation(version, loss)
+        result = evaluate(model, task.corpus, task.config.model.seq_len, self.cfg.eval_tokens, torch.device("cpu"))
+        self.state.set_validation(version, result.loss, result.tokens)
 
     def _write_checkpoint(self, snap: dict[str, Any]) -> Path:
         started = time.monotonic()

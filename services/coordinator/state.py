@@ -377,12 +377,13 @@ class CoordinatorState:
         self.metrics.quarantined_workers.set(sum(r.state == QUARANTINED for r in self.core.workers.values()))
         self.metrics.pending_submissions.set(len(self.core.policy.pending))
 
-    def set_validation(self, version: int, loss: float) -> None:
+    def set_validation(self, version: int, loss: float, tokens: int) -> None:
+        """The validation loss of `version`'s parameters, scored on `tokens` validation tokens."""
         with self.lock:
             if version >= self.validation_version:
                 self.validation_version, self.validation_loss = version, loss
                 self.metrics.validation_loss.set(loss)
-        self.log.info("eval.done", version=version, val_loss=round(loss, 6))
+        self.log.info("eval.done", version=version, val_loss=round(loss, 6), eval_tokens=tokens)
 
     # --- parameters -----------------------------------------------------------------------------------------------
     def _snapshot_locked(self) -> ParamsSnapshot:
