@@ -12,14 +12,12 @@ from typing import Any
 
 import pytest
 
-from bench.cluster_bench import rate, recovery_s
-from bench.sim_bench import first_time_at_or_below, loss_at_tokens
-from bench.suite import parse_only, run_suite
-from diloco.cli.bench import SECTIONS
+from diloco.bench.cluster_bench import rate, recovery_s
+from diloco.bench.sim_bench import first_time_at_or_below, loss_at_tokens
+from diloco.bench.suite import NAMES, parse_only, run_suite
 from diloco.cli.main import main
 from diloco.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -41,7 +39,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     readme = (out / "README.md").read_text()
     for title in ("1. Time to target", "2. Scale sweep", "3. Compression sweep", "4. Real cluster", "5. Outer-opt"):
         assert f"## {title}" in readme, f"section {title!r} missing"
-    for name in SECTIONS:
+    for name in NAMES:
         assert f"--only {name}" in readme, f"no regenerate command for {name}"
     for profile in ("uniform", "mixed", "mixed+failures"):
         for mode in ("dp", "sync", "decoupled"):
@@ -59,7 +57,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000, f"{png}.png missing or empty"
         assert f"]({png}.png)" in readme, f"{png}.png not linked from the report"
     doc = json.loads((out / "results.json").read_text())  # strict JSON: NaN would have been written as null
-    assert set(doc["sections"]) == set(SECTIONS)
+    assert set(doc["sections"]) == set(NAMES)
     kill = next(r for r in doc["sections"]["cluster"]["runs"] if r["kill"])
     assert 0 < kill["reassign_s"] < 10 and kill["samples"], "the failure run measured no reassignment"
     assert doc["meta"]["wall_s"]["total"] < 180, "the quick suite should stay under 3 minutes"
@@ -84,14 +82,18 @@ def test_only_one_section_keeps_the_others(quick: tuple[Path, dict[str, Any]]) -
     assert "## 4. Real cluster" in (out / "README.md").read_text()
 
 
-def test_cli_and_script_reject_an_unknown_section(capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_and_script_reject_an_unknown_section(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown section"):
         parse_only("scale,warp")
     assert parse_only("scale, cluster") == ("scale", "cluster")
     assert main(["bench", "--only", "warp", "--out", "/nonexistent"]) == 2
     assert "unknown section" in capsys.readouterr().err
-    proc = subprocess.run(
-        [sys.executable, "bench/run_all.py", "--only", "warp"], cwd=REPO, capture_output=True, text=True, timeout=120
+    proc = subprocess.run(  # from another directory: the suite is part of the package
+        [sys.executable, "-m", "diloco.bench.run_all", "--only", "warp"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2 and "unknown section" in proc.stderr
 

@@ -31,7 +31,7 @@ real `CoordinatorCore.accept`. It also checks whether each codec's streaming dec
 counting alone (a reference cycle keeps its fp32 buffer alive until the cyclic garbage collector runs).
 Figures are noisy on a shared machine; ratios matter.
 
-    python bench/bench_upload.py --params 100000000 [--repeats 2] [--json]
+    python -m diloco.bench.bench_upload --params 100000000 [--repeats 2] [--json]
 """
 
 from __future__ import annotations

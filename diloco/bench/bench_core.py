@@ -7,7 +7,7 @@ codec must do is read the input and write an output) and, per codec, `encode` pl
 1 MiB chunks into a preallocated buffer (as a receiver decodes into its accumulation buffer). Figures are the
 best of `--repeats` runs; GB/s counts the fp32 input bytes.
 
-    python bench/bench_core.py --numel 100000000 [--repeats 3] [--json]
+    python -m diloco.bench.bench_core --numel 100000000 [--repeats 3] [--json]
 """
 
 from __future__ import annotations
