@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from diloco.bench.cluster_bench import rate
+from diloco.bench.section import table
 
 if TYPE_CHECKING:
     from diloco.bench.section import Section
@@ -34,12 +35,6 @@ STATE_COLORS = {
 
 
 # --- formatting -----------------------------------------------------------------------------------------------
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def mb(n: float) -> str:
     return f"{n / 1e6:,.1f}" if n >= 1e5 else f"{n / 1e6:,.3f}"
 
