@@ -163,6 +163,34 @@ def time_to_target_md(r: dict[str, Any]) -> str:
     )
 
 
+def time_to_target_readme(r: dict[str, Any]) -> str:
+    """The repository README's excerpt: sync against decoupled on mixed hardware, with and without failures."""
+    targets: dict[str, float] = r["targets"]
+    rows = [
+        [
+            run["profile"],
+            run["mode"],
+            *[secs(run["time_to_target_s"][k]) for k in targets],
+            f"{run['loss_at_budget']:.4f}",
+            f"{run['goodput']:.0%}",
+            f"{run['bytes_per_token']:,.1f}",
+        ]
+        for run in r["runs"]
+        if run["profile"] != "uniform"
+    ]
+    return table(
+        [
+            "profile",
+            "mode",
+            *[f"virtual time to the {k} target ({targets[k]:.4f}), s" for k in targets],
+            "loss at budget",
+            "goodput",
+            "bytes/token",
+        ],
+        rows,
+    )
+
+
 def time_to_target_plot(r: dict[str, Any], out: Path) -> list[str]:
     profiles = list(dict.fromkeys(run["profile"] for run in r["runs"]))
     fig, axes = plt.subplots(2, len(profiles), figsize=(5 * len(profiles), 7.5), squeeze=False)
@@ -579,7 +607,7 @@ def outer_plot(r: dict[str, Any], out: Path) -> list[str]:
 def measured_at(m: dict[str, Any] | None) -> str:
     """Where a section was measured: `commit 12887a1` (`+ uncommitted changes` when dirty) and the date."""
     if not m:
-        return "commit not recorded (measured before the suite kept provenance)"
+        return "an unrecorded commit (measured before the suite kept provenance)"
     commit = m.get("commit")
     where = "outside a git checkout" if not commit else f"commit `{commit[:10]}`"
     if m.get("dirty"):
@@ -595,7 +623,6 @@ def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]
     done = [(i, sec) for i, sec in enumerate(sections, 1) if sec.name in results["sections"]]
     measured: dict[str, Any] = meta.get("measured", {})
     written: list[Path] = []
-    checks = [(i, sec.name, c) for i, sec in done for c in results["sections"][sec.name].get("checks", [])]
     commits: set[str | None] = {(measured.get(sec.name) or {}).get("commit") for _, sec in done}
     dirty = any((measured.get(sec.name) or {}).get("dirty") for _, sec in done)
     commit = next(iter(commits)) if len(commits) == 1 else None
@@ -620,16 +647,16 @@ def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]
     if quick:
         head.append("")
         head.append("**This is the `--quick` variant (CI): tiny budgets; the numbers say nothing about the system.**")
+    missing = [f"§{i} {sec.name}" for i, sec in enumerate(sections, 1) if sec.name not in results["sections"]]
+    if missing:
+        head += ["", f"Not measured yet (run `diloco bench --only NAME`): {', '.join(missing)}."]
     head += [
         "",
         "Absolute numbers depend on the machine; the simulator's time is virtual (the training in it is real).",
         "",
         "## Targets",
         "",
-        table(
-            ["section", "target", "wanted", "measured", "result"],
-            [[f"§{i} {name}", c["name"], c["target"], c["measured"], verdict(c["pass"])] for i, name, c in checks],
-        ),
+        targets_table(results, sections),
     ]
     body = []
     for i, sec in done:
@@ -638,10 +665,9 @@ def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]
         m = measured.get(sec.name)
         wall = (m or {}).get("wall_s", meta["wall_s"].get(sec.name))
         body += [
-            f"## {i}. {sec.title}",
+            f"## {i}. {sec.title} — measured at {measured_at(m)}",
             "",
-            f"Measured at {measured_at(m)}. Regenerate: {command(sec.name, quick)}"
-            + (f" ({wall / 60:.1f} min here)." if wall is not None else "."),
+            f"Regenerate: {command(sec.name, quick)}" + (f" ({wall / 60:.1f} min here)." if wall is not None else "."),
             "",
             sec.markdown(result),
             "",
@@ -654,3 +680,50 @@ def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]
     readme.write_text("\n".join(head) + "\n\n" + "\n".join(body).rstrip() + "\n")
     written.append(readme)
     return written
+
+
+def targets_table(results: dict[str, Any], sections: Sequence[Section]) -> str:
+    """Every check of every section in `results`: target, measurement, verdict."""
+    numbered = [(i, sec.name) for i, sec in enumerate(sections, 1) if sec.name in results["sections"]]
+    return table(
+        ["section", "target", "wanted", "measured", "result"],
+        [
+            [f"§{i} {name}", c["name"], c["target"], c["measured"], verdict(c["pass"])]
+            for i, name in numbered
+            for c in results["sections"][name].get("checks", [])
+        ],
+    )
+
+
+def update_readme(results: dict[str, Any], readme: Path, sections: Sequence[Section]) -> bool:
+    """Rewrite the generated blocks of the repository README from `results`: between `<!-- bench:NAME -->` and
+    `<!-- /bench:NAME -->`, a section's `readme` excerpt (or a note that it has not been measured), and between
+    `<!-- bench:targets -->` and `<!-- /bench:targets -->` the Targets table. Each block says where it was measured.
+    Returns whether the file changed."""
+    text = readme.read_text()
+    measured: dict[str, Any] = results["meta"].get("measured", {})
+    quick = bool(results["meta"].get("quick"))
+    blocks: dict[str, str] = {
+        "targets": "Generated from `docs/benchmarks/results.json` (each section's commit is in "
+        "[the report](docs/benchmarks/README.md)).\n\n" + targets_table(results, sections)
+    }
+    for sec in sections:
+        if sec.readme is None:
+            continue
+        if sec.name in results["sections"]:
+            blocks[sec.name] = (
+                f"Measured at {measured_at(measured.get(sec.name))} (`results.json`; regenerate: "
+                f"{command(sec.name, quick)}).\n\n" + sec.readme(results["sections"][sec.name])
+            )
+        else:
+            blocks[sec.name] = f"Not measured yet: run {command(sec.name, quick)}."
+    new = text
+    for name, body in blocks.items():
+        begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+        i, j = new.find(begin), new.find(end)
+        if i < 0 or j < i:
+            continue
+        new = new[: i + len(begin)] + "\n" + body + "\n" + new[j:]
+    if new != text:
+        readme.write_text(new)
+    return new != text

@@ -51,3 +51,5 @@ class Section:
     run: Callable[[Context], Result]
     markdown: Callable[[Result], str]
     plots: Callable[[Result, Path], list[str]] = field(default=no_plots)
+    # the excerpt the repository README shows between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->`, if any
+    readme: Callable[[Result], str] | None = None

@@ -313,6 +313,14 @@ def section(ctx: Context) -> dict[str, Any]:
     return measure(QUICK if ctx.quick else FULL, ctx.log)
 
 
+def summary(r: dict[str, Any]) -> str:
+    """The headline table (the repository README shows it): medians against the targets."""
+    return table(
+        ["what", "target", "median", "result"],
+        [[c["name"], c["target"], c["measured"], "pass" if c["pass"] else "**missed**"] for c in r["checks"]],
+    )
+
+
 def markdown(r: dict[str, Any]) -> str:
     s, ckpt = r["settings"], r["checkpoint"]
     rows = [

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from diloco.bench import cluster_bench, report, sim_bench, startup_bench
+from diloco.bench import bench_core, bench_upload, cluster_bench, report, sim_bench, startup_bench
 from diloco.bench.section import Context, Log, Section
 from diloco.bench.settings import FULL, QUICK
 from diloco.errors import ConfigError
@@ -33,6 +33,7 @@ SECTIONS: tuple[Section, ...] = (
         lambda c: sim_bench.time_to_target(c.profile.sim, c.sim),
         report.time_to_target_md,
         report.time_to_target_plot,
+        readme=report.time_to_target_readme,
     ),
     Section(
         "scale",
@@ -62,7 +63,27 @@ SECTIONS: tuple[Section, ...] = (
         report.outer_md,
         report.outer_plot,
     ),
-    Section("startup", "Start-up time (real processes)", startup_bench.section, startup_bench.markdown),
+    Section(
+        "startup",
+        "Start-up time (real processes)",
+        startup_bench.section,
+        startup_bench.markdown,
+        readme=startup_bench.summary,
+    ),
+    Section(
+        "core",
+        "Core operations (outer step, codecs)",
+        bench_core.section,
+        bench_core.markdown,
+        readme=bench_core.summary,
+    ),
+    Section(
+        "upload",
+        "Upload of a pseudo-gradient into the coordinator",
+        bench_upload.section,
+        bench_upload.markdown,
+        readme=bench_upload.summary,
+    ),
 )
 NAMES = tuple(s.name for s in SECTIONS)
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -120,9 +141,19 @@ def render(out: Path, log: Log = print) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"--report-only: {path} does not exist; run the suite first")
     results: dict[str, Any] = json.loads(path.read_text())
+    _write(results, out, log)
+    return results
+
+
+def _write(results: dict[str, Any], out: Path, log: Log) -> None:
+    """The report and plots into `out`; and, when `out` is this checkout's docs/benchmarks, the README's
+    generated blocks (so every table there comes from the committed results.json)."""
     for f in report.write_report(results, out, SECTIONS):
         log(f"wrote {f}")
-    return results
+    readme = CHECKOUT / "README.md"
+    ours = out.resolve() == (CHECKOUT / "docs" / "benchmarks").resolve() and readme.is_file()
+    if ours and report.update_readme(results, readme, SECTIONS):
+        log(f"wrote {readme} (its generated blocks)")
 
 
 def run_suite(out: Path, *, quick: bool = False, only: Sequence[str] = (), log: Log = print) -> dict[str, Any]:
@@ -173,6 +204,5 @@ def run_suite(out: Path, *, quick: bool = False, only: Sequence[str] = (), log: 
     }
     results = _clean(results)
     path.write_text(json.dumps(results, indent=1, allow_nan=False) + "\n")
-    for f in report.write_report(results, out, SECTIONS):
-        log(f"wrote {f}")
+    _write(results, out, log)
     return results
