@@ -1111,7 +1111,7 @@ def _upload_rows(doc: dict[str, Any]) -> list[list[str]]:
     rows = [
         [
             "raw TCP socket on loopback (limit: `sendall` into `recv_into` a preallocated buffer)",
-            f"{tcp['bytes'] / 1e6:,.0f} MB",
+            f"{tcp['bytes'] / 1e6:,.1f} MB",
             f"{tcp['gb_per_s']:.2f} GB/s",
             "1.00",
             "",
@@ -1122,7 +1122,7 @@ def _upload_rows(doc: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 f"{path}, {g['codec']}",
-                f"{g['payload_bytes'] / 1e6:,.0f} MB",
+                f"{g['payload_bytes'] / 1e6:,.1f} MB",
                 f"{g['upload_gb_per_s']:.2f} GB/s",
                 f"{g['upload_x_tcp']:.2f}",
                 f"{g['rpc_s']:.2f} s",
@@ -1132,7 +1132,7 @@ def _upload_rows(doc: dict[str, Any]) -> list[list[str]]:
         rows.append(
             [
                 f"(diagnostic) {d['name']}",
-                f"{d['payload_bytes'] / 1e6:,.0f} MB",
+                f"{d['payload_bytes'] / 1e6:,.1f} MB",
                 f"{d['gb_per_s']:.2f} GB/s",
                 f"{d['x_tcp']:.2f}",
                 "",
@@ -1166,7 +1166,7 @@ def markdown(doc: dict[str, Any]) -> str:
             table(
                 ["stage", "bytes", "s", "GB/s"],
                 [
-                    [b["stage"], f"{b['bytes'] / 1e6:,.0f} MB", f"{b['seconds']:.3f}", f"{b['gb_per_s']:.2f}"]
+                    [b["stage"], f"{b['bytes'] / 1e6:,.1f} MB", f"{b['seconds']:.3f}", f"{b['gb_per_s']:.2f}"]
                     for b in doc["breakdown"]
                 ],
             ),
