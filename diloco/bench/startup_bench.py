@@ -59,10 +59,11 @@ class StartupSettings:
     ctl_target_s: float = 0.5
     coordinator_target_s: float = 2.0  # plus the checkpoint's load time when it resumes from one
     coordinator_args: tuple[str, ...] = ()  # the default task, as `diloco coordinator` runs without flags
+    warmup: bool = True  # one untimed run of everything first
 
 
 FULL = StartupSettings()
-QUICK = StartupSettings(repeats=1)
+QUICK = StartupSettings(repeats=1, warmup=False)
 
 # the floors: the interpreter alone, and with torch (which the coordinator cannot do without)
 FLOORS = ("pass", "import torch")
@@ -256,7 +257,8 @@ def measure(s: StartupSettings, log: Log) -> dict[str, Any]:
         logged: dict[str, list[float]] = {label: [] for label in COMMANDS}
         ctl: list[float] = []
         floors: dict[str, list[float]] = {code: [] for code in FLOORS}
-        for i in range(-1, s.repeats):  # run -1 warms the file cache up and is not counted
+        first = -1 if s.warmup else 0
+        for i in range(first, s.repeats):  # run -1 warms the file cache up and is not counted
             for code, runs in floors.items():
                 runs.append(b.floor(code))
             for label in COMMANDS:
@@ -274,8 +276,9 @@ def measure(s: StartupSettings, log: Log) -> dict[str, Any]:
                 + f", ctl status {ctl[-1]:.2f} s, "
                 + ", ".join(f"python -c {code!r} {runs[-1]:.2f} s" for code, runs in floors.items())
             )
-        for runs in (*serving.values(), *logged.values(), ctl, *floors.values()):
-            del runs[0]
+        if s.warmup:
+            for runs in (*serving.values(), *logged.values(), ctl, *floors.values()):
+                del runs[0]
     rows = [
         {"name": label, "kind": "service", **_summary(serving[label]), "log_median_s": statistics.median(logged[label])}
         for label in COMMANDS
@@ -338,8 +341,9 @@ def markdown(r: dict[str, Any]) -> str:
             "runs, interleaved. A service's time runs from the spawn to its first `grpc.health.v1` SERVING answer "
             "(its port is read from its `<service>.started` log line, then the health check is polled every "
             f"{s['poll_s'] * 1000:g} ms); `diloco ctl status` from the spawn to its exit with the reply; "
-            "`python -c 'pass'` is the interpreter alone and `python -c 'import torch'` the coordinator's floor. One "
-            "untimed warm-up run of everything goes first. The coordinator builds its default task "
+            "`python -c 'pass'` is the interpreter alone and `python -c 'import torch'` the coordinator's floor. "
+            + ("One untimed warm-up run of everything goes first. " if s.get("warmup", True) else "")
+            + "The coordinator builds its default task "
             "(a 2-layer byte-level GPT on the standard library's sources) before it serves. The checkpoint "
             f"({ckpt['bytes'] / 1e6:.1f} MB, the same task) loads in {ckpt['load_s']:.3f} s on its own. Load average "
             f"when the section started: {', '.join(f'{x:.1f}' for x in r['load_average'])} (1, 5, 15 min): on a "
