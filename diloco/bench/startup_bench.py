@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import queue
 import resource
@@ -246,9 +247,13 @@ print(written[0])
 
 
 def _cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) process `pid` has used so far, from /proc/<pid>/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    """CPU seconds (user + system, every thread) process `pid` has used so far, from /proc/<pid>/stat (NaN
+    where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -319,11 +324,11 @@ def measure(s: StartupSettings, log: Log) -> dict[str, Any]:
     by_name = {r["name"]: r for r in rows}
 
     def check(name: str, row: str, limit: float, extra: str = "") -> dict[str, Any]:
-        median, cpu = by_name[row]["median_s"], by_name[row]["cpu_median_s"]
+        median, cpu = by_name[row]["median_s"], _s(by_name[row]["cpu_median_s"])
         return {
             "name": name,
             "target": f"≤ {limit:.2f} s{extra} (median of {s.repeats})",
-            "measured": f"{median:.2f} s ({cpu:.2f} s of CPU)",
+            "measured": f"{median:.2f} s ({cpu} s of CPU)",
             "pass": median <= limit,
         }
 
@@ -347,6 +352,11 @@ def section(ctx: Context) -> dict[str, Any]:
     return measure(QUICK if ctx.quick else FULL, ctx.log)
 
 
+def _s(x: float | None) -> str:
+    """Seconds with two decimals; `-` for a figure this platform could not measure (NaN, null in JSON)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.2f}"
+
+
 def summary(r: dict[str, Any]) -> str:
     """The headline table (the repository README shows it): medians against the targets."""
     return table(
@@ -362,7 +372,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"`{row['name']}`",
             f"{row['median_s']:.2f}",
             f"{row['min_s']:.2f} – {row['max_s']:.2f}",
-            f"{row['cpu_median_s']:.2f}",
+            _s(row["cpu_median_s"]),
             f"{row['log_median_s']:.2f}" if "log_median_s" in row else "",
         ]
         for row in r["rows"]
