@@ -28,7 +28,7 @@ protos: setup
 	$(BIN)/python scripts/gen_protos.py
 
 bench: setup
-	$(BIN)/python bench/bench_core.py
+	$(BIN)/diloco bench  # the whole suite, at one commit, into docs/benchmarks
 
 # Containers: start a Docker engine (installs docker.io when missing), build the images offline, run the
 # chaos suite (kills and pauses containers while training goes on).

@@ -1,5 +1,5 @@
-"""`bench/bench_upload.py` at a tiny size, so the benchmark cannot rot: it starts a real coordinator, uploads
-fp32 and int8 pseudo-gradients through it, and reaps every child process."""
+"""`python -m diloco.bench.bench_upload` at a tiny size, so the benchmark cannot rot: it starts a real coordinator,
+uploads fp32 and int8 pseudo-gradients through it, and reaps every child process."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parent.parent
 
-
-def test_bench_upload_runs_at_a_tiny_size() -> None:
+def test_bench_upload_runs_at_a_tiny_size(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "bench/bench_upload.py", "--params", "200000", "--repeats", "1", "--json"],
-        cwd=REPO,
+        [sys.executable, "-m", "diloco.bench.bench_upload", "--params", "200000", "--repeats", "1", "--json"],
+        cwd=tmp_path,  # any directory: the benchmark is part of the package
         capture_output=True,
         text=True,
         timeout=200,

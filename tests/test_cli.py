@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cli.main import main
+from diloco.cli.main import COMMANDS, build_parser, main
 from diloco.errors import ConfigError
 from diloco.rpc.tls import write_bundle
 from services.coordinator.config import CoordinatorServiceConfig
@@ -63,6 +64,27 @@ def test_ctl_errors_are_clear(coordinator: CoordinatorServer, capsys: pytest.Cap
     assert "NOT_FOUND" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="give a WORKER_ID"):
         main(ctl(coordinator.address, "evict"))
+
+
+# the least each command parses (its required flags)
+MINIMAL_ARGS = {
+    "local": [],
+    "simulate": [],
+    "ctl": ["--coordinator", "h:1", "status"],
+    "bench": [],
+    "certs": ["--out", "x"],
+}
+
+
+def test_each_command_parses_with_only_its_own_module_and_keeps_its_help_line() -> None:
+    full = build_parser()  # every command's module: the lazy table must agree with the modules
+    sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    assert set(MINIMAL_ARGS) == set(COMMANDS)
+    for name, (_module, summary) in COMMANDS.items():
+        assert helps[name] == summary, f"main.COMMANDS[{name!r}] says {summary!r}, its module {helps[name]!r}"
+        args = build_parser(name).parse_args([name, *MINIMAL_ARGS[name]])
+        assert args.command == name and callable(args.func)
 
 
 def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -162,6 +163,7 @@ def plot(results: list[SimResult], path: Path) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
+    torch.set_num_threads(1)  # like the services: one thread each; 2 threads contend on these machines
     cfg = config_from_args(a)
     console = Console(stderr=a.json)
     result = simulate(cfg)

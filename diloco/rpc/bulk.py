@@ -39,7 +39,7 @@ TLS: `server_ssl_context` requires a client certificate signed by the CA (mutual
 `client_ssl_context` verifies the server against the CA and presents the client's certificate. The files follow
 `diloco.rpc.tls` (`ca.pem`, `<name>.pem`, `<name>.key` in a TLS folder).
 
-Throughput against raw loopback TCP: `python bench/bench_bulk.py`.
+Throughput against raw loopback TCP: `python -m diloco.bench.bench_bulk`.
 """
 
 from __future__ import annotations

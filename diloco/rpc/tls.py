@@ -21,14 +21,17 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from diloco.errors import ConfigError
+
+# `cryptography` (about 40 ms to import) only issues certificates; a service that reads its TLS folder never
+# needs it, so each issuing function imports it when called (healthd and `diloco ctl` start faster).
+if TYPE_CHECKING:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
 
 SERVICE_NAMES = ("coordinator", "healthd")
 RESERVED_NAMES = (*SERVICE_NAMES, "admin")  # identities that are not learners
@@ -91,12 +94,16 @@ def _write_private(path: Path, data: bytes) -> None:
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
     return key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
 
 
 def _san(hosts: Sequence[str]) -> x509.SubjectAlternativeName:
+    from cryptography import x509
+
     names: list[x509.GeneralName] = []
     for h in dict.fromkeys(hosts):
         try:
@@ -111,6 +118,11 @@ def _now() -> datetime.datetime:
 
 
 def make_ca(common_name: str = "diloco CA") -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     now = _now()
@@ -152,6 +164,11 @@ def issue(
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A certificate for `name` signed by the CA: always usable as a client certificate; with `server`, also as a
     server certificate for `hosts` (and `name` itself) as SANs."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
     usages = [ExtendedKeyUsageOID.CLIENT_AUTH] + ([ExtendedKeyUsageOID.SERVER_AUTH] if server else [])
@@ -172,11 +189,17 @@ def issue(
 
 
 def _write_pair(out: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> None:
+    from cryptography.hazmat.primitives import serialization
+
     (out / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     _write_private(out / f"{name}.key", _key_pem(key))
 
 
 def load_ca(out: str | Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
     d = Path(out)
     cert = x509.load_pem_x509_certificate((d / "ca.pem").read_bytes())
     key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), password=None)
@@ -211,6 +234,8 @@ def write_bundle(
 ) -> list[Path]:
     """Write a CA, server+client certificates for the services (SANs: `hosts`), client certificates for `admin`
     and each name in `clients`, and (with `tokens`) fresh join and admin tokens. Returns the files written."""
+    from cryptography.hazmat.primitives import serialization
+
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     for name in clients:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.settings import PROFILES, ScaleSettings, SimSettings
+from diloco.bench.settings import PROFILES, ScaleSettings, SimSettings
 from diloco.core.outer import OuterConfig
 from diloco.sim.config import SimConfig
 from diloco.sim.engine import simulate

@@ -12,6 +12,8 @@ at least `recovered_fraction` of the rate in the `window_s` before the kill.
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -20,11 +22,15 @@ from typing import Any
 
 import grpc
 
-from bench.settings import ClusterSettings
-from diloco.cli.ctl import state_name
+from diloco.bench.section import Context, Log
+from diloco.bench.settings import ClusterSettings
 from diloco.cluster import ClusterConfig, LocalCluster
+from diloco.v1 import common_pb2
 
-Log = Callable[[str], None]
+
+def state_name(value: int) -> str:
+    """A worker state as the report and plots name it (`active`, `dead`, ...)."""
+    return common_pb2.WorkerState.Name(value).removeprefix("WORKER_STATE_").lower()
 
 
 class Recorder(threading.Thread):
@@ -191,7 +197,7 @@ def run_cluster(s: ClusterSettings, mode: str, kill: bool, run_dir: Path, log: L
                 def reassigned() -> bool:
                     w = next(w for w in cluster.workers().workers if w.worker_id == doomed.worker_id)
                     owners = {shard.owner for shard in cluster.ledger().shards}
-                    return state_name(w.state) == "dead" and doomed.worker_id not in owners
+                    return w.state == common_pb2.WORKER_STATE_DEAD and doomed.worker_id not in owners
 
                 events["reassigned"] = _wait("the reassignment", reassigned, deadline, interval_s=0.02) - t0
                 cluster.start_worker(s.victim)
@@ -202,7 +208,7 @@ def run_cluster(s: ClusterSettings, mode: str, kill: bool, run_dir: Path, log: L
                         lambda: (
                             (w := _incarnation(cluster, victim)) is not None
                             and w.worker_id != doomed.worker_id
-                            and state_name(w.state) == "active"
+                            and w.state == common_pb2.WORKER_STATE_ACTIVE
                         ),
                         deadline,
                     )
@@ -288,3 +294,15 @@ def cluster(s: ClusterSettings, run_root: Path, log: Log) -> dict[str, Any]:
             )
     settings = dict(vars(s))
     return {"settings": settings, "runs": runs, "checks": checks}
+
+
+def section(ctx: Context) -> dict[str, Any]:
+    """The suite's `cluster` section: every run's logs in a temp folder, kept only when a run fails."""
+    run_root = Path(tempfile.mkdtemp(prefix="diloco-bench-cluster-"))
+    try:
+        result = cluster(ctx.profile.cluster, run_root, ctx.log)
+    except BaseException:
+        ctx.log(f"  the cluster logs are kept in {run_root}")
+        raise
+    shutil.rmtree(run_root, ignore_errors=True)
+    return result

@@ -14,7 +14,7 @@ target is bulk (overlap) >= 0.6x raw TCP. CPU s/GB is this process's CPU time (c
 thread; best of N) per GB: less sensitive than wall time to other load on a shared machine. Figures are noisy on a
 shared machine; ratios matter.
 
-    python bench/bench_bulk.py [--mb 400] [--repeats 5] [--json]
+    python -m diloco.bench.bench_bulk [--mb 400] [--repeats 5] [--json]
 """
 
 from __future__ import annotations

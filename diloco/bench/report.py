@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -15,15 +15,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from bench.cluster_bench import rate
+from diloco.bench.cluster_bench import rate
+from diloco.bench.section import table
 
-SECTION_TITLES = {
-    "time-to-target": "1. Time to target (simulator)",
-    "scale": "2. Scale sweep (simulator, timing only)",
-    "compression": "3. Compression sweep (simulator)",
-    "cluster": "4. Real cluster (`LocalCluster`, processes on loopback)",
-    "outer": "5. Outer-optimizer ablation (simulator)",
-}
+if TYPE_CHECKING:
+    from diloco.bench.section import Section
+
 MODE_COLORS = {"dp": "tab:gray", "sync": "tab:blue", "decoupled": "tab:orange", "async": "tab:green"}
 STATE_COLORS = {
     "active": "tab:green",
@@ -38,12 +35,6 @@ STATE_COLORS = {
 
 
 # --- formatting -----------------------------------------------------------------------------------------------
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def mb(n: float) -> str:
     return f"{n / 1e6:,.1f}" if n >= 1e5 else f"{n / 1e6:,.3f}"
 
@@ -169,6 +160,34 @@ def time_to_target_md(r: dict[str, Any]) -> str:
             "is the best possible (one large batch per step); its cost is time and bytes.",
             "![loss against virtual time and tokens](time_to_target.png)",
         ]
+    )
+
+
+def time_to_target_readme(r: dict[str, Any]) -> str:
+    """The repository README's excerpt: sync against decoupled on mixed hardware, with and without failures."""
+    targets: dict[str, float] = r["targets"]
+    rows = [
+        [
+            run["profile"],
+            run["mode"],
+            *[secs(run["time_to_target_s"][k]) for k in targets],
+            f"{run['loss_at_budget']:.4f}",
+            f"{run['goodput']:.0%}",
+            f"{run['bytes_per_token']:,.1f}",
+        ]
+        for run in r["runs"]
+        if run["profile"] != "uniform"
+    ]
+    return table(
+        [
+            "profile",
+            "mode",
+            *[f"virtual time to the {k} target ({targets[k]:.4f}), s" for k in targets],
+            "loss at budget",
+            "goodput",
+            "bytes/token",
+        ],
+        rows,
     )
 
 
@@ -585,75 +604,126 @@ def outer_plot(r: dict[str, Any], out: Path) -> list[str]:
     return ["outer.png"]
 
 
-RENDERERS: dict[str, tuple[Callable[[dict[str, Any]], str], Callable[[dict[str, Any], Path], list[str]]]] = {
-    "time-to-target": (time_to_target_md, time_to_target_plot),
-    "scale": (scale_md, scale_plot),
-    "compression": (compression_md, compression_plot),
-    "cluster": (cluster_md, cluster_plot),
-    "outer": (outer_md, outer_plot),
-}
+def measured_at(m: dict[str, Any] | None) -> str:
+    """Where a section was measured: `commit 12887a1` (`+ uncommitted changes` when dirty) and the date."""
+    if not m:
+        return "an unrecorded commit (measured before the suite kept provenance)"
+    commit = m.get("commit")
+    where = "outside a git checkout" if not commit else f"commit `{commit[:10]}`"
+    if m.get("dirty"):
+        where += " + uncommitted changes"
+    return f"{where}, {m.get('date', 'date not recorded')}"
 
 
-def write_report(results: dict[str, Any], out: Path) -> list[Path]:
-    """Write README.md and every plot for the sections in `results`; returns the files written."""
+def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]) -> list[Path]:
+    """Write README.md and every plot for the sections in `results` (in the order of `sections`, numbered so);
+    returns the files written. Every heading says the commit and date its section was measured at."""
     meta = results["meta"]
     quick = bool(meta.get("quick"))
-    sections = results["sections"]
+    done = [(i, sec) for i, sec in enumerate(sections, 1) if sec.name in results["sections"]]
+    measured: dict[str, Any] = meta.get("measured", {})
     written: list[Path] = []
-    checks = [(name, c) for name, sec in sections.items() for c in sec.get("checks", [])]
+    commits: set[str | None] = {(measured.get(sec.name) or {}).get("commit") for _, sec in done}
+    dirty = any((measured.get(sec.name) or {}).get("dirty") for _, sec in done)
+    commit = next(iter(commits)) if len(commits) == 1 else None
+    if commit is not None and not dirty:
+        one = f"Every section was measured at commit `{commit[:10]}`."
+    else:
+        one = (
+            "**The sections were not all measured at one clean commit** (each heading says where it was): rerun "
+            "the whole suite before comparing sections."
+        )
     head = [
         "# Benchmarks",
         "",
         f"Generated by `.venv/bin/diloco bench{' --quick' if quick else ''}` (or "
-        f"`.venv/bin/python bench/run_all.py{' --quick' if quick else ''}`) on {meta['date']}, {meta['machine']}. "
-        f"Last full run of the whole suite: {meta['wall_s'].get('total', math.nan) / 60:.1f} min. Each section "
-        "below names the command that regenerates its tables and figures (`--only` runs one section and keeps "
-        "the others from `results.json`, which holds every number, the loss histories and the cluster timelines; "
-        "`--report-only` rewrites this page and the plots from `results.json`).",
+        f"`.venv/bin/python -m diloco.bench.run_all{' --quick' if quick else ''}`); last written {meta['date']}, "
+        f"{meta['machine']}. {one} Last full run of the whole suite: "
+        f"{meta['wall_s'].get('total', math.nan) / 60:.1f} min. Each section below names the command that "
+        "regenerates its tables and figures (`--only` runs one section and keeps the others from `results.json`, "
+        "which holds every number, the loss histories and the cluster timelines; `--report-only` rewrites this "
+        "page and the plots from `results.json`).",
     ]
     if quick:
         head.append("")
         head.append("**This is the `--quick` variant (CI): tiny budgets; the numbers say nothing about the system.**")
+    missing = [f"§{i} {sec.name}" for i, sec in enumerate(sections, 1) if sec.name not in results["sections"]]
+    if missing:
+        head += ["", f"Not measured yet (run `diloco bench --only NAME`): {', '.join(missing)}."]
     head += [
         "",
         "Absolute numbers depend on the machine; the simulator's time is virtual (the training in it is real).",
         "",
         "## Targets",
         "",
-        table(
-            ["section", "target", "wanted", "measured", "result"],
-            [
-                [
-                    f"§{SECTION_TITLES[n].split('.', 1)[0]} {n}",
-                    c["name"],
-                    c["target"],
-                    c["measured"],
-                    verdict(c["pass"]),
-                ]
-                for n, c in checks
-            ],
-        ),
+        targets_table(results, sections),
     ]
     body = []
-    for name in SECTION_TITLES:
-        if name not in sections:
-            continue
-        md, plot = RENDERERS[name]
-        written += [out / f for f in plot(sections[name], out)]
-        wall = meta["wall_s"].get(name)
+    for i, sec in done:
+        result = results["sections"][sec.name]
+        written += [out / f for f in sec.plots(result, out)]
+        m = measured.get(sec.name)
+        wall = (m or {}).get("wall_s", meta["wall_s"].get(sec.name))
         body += [
-            f"## {SECTION_TITLES[name]}",
+            f"## {i}. {sec.title} — measured at {measured_at(m)}",
             "",
-            f"Regenerate: {command(name, quick)}" + (f" ({wall / 60:.1f} min here)." if wall is not None else "."),
+            f"Regenerate: {command(sec.name, quick)}" + (f" ({wall / 60:.1f} min here)." if wall is not None else "."),
             "",
-            md(sections[name]),
+            sec.markdown(result),
             "",
         ]
-        for c in sections[name].get("checks", []):
+        for c in result.get("checks", []):
             body.append(f"- {c['name']}: {c['measured']} (target: {c['target']}) → {verdict(c['pass'])}")
-        if sections[name].get("checks"):
+        if result.get("checks"):
             body.append("")
     readme = out / "README.md"
     readme.write_text("\n".join(head) + "\n\n" + "\n".join(body).rstrip() + "\n")
     written.append(readme)
     return written
+
+
+def targets_table(results: dict[str, Any], sections: Sequence[Section]) -> str:
+    """Every check of every section in `results`: target, measurement, verdict."""
+    numbered = [(i, sec.name) for i, sec in enumerate(sections, 1) if sec.name in results["sections"]]
+    return table(
+        ["section", "target", "wanted", "measured", "result"],
+        [
+            [f"§{i} {name}", c["name"], c["target"], c["measured"], verdict(c["pass"])]
+            for i, name in numbered
+            for c in results["sections"][name].get("checks", [])
+        ],
+    )
+
+
+def update_readme(results: dict[str, Any], readme: Path, sections: Sequence[Section]) -> bool:
+    """Rewrite the generated blocks of the repository README from `results`: between `<!-- bench:NAME -->` and
+    `<!-- /bench:NAME -->`, a section's `readme` excerpt (or a note that it has not been measured), and between
+    `<!-- bench:targets -->` and `<!-- /bench:targets -->` the Targets table. Each block says where it was measured.
+    Returns whether the file changed."""
+    text = readme.read_text()
+    measured: dict[str, Any] = results["meta"].get("measured", {})
+    quick = bool(results["meta"].get("quick"))
+    blocks: dict[str, str] = {
+        "targets": "Generated from `docs/benchmarks/results.json` (each section's commit is in "
+        "[the report](docs/benchmarks/README.md)).\n\n" + targets_table(results, sections)
+    }
+    for sec in sections:
+        if sec.readme is None:
+            continue
+        if sec.name in results["sections"]:
+            blocks[sec.name] = (
+                f"Measured at {measured_at(measured.get(sec.name))} (`results.json`; regenerate: "
+                f"{command(sec.name, quick)}).\n\n" + sec.readme(results["sections"][sec.name])
+            )
+        else:
+            blocks[sec.name] = f"Not measured yet: run {command(sec.name, quick)}."
+    new = text
+    for name, body in blocks.items():
+        begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+        i, j = new.find(begin), new.find(end)
+        if i < 0 or j < i:
+            continue
+        new = new[: i + len(begin)] + "\n" + body + "\n" + new[j:]
+    if new != text:
+        readme.write_text(new)
+    return new != text

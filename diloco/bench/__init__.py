@@ -1,0 +1,14 @@
+"""Benchmarks, part of the package: `diloco bench` (= `python -m diloco.bench.run_all`, from any directory) runs
+the suite and writes the report in `docs/benchmarks/` and the generated blocks of the repository README.
+
+- `suite.py`: `SECTIONS`, the registry (report order), and the runner that records where each section was
+  measured (commit, dirty flag, date, machine); `section.py`: how a module joins the registry.
+- sections: `sim_bench.py` (time to target, scale, compression, outer optimizers), `cluster_bench.py` (the real
+  cluster), `startup_bench.py` (process start to serving), `bench_core.py` (outer step, codecs),
+  `bench_upload.py` (a pseudo-gradient into the coordinator); `settings.py` (the simulator and cluster settings),
+  `report.py` (Markdown and plots from `results.json` alone).
+- `bench_core`, `bench_upload`, `bench_bulk` and `startup_bench` also run on their own:
+  `python -m diloco.bench.bench_core --help`.
+
+Nothing here imports `diloco.cli`; the CLI imports this package only when `diloco bench` runs.
+"""
