@@ -312,6 +312,12 @@ def test_a_stop_reaction_exits() -> None:
     assert core.next_action(5.0) == a
 
 
+def test_fatal_exits() -> None:
+    core = started()
+    core.fatal(1.0, "unknown codec enum value 9")
+    assert core.next_action(1.0) == Exit(ExitReason.FATAL, 1, "unknown codec enum value 9")
+
+
 def test_give_up_after_an_outage_only() -> None:
     core = LearnerCore(LearnerConfig(give_up_after_s=10.0))
     assert core.next_action(0.0) == Register()
@@ -321,6 +327,7 @@ def test_give_up_after_an_outage_only() -> None:
     core.contact(9.9)  # the coordinator answered: the clock starts over
     core.rpc_failed(12.0, Rpc.REGISTER, "UNAVAILABLE")
     assert core.next_action(21.9) == Register()
+    assert not core.give_up_due(21.9) and core.give_up_due(22.0)
     a = core.next_action(22.0)
     assert isinstance(a, Exit) and (a.reason, a.code) == (ExitReason.GAVE_UP, 1)
 

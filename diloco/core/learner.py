@@ -47,7 +47,8 @@ Driving it (what each call does and returns):
   * `Exit(reason, code)`: stop; `code` is the process exit status.
 - Events: `registered`, `params_arrived` (returns whether the version is now the newest: keep its tensor),
   `plan_received`, `stepped`, `upload_accepted`, `upload_failed`, `rpc_failed` (returns the `Reaction` the table
-  gives; RETRY leaves the state alone), `contact` (any successful coordinator reply), `session_ended`, `stop`.
+  gives; RETRY leaves the state alone), `contact` (any successful coordinator reply), `session_ended`, `stop`,
+  `fatal` (exit: something no retry fixes). `give_up_due(now)` tells a caller's retry loop to stop retrying.
 - `next_deadline()`: when `next_action` may change without an event (a plan poll, the drain deadline, giving up).
 - `react(rpc, code)`: the one table (`REACTIONS`) from every status code of every RPC to what a learner does.
 
@@ -405,6 +406,10 @@ class LearnerCore:
         """A coordinator call succeeded (or a broadcast arrived): the give-up clock stops."""
         self.failing_since = None
 
+    def fatal(self, now: float, detail: str) -> None:
+        """Something no retry can fix (e.g. the coordinator speaks an enum value this build does not know): exit."""
+        self._done(ExitReason.FATAL, detail)
+
     def session_ended(self, now: float, reason: str) -> None:
         """The registration is gone (the coordinator forgot this learner, a new epoch, healthd declared it dead):
         register again. Unsent progress is void: the coordinator moved the shards or lost the ledger entries."""
@@ -429,8 +434,7 @@ class LearnerCore:
         """The one thing to do now (see the module docstring)."""
         if self.exit is not None:
             return self.exit
-        g = self.cfg.give_up_after_s
-        if g is not None and self.failing_since is not None and now - self.failing_since >= g:
+        if self.failing_since is not None and self.give_up_due(now):
             return self._done(ExitReason.GAVE_UP, f"no coordinator call succeeded for {now - self.failing_since:.1f} s")
         if self.state is LearnerState.DRAINING:
             return self._drain(now)
@@ -488,6 +492,11 @@ class LearnerCore:
         if self.cfg.give_up_after_s is not None and self.failing_since is not None:
             times.append(self.failing_since + self.cfg.give_up_after_s)
         return min(times) if times else None
+
+    def give_up_due(self, now: float) -> bool:
+        """True when no coordinator call succeeded for `give_up_after_s` (never when that is None)."""
+        g = self.cfg.give_up_after_s
+        return g is not None and self.failing_since is not None and now - self.failing_since >= g
 
     @property
     def can_submit(self) -> bool:
