@@ -76,6 +76,15 @@ class Worker:
         signal handler (sets a flag; the loop looks at it at least every IDLE_WAIT_S)."""
         self._stop_requested = True
 
+    def close(self) -> None:
+        """End the threads and the channel (`run` does it on its way out; safe to call twice)."""
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
+        self.uploader.close()
+        self.heartbeats.close()
+        self.channel.close()
+
     def run(self) -> int:
         """Train until the job finishes or `stop()`; returns the exit status (0 finished or stopped, 1 gave up or
         met something no retry fixes)."""
@@ -86,13 +95,9 @@ class Worker:
             while not isinstance(action := self._next(), core.Exit):
                 self._do(action)
         finally:
-            if self.watcher is not None:
-                self.watcher.close()
-            self.uploader.close()
-            self.heartbeats.close()
+            self.close()
             if server is not None:
                 server.shutdown()
-            self.channel.close()
         self.exit_reason = action.reason.value
         if action.reason is core.ExitReason.GAVE_UP:
             self.log.error("worker.coordinator_unreachable", detail=action.detail)
@@ -265,7 +270,10 @@ class Worker:
         self.core.plan_received(time.monotonic(), plan_from_proto(resp.plan, resp.version))
 
     def _submit(self, a: core.Submit) -> None:
-        """Compress the pseudo-gradient of everything read since the last submission and queue its upload."""
+        self.uploader.put(self._upload_job(a))
+
+    def _upload_job(self, a: core.Submit) -> UploadJob:
+        """Compress the pseudo-gradient of everything read since the last submission."""
         assert self.trainer is not None and self.ef is not None and self.reg is not None
         delta = self.trainer.pseudo_gradient()
         if self.cfg.fault_scale_updates != 1.0:  # fault injection (tests, chaos runs): a learner gone wrong
@@ -273,8 +281,8 @@ class Worker:
         payload, meta = self.ef.compress(delta)
         self.trainer.mark_submitted()
         bulk_port = self.reg.bulk_port if self.cfg.upload_path == "auto" else 0
-        self.uploader.put(UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port))
         self.metrics.tokens_per_s.set(self.trainer.throughput().tokens_per_s)
+        return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)
 
     def _deregister(self, worker_id: str) -> None:
         """Best effort; then the leaving heartbeat, so healthd reports this learner LEFT, not DEAD."""
