@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(120)
 UNKNOWN = "unknown worker; register first"
 
 
-class FaultProxy(grpc.GenericRpcHandler):
+class FaultProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
     """Forwards every call of `service` to `backend`; `fail(method, code, times)` makes the next `times` calls of
     `method` answer `code` instead."""
 
@@ -77,8 +77,8 @@ class FaultProxy(grpc.GenericRpcHandler):
         if fault is not None:
             context.abort(*fault)
 
-    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        path = details.method  # type: ignore[attr-defined]
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        path: str = details.method
         name = path.rsplit("/", 1)[-1]
         m = self.methods.methods_by_name.get(name)
         if m is None:
@@ -86,39 +86,50 @@ class FaultProxy(grpc.GenericRpcHandler):
         chan = self._chan
         assert chan is not None
 
-        def relay(call: Callable[[], Any], context: grpc.ServicerContext) -> Any:
+        def abort_as(e: grpc.RpcError, context: grpc.ServicerContext) -> None:
+            context.abort(e.code(), e.details() or "")
+
+        def unary(req: bytes, context: grpc.ServicerContext) -> Any:
+            self._fault(name, context)
             try:
-                return call()
+                return chan.unary_unary(path, None, None)(req, timeout=30)
             except grpc.RpcError as e:
-                context.abort(e.code(), e.details())
+                abort_as(e, context)
+
+        def client_stream(it: Iterator[bytes], context: grpc.ServicerContext) -> Any:
+            self._fault(name, context)
+            try:
+                return chan.stream_unary(path, None, None)(it, timeout=30)
+            except grpc.RpcError as e:
+                abort_as(e, context)
+
+        def server_stream(req: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._fault(name, context)
+            call = chan.unary_stream(path, None, None)(req)
+            context.add_callback(call.cancel)
+            try:
+                yield from call
+            except grpc.RpcError as e:
+                if context.is_active():
+                    abort_as(e, context)
+
+        def bidi(it: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
+            self._fault(name, context)
+            call = chan.stream_stream(path, None, None)(it)
+            context.add_callback(call.cancel)
+            try:
+                yield from call
+            except grpc.RpcError as e:
+                if context.is_active():
+                    abort_as(e, context)
 
         if m.client_streaming and m.server_streaming:
-
-            def bidi(it: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-                self._fault(name, context)
-                yield from relay(lambda: list(chan.stream_stream(path)(it)), context)
-
             return grpc.stream_stream_rpc_method_handler(bidi)
         if m.client_streaming:
-            return grpc.stream_unary_rpc_method_handler(
-                lambda it, ctx: self._fault(name, ctx) or relay(lambda: chan.stream_unary(path)(it, timeout=30), ctx)
-            )
+            return grpc.stream_unary_rpc_method_handler(client_stream)
         if m.server_streaming:
-
-            def stream(req: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-                self._fault(name, context)
-                call = chan.unary_stream(path)(req)
-                context.add_callback(call.cancel)
-                try:
-                    yield from call
-                except grpc.RpcError as e:
-                    if context.is_active():
-                        context.abort(e.code(), e.details())
-
-            return grpc.unary_stream_rpc_method_handler(stream)
-        return grpc.unary_unary_rpc_method_handler(
-            lambda req, ctx: self._fault(name, ctx) or relay(lambda: chan.unary_unary(path)(req, timeout=30), ctx)
-        )
+            return grpc.unary_stream_rpc_method_handler(server_stream)
+        return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def coordinator(**kw: Any) -> CoordinatorServer:
