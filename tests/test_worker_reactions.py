@@ -103,9 +103,7 @@ class FaultProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             except grpc.RpcError as e:
                 abort_as(e, context)
 
-        def server_stream(req: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
-            self._fault(name, context)
-            call = chan.unary_stream(path, None, None)(req)
+        def relay_stream(call: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             context.add_callback(call.cancel)
             try:
                 yield from call
@@ -113,15 +111,13 @@ class FaultProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
                 if context.is_active():
                     abort_as(e, context)
 
+        def server_stream(req: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._fault(name, context)
+            return relay_stream(chan.unary_stream(path, None, None)(req), context)
+
         def bidi(it: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[Any]:
             self._fault(name, context)
-            call = chan.stream_stream(path, None, None)(it)
-            context.add_callback(call.cancel)
-            try:
-                yield from call
-            except grpc.RpcError as e:
-                if context.is_active():
-                    abort_as(e, context)
+            return relay_stream(chan.stream_stream(path, None, None)(it), context)
 
         if m.client_streaming and m.server_streaming:
             return grpc.stream_stream_rpc_method_handler(bidi)

@@ -130,24 +130,18 @@ R = Reaction
 # new coordinator epoch; PERMISSION_DENIED: its id now names another learner) registers again; a refused
 # submission resyncs; UNIMPLEMENTED means the address is not a coordinator of this protocol: no retry helps.
 # Authentication failures are retried (the operator may fix the coordinator's side while the learner waits).
+_SESSION_CALL = _table(  # a call that names this learner's registration (its worker id)
+    R.RETRY,
+    NOT_FOUND=R.REREGISTER,
+    FAILED_PRECONDITION=R.REREGISTER,
+    PERMISSION_DENIED=R.REREGISTER,
+    INVALID_ARGUMENT=R.REREGISTER,
+    UNIMPLEMENTED=R.STOP,
+)
 REACTIONS: dict[Rpc, dict[str, Reaction]] = {
     Rpc.REGISTER: _table(R.RETRY, INVALID_ARGUMENT=R.STOP, UNIMPLEMENTED=R.STOP),
-    Rpc.WATCH_PARAMETERS: _table(
-        R.RETRY,
-        NOT_FOUND=R.REREGISTER,
-        FAILED_PRECONDITION=R.REREGISTER,
-        PERMISSION_DENIED=R.REREGISTER,
-        INVALID_ARGUMENT=R.REREGISTER,
-        UNIMPLEMENTED=R.STOP,
-    ),
-    Rpc.GET_WORK_PLAN: _table(
-        R.RETRY,
-        NOT_FOUND=R.REREGISTER,
-        FAILED_PRECONDITION=R.REREGISTER,
-        PERMISSION_DENIED=R.REREGISTER,
-        INVALID_ARGUMENT=R.REREGISTER,
-        UNIMPLEMENTED=R.STOP,
-    ),
+    Rpc.WATCH_PARAMETERS: _SESSION_CALL,
+    Rpc.GET_WORK_PLAN: _SESSION_CALL,
     # an upload is idempotent and resumable: transient codes resume it (from GetUploadStatus's offset)
     Rpc.SUBMIT: _table(
         R.RETRY,
