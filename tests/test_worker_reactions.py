@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import random
 import socket
 import threading
 import time
@@ -22,6 +23,8 @@ import structlog
 
 from diloco.core import learner as core
 from diloco.core.learner import REACTIONS, STATUS_CODES, Reaction, Rpc
+from diloco.rpc.bulk import BulkError
+from diloco.rpc.retry import Backoff, BackoffConfig, retry_while
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
@@ -362,3 +365,44 @@ def test_give_up_after_s_ends_an_unreachable_learner() -> None:
     started = time.monotonic()
     assert w.run() == 1
     assert w.exit_reason == "gave_up" and time.monotonic() - started < 20
+
+
+# --- the retry policy the learner's calls use ------------------------------------------------------------------
+def test_backoff_is_capped_and_jittered() -> None:
+    b = Backoff(BackoffConfig(initial_s=0.1, max_s=1.0, jitter=0.5), random.Random(1))
+    delays = [b.next_s() for _ in range(8)]
+    assert all(0.05 <= d <= 0.1 for d in delays[:1]) and all(0.5 <= d <= 1.0 for d in delays[4:])
+    assert len(set(delays[4:])) == 4  # jittered, not in lockstep
+    b.reset()
+    assert b.next_s() <= 0.1
+
+
+def test_retry_while_decides_on_every_attempt() -> None:
+    """The bug of #16: a NOT_FOUND on the third attempt of an UNAVAILABLE call ends the retries there."""
+    answers = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND]
+    calls: list[int] = []
+
+    def call() -> str:
+        calls.append(1)
+        raise BulkError(answers[len(calls) - 1], UNKNOWN)
+
+    def retry(e: grpc.RpcError) -> bool:
+        return REACTIONS[Rpc.GET_WORK_PLAN][e.code().name] is Reaction.RETRY
+
+    fast = Backoff(BackoffConfig(0.001, 0.001))
+    with pytest.raises(grpc.RpcError) as info:
+        retry_while(call, "GetWorkPlan", retry=retry, wait=lambda s: False, backoff=fast)
+    assert info.value.code() is grpc.StatusCode.NOT_FOUND and len(calls) == 3
+
+    def unavailable() -> str:
+        raise BulkError(grpc.StatusCode.UNAVAILABLE, "down")
+
+    sleeps: list[float] = []
+
+    def stop_now(seconds: float) -> bool:
+        sleeps.append(seconds)
+        return True
+
+    with pytest.raises(grpc.RpcError):  # a stop request ends the sleep and the retries
+        retry_while(unavailable, "x", retry=lambda e: True, wait=stop_now)
+    assert len(sleeps) == 1
