@@ -32,7 +32,7 @@ from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
 from services.worker.config import WorkerConfig
 from services.worker.session import Fatal, SessionLost
-from services.worker.watcher import Delivered, Watcher
+from services.worker.watcher import Delivered, Watcher, WatchFailed
 from services.worker.worker import Worker
 from tests.conftest import tiny_task
 
@@ -246,6 +246,9 @@ def test_watch_parameters(backend: CoordinatorServer, proxy: FaultProxy, name: s
         w = Watcher(stub, reg.worker_id, reg.coordinator_epoch, numel, inbox.put, structlog.get_logger())
         try:
             event = inbox.get(timeout=30)
+            if reaction is Reaction.RETRY:
+                assert event == WatchFailed(reg.worker_id, name)  # counted toward giving up
+                event = inbox.get(timeout=30)
         finally:
             w.close()
             leave(backend, reg.worker_id)
@@ -406,3 +409,27 @@ def test_retry_while_decides_on_every_attempt() -> None:
     with pytest.raises(grpc.RpcError):  # a stop request ends the sleep and the retries
         retry_while(unavailable, "x", retry=lambda e: True, wait=stop_now)
     assert len(sleeps) == 1
+
+
+def test_give_up_after_s_also_while_training_and_waiting(proxy: FaultProxy) -> None:
+    """The coordinator goes away for good after the learner joined: the stream, the uploads and the plan calls
+    all fail, and the learner exits 1 once nothing succeeded for give_up_after_s (not before)."""
+    first = coordinator()
+    proxy.point(first.address)
+    cfg = WorkerConfig(coordinator=proxy.address, upload_path="grpc", give_up_after_s=2.0, retry_total_s=1.0)
+    w = Worker(cfg)
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(w.run()), daemon=True)
+    t.start()
+    try:
+        wait_until("a round", lambda: first.core.version >= 1, timeout_s=60)
+        for method in ("Register", "GetWorkPlan", "WatchParameters", "SubmitPseudoGradient", "GetUploadStatus"):
+            proxy.fail(method, grpc.StatusCode.UNAVAILABLE, times=100_000)
+        gone = time.monotonic()
+        t.join(timeout=60)
+        assert codes == [1] and w.exit_reason == "gave_up"
+        assert time.monotonic() - gone >= 2.0
+    finally:
+        w.stop()
+        t.join(timeout=40)
+        first.stop(0)

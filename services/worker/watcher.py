@@ -30,6 +30,14 @@ class Delivered:
     flat: torch.Tensor
 
 
+@dataclass(frozen=True)
+class WatchFailed:
+    """A stream attempt failed with a code the table retries."""
+
+    worker_id: str
+    code: str
+
+
 class Watcher:
     def __init__(
         self,
@@ -94,6 +102,8 @@ class Watcher:
                     self.post(Fatal(f"WatchParameters: {e.code().name} {e.details()}"))
                     return
                 self.log.warning("worker.watch_retry", code=e.code().name, details=e.details())
+                self.post(WatchFailed(self.worker_id, e.code().name))  # counts toward giving up
+                after = 0  # the next stream starts with the current version: its arrival shows contact again
             except InvalidArgument as e:  # a codec or enum value this build does not know
                 self.post(Fatal(f"WatchParameters: {e}"))
                 return

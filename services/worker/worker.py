@@ -30,7 +30,7 @@ from services.worker.metrics import Metrics
 from services.worker.replica import Replica
 from services.worker.session import Fatal, Registration, SessionLost
 from services.worker.uploader import Uploader, UploadJob, UploadResult
-from services.worker.watcher import Delivered, Watcher
+from services.worker.watcher import Delivered, Watcher, WatchFailed
 
 IDLE_WAIT_S = 0.1  # the longest the loop sleeps without looking at `stop()`
 
@@ -119,6 +119,9 @@ class Worker:
             if event.worker_id == c.worker_id:
                 self.log.warning("worker.reregister", reason=event.reason)
                 c.session_ended(now, event.reason)
+        elif isinstance(event, WatchFailed):
+            if event.worker_id == c.worker_id:
+                c.rpc_failed(now, core.Rpc.WATCH_PARAMETERS, event.code)
         elif isinstance(event, Fatal):
             self.log.error("worker.fatal", reason=event.reason)
             c.fatal(now, event.reason)
