@@ -1,0 +1,202 @@
+"""The learner process (ALGORITHM.md sections 1, 2, 5): the learner core (`diloco.core.learner.LearnerCore`)
+decides, this loop carries its actions out with the model and the network.
+
+Threads: the training loop (the caller's: the only one that touches the core and the model), a parameter
+watcher per registration (`watcher.py`), the uploader (`uploader.py`) and heartbeats (`heartbeats.py`). The
+threads post what happened to one inbox; the loop feeds it to the core. Control calls (Register, GetWorkPlan,
+Deregister) are retried with capped, jittered backoff for as long as the core's status table says
+(`REACTIONS`): the learner outlives coordinator and healthd restarts and exits only when stopped, when the job
+finished, or after `give_up_after_s` without reaching the coordinator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+import uuid
+
+import torch
+
+from diloco import log as logging
+from diloco.core import learner as core
+from diloco.rpc.metrics import serve_metrics
+from diloco.task.model import pick_device
+from diloco.v1 import coordinator_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.control import Control
+from services.worker.heartbeats import Beat, Heartbeats
+from services.worker.metrics import Metrics
+from services.worker.replica import Replica
+from services.worker.session import Fatal, Registration, SessionLost
+from services.worker.uploader import Uploader, UploadJob, UploadResult
+from services.worker.watcher import Delivered, Watcher, WatchFailed
+
+IDLE_WAIT_S = 0.1  # the longest the loop sleeps without looking at `stop()`
+
+
+class Worker:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.name = cfg.display_name
+        self.log = logging.get("worker", worker=self.name)
+        self.core = core.LearnerCore(
+            core.LearnerConfig(id_prefix=uuid.uuid4().hex + "-", give_up_after_s=cfg.give_up_after_s or None)
+        )
+        self.channel = cfg.security.channel(cfg.coordinator)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.metrics = Metrics()
+        self.inbox: queue.Queue[object] = queue.Queue()
+        self.device = torch.device(cfg.device) if cfg.device else pick_device()
+        self.replica = Replica(cfg, self.device, self.metrics)
+        self.reg: Registration | None = None
+        self.watcher: Watcher | None = None
+        self.exit_reason = ""
+        self._stop_requested = False
+        self.uploader = Uploader(self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log)
+        self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log)
+        self.control = Control(self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log)
+
+    def stop(self) -> None:
+        """Drain: hand the unsent steps back, deregister, say "leaving" to healthd, return from `run`. Safe from a
+        signal handler (sets a flag; the loop looks at it at least every IDLE_WAIT_S)."""
+        self._stop_requested = True
+
+    def close(self) -> None:
+        """End the threads and the channel (`run` does it on its way out; safe to call twice)."""
+        if self.watcher is not None:
+            self.watcher.close()
+            self.watcher = None
+        self.uploader.close()
+        self.heartbeats.close()
+        self.channel.close()
+
+    def run(self) -> int:
+        """Train until the job finishes or `stop()`; returns the exit status (0 finished or stopped, 1 gave up or
+        met something no retry fixes)."""
+        server, port = serve_metrics(self.metrics.registry, "0.0.0.0", self.cfg.metrics_port)
+        if port > 0:
+            self.log.info("worker.metrics", port=port)
+        try:
+            while not isinstance(action := self._next(), core.Exit):
+                self._do(action)
+        finally:
+            self.close()
+            if server is not None:
+                server.shutdown()
+        self.exit_reason = action.reason.value
+        if action.reason is core.ExitReason.GAVE_UP:
+            self.log.error("worker.coordinator_unreachable", detail=action.detail)
+        self.log.info("worker.exited", reason=self.exit_reason, detail=action.detail)
+        return action.code
+
+    # --- the loop ---------------------------------------------------------------------------------------------
+    def _next(self) -> core.Action:
+        while True:
+            try:
+                self._feed(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        if self._stop_requested:
+            self.core.stop(time.monotonic())
+        self._set_watcher()
+        return self.core.next_action(time.monotonic())
+
+    def _feed(self, event: object) -> None:
+        now, c = time.monotonic(), self.core
+        if isinstance(event, Delivered):
+            b = event.broadcast
+            if b.worker_id == c.worker_id and c.params_arrived(now, b.version, b.epoch, b.plan, b.applied, b.finished):
+                self.replica.params = (b.version, event.flat)
+        elif isinstance(event, UploadResult):
+            if event.worker_id != c.worker_id:
+                return
+            if event.reaction is None:
+                c.upload_accepted(now, event.submission_id, event.pending_round, event.applied)
+            else:
+                c.upload_failed(now, event.submission_id, event.reaction, event.detail)
+        elif isinstance(event, SessionLost):
+            if event.worker_id == c.worker_id:
+                self.log.warning("worker.reregister", reason=event.reason)
+                c.session_ended(now, event.reason)
+        elif isinstance(event, WatchFailed):
+            if event.worker_id == c.worker_id:
+                c.rpc_failed(now, core.Rpc.WATCH_PARAMETERS, event.code)
+        elif isinstance(event, Fatal):
+            self.log.error("worker.fatal", reason=event.reason)
+            c.fatal(now, event.reason)
+
+    def _set_watcher(self) -> None:
+        """One watcher for the current registration, none without one (or once the loop ends)."""
+        w, wid = self.watcher, self.core.worker_id
+        if w is not None and (w.worker_id != wid or self.core.exit is not None):
+            w.close()
+            self.watcher = w = None
+        if w is None and wid and self.core.exit is None:
+            epoch, numel = self.core.coordinator_epoch, self.replica.numel
+            self.watcher = Watcher(self.stub, wid, epoch, numel, self.inbox.put, self.log)
+
+    def _do(self, a: core.Action) -> None:
+        if isinstance(a, core.Register):
+            self._register()
+        elif isinstance(a, core.Wait):
+            timeout = IDLE_WAIT_S if a.until is None else max(0.0, min(IDLE_WAIT_S, a.until - time.monotonic()))
+            with contextlib.suppress(queue.Empty):
+                self._feed(self.inbox.get(timeout=timeout))
+        elif isinstance(a, core.FetchPlan):
+            self._fetch_plan()
+        elif isinstance(a, core.Train):
+            self.core.stepped(a.shard_id, a.epoch, a.cursor, self.replica.train(a))
+        elif isinstance(a, (core.Load, core.Rebase)):
+            self.replica.adopt(a, self.log, self.core.detail)
+        elif isinstance(a, core.Submit):
+            self.uploader.put(self._upload_job(a))
+        elif isinstance(a, core.Deregister):
+            self._deregister(a.worker_id)
+
+    # --- carrying the actions out -----------------------------------------------------------------------------
+    def _register(self) -> None:
+        reg = self.control.register(self.name, self.replica.throughput(), self.device.type)
+        if reg is None:
+            return  # the core knows why (STOP, give up), or the loop sees the stop request
+        self.reg = reg
+        self.replica.start_session(reg.task_json, reg.codec)
+        if not self.cfg.healthd and reg.healthd_address:
+            self.heartbeats.address = reg.healthd_address
+        self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
+        self.core.registered(time.monotonic(), reg.worker_id, reg.epoch, reg.mode, reg.plan)
+        self.log.info("worker.registered", epoch=reg.epoch, version=reg.version, mode=reg.mode, codec=reg.codec)
+
+    def _fetch_plan(self) -> None:
+        """Only a learner without shards (or after a resync) asks; the others get their plan with each version."""
+        plan = self.control.work_plan(self.core.worker_id)
+        if plan is not None:
+            self.core.plan_received(time.monotonic(), plan)
+
+    def _upload_job(self, a: core.Submit) -> UploadJob:
+        assert self.reg is not None
+        return self.replica.upload_job(a, self.reg.bulk_port if self.cfg.upload_path == "auto" else 0)
+
+    def _deregister(self, worker_id: str) -> None:
+        """Best effort; then the leaving heartbeat, so healthd reports this learner LEFT, not DEAD."""
+        if self.control.deregister(worker_id):
+            self.log.info("worker.deregistered")
+        else:
+            self.log.warning("worker.deregister_failed")
+        self.heartbeats.leave(worker_id)
+        if not self.heartbeats.left.wait(timeout=max(1.0, 4 * self.cfg.heartbeat_interval_s)):
+            self.log.warning("worker.leave_unconfirmed")
+
+    def _beat(self) -> Beat | None:
+        wid, t = self.core.worker_id, self.replica.trainer
+        if not wid:
+            return None
+        tp = t.throughput() if t else None
+        return Beat(
+            wid,
+            self.core.base_version,
+            t.steps_done if t else 0,
+            tp.tokens_per_s if tp else 0.0,
+            tp.step_time_s if tp else 0.0,
+            self.device.type,
+        )
