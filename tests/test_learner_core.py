@@ -81,7 +81,9 @@ def test_every_rpc_has_a_reaction_for_every_status_code() -> None:
     [
         (Rpc.REGISTER, "UNAVAILABLE", Reaction.RETRY),
         (Rpc.REGISTER, "NOT_FOUND", Reaction.RETRY),
-        (Rpc.REGISTER, "INVALID_ARGUMENT", Reaction.STOP),
+        (Rpc.REGISTER, "INVALID_ARGUMENT", Reaction.RETRY),
+        (Rpc.REGISTER, "UNIMPLEMENTED", Reaction.RETRY),
+        (Rpc.WATCH_PARAMETERS, "UNIMPLEMENTED", Reaction.RETRY),
         (Rpc.GET_WORK_PLAN, "NOT_FOUND", Reaction.REREGISTER),
         (Rpc.GET_WORK_PLAN, "FAILED_PRECONDITION", Reaction.REREGISTER),
         (Rpc.GET_WORK_PLAN, "DEADLINE_EXCEEDED", Reaction.RETRY),
@@ -92,7 +94,7 @@ def test_every_rpc_has_a_reaction_for_every_status_code() -> None:
         (Rpc.SUBMIT, "NOT_FOUND", Reaction.REREGISTER),
         (Rpc.SUBMIT, "INVALID_ARGUMENT", Reaction.DROP_UPLOAD),
         (Rpc.GET_UPLOAD_STATUS, "NOT_FOUND", Reaction.RETRY),
-        (Rpc.DEREGISTER, "NOT_FOUND", Reaction.STOP),
+        (Rpc.DEREGISTER, "NOT_FOUND", Reaction.SKIP),
         (Rpc.DEREGISTER, "UNAVAILABLE", Reaction.RETRY),
         (Rpc.HEARTBEAT, "UNIMPLEMENTED", Reaction.RETRY),
     ],
@@ -303,19 +305,14 @@ def test_retryable_failures_change_nothing_but_the_give_up_clock() -> None:
     assert isinstance(core.next_action(1e9), Train)
 
 
-def test_a_stop_reaction_exits() -> None:
-    core = LearnerCore()
-    core.next_action(0.0)
-    assert core.rpc_failed(0.0, Rpc.REGISTER, "UNIMPLEMENTED") is Reaction.STOP
-    a = core.next_action(0.0)
-    assert isinstance(a, Exit) and (a.reason, a.code) == (ExitReason.FATAL, 1)
-    assert core.next_action(5.0) == a
-
-
-def test_fatal_exits() -> None:
-    core = started()
-    core.fatal(1.0, "unknown codec enum value 9")
-    assert core.next_action(1.0) == Exit(ExitReason.FATAL, 1, "unknown codec enum value 9")
+@pytest.mark.parametrize("rpc", [r for r in Rpc if r is not Rpc.DEREGISTER])
+def test_no_status_ends_a_learner(rpc: Rpc) -> None:
+    """Issue #16: whatever a call answers, a learner that is not leaving never exits on it."""
+    for code in STATUS_CODES:
+        core = started()
+        assert react(rpc, code) is not Reaction.SKIP, (rpc, code)
+        core.rpc_failed(1.0, rpc, code)
+        assert not isinstance(core.next_action(1e9), Exit), (rpc, code)
 
 
 def test_give_up_after_an_outage_only() -> None:

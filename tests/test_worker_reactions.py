@@ -31,7 +31,7 @@ from services.coordinator.server import CoordinatorServer
 from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
 from services.worker.config import WorkerConfig
-from services.worker.session import Fatal, SessionLost
+from services.worker.session import SessionLost
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 from services.worker.worker import Worker
 from tests.conftest import tiny_task
@@ -49,6 +49,7 @@ class FaultProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self.methods = found or healthd_pb2.DESCRIPTOR.services_by_name[service]
         self._lock = threading.Lock()
         self._faults: dict[str, list[tuple[grpc.StatusCode, str]]] = {}
+        self._rewrites: dict[str, list[Callable[[bytes], bytes]]] = {}
         self.calls: dict[str, int] = {}
         self._chan: grpc.Channel | None = None
         self.point(backend)
@@ -66,6 +67,17 @@ class FaultProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
     def fail(self, method: str, code: grpc.StatusCode, times: int = 1, details: str = "") -> None:
         with self._lock:
             self._faults.setdefault(method, []).extend([(code, details or f"injected {code.name}")] * times)
+
+    def rewrite(self, method: str, fn: Callable[[bytes], bytes]) -> None:
+        """The next reply of unary `method` goes through `fn` (e.g. a field this build does not know)."""
+        with self._lock:
+            self._rewrites.setdefault(method, []).append(fn)
+
+    def _rewritten(self, name: str, reply: bytes) -> bytes:
+        with self._lock:
+            pending = self._rewrites.get(name)
+            fn = pending.pop(0) if pending else None
+        return reply if fn is None else fn(reply)
 
     def close(self) -> None:
         self.server.stop(0)
@@ -95,7 +107,7 @@ class FaultProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         def unary(req: bytes, context: grpc.ServicerContext) -> Any:
             self._fault(name, context)
             try:
-                return chan.unary_unary(path, None, None)(req, timeout=30)
+                return self._rewritten(name, chan.unary_unary(path, None, None)(req, timeout=30))
             except grpc.RpcError as e:
                 abort_as(e, context)
 
@@ -213,11 +225,21 @@ def cases(rpc: Rpc) -> list[tuple[str, Reaction]]:
 def test_register(worker: Worker, proxy: FaultProxy, name: str, reaction: Reaction) -> None:
     proxy.fail("Register", code(name), details=UNKNOWN if name == "NOT_FOUND" else "")
     worker._register()
-    if reaction is Reaction.RETRY:
-        assert worker.core.worker_id and proxy.calls["Register"] == 2
-    else:
-        assert reaction is Reaction.STOP
-        assert worker.core.exit is not None and worker.core.exit.reason is core.ExitReason.FATAL
+    assert reaction is Reaction.RETRY  # no answer to Register ends a learner (issue #16)
+    assert worker.core.worker_id and proxy.calls["Register"] == 2 and worker.core.exit is None
+
+
+def test_a_register_reply_this_build_cannot_read_is_retried(worker: Worker, proxy: FaultProxy) -> None:
+    """A coordinator of a newer protocol (a round mode this build does not know) is waited out, never fatal."""
+
+    def newer_mode(reply: bytes) -> bytes:
+        resp = coordinator_pb2.RegisterResponse.FromString(reply)
+        resp.mode = 99  # type: ignore[assignment]
+        return resp.SerializeToString()
+
+    proxy.rewrite("Register", newer_mode)
+    worker._register()
+    assert worker.core.worker_id and worker.core.exit is None and proxy.calls["Register"] == 2
 
 
 @pytest.mark.parametrize(("name", "reaction"), cases(Rpc.GET_WORK_PLAN))
@@ -228,11 +250,10 @@ def test_get_work_plan(worker: Worker, proxy: FaultProxy, name: str, reaction: R
     if reaction is Reaction.RETRY:
         assert worker.core.worker_id == wid and worker.core.failing_since is None
         assert proxy.calls["GetWorkPlan"] == 2
-    elif reaction is Reaction.REREGISTER:
+    else:
+        assert reaction is Reaction.REREGISTER
         assert worker.core.state is core.LearnerState.UNREGISTERED
         assert worker.core.next_action(time.monotonic()) == core.Register()
-    else:
-        assert reaction is Reaction.STOP and worker.core.exit is not None
 
 
 @pytest.mark.parametrize(("name", "reaction"), cases(Rpc.WATCH_PARAMETERS))
@@ -252,7 +273,7 @@ def test_watch_parameters(backend: CoordinatorServer, proxy: FaultProxy, name: s
         finally:
             w.close()
             leave(backend, reg.worker_id)
-    expected = {Reaction.RETRY: Delivered, Reaction.REREGISTER: SessionLost, Reaction.STOP: Fatal}[reaction]
+    expected = {Reaction.RETRY: Delivered, Reaction.REREGISTER: SessionLost}[reaction]
     assert isinstance(event, expected), event
 
 

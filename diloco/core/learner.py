@@ -21,7 +21,7 @@ States (`LearnerState`) and what moves between them (`[Action]`: what `next_acti
     any            --stop() or a broadcast that says finished--------------------> DRAINING
     DRAINING       --[Wait] for the upload in flight (until the drain deadline), [Submit] the unsent steps (not
                      after finished), [Deregister]-------------------------------> DONE
-    any            --a STOP reaction, or unreachable longer than give_up_after_s-> DONE
+    any            --unreachable longer than give_up_after_s (if set)------------> DONE
     DONE           --[Exit(reason, code)] on every call
 
 In TRAINING and SHARDLESS, a version newer than the one trained on first yields `[Rebase(version)]` (in every
@@ -47,8 +47,9 @@ Driving it (what each call does and returns):
   * `Exit(reason, code)`: stop; `code` is the process exit status.
 - Events: `registered`, `params_arrived` (returns whether the version is now the newest: keep its tensor),
   `plan_received`, `stepped`, `upload_accepted`, `upload_failed`, `rpc_failed` (returns the `Reaction` the table
-  gives; RETRY leaves the state alone), `contact` (any successful coordinator reply), `session_ended`, `stop`,
-  `fatal` (exit: something no retry fixes). `give_up_due(now)` tells a caller's retry loop to stop retrying.
+  gives; RETRY leaves the state alone), `contact` (any successful coordinator reply), `session_ended`, `stop`.
+  `give_up_due(now)` tells a caller's retry loop to stop retrying. No status code ends a learner: it exits only
+  when stopped, when the job finished, or after `give_up_after_s`.
 - `next_deadline()`: when `next_action` may change without an event (a plan poll, the drain deadline, giving up).
 - `react(rpc, code)`: the one table (`REACTIONS`) from every status code of every RPC to what a learner does.
 - `steps_to_submit`, `can_submit`, `progress` (the `ReadProgress`), `base_version`, `latest_version`, `state`:
@@ -92,10 +93,9 @@ class ExitReason(str, Enum):
     FINISHED = "finished"  # the job reached its target (exit 0)
     STOPPED = "stopped"  # SIGTERM/SIGINT: drained and deregistered (exit 0)
     GAVE_UP = "gave_up"  # unreachable for longer than give_up_after_s (exit 1)
-    FATAL = "fatal"  # a STOP reaction: no retry can help (exit 1)
 
 
-EXIT_CODES = {ExitReason.FINISHED: 0, ExitReason.STOPPED: 0, ExitReason.GAVE_UP: 1, ExitReason.FATAL: 1}
+EXIT_CODES = {ExitReason.FINISHED: 0, ExitReason.STOPPED: 0, ExitReason.GAVE_UP: 1}
 
 
 class Rpc(str, Enum):
@@ -115,7 +115,7 @@ class Reaction(str, Enum):
     REREGISTER = "reregister"  # the registration is gone: register again (unsent progress is void)
     RESYNC = "resync"  # the submission was refused: adopt the newest parameters and the ledger's cursors
     DROP_UPLOAD = "drop_upload"  # this upload can never be accepted: drop it, then resync like RESYNC
-    STOP = "stop"  # no retry can help (wrong service, malformed request): exit (or, leaving, skip the call)
+    SKIP = "skip"  # leaving only: the call is not needed to leave (Deregister of a registration that is gone)
 
 
 _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED", "UNKNOWN", "INTERNAL", "DATA_LOSS")
@@ -136,18 +136,19 @@ R = Reaction
 # What a learner does on each status code of each RPC. Transient codes and overload are retried everywhere; a
 # learner the coordinator no longer knows (NOT_FOUND; FAILED_PRECONDITION on a plan or a watch: dead, left or a
 # new coordinator epoch; PERMISSION_DENIED: its id now names another learner) registers again; a refused
-# submission resyncs; UNIMPLEMENTED means the address is not a coordinator of this protocol: no retry helps.
-# Authentication failures are retried (the operator may fix the coordinator's side while the learner waits).
+# submission resyncs. No status ends a learner (issue #16): what looks permanent (UNIMPLEMENTED: the address is not
+# a coordinator of this protocol; INVALID_ARGUMENT on Register; authentication failures) is retried with capped
+# backoff and logged at each attempt, so the learner comes back by itself once the operator fixes the other side;
+# `give_up_after_s` is the operator's way to bound that.
 _SESSION_CALL = _table(  # a call that names this learner's registration (its worker id)
     R.RETRY,
     NOT_FOUND=R.REREGISTER,
     FAILED_PRECONDITION=R.REREGISTER,
     PERMISSION_DENIED=R.REREGISTER,
     INVALID_ARGUMENT=R.REREGISTER,
-    UNIMPLEMENTED=R.STOP,
 )
 REACTIONS: dict[Rpc, dict[str, Reaction]] = {
-    Rpc.REGISTER: _table(R.RETRY, INVALID_ARGUMENT=R.STOP, UNIMPLEMENTED=R.STOP),
+    Rpc.REGISTER: _table(R.RETRY),
     Rpc.WATCH_PARAMETERS: _SESSION_CALL,
     Rpc.GET_WORK_PLAN: _SESSION_CALL,
     # an upload is idempotent and resumable: transient codes resume it (from GetUploadStatus's offset)
@@ -159,12 +160,11 @@ REACTIONS: dict[Rpc, dict[str, Reaction]] = {
         INVALID_ARGUMENT=R.DROP_UPLOAD,  # the coordinator will never take these bytes
         ALREADY_EXISTS=R.DROP_UPLOAD,  # the id was used by another learner
         OUT_OF_RANGE=R.DROP_UPLOAD,
-        UNIMPLEMENTED=R.STOP,
     ),
     # asked between upload attempts: whatever it answers, the upload is retried (from byte 0 unless it says more)
     Rpc.GET_UPLOAD_STATUS: _table(R.RETRY),
     # best effort while leaving: retried until the drain deadline, otherwise skipped
-    Rpc.DEREGISTER: _table(R.STOP, UNAVAILABLE=R.RETRY, DEADLINE_EXCEEDED=R.RETRY, ABORTED=R.RETRY),
+    Rpc.DEREGISTER: _table(R.SKIP, UNAVAILABLE=R.RETRY, DEADLINE_EXCEEDED=R.RETRY, ABORTED=R.RETRY),
     # training never waits on healthd; a DEAD verdict in a reply (not a status) means REREGISTER
     Rpc.HEARTBEAT: _table(R.RETRY),
 }
@@ -406,10 +406,6 @@ class LearnerCore:
         """A coordinator call succeeded (or a broadcast arrived): the give-up clock stops."""
         self.failing_since = None
 
-    def fatal(self, now: float, detail: str) -> None:
-        """Something no retry can fix (e.g. the coordinator speaks an enum value this build does not know): exit."""
-        self._done(ExitReason.FATAL, detail)
-
     def session_ended(self, now: float, reason: str) -> None:
         """The registration is gone (the coordinator forgot this learner, a new epoch, healthd declared it dead):
         register again. Unsent progress is void: the coordinator moved the shards or lost the ledger entries."""
@@ -544,8 +540,6 @@ class LearnerCore:
             self.progress.reset()
             if self.state in _SESSION_STATES:
                 self.state = LearnerState.RESYNCING
-        elif reaction is Reaction.STOP:
-            self._done(ExitReason.FATAL, detail)
 
     def _drain(self, now: float) -> Action:
         if self.uploading is not None and now < self.drain_deadline:

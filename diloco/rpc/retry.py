@@ -29,6 +29,22 @@ T = TypeVar("T")
 log = structlog.get_logger()
 
 
+class StatusError(grpc.RpcError):
+    """An error shaped like a `grpc.RpcError` raised on this side of the wire (a reply this build cannot read, a
+    failed bulk upload): `code()` is the status, `details()` the message."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self._code = code
+        self._message = message
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._message
+
+
 @dataclass(frozen=True)
 class RetryConfig:
     max_attempts: int = 8

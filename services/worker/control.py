@@ -1,7 +1,7 @@
 """The learner's control calls to the coordinator (Register, GetWorkPlan, Deregister), made from the training
 loop and retried with capped, jittered backoff (`diloco.rpc.retry.retry_while`) for as long as the learner core's
 status table says RETRY and the learner neither stops nor gives up. Every failure is reported to the core
-(`rpc_failed`), which applies the table's reaction (re-register, stop); a call that ends without a result
+(`rpc_failed`), which applies the table's reaction (re-register, resync, skip); a call that ends without a result
 returns None."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import structlog
 from diloco.core import learner as core
 from diloco.core.coordinator import WorkPlan
 from diloco.errors import InvalidArgument
-from diloco.rpc.retry import retry_while
+from diloco.rpc.retry import StatusError, retry_while
 from diloco.task.inner import Throughput
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
@@ -46,14 +46,15 @@ class Control:
                 device_kind=device_kind,
             ),
         )
-        resp = self.call(core.Rpc.REGISTER, lambda: self.stub.Register(req, timeout=self.cfg.rpc_timeout_s))
-        if resp is None:
-            return None
-        try:
-            return Registration.from_proto(resp)
-        except InvalidArgument as e:  # a mode or codec this build does not know: no retry helps
-            self.learner.fatal(time.monotonic(), f"Register: {e}")
-            return None
+
+        def register() -> Registration:
+            resp = self.stub.Register(req, timeout=self.cfg.rpc_timeout_s)
+            try:
+                return Registration.from_proto(resp)
+            except InvalidArgument as e:  # a mode or codec this build does not know: retried like UNIMPLEMENTED
+                raise StatusError(grpc.StatusCode.UNIMPLEMENTED, f"the coordinator's reply: {e}") from e
+
+        return self.call(core.Rpc.REGISTER, register)
 
     def work_plan(self, worker_id: str) -> WorkPlan | None:
         req = coordinator_pb2.GetWorkPlanRequest(worker_id=worker_id)

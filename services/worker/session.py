@@ -94,10 +94,3 @@ class SessionLost:
 
     worker_id: str
     reason: str
-
-
-@dataclass(frozen=True)
-class Fatal:
-    """Posted by a thread that met something no retry fixes (STOP)."""
-
-    reason: str

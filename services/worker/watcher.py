@@ -19,7 +19,7 @@ from diloco.errors import InvalidArgument
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
 from diloco.rpc.retry import Backoff
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from services.worker.session import Broadcast, Fatal, SessionLost
+from services.worker.session import Broadcast, SessionLost
 
 
 @dataclass(frozen=True)
@@ -98,14 +98,12 @@ class Watcher:
                 if reaction is Reaction.REREGISTER:
                     self.post(SessionLost(self.worker_id, e.details() or e.code().name))
                     return
-                if reaction is Reaction.STOP:
-                    self.post(Fatal(f"WatchParameters: {e.code().name} {e.details()}"))
-                    return
                 self.log.warning("worker.watch_retry", code=e.code().name, details=e.details())
                 self.post(WatchFailed(self.worker_id, e.code().name))  # counts toward giving up
                 after = 0  # the next stream starts with the current version: its arrival shows contact again
-            except InvalidArgument as e:  # a codec or enum value this build does not know
-                self.post(Fatal(f"WatchParameters: {e}"))
-                return
+            except InvalidArgument as e:  # a codec or enum value this build does not know: retried, never fatal
+                self.log.error("worker.watch_unreadable", error=str(e))
+                self.post(WatchFailed(self.worker_id, "UNIMPLEMENTED"))
+                after = 0
             if self._closed.wait(backoff.next_s()):
                 return

@@ -28,7 +28,7 @@ from services.worker.control import Control
 from services.worker.heartbeats import Beat, Heartbeats
 from services.worker.metrics import Metrics
 from services.worker.replica import Replica
-from services.worker.session import Fatal, Registration, SessionLost
+from services.worker.session import Registration, SessionLost
 from services.worker.uploader import Uploader, UploadJob, UploadResult
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 
@@ -119,12 +119,8 @@ class Worker:
             if event.worker_id == c.worker_id:
                 self.log.warning("worker.reregister", reason=event.reason)
                 c.session_ended(now, event.reason)
-        elif isinstance(event, WatchFailed):
-            if event.worker_id == c.worker_id:
-                c.rpc_failed(now, core.Rpc.WATCH_PARAMETERS, event.code)
-        elif isinstance(event, Fatal):
-            self.log.error("worker.fatal", reason=event.reason)
-            c.fatal(now, event.reason)
+        elif isinstance(event, WatchFailed) and event.worker_id == c.worker_id:
+            c.rpc_failed(now, core.Rpc.WATCH_PARAMETERS, event.code)
 
     def _set_watcher(self) -> None:
         """One watcher for the current registration, none without one (or once the loop ends)."""
@@ -158,7 +154,7 @@ class Worker:
     def _register(self) -> None:
         reg = self.control.register(self.name, self.replica.throughput(), self.device.type)
         if reg is None:
-            return  # the core knows why (STOP, give up), or the loop sees the stop request
+            return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg = reg
         self.replica.start_session(reg.task_json, reg.codec)
         if not self.cfg.healthd and reg.healthd_address:
