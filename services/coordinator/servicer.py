@@ -13,6 +13,7 @@ import grpc
 
 from diloco.core.coordinator import ACTIVE, DEAD, DRAINING, EVICTED, LEFT, Submission, WorkerRecord, WorkPlan
 from diloco.core.ledger import ShardRange
+from diloco.core.uploads import Outcome, UploadHeader
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
 from diloco.rpc import auth, status
 from diloco.rpc.payload import (
@@ -27,7 +28,7 @@ from diloco.rpc.payload import (
 from diloco.task.factory import TaskConfig, config_to_dict
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.state import CoordinatorState, ParamsSnapshot, SubmitResult, Upload, UploadHeader
+from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadStream
 
 MODE_TO_ENUM = {
     "sync": coordinator_pb2.ROUND_MODE_SYNC,
@@ -101,10 +102,10 @@ def open_submission(
     first: coordinator_pb2.SubmitPseudoGradientRequest | None,
     specs: list[ParamSpec],
     identity: str | None,
-) -> coordinator_pb2.SubmitPseudoGradientResponse | tuple[Upload, int, UploadHeader]:
+) -> coordinator_pb2.SubmitPseudoGradientResponse | UploadStream:
     """The start of an upload on either path (this RPC or the bulk port): check its header message and the
     client's certificate `identity` (`auth.act_as`), then open (or resume) the upload. Returns the earlier outcome
-    of a duplicate, else the upload, this stream's generation and the header."""
+    of a duplicate, else the stream to feed (`UploadStream`: feed, then finish or interrupted, then close)."""
     try:
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("an upload starts with a message holding its header (SubmissionHeader)")
@@ -117,12 +118,12 @@ def open_submission(
         except PermissionDenied as e:
             raise state.reject(e, "identity") from None
     opened = state.open_upload(header)
-    if isinstance(opened, SubmitResult):
+    if isinstance(opened, Outcome):
         return submit_response(opened)
-    return (*opened, header)
+    return opened
 
 
-def submit_response(r: SubmitResult) -> coordinator_pb2.SubmitPseudoGradientResponse:
+def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
     return coordinator_pb2.SubmitPseudoGradientResponse(
         outcome=coordinator_pb2.SUBMISSION_OUTCOME_APPLIED
         if r.applied
@@ -234,24 +235,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         opened = open_submission(self.state, next(request_iterator, None), self.specs, auth.peer_identity(context))
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
-        upload, gen, _ = opened
         try:
-            return self._receive(upload, gen, request_iterator)
+            try:
+                for msg in prefetch(request_iterator):  # receive the next chunk while this one decodes
+                    if msg.WhichOneof("kind") != "data":
+                        raise InvalidArgument("an upload has one header; every following message must be data")
+                    opened.feed(msg.data)
+            except grpc.RpcError:  # the client went away: keep what we hold for a resume
+                opened.interrupted()
+                return coordinator_pb2.SubmitPseudoGradientResponse()
+            return submit_response(opened.finish())
         finally:
-            self.state.end_stream(upload)
-
-    def _receive(
-        self, upload: Upload, gen: int, request_iterator: Iterator[coordinator_pb2.SubmitPseudoGradientRequest]
-    ) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        try:
-            for msg in prefetch(request_iterator):  # receive the next chunk while this one decodes
-                if msg.WhichOneof("kind") != "data":
-                    raise InvalidArgument("an upload has one header; every following message must be data")
-                self.state.feed(upload, gen, msg.data)
-        except grpc.RpcError:  # the client went away: keep what we hold for a resume
-            self.state.interrupted(upload)
-            return coordinator_pb2.SubmitPseudoGradientResponse()
-        return submit_response(self.state.finish_upload(upload, gen))
+            opened.close()
 
     @status.unary
     def GetUploadStatus(
