@@ -1,10 +1,11 @@
 """Control-call latency while bulk work runs: GetStatus in a loop while a large flat model's rounds close and
 broadcast (ALGORITHM.md section 9: control traffic never queues behind bulk transfers).
 
-A real coordinator (`CoordinatorState` + the gRPC servicer, in-process on a loopback port 0) holds a flat fp32
-model of `numel` parameters in `sync` mode with two learners. Every round both learners upload a pseudo-gradient
-(fp32, over gRPC), the round closes (merge, outer step) and a following watcher receives the new parameters.
-Meanwhile a prober calls GetStatus back to back; its latencies during the rounds are the figures.
+A real coordinator (`CoordinatorState` + the gRPC servicer on a loopback port 0, in a child process of its own)
+holds a flat fp32 model of `numel` parameters in `sync` mode with two learners. Every round both learners upload a
+pseudo-gradient (fp32, over gRPC), the round closes (merge, outer step) and a following watcher receives the new
+parameters. Meanwhile a prober (another process, as an operator's `ctl` would be) calls GetStatus on a fixed
+schedule; the latencies of the calls due during the rounds are the figures.
 
     python bench/bench_control.py --numel 100000000 --rounds 3
 """
@@ -12,10 +13,12 @@ Meanwhile a prober calls GetStatus back to back; its latencies during the rounds
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import threading
 import time
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from typing import Any
 
 import grpc
@@ -92,6 +95,38 @@ class _Coordinator:
         self.poller.join()
 
 
+def _serve(numel: int, conn: Connection) -> None:
+    """Child process: run the coordinator until the parent says stop."""
+    logging.configure("bench", level="warning")
+    torch.set_num_threads(1)
+    coord = _Coordinator(numel)
+    conn.send(coord.address)
+    conn.recv()
+    coord.stop()
+
+
+def _probe(address: str, interval_s: float, conn: Connection) -> None:
+    """Child process: GetStatus on a fixed schedule until the parent says stop; sends back (due, seconds).
+    A call's latency counts from when it was due, so a call that waited behind a blocked one is not dropped from
+    the figures (no coordinated omission)."""
+    chan = channel(address)
+    stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+    stub.GetStatus(pb.GetStatusRequest(), timeout=CALL_S)  # connected
+    conn.send("ready")
+    out: list[tuple[float, float]] = []
+    due = time.perf_counter()
+    while not conn.poll():
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        stub.GetStatus(pb.GetStatusRequest(), timeout=CALL_S)
+        out.append((due, time.perf_counter() - due))
+        due += interval_s
+    conn.recv()
+    conn.send(out)
+    chan.close()
+
+
 def _submit(
     stub: coordinator_pb2_grpc.CoordinatorStub, reg: Any, sid: str, data: bytes, meta: Any, specs: list[ParamSpec]
 ) -> pb.SubmitPseudoGradientResponse:
@@ -124,16 +159,43 @@ def _submit(
 
 
 def run(numel: int, rounds: int = 3, interval_s: float = 0.025) -> dict[str, Any]:
-    """Close `rounds` rounds of a `numel`-parameter model with a watcher following, probing GetStatus meanwhile.
-    GetStatus is due every `interval_s`. Returns latency figures (ms) and round times (s)."""
+    """Close `rounds` rounds of a `numel`-parameter model with a watcher following, probing GetStatus meanwhile
+    (a call due every `interval_s`). Returns latency figures (ms) and round times (s)."""
     torch.set_num_threads(1)
-    coord = _Coordinator(numel)
+    ctx = mp.get_context("spawn")
+    server_end, here = ctx.Pipe()
+    server = ctx.Process(target=_serve, args=(numel, server_end), daemon=True)
+    server.start()
+    probe_end, probe_here = ctx.Pipe()
+    prober: Any = None
+    try:
+        if not here.poll(CALL_S):
+            raise RuntimeError("the coordinator did not start")
+        address = here.recv()
+        prober = ctx.Process(target=_probe, args=(address, interval_s, probe_end), daemon=True)
+        prober.start()
+        if not probe_here.poll(CALL_S):
+            raise RuntimeError("the prober did not start")
+        probe_here.recv()
+        return _rounds(address, numel, rounds, probe_here)
+    finally:
+        here.send("stop")
+        server.join(CALL_S)
+        if prober is not None:
+            prober.join(CALL_S)
+        for proc in (server, prober):
+            if proc is not None and proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _rounds(address: str, numel: int, rounds: int, probe: Connection) -> dict[str, Any]:
     opts = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-    chans = [channel(coord.address) for _ in range(4)]
-    learner_chans = [grpc.insecure_channel(coord.address, options=opts) for _ in range(2)]
-    probe = coordinator_pb2_grpc.CoordinatorStub(chans[0])
+    learner_chans = [grpc.insecure_channel(address, options=opts) for _ in range(2)]
+    watch_chan = grpc.insecure_channel(address, options=opts)
     stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in learner_chans]
-    watch_stub = coordinator_pb2_grpc.CoordinatorStub(grpc.insecure_channel(coord.address, options=opts))
+    watch_stub = coordinator_pb2_grpc.CoordinatorStub(watch_chan)
+    specs = [ParamSpec("flat", (numel,), 0)]
     regs = [s.Register(pb.RegisterRequest(worker_name=f"l{i}"), timeout=CALL_S) for i, s in enumerate(stubs)]
     delta = torch.full((numel,), 1e-3)
     data, meta = get_codec("fp32").encode(delta)
@@ -163,33 +225,17 @@ def run(numel: int, rounds: int = 3, interval_s: float = 0.025) -> dict[str, Any
         finally:
             stream.cancel()
 
-    latencies: list[tuple[float, float]] = []  # (intended start, seconds from then to the reply)
-
-    def prober() -> None:
-        # calls on a fixed schedule; a call's latency counts from when it was due, so a call that waited behind
-        # a blocked one is not dropped from the figures (no coordinated omission)
-        due = time.perf_counter()
-        while not stop.is_set():
-            wait = due - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
-            probe.GetStatus(pb.GetStatusRequest(), timeout=CALL_S)
-            latencies.append((due, time.perf_counter() - due))
-            due += interval_s
-
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     with got_version:
         if not got_version.wait_for(lambda: 0 in received, CALL_S):
             raise RuntimeError("the watcher got no parameters")
-    probe_thread = threading.Thread(target=prober, daemon=True)
-    probe_thread.start()
     round_s: list[float] = []
     t_start = time.perf_counter()
     for r in range(rounds):
         t0 = time.perf_counter()
         threads = [
-            threading.Thread(target=_submit, args=(stubs[i], regs[i], f"r{r}-l{i}", data, meta, coord.specs))
+            threading.Thread(target=_submit, args=(stubs[i], regs[i], f"r{r}-l{i}", data, meta, specs))
             for i in range(2)
         ]
         for t in threads:
@@ -202,9 +248,9 @@ def run(numel: int, rounds: int = 3, interval_s: float = 0.025) -> dict[str, Any
         round_s.append(received[r + 1] - t0)
     t_end = time.perf_counter()
     stop.set()
-    probe_thread.join()
-    coord.stop()
-    for c in [*chans, *learner_chans]:
+    probe.send("stop")
+    latencies: list[tuple[float, float]] = probe.recv()
+    for c in [*learner_chans, watch_chan]:
         c.close()
     during = [s * 1e3 for t0, s in latencies if t_start <= t0 <= t_end]
     return {

@@ -182,7 +182,7 @@ def test_register_returns_id_plan_and_settings(env: Env) -> None:
     assert reg.worker_id and reg.coordinator_epoch > 0 and reg.version == 0
     assert len(reg.plan.shards) == 8 and reg.plan.local_steps == 30 and reg.plan.plan_seq >= 1
     assert reg.mode == pb.ROUND_MODE_DECOUPLED and reg.codec == common_pb2.CODEC_INT8
-    assert reg.task_json == tiny_task().to_json() and '"batch_size": 4' in reg.inner_json
+    assert reg.task_json == tiny_task().to_json() and '"batch_size": 4' in reg.task_json
     # an empty fingerprint means "send me the task": the learner adopts task_json
     assert env.stub.Register(pb.RegisterRequest(worker_name="observer-ish"), timeout=T).worker_id
 

@@ -162,7 +162,6 @@ class WorkerRecord:
     state_reason: str = ""
     confirmed: bool = False  # healthd has forwarded its throughput, or it has submitted
     seen_at: float = 0.0  # last sign of life: registration, throughput forwarded by healthd, or a submission
-    rejections: int = 0  # submissions refused by the guard, in total
     strikes: int = 0  # refused in a row (reset by an accepted submission or a release)
 
 
@@ -336,7 +335,6 @@ class CoordinatorCore:
 
     def _quarantine(self, rec: WorkerRecord, verdict: Verdict) -> tuple[bool, list[int]]:
         """Refusal bookkeeping. Returns (newly quarantined, shards moved away because the strikes ran out)."""
-        rec.rejections += 1
         rec.strikes += 1
         newly = rec.state != QUARANTINED
         rec.state, rec.state_reason = QUARANTINED, f"pseudo-gradient refused ({verdict.describe()})"

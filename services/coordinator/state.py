@@ -70,7 +70,7 @@ class ParamsSnapshot:
 
     version: int
     coordinator_epoch: int
-    data: bytes
+    data: memoryview  # read-only by convention: every watcher sends from it
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool  # the run reached its target: this is the last version
@@ -323,7 +323,7 @@ class CoordinatorState:
         self._publish(applied, data, meta)
         return applied
 
-    def _publish(self, applied: RoundApplied, data: bytes, meta: EncodedMeta) -> None:
+    def _publish(self, applied: RoundApplied, data: memoryview, meta: EncodedMeta) -> None:
         """After a round's step: its parameters go to the watchers, its outcome to the records and metrics."""
         ids = tuple(p.submission_id for p in applied.submissions)
         with self._table_lock:
