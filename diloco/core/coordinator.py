@@ -39,7 +39,7 @@ from diloco.core.guard import CEILING, NON_FINITE, GuardConfig, NormGuard, Verdi
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
-from diloco.core.placement import local_steps, place_shards
+from diloco.core.placement import effective_speeds, is_known_speed, local_steps, place_shards
 from diloco.core.rounds import Pending, RoundClose, RoundConfig, RoundPolicy
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
@@ -292,7 +292,8 @@ class CoordinatorCore:
         rec = self.worker(worker_id)
         if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
             raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
-        rec.speed = tokens_per_s
+        if is_known_speed(tokens_per_s):  # a report without a figure keeps the last measured speed
+            rec.speed = tokens_per_s
         rec.confirmed = True
         if now is not None:
             rec.seen_at = max(rec.seen_at, now)
@@ -358,10 +359,8 @@ class CoordinatorCore:
         kept = {w for w in self.live_ids() if self.workers[w].state == QUARANTINED}  # keep shards, get no new ones
         phantoms = max(0, self.cfg.expected_workers - self.registered_ever)
         slots = dict(speeds)
-        known = [v for v in speeds.values() if v > 0]
-        fill = sum(known) / len(known) if known else 1.0
-        for i in range(phantoms):
-            slots[f"\x00slot{i}"] = fill  # not a valid worker id: shards placed there stay unowned
+        for i in range(phantoms):  # not a valid worker id: shards placed there stay unowned
+            slots[f"\x00slot{i}"] = 0.0  # unknown speed: counts as the median (`placement.effective_speeds`)
         current = {s.shard_id: self._effective_owner(s.shard_id, s.owner) for s in self.ledger.states()}
         target = place_shards(self.ledger.num_shards, slots, current)
         changed = False
@@ -410,11 +409,12 @@ class CoordinatorCore:
         return WorkPlan(leases, self._local_steps(rec), self.plan_seq, self.version)
 
     def _local_steps(self, rec: WorkerRecord) -> int:
-        """H_m: the inner steps the learner's plan asks for (ALGORITHM.md section 6)."""
-        if not (self.cfg.dynamic_local_steps and rec.speed > 0):
+        """H_m: the inner steps the learner's plan asks for (ALGORITHM.md section 6), against the fastest live
+        learner; an unknown speed counts as the median of the known ones (`placement.effective_speeds`)."""
+        if not self.cfg.dynamic_local_steps or rec.state not in LIVE_STATES:
             return self.cfg.local_steps
-        fastest = max(self.workers[w].speed for w in self.live_ids())
-        return local_steps(self.cfg.local_steps, rec.speed, fastest, self.cfg.min_local_steps)
+        speeds = effective_speeds({w: self.workers[w].speed for w in self.live_ids()})
+        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], max(speeds.values()), self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> int:

@@ -4,8 +4,8 @@ and a receiver that decodes chunk by chunk, checking order, size and checksum.""
 from __future__ import annotations
 
 import queue
-import zlib
 import threading
+import zlib
 from collections.abc import Generator, Iterator, Sequence
 from typing import TypeVar
 
@@ -68,7 +68,7 @@ def encode_params(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
     x = flat.detach().to("cpu", torch.float32).contiguous().clone()
     if x.dim() != 1:
         raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
-    data = memoryview(x.numpy()).cast("B")
+    data = x.numpy().data.cast("B")
     meta = EncodedMeta("fp32", x.numel(), len(data), zlib.crc32(data))
     return data, meta
 
