@@ -69,10 +69,11 @@ class Known(Enum):
 class UploadRefused(Exception):
     """An upload event refused: `error` is what the client gets, `reason` a short label for metrics."""
 
-    def __init__(self, error: DilocoError, reason: str) -> None:
+    def __init__(self, error: DilocoError, reason: str, dropped: tuple[Dropped, ...] = ()) -> None:
         super().__init__(str(error))
         self.error = error
         self.reason = reason
+        self.dropped = dropped  # idle uploads evicted before the refusal (room was made, but not enough)
 
 
 class Decoder(Protocol):
@@ -415,5 +416,6 @@ class Uploads:
                         "finish or resume the uploads in flight first, then retry"
                     ),
                     f"too_many_uploads_{scope}",
+                    tuple(evicted),
                 )
         return tuple(evicted)

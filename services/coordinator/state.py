@@ -464,6 +464,7 @@ class CoordinatorState:
                 refused = e
             self._upload_gauges()
         if refused is not None:  # counted and logged outside the table lock, which `reject` takes
+            self._log_dropped(refused.dropped)
             raise self.reject(refused.error, refused.reason) from None
         if isinstance(opened, Outcome):
             return opened
@@ -567,8 +568,8 @@ class CoordinatorState:
             self.core.worker(worker_id)
             known = self._known_locked(submission_id)
         with self._table_lock:
-            held = self.uploads.status(worker_id, submission_id, known, self.clock())
             expired = self.uploads.tick(self.clock())
+            held = self.uploads.status(worker_id, submission_id, known, self.clock())
             self._upload_gauges()
         self._log_dropped(expired)
         return held
