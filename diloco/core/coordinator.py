@@ -30,7 +30,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -40,11 +40,11 @@ from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
 from diloco.core.placement import effective_speeds, is_known_speed, local_steps, place_shards
-from diloco.core.rounds import Pending, RoundClose, RoundConfig, RoundPolicy
+from diloco.core.rounds import CloseReason, Pending, RoundClose, RoundConfig, RoundPolicy
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
 
-class WorkerState(str, Enum):
+class WorkerState(StrEnum):
     """A learner's state in the coordinator's registry.
 
     ACTIVE      --drain-->                DRAINING  (finishes its work, gets no shards)
@@ -183,7 +183,7 @@ class RoundApplied:
     tokens: int
     max_staleness: int
     delta_norm: float
-    reason: str
+    reason: CloseReason
     closed_at: float
 
 
@@ -625,7 +625,7 @@ class CoordinatorCore:
         and `async`, whose rounds are whole by construction), else the inner steps it holds over those plus the
         planned steps (H_m) of the expected learners it closed without. Two waves that fall out of phase (fast
         learners in one round, slow ones in the next) then take one full step between them, not two."""
-        if not self.cfg.scale_partial_rounds or close.reason != "quorum_grace":
+        if not self.cfg.scale_partial_rounds or close.reason != CloseReason.QUORUM_GRACE:
             return 1.0
         held = {p.worker_id for p in close.submissions}
         steps_in = sum(p.steps for p in close.submissions)

@@ -269,7 +269,7 @@ class CoordinatorState:
             rec = self.core.worker(worker_id)
             if rec.state not in LIVE_STATES:
                 raise FailedPrecondition(
-                    f"worker {worker_id} is {rec.state.value} ({rec.state_reason or 'no reason given'}); "
+                    f"worker {worker_id} is {rec.state} ({rec.state_reason or 'no reason given'}); "
                     "it cannot be released: the learner must register again"
                 )
             was = rec.state
