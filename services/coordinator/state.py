@@ -33,6 +33,7 @@ from diloco.core.coordinator import (
     LIVE_STATES,
     CoordinatorCore,
     RoundApplied,
+    Submission,
     SubmissionRejected,
     WorkerRecord,
     WorkerState,
@@ -306,7 +307,7 @@ class CoordinatorState:
             self.metrics.reassignments.inc(len(released))
             reason = self.core.workers[worker_id].state_reason
             self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
-            self._nudge_locked()
+            self._nudge_locked(poll=True)  # a round may have waited only for it
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
@@ -592,7 +593,7 @@ class CoordinatorState:
                 received_bytes=d.received,
             )
 
-    def _guard_rejected(self, e: SubmissionRejected, sub: Any) -> None:
+    def _guard_rejected(self, e: SubmissionRejected, sub: Submission) -> None:
         """Under `lock`: count and log a submission the guard refused (its learner is now quarantined)."""
         v = e.verdict
         ratio = round(v.ratio, 3) if math.isfinite(v.ratio) else None  # no reference yet, or non-finite
