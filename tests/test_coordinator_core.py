@@ -215,3 +215,40 @@ def test_a_learner_that_keeps_submitting_is_not_silent() -> None:
         c.report_throughput(a, 100.0, now=float(t))
         c.accept(submission(c, b, f"s{i}"), torch.zeros(N), now=float(t))  # b's heartbeats are not forwarded
         assert c.expire_unconfirmed(float(t)) == []
+
+
+def test_the_service_s_steps_match_accept_and_split_bookkeeping_from_tensor_work() -> None:
+    """The service runs `accept` as measure, take, fold, close, step (control lock for take and close only):
+    the same parameters and ledger as one `accept`; take and close touch no tensor; close alone moves the version,
+    the committed cursors and the applied ids together; step alone moves the parameters."""
+    one, split = core(mode="sync"), core(mode="sync")
+    for c in (one, split):
+        c.register("a", 0.0)
+        c.register("b", 0.0)
+    deltas = {"a-1": torch.full((N,), 0.5), "b-2": torch.arange(N, dtype=torch.float32)}
+    for w, d in deltas.items():
+        one.accept(submission(one, w, f"s-{w}"), d, now=1.0)
+    params_before = split.params.clone()
+    for w, d in deltas.items():
+        sub = submission(split, w, f"s-{w}")
+        taken = split.take(sub, split.measure(sub, d), now=1.0)
+        assert taken.applied is None and taken.round == 1 and torch.equal(split.params, params_before)
+        split.fold(d, sub.tokens)
+    assert split.version == 0
+    closed = split.close(1.0)
+    assert closed is not None and closed.close.version == split.version == 1
+    assert split.ledger.committed_tokens() == 20 and "s-a-1" in split.applied_ids
+    assert torch.equal(split.params, params_before)  # not stepped yet
+    applied = split.step(closed)
+    assert applied.version == 1 and applied.tokens == 20
+    assert torch.equal(split.params, one.params) and split.ledger.snapshot() == one.ledger.snapshot()
+    assert split.close(2.0) is None  # nothing pending
+
+
+def test_measure_refuses_a_wrong_size_without_touching_state() -> None:
+    c = core()
+    a = c.register("a", 0.0).worker_id
+    before = frozen(c)
+    with pytest.raises(InvalidArgument, match="elements"):
+        c.measure(submission(c, a, "s1"), torch.zeros(N + 1))
+    assert frozen(c) == before

@@ -157,7 +157,7 @@ def test_outlier_is_refused_quarantined_and_its_range_stays_uncommitted() -> Non
     assert isinstance(info.value, FailedPrecondition) and info.value.newly_quarantined
     assert info.value.verdict.ratio == pytest.approx(100.0)
     rec = c.workers[m]
-    assert rec.state == QUARANTINED and "refused" in rec.state_reason and rec.rejections == 1
+    assert rec.state == QUARANTINED and "refused" in rec.state_reason and rec.strikes == 1
     shard = bad.ranges[0].shard_id
     assert c.ledger.state(shard).accepted == bad.ranges[0].start  # not accepted, so not committed either
     assert c.ledger.state(shard).owner == m  # it keeps its shards (strikes left)

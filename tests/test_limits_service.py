@@ -19,6 +19,7 @@ from tests.test_coordinator_service import (
     T,
     code_of,
     frozen,
+    gauge,
     make_upload,
     pb,
     register,
@@ -40,7 +41,7 @@ def test_upload_larger_than_the_model_allows_is_refused_before_buffering(start: 
     before = frozen(env)
     code, details = code_of(lambda: submit(env, h, data))
     assert code == EXHAUSTED and "limit of 1024 bytes" in details
-    assert env.server.state.partial_uploads() == 0
+    assert gauge(env, "partial_uploads") == 0
     params, ledger, version = frozen(env)
     assert (params.equal(before[0]), ledger, version) == (True, before[1], before[2])
 
@@ -72,7 +73,7 @@ def test_too_many_concurrent_uploads_from_one_worker(start: Callable[..., Env]) 
             hold.wait(30)
 
         futures.append(env.stub.SubmitPseudoGradient.future(stalled(), timeout=30))
-    wait_for("two uploads in flight", lambda: env.server.state.partial_uploads() == 2)
+    wait_for("two uploads in flight", lambda: gauge(env, "partial_uploads") == 2)
     h3, data3, _ = make_upload(env, reg, "u3", seed=3)
     code, details = code_of(lambda: submit(env, h3, data3))
     assert code == EXHAUSTED and "limit is 2 concurrent uploads per worker" in details
@@ -82,10 +83,9 @@ def test_too_many_concurrent_uploads_from_one_worker(start: Callable[..., Env]) 
     for f in futures:
         f.cancel()
     hold.set()
-    state = env.server.state
-    wait_for("streams to end", lambda: all(u.streams == 0 for u in list(state._uploads.values())))
+    wait_for("streams to end", lambda: gauge(env, "streaming_uploads") == 0)
     assert submit(env, h3, data3).outcome == pb.SUBMISSION_OUTCOME_APPLIED  # the oldest idle one was evicted
-    assert state.partial_uploads() <= 2
+    assert gauge(env, "partial_uploads") <= 2
     assert env.server.metrics.registry.get_sample_value("diloco_coordinator_uploads_evicted_total") == 1.0
     assert len(requests(h3, data3)) > 2  # the payload spans several chunks (CHUNK bytes each)
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from diloco.core.codecs import CODEC_NAMES
+from diloco.core.coordinator import WorkerState
 from diloco.core.failure import NodeState
 from diloco.core.rounds import MODES as ROUND_MODES
 from diloco.errors import InvalidArgument
-from diloco.rpc.vocab import CODECS, MODES, NODE_STATES, Vocabulary
+from diloco.rpc.vocab import CODECS, MODES, NODE_STATES, WORKER_STATES, Vocabulary
 from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
 
 
@@ -18,6 +19,7 @@ from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
         (MODES, coordinator_pb2.RoundMode, ROUND_MODES),
         (CODECS, common_pb2.Codec, CODEC_NAMES),
         (NODE_STATES, healthd_pb2.NodeState, tuple(NodeState)),
+        (WORKER_STATES, common_pb2.WorkerState, tuple(WorkerState)),
     ],
 )
 def test_every_enum_value_has_one_name_and_back(vocab: Vocabulary[object], enum: object, names: tuple[object]) -> None:
@@ -27,7 +29,7 @@ def test_every_enum_value_has_one_name_and_back(vocab: Vocabulary[object], enum:
         assert vocab.from_proto(vocab.to_proto(n)) == n
 
 
-@pytest.mark.parametrize("vocab", [MODES, CODECS, NODE_STATES])
+@pytest.mark.parametrize("vocab", [MODES, CODECS, NODE_STATES, WORKER_STATES])
 def test_unknown_values_are_errors_not_defaults(vocab: Vocabulary[object]) -> None:
     with pytest.raises(InvalidArgument, match="enum value 0"):
         vocab.from_proto(0)

@@ -16,14 +16,14 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
+from diloco.errors import InvalidArgument
 from diloco.rpc import security
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-
-MODE = {1: "sync", 2: "decoupled", 3: "async"}
+from diloco.rpc.vocab import MODES, WORKER_STATES
+from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 def state_name(value: int) -> str:
-    return common_pb2.WorkerState.Name(value).removeprefix("WORKER_STATE_").lower()
+    return WORKER_STATES.from_proto(value).value
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,7 +75,7 @@ def render(console: Console, action: str, msg: Any) -> None:
         t = Table(title="coordinator", show_header=False)
         loss = "-" if math.isnan(msg.validation_loss) else f"{msg.validation_loss:.4f}"
         rows = {
-            "mode": MODE.get(msg.mode, "?"),
+            "mode": MODES.from_proto(msg.mode),
             "version": f"{msg.version}" + (f" / {msg.target_outer_steps}" if msg.target_outer_steps else ""),
             "validation loss": loss,
             "live workers": str(msg.live_workers),
@@ -136,5 +136,9 @@ def run(args: argparse.Namespace) -> int:
         json.dump(to_dict(msg), sys.stdout, indent=2)
         print()
     else:
-        render(Console(), args.action, msg)
+        try:
+            render(Console(), args.action, msg)
+        except InvalidArgument as e:  # an enum value this build does not know
+            print(f"diloco ctl {args.action}: {e} (--json prints the reply as it is)", file=sys.stderr)
+            return 1
     return 0

@@ -16,11 +16,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from diloco.cli.ctl import MODE, state_name
+from diloco.cli.ctl import state_name
 from diloco.cluster import ClusterConfig, LocalCluster
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.rounds import MODES
 from diloco.errors import ConfigError
+from diloco.rpc.vocab import MODES as MODES_PB
 from diloco.v1 import coordinator_pb2
 
 
@@ -88,7 +89,7 @@ def view(
     loss = "-" if math.isnan(status.validation_loss) else f"{status.validation_loss:.4f}"
     head = Table.grid(padding=(0, 3))
     head.add_row(
-        f"[b]{MODE.get(status.mode, '?')}[/b]",
+        f"[b]{MODES_PB.from_proto(status.mode)}[/b]",
         f"outer step {status.version}/{status.target_outer_steps}",
         f"val loss {loss}",
         f"tokens {status.tokens_applied:,}",
@@ -120,7 +121,7 @@ def summary(cluster: LocalCluster, started: float) -> dict[str, Any]:
     workers = cluster.workers()
     submitted = sum(w.tokens for w in workers.workers)
     return {
-        "mode": MODE.get(status.mode, "?"),
+        "mode": MODES_PB.from_proto(status.mode),
         "outer_steps": status.version,
         "final_validation_loss": status.validation_loss,
         "wall_time_s": round(time.monotonic() - started, 2),

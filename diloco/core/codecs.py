@@ -60,12 +60,12 @@ __all__ = [
     "Int8Codec",
     "StreamDecoder",
     "TopKCodec",
+    "codec_class",
     "encoded_size",
     "get_codec",
     "iter_chunks",
 ]
 
-CODEC_NAMES: tuple[str, ...] = ("fp32", "bf16", "int8", "int4", "topk")
 ALLOWED_BLOCK_SIZES: tuple[int, ...] = tuple(1 << p for p in range(4, 13))  # 16 .. 4096
 MAX_TOPK_NUMEL = 1 << 32  # indices are uint32
 
@@ -83,18 +83,15 @@ class CodecError(InvalidArgument):
 
 def encoded_size(codec: str, numel: int, block_size: int = 0, topk_count: int = 0) -> int:
     """Bytes that `codec` produces for `numel` elements (see the module docstring for the layouts)."""
-    if codec == "fp32":
-        return 4 * numel
-    if codec == "bf16":
-        return 2 * numel
-    if codec in ("int8", "int4"):
-        if block_size <= 0:
-            raise CodecError(f"{codec} needs a block_size > 0, got {block_size}")
-        blocks = -(-numel // block_size)
-        return 4 * blocks + (numel if codec == "int8" else (numel + 1) // 2)
-    if codec == "topk":
-        return 8 * topk_count
-    raise CodecError(f"unknown codec {codec!r}; use one of {', '.join(CODEC_NAMES)}")
+    return codec_class(codec).payload_bytes(numel, block_size, topk_count)
+
+
+def codec_class(name: str) -> type[Codec]:
+    """The codec called `name`, from the one registry (`CODEC_NAMES` lists it)."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise CodecError(f"unknown codec {name!r}; use one of {', '.join(CODEC_NAMES)}") from None
 
 
 @dataclass(frozen=True)
@@ -111,8 +108,7 @@ class EncodedMeta:
     def validate(self, *, expected_numel: int, max_bytes: int | None = None) -> None:
         """Raise `CodecError` unless this meta describes a payload this side can decode into `expected_numel`
         elements, no larger than `max_bytes`."""
-        if self.codec not in CODEC_NAMES:
-            raise CodecError(f"unknown codec {self.codec!r}; use one of {', '.join(CODEC_NAMES)}")
+        kind = codec_class(self.codec)
         if self.numel != expected_numel:
             raise CodecError(
                 f"payload has numel {self.numel} but the receiver expects {expected_numel}; "
@@ -122,7 +118,7 @@ class EncodedMeta:
             raise CodecError(f"numel must be >= 1, got {self.numel}")
         if not 0 <= self.crc32 < 1 << 32:
             raise CodecError(f"crc32 must be a uint32, got {self.crc32}")
-        if self.codec in ("int8", "int4"):
+        if kind.blockwise:
             if self.block_size not in ALLOWED_BLOCK_SIZES:
                 raise CodecError(
                     f"{self.codec} block_size {self.block_size} is not allowed; use a power of two "
@@ -130,7 +126,7 @@ class EncodedMeta:
                 )
         elif self.block_size != 0:
             raise CodecError(f"block_size must be 0 for codec {self.codec}, got {self.block_size}")
-        if self.codec == "topk":
+        if kind.sparse:
             if not 1 <= self.topk_count <= self.numel:
                 raise CodecError(f"topk_count {self.topk_count} is outside [1, numel={self.numel}]")
             if self.numel > MAX_TOPK_NUMEL:
@@ -326,6 +322,18 @@ class Codec(ABC):
     name: ClassVar[str]
     lossy: ClassVar[bool]
     residual_decay: ClassVar[float] = 1.0  # the error feedback's default β (see `ErrorFeedback`)
+    blockwise: ClassVar[bool] = False  # its payloads have a block_size (one scale per block)
+    sparse: ClassVar[bool] = False  # its payloads hold topk_count entries; error feedback holds back the rest
+
+    @classmethod
+    def create(cls, *, block_size: int = 128, topk_fraction: float = 0.01) -> Codec:
+        """An instance with the settings that apply to this codec (`get_codec`)."""
+        return cls()
+
+    @classmethod
+    @abstractmethod
+    def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
+        """Bytes of a payload of `numel` elements (`block_size` and `topk_count` as in its meta)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -390,6 +398,10 @@ class FP32Codec(Codec):
     name = "fp32"
     lossy = False
 
+    @classmethod
+    def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
+        return 4 * numel
+
     def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
         x = _check_input(flat)
         return self._finish([x.numpy().view(np.uint8).data], x.numel())
@@ -408,6 +420,10 @@ class BF16Codec(Codec):
 
     name = "bf16"
     lossy = True
+
+    @classmethod
+    def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
+        return 2 * numel
 
     def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
@@ -443,6 +459,17 @@ class _BlockCodec(Codec):
     """Blockwise abs-max quantization to [-qmax, qmax] with one float32 scale per block."""
 
     qmax: ClassVar[int]
+    blockwise = True
+
+    @classmethod
+    def create(cls, *, block_size: int = 128, topk_fraction: float = 0.01) -> Codec:
+        return cls(block_size)
+
+    @classmethod
+    def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
+        if block_size <= 0:
+            raise CodecError(f"{cls.name} needs a block_size > 0, got {block_size}")
+        return 4 * -(-numel // block_size) + cls._packed_bytes(numel)
 
     def __init__(self, block_size: int = 128) -> None:
         if block_size not in ALLOWED_BLOCK_SIZES:
@@ -459,8 +486,9 @@ class _BlockCodec(Codec):
     def _pack(self, rounded: torch.Tensor) -> bytes:
         """Bytes of the rounded block values (a float tensor of shape (blocks, block_size))."""
 
+    @staticmethod
     @abstractmethod
-    def _packed_bytes(self, count: int) -> int:
+    def _packed_bytes(count: int) -> int:
         """Bytes that `count` values take."""
 
     def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
@@ -516,7 +544,8 @@ class Int8Codec(_BlockCodec):
     def _pack(self, rounded: torch.Tensor) -> bytes:
         return rounded.to(torch.int8).numpy().tobytes()
 
-    def _packed_bytes(self, count: int) -> int:
+    @staticmethod
+    def _packed_bytes(count: int) -> int:
         return count
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
@@ -536,7 +565,8 @@ class Int4Codec(_BlockCodec):
         packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136.0)
         return packed.to(torch.uint8).numpy().tobytes()
 
-    def _packed_bytes(self, count: int) -> int:
+    @staticmethod
+    def _packed_bytes(count: int) -> int:
         return (count + 1) // 2
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
@@ -621,6 +651,15 @@ class TopKCodec(Codec):
     name = "topk"
     lossy = True
     residual_decay = 0.5  # exact feedback diverges at low density (see `ErrorFeedback`)
+    sparse = True
+
+    @classmethod
+    def create(cls, *, block_size: int = 128, topk_fraction: float = 0.01) -> Codec:
+        return cls(topk_fraction)
+
+    @classmethod
+    def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
+        return 8 * topk_count
 
     def __init__(self, fraction: float = 0.01) -> None:
         if not (isinstance(fraction, (int, float)) and 0.0 < fraction <= 1.0):
@@ -730,19 +769,13 @@ class _TopKDecoder(StreamDecoder):
         self.out[torch.from_numpy(index)] = torch.from_numpy(records["value"].astype(np.float32))
 
 
+_REGISTRY: dict[str, type[Codec]] = {c.name: c for c in (FP32Codec, BF16Codec, Int8Codec, Int4Codec, TopKCodec)}
+CODEC_NAMES: tuple[str, ...] = tuple(_REGISTRY)
+
+
 def get_codec(name: str, *, block_size: int = 128, topk_fraction: float = 0.01) -> Codec:
-    """The codec called `name`; `block_size` applies to int8/int4, `topk_fraction` to topk."""
-    if name == "fp32":
-        return FP32Codec()
-    if name == "bf16":
-        return BF16Codec()
-    if name == "int8":
-        return Int8Codec(block_size)
-    if name == "int4":
-        return Int4Codec(block_size)
-    if name == "topk":
-        return TopKCodec(topk_fraction)
-    raise CodecError(f"unknown codec {name!r}; use one of {', '.join(CODEC_NAMES)}")
+    """The codec called `name`; `block_size` applies to the blockwise ones (int8/int4), `topk_fraction` to topk."""
+    return codec_class(name).create(block_size=block_size, topk_fraction=topk_fraction)
 
 
 class ErrorFeedback:

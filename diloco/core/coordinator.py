@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -38,13 +39,36 @@ from diloco.core.guard import CEILING, NON_FINITE, GuardConfig, NormGuard, Verdi
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
-from diloco.core.placement import local_steps, place_shards
-from diloco.core.rounds import Pending, RoundClose, RoundConfig, RoundPolicy
+from diloco.core.placement import effective_speeds, is_known_speed, local_steps, place_shards
+from diloco.core.rounds import CloseReason, Pending, RoundClose, RoundConfig, RoundPolicy
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
-ACTIVE, DRAINING, DEAD, LEFT, EVICTED = "active", "draining", "dead", "left", "evicted"
-QUARANTINED = "quarantined"
-LIVE_STATES = (ACTIVE, DRAINING, QUARANTINED)
+
+class WorkerState(StrEnum):
+    """A learner's state in the coordinator's registry.
+
+    ACTIVE      --drain-->                DRAINING  (finishes its work, gets no shards)
+    ACTIVE      --guard refuses-->        QUARANTINED (keeps its shards, gets no new ones)
+    QUARANTINED --clean submission / release--> ACTIVE
+    ACTIVE, DRAINING, QUARANTINED --remove--> DEAD | LEFT | EVICTED (final: the learner registers again)
+    """
+
+    ACTIVE = "active"
+    DRAINING = "draining"
+    QUARANTINED = "quarantined"
+    DEAD = "dead"
+    LEFT = "left"
+    EVICTED = "evicted"
+
+    @property
+    def live(self) -> bool:
+        return self in LIVE_STATES
+
+
+ACTIVE, DRAINING, QUARANTINED = WorkerState.ACTIVE, WorkerState.DRAINING, WorkerState.QUARANTINED
+DEAD, LEFT, EVICTED = WorkerState.DEAD, WorkerState.LEFT, WorkerState.EVICTED
+LIVE_STATES = frozenset({ACTIVE, DRAINING, QUARANTINED})
+GONE_STATES = frozenset({DEAD, LEFT, EVICTED})  # what `remove` may set
 
 
 class SubmissionRejected(FailedPrecondition):
@@ -127,7 +151,7 @@ class WorkPlan:
 class WorkerRecord:
     worker_id: str
     name: str
-    state: str = ACTIVE
+    state: WorkerState = WorkerState.ACTIVE
     speed: float = 0.0  # tokens/s; 0 = not measured yet
     device_kind: str = ""
     registered_at: float = 0.0
@@ -138,7 +162,6 @@ class WorkerRecord:
     state_reason: str = ""
     confirmed: bool = False  # healthd has forwarded its throughput, or it has submitted
     seen_at: float = 0.0  # last sign of life: registration, throughput forwarded by healthd, or a submission
-    rejections: int = 0  # submissions refused by the guard, in total
     strikes: int = 0  # refused in a row (reset by an accepted submission or a release)
 
 
@@ -160,8 +183,17 @@ class RoundApplied:
     tokens: int
     max_staleness: int
     delta_norm: float
-    reason: str
+    reason: CloseReason
     closed_at: float
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """A round whose bookkeeping is done (`CoordinatorCore.close`) and whose outer step is not (`step`)."""
+
+    close: RoundClose
+    scale: float  # the fraction of a full step it takes (`_round_fraction`)
+    learners: int  # live learners at the close (N of Delayed Nesterov)
 
 
 @dataclass(frozen=True)
@@ -205,7 +237,7 @@ class CoordinatorCore:
         self.plan_seq = 0
         self.registered_ever = 0
         self.tokens_applied = 0
-        self.rejected = 0
+        self._stepped = 0  # the version the parameters are at (`close` advances the version, `step` them)
         self.guard = NormGuard(cfg.guard)
         self._param_norm: tuple[int, float] | None = None  # (version, ‖Θ‖) for the guard's ceiling
         self.paused = False
@@ -260,7 +292,8 @@ class CoordinatorCore:
         rec = self.worker(worker_id)
         if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
             raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
-        rec.speed = tokens_per_s
+        if is_known_speed(tokens_per_s):  # a report without a figure keeps the last measured speed
+            rec.speed = tokens_per_s
         rec.confirmed = True
         if now is not None:
             rec.seen_at = max(rec.seen_at, now)
@@ -271,9 +304,11 @@ class CoordinatorCore:
         if device_kind:
             rec.device_kind = device_kind
 
-    def remove(self, worker_id: str, state: str, reason: str) -> list[int]:
+    def remove(self, worker_id: str, state: WorkerState, reason: str) -> list[int]:
         """A learner died, left or was evicted: it leaves quorum expectations and its shards move.
         Returns the shards that moved. Removing a learner that is already gone changes nothing."""
+        if state not in GONE_STATES:
+            raise InvalidArgument(f"a removed learner is dead, left or evicted, not {state!r}")
         rec = self.worker(worker_id)
         if rec.state not in LIVE_STATES:
             return []
@@ -301,8 +336,6 @@ class CoordinatorCore:
 
     def _quarantine(self, rec: WorkerRecord, verdict: Verdict) -> tuple[bool, list[int]]:
         """Refusal bookkeeping. Returns (newly quarantined, shards moved away because the strikes ran out)."""
-        self.rejected += 1
-        rec.rejections += 1
         rec.strikes += 1
         newly = rec.state != QUARANTINED
         rec.state, rec.state_reason = QUARANTINED, f"pseudo-gradient refused ({verdict.describe()})"
@@ -318,9 +351,7 @@ class CoordinatorCore:
         return newly, moved
 
     def _membership_changed(self) -> None:
-        live = self.live_ids()
-        self.outer.set_num_learners(max(1, len(live)))
-        self._rebalance()
+        self._rebalance()  # the outer optimizer learns the number of live learners at each round's close
 
     def _rebalance(self) -> None:
         """Place shards on the live learners in proportion to speed; moves off a live learner are staged."""
@@ -328,10 +359,8 @@ class CoordinatorCore:
         kept = {w for w in self.live_ids() if self.workers[w].state == QUARANTINED}  # keep shards, get no new ones
         phantoms = max(0, self.cfg.expected_workers - self.registered_ever)
         slots = dict(speeds)
-        known = [v for v in speeds.values() if v > 0]
-        fill = sum(known) / len(known) if known else 1.0
-        for i in range(phantoms):
-            slots[f"\x00slot{i}"] = fill  # not a valid worker id: shards placed there stay unowned
+        for i in range(phantoms):  # not a valid worker id: shards placed there stay unowned
+            slots[f"\x00slot{i}"] = 0.0  # unknown speed: counts as the median (`placement.effective_speeds`)
         current = {s.shard_id: self._effective_owner(s.shard_id, s.owner) for s in self.ledger.states()}
         target = place_shards(self.ledger.num_shards, slots, current)
         changed = False
@@ -380,11 +409,12 @@ class CoordinatorCore:
         return WorkPlan(leases, self._local_steps(rec), self.plan_seq, self.version)
 
     def _local_steps(self, rec: WorkerRecord) -> int:
-        """H_m: the inner steps the learner's plan asks for (ALGORITHM.md section 6)."""
-        if not (self.cfg.dynamic_local_steps and rec.speed > 0):
+        """H_m: the inner steps the learner's plan asks for (ALGORITHM.md section 6), against the fastest live
+        learner; an unknown speed counts as the median of the known ones (`placement.effective_speeds`)."""
+        if not self.cfg.dynamic_local_steps or rec.state not in LIVE_STATES:
             return self.cfg.local_steps
-        fastest = max(self.workers[w].speed for w in self.live_ids())
-        return local_steps(self.cfg.local_steps, rec.speed, fastest, self.cfg.min_local_steps)
+        speeds = effective_speeds({w: self.workers[w].speed for w in self.live_ids()})
+        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], max(speeds.values()), self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> int:
@@ -410,52 +440,38 @@ class CoordinatorCore:
         return staleness
 
     def accept(self, sub: Submission, delta: torch.Tensor, now: float) -> AcceptResult:
-        """Fold a decoded, validated pseudo-gradient in. All checks happen before any state changes."""
-        staleness = self.admit(sub)
+        """Fold a decoded, validated pseudo-gradient in and close a round if the policy says so; all checks
+        happen before any state changes. One call for the simulator; the service runs its steps itself
+        (`measure`, `take`, `fold`, `close`, `step`) so that only the bookkeeping holds its control lock."""
+        per_step = self.measure(sub, delta)
+        taken = self.take(sub, per_step, now)
+        self.fold(delta, sub.tokens)
+        applied = self.poll(now)
+        return replace(taken, round=applied.version if applied else taken.round, applied=applied)
+
+    def measure(self, sub: Submission, delta: torch.Tensor) -> float:
+        """Tensor work on the submission's own payload, no state read or changed: its shape, and its norm per
+        inner step for the guard (one pass; NaN, Inf or an overflow make it non-finite)."""
         if delta.shape != self.params.shape:
             raise InvalidArgument(f"pseudo-gradient has {delta.numel()} elements; the model has {self.params.numel()}")
+        return float(torch.linalg.vector_norm(delta)) / max(1, sub.steps)
+
+    def take(self, sub: Submission, per_step: float, now: float) -> AcceptResult:
+        """The bookkeeping of an acceptance, given the pseudo-gradient's norm per step (`measure`): admission,
+        the guard, the ledger's accepted cursors, the learner's record and the round's pending set. No tensor
+        is touched; the caller `fold`s the pseudo-gradient next, before the round can `close`."""
+        staleness = self.admit(sub)
         rec = self.workers[sub.worker_id]
-        # one pass; NaN and Inf (or an overflow) make the norm non-finite
-        per_step = float(torch.linalg.vector_norm(delta)) / sub.steps
         verdict = self.guard.check(per_step, self._ceiling())
         if not verdict.ok:
-            newly, moved = self._quarantine(rec, verdict)
-            if verdict.reason == NON_FINITE:
-                raise NonFiniteRejected(
-                    "pseudo-gradient contains NaN or Inf; check the learner's training. The learner is quarantined: "
-                    "adopt the newest parameters and train the range again",
-                    sub.worker_id,
-                    verdict,
-                    newly,
-                    moved,
-                )
-            if verdict.reason == CEILING:
-                why = (
-                    f"its norm per inner step ({verdict.norm:.4g}) is above {verdict.ceiling:.4g}, more than the "
-                    "task's AdamW settings let any learner move the parameters (a wrong learning rate or a scaled "
-                    "update)"
-                )
-            else:
-                why = (
-                    f"its norm per inner step ({verdict.norm:.4g}) is {verdict.ratio:.3g}x the median of recently "
-                    f"accepted ones ({verdict.median:.4g}; limit {self.cfg.guard.outlier_factor:g}x)"
-                )
-            raise SubmissionRejected(
-                f"pseudo-gradient refused: {why}. The learner is quarantined: adopt the newest parameters and train "
-                "the range again; a clean submission (or ReleaseWorker) releases it",
-                sub.worker_id,
-                verdict,
-                newly,
-                moved,
-            )
+            raise self._refusal(sub, rec, verdict)
         receipt = self.ledger.accept(sub.worker_id, sub.ranges)
-        self.acc.add(delta, sub.tokens)
         self.receipts[sub.submission_id] = receipt
         self.guard.record(per_step)
-        released = rec.state == QUARANTINED
+        released = rec.state == WorkerState.QUARANTINED
         rec.strikes = 0
         if released:
-            rec.state, rec.state_reason = ACTIVE, "released after a clean submission"
+            rec.state, rec.state_reason = WorkerState.ACTIVE, "released after a clean submission"
             self._rebalance()
         rec.submissions += 1
         rec.tokens += sub.tokens
@@ -465,16 +481,49 @@ class CoordinatorCore:
         rec.seen_at = max(rec.seen_at, now)
         self._complete_handoffs(sub.worker_id, sub.plan_seq)
         self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now, sub.steps))
-        applied = self.poll(now)
-        version = applied.version if applied else self.version + 1
-        return AcceptResult(staleness, version, applied, released, verdict.ratio)
+        return AcceptResult(staleness, self.version + 1, None, released, verdict.ratio)
+
+    def fold(self, delta: torch.Tensor, tokens: int) -> None:
+        """Tensor work: add a taken pseudo-gradient to the merge buffer (the caller may reuse `delta` after)."""
+        self.acc.add(delta, tokens)
+
+    def _refusal(self, sub: Submission, rec: WorkerRecord, verdict: Verdict) -> SubmissionRejected:
+        newly, moved = self._quarantine(rec, verdict)
+        if verdict.reason == NON_FINITE:
+            return NonFiniteRejected(
+                "pseudo-gradient contains NaN or Inf; check the learner's training. The learner is quarantined: "
+                "adopt the newest parameters and train the range again",
+                sub.worker_id,
+                verdict,
+                newly,
+                moved,
+            )
+        if verdict.reason == CEILING:
+            why = (
+                f"its norm per inner step ({verdict.norm:.4g}) is above {verdict.ceiling:.4g}, more than the "
+                "task's AdamW settings let any learner move the parameters (a wrong learning rate or a scaled "
+                "update)"
+            )
+        else:
+            why = (
+                f"its norm per inner step ({verdict.norm:.4g}) is {verdict.ratio:.3g}x the median of recently "
+                f"accepted ones ({verdict.median:.4g}; limit {self.cfg.guard.outlier_factor:g}x)"
+            )
+        return SubmissionRejected(
+            f"pseudo-gradient refused: {why}. The learner is quarantined: adopt the newest parameters and train "
+            "the range again; a clean submission (or ReleaseWorker) releases it",
+            sub.worker_id,
+            verdict,
+            newly,
+            moved,
+        )
 
     def _ceiling(self) -> float:
         """The guard's ceiling for the current parameters (their norm is computed once per version)."""
         if not self.cfg.guard.has_ceiling:
             return math.inf  # and no pass over the parameters for their norm
-        if self._param_norm is None or self._param_norm[0] != self.version:
-            self._param_norm = (self.version, float(torch.linalg.vector_norm(self.params)))
+        if self._param_norm is None or self._param_norm[0] != self._stepped:
+            self._param_norm = (self._stepped, float(torch.linalg.vector_norm(self.params)))
         return self.cfg.guard.ceiling(self.params.numel(), self._param_norm[1])
 
     def _complete_handoffs(self, worker_id: str, plan_seq: int) -> None:
@@ -487,10 +536,49 @@ class CoordinatorCore:
 
     def poll(self, now: float) -> RoundApplied | None:
         """Close and apply a round if the policy says so (also call at `next_deadline()`)."""
+        closed = self.close(now)
+        return self.step(closed) if closed else None
+
+    def close(self, now: float) -> ClosedRound | None:
+        """The bookkeeping of a round close, if the policy says so: the version advances, the round's ledger
+        receipts are committed and its submission ids recorded, atomically. The parameters are not touched: the
+        caller must `step` the returned round before anything else reads or changes them (the next `fold`
+        included), and must not show the new version's parameters before that."""
         if self.paused or self.finished:
             return None
         close = self.policy.poll(now)
-        return self._apply(close) if close else None
+        if close is None:
+            return None
+        scale = self._round_fraction(close)
+        for p in close.submissions:
+            self.ledger.commit(self.receipts.pop(p.submission_id))
+            self.applied_ids.append(p.submission_id)
+        self.tokens_applied += sum(p.tokens for p in close.submissions)
+        return ClosedRound(close, scale, max(1, len(self.live_ids())))
+
+    def step(self, closed: ClosedRound) -> RoundApplied:
+        """Tensor work of a closed round: merge, scale, outer step; then the merge buffer is empty again."""
+        close = closed.close
+        delta = self.acc.result()  # lives in the merge buffer until acc.reset()
+        tokens = self.acc.tokens
+        if closed.scale < 1.0:
+            delta.mul_(closed.scale)
+        delta_norm = float(torch.linalg.vector_norm(delta))
+        self.outer.set_num_learners(closed.learners)
+        self.outer.step(self.params, delta)
+        self.acc.reset()
+        self._stepped = close.version
+        if self.cfg.guard.has_ceiling:  # the guard's next check needs it: computed here, with the tensor work
+            self._param_norm = (close.version, float(torch.linalg.vector_norm(self.params)))
+        return RoundApplied(
+            close.version,
+            close.submissions,
+            tokens,
+            close.max_staleness,
+            delta_norm,
+            close.reason,
+            close.closed_at,
+        )
 
     def next_deadline(self) -> float | None:
         """When to call `poll` (a grace window ends) or `expire_unconfirmed` (a registration lease runs out)."""
@@ -532,35 +620,12 @@ class CoordinatorCore:
         reason = f"healthd reported other learners for {t:g} s but not this one"
         return out + [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in self._silent()]
 
-    def _apply(self, close: RoundClose) -> RoundApplied:
-        delta = self.acc.result()  # lives in the merge buffer until acc.reset()
-        tokens = self.acc.tokens
-        scale = self._round_fraction(close)
-        if scale < 1.0:
-            delta.mul_(scale)
-        delta_norm = float(torch.linalg.vector_norm(delta))
-        self.outer.step(self.params, delta)
-        for p in close.submissions:
-            self.ledger.commit(self.receipts.pop(p.submission_id))
-            self.applied_ids.append(p.submission_id)
-        self.acc.reset()
-        self.tokens_applied += tokens
-        return RoundApplied(
-            close.version,
-            close.submissions,
-            tokens,
-            close.max_staleness,
-            delta_norm,
-            close.reason,
-            close.closed_at,
-        )
-
     def _round_fraction(self, close: RoundClose) -> float:
         """How much of a full wave a round holds: 1 for a round with every expected learner in (and in `sync`
         and `async`, whose rounds are whole by construction), else the inner steps it holds over those plus the
         planned steps (H_m) of the expected learners it closed without. Two waves that fall out of phase (fast
         learners in one round, slow ones in the next) then take one full step between them, not two."""
-        if not self.cfg.scale_partial_rounds or close.reason != "quorum_grace":
+        if not self.cfg.scale_partial_rounds or close.reason != CloseReason.QUORUM_GRACE:
             return 1.0
         held = {p.worker_id for p in close.submissions}
         steps_in = sum(p.steps for p in close.submissions)
@@ -574,19 +639,17 @@ class CoordinatorCore:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Everything a restart needs, consistent with the applied parameters (pending submissions excluded)."""
-        ledger = self.ledger.snapshot()
+        """Everything a restart needs, consistent with the applied parameters (pending submissions excluded).
+        Call it between rounds (not between a `close` and its `step`). The tensors in it are the core's own
+        (parameters, outer state): copy them before the next round steps, e.g. under the caller's tensor lock,
+        so that the bookkeeping need not wait for the copy."""
         return {
             "format": 1,
             "version": self.version,
-            "params": self.params.detach().cpu().clone(),
-            "outer": {
-                k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v)
-                for k, v in self.outer.state_dict().items()
-            },
-            "ledger": ledger,
+            "params": self.params,
+            "outer": dict(self.outer.state_dict()),
+            "ledger": self.ledger.snapshot(),
             "tokens_applied": self.tokens_applied,
-            "workers": [vars(r).copy() for r in self.workers.values()],
             "incarnation": self._incarnation,
             "guard_norms": self.guard.snapshot(),
         }
@@ -615,6 +678,7 @@ class CoordinatorCore:
             if shard.owner is not None:
                 self.ledger.release(shard.owner)
         self.policy = RoundPolicy(self.cfg.rounds, version=version)
+        self._stepped = version
         self.tokens_applied = int(snap.get("tokens_applied", 0))
         self._incarnation = int(snap.get("incarnation", 0))
         self.guard.restore(snap.get("guard_norms", ()))

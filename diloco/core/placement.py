@@ -1,5 +1,10 @@
 """Mixed hardware: per-learner local steps and speed-proportional shard placement (ALGORITHM.md section 6).
 
+The unknown-speed rule, the one place it is written: a speed (tokens/s) that is not a positive finite number
+(0 = not measured yet, a report without a figure, NaN, inf) is *unknown* (`is_known_speed`), and an unknown speed
+counts as the median of the known ones, or 1.0 when none is known (`effective_speeds`). Local steps, shard
+quotas and the coordinator's placeholders for learners still to come all follow it.
+
 Pure functions. Arithmetic on speeds is exact (`fractions.Fraction`), so results do not depend on float
 rounding and ties are broken only by sorted worker id.
 """
@@ -39,19 +44,24 @@ def local_steps(h: int, speed: float, max_speed: float, h_min: int) -> int:
     return max(h_min, math.floor(h * Fraction(speed) / Fraction(max_speed)))
 
 
+def is_known_speed(speed: float) -> bool:
+    """A measured speed: a positive finite number. Anything else (0 = not measured yet, NaN, inf) is unknown."""
+    return math.isfinite(speed) and speed > 0
+
+
 def effective_speeds(speeds: Mapping[str, float]) -> dict[str, float]:
-    """Speeds with every unknown one (non-positive, NaN or infinite) replaced by the median of the known ones,
-    or 1.0 when none is known."""
+    """Speeds with every unknown one (`is_known_speed`) replaced by the median of the known ones, or 1.0 when
+    none is known."""
     known: list[float] = []
     for worker_id, v in speeds.items():
         if not isinstance(worker_id, str) or not worker_id:
             raise InvalidArgument(f"worker id must be a non-empty string, got {worker_id!r}")
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise InvalidArgument(f"speed of {worker_id!r} must be a number, got {v!r}")
-        if math.isfinite(v) and v > 0:
+        if is_known_speed(v):
             known.append(float(v))
     fill = statistics.median(known) if known else 1.0
-    return {w: (float(v) if math.isfinite(v) and v > 0 else fill) for w, v in speeds.items()}
+    return {w: (float(v) if is_known_speed(v) else fill) for w, v in speeds.items()}
 
 
 def plan_local_steps(speeds: Mapping[str, float], h: int, h_min: int) -> dict[str, int]:

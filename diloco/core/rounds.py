@@ -20,10 +20,19 @@ when `poll` returns a `RoundClose`, every pending submission goes into that roun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from diloco.errors import ConfigError, FailedPrecondition, NotFound
 
 MODES = ("sync", "decoupled", "async")
+
+
+class CloseReason(StrEnum):
+    """Why a round closed."""
+
+    ALL_LIVE = "all_live"  # every expected learner is in
+    QUORUM_GRACE = "quorum_grace"  # decoupled: K are in and the grace window passed
+    ASYNC = "async"  # async: every submission is a round
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ class RoundClose:
     version: int  # the new version this round produces
     submissions: tuple[Pending, ...]
     closed_at: float
-    reason: str  # "all_live", "quorum_grace", "async"
+    reason: CloseReason
 
     @property
     def max_staleness(self) -> int:
@@ -148,17 +157,17 @@ class RoundPolicy:
         """Close the round if the policy says so; returns what went into it."""
         if not self.pending:
             return None
-        reason = ""
+        reason: CloseReason | None = None
         if self.cfg.mode == "async":
-            reason = "async"
+            reason = CloseReason.ASYNC
         elif self._all_live_in():
-            reason = "all_live"
+            reason = CloseReason.ALL_LIVE
         elif self.cfg.mode == "decoupled" and len(self.pending) >= self.quorum:
             if self.quorum_at is None:  # the quorum shrank below the pending count (learners died)
                 self.quorum_at = now
             if now >= self.quorum_at + self.grace_s:
-                reason = "quorum_grace"
-        if not reason:
+                reason = CloseReason.QUORUM_GRACE
+        if reason is None:
             return None
         if self.last_close is not None:
             period = max(0.0, now - self.last_close)

@@ -2,7 +2,8 @@
 plane). Python gRPC copies every payload byte about three times; here the receiver `recv_into`s reused buffers and
 hands memoryviews of them to the upload state machine, while the next buffer fills (double buffering: decoding in
 torch and zlib releases the GIL). The upload itself (open, feed, finish, interrupted, resumable by byte offset,
-idempotent by submission id) is the coordinator's, unchanged; only the framing is new.
+idempotent by submission id) is the coordinator's one upload protocol (`diloco.core.uploads`), shared with the
+gRPC path; only the framing is new.
 
 Wire format, one upload per connection, integers big-endian:
 

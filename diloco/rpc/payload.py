@@ -5,32 +5,26 @@ from __future__ import annotations
 
 import queue
 import threading
+import zlib
 from collections.abc import Generator, Iterator, Sequence
 from typing import TypeVar
 
 import torch
 
 from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, get_codec, iter_chunks
+from diloco.errors import InvalidArgument
+from diloco.rpc.vocab import CODECS
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2 as pb
 
 CHUNK_BYTES = 1 << 20
 T = TypeVar("T")
 
-CODEC_TO_ENUM: dict[str, int] = {
-    "fp32": pb.CODEC_FP32,
-    "bf16": pb.CODEC_BF16,
-    "int8": pb.CODEC_INT8,
-    "int4": pb.CODEC_INT4,
-    "topk": pb.CODEC_TOPK,
-}
-ENUM_TO_CODEC = {v: k for k, v in CODEC_TO_ENUM.items()}
-
 
 def meta_to_proto(meta: EncodedMeta, specs: Sequence[ParamSpec] = ()) -> pb.PayloadSpec:
     return pb.PayloadSpec(
         tensors=[pb.TensorSpec(name=s.name, shape=list(s.shape), dtype="float32", offset=s.offset) for s in specs],
-        codec=CODEC_TO_ENUM[meta.codec],  # type: ignore[arg-type]
+        codec=CODECS.to_proto(meta.codec),
         numel=meta.numel,
         encoded_bytes=meta.encoded_bytes,
         crc32=meta.crc32,
@@ -40,9 +34,10 @@ def meta_to_proto(meta: EncodedMeta, specs: Sequence[ParamSpec] = ()) -> pb.Payl
 
 
 def meta_from_proto(spec: pb.PayloadSpec) -> EncodedMeta:
-    codec = ENUM_TO_CODEC.get(spec.codec)
-    if codec is None:
-        raise CodecError(f"unknown codec enum {spec.codec}; use one of {sorted(CODEC_TO_ENUM)}")
+    try:
+        codec = CODECS.from_proto(spec.codec)
+    except InvalidArgument as e:
+        raise CodecError(str(e)) from None
     return EncodedMeta(codec, spec.numel, spec.encoded_bytes, spec.crc32, spec.block_size, spec.topk_count)
 
 
@@ -63,9 +58,19 @@ def check_layout(spec: pb.PayloadSpec, expected: Sequence[ParamSpec]) -> None:
         raise CodecError("tensor dtype must be float32")
 
 
-def encode_params(flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
-    """Global parameters travel uncompressed (fp32), so every learner adopts exactly the same values."""
-    return get_codec("fp32").encode(flat)
+def encode_params(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
+    """Global parameters travel uncompressed (fp32), so every learner adopts exactly the same values: the bytes
+    of a private copy of `flat`, as the fp32 codec lays them out (`get_codec("fp32").encode`), and their meta.
+
+    Built without holding the GIL for long: the copy (torch) and the checksum (zlib, on a buffer) release it,
+    where joining the bytes into one `bytes` object would hold it for the whole copy (seconds for a large model),
+    stalling every other thread of the service (control calls included)."""
+    x = flat.detach().to("cpu", torch.float32).contiguous().clone()
+    if x.dim() != 1:
+        raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
+    data = x.numpy().data.cast("B")
+    meta = EncodedMeta("fp32", x.numel(), len(data), zlib.crc32(data))
+    return data, meta
 
 
 def chunks(payload: bytes | memoryview, offset: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:

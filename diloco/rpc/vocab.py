@@ -1,8 +1,8 @@
 """One table per vocabulary: the domain's names and the proto enum values that carry them.
 
-Every translation between a mode, codec or state name and its enum goes through a `Vocabulary` here, in both
-directions. An unknown value is an error (`InvalidArgument`), never a silent default: a peer that sends an enum
-value this build does not know must be told, not misread.
+Every translation between a mode, codec, node state or worker state and its enum goes through a `Vocabulary`
+here, in both directions. An unknown value is an error (`InvalidArgument`), never a silent default: a peer that
+sends an enum value this build does not know must be told, not misread.
 """
 
 from __future__ import annotations
@@ -10,28 +10,30 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Generic, TypeVar
 
+from diloco.core.coordinator import WorkerState
 from diloco.core.failure import NodeState
 from diloco.errors import InvalidArgument
 from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
 
 K = TypeVar("K")
+V = TypeVar("V", bound=int)  # the proto enum's type (`coordinator_pb2.RoundMode`, ...)
 
 
-class Vocabulary(Generic[K]):
-    """A one-to-one table between domain values `K` and proto enum numbers."""
+class Vocabulary(Generic[K, V]):
+    """A one-to-one table between domain values `K` and proto enum values `V`."""
 
-    def __init__(self, what: str, table: Mapping[K, int]) -> None:
+    def __init__(self, what: str, table: Mapping[K, V]) -> None:
         if len(set(table.values())) != len(table):
             raise ValueError(f"{what}: two names share one enum value")
         self.what = what
         self._to_proto = dict(table)
-        self._from_proto = {v: k for k, v in table.items()}
+        self._from_proto: dict[int, K] = {v: k for k, v in table.items()}
 
     @property
     def names(self) -> tuple[K, ...]:
         return tuple(self._to_proto)
 
-    def to_proto(self, name: K) -> int:
+    def to_proto(self, name: K) -> V:
         try:
             return self._to_proto[name]
         except KeyError:
@@ -49,7 +51,7 @@ class Vocabulary(Generic[K]):
         return ", ".join(str(k) for k in self._to_proto)
 
 
-MODES: Vocabulary[str] = Vocabulary(
+MODES: Vocabulary[str, coordinator_pb2.RoundMode] = Vocabulary(
     "round mode",
     {
         "sync": coordinator_pb2.ROUND_MODE_SYNC,
@@ -58,7 +60,7 @@ MODES: Vocabulary[str] = Vocabulary(
     },
 )
 
-CODECS: Vocabulary[str] = Vocabulary(
+CODECS: Vocabulary[str, common_pb2.Codec] = Vocabulary(
     "codec",
     {
         "fp32": common_pb2.CODEC_FP32,
@@ -69,12 +71,24 @@ CODECS: Vocabulary[str] = Vocabulary(
     },
 )
 
-NODE_STATES: Vocabulary[NodeState] = Vocabulary(
+NODE_STATES: Vocabulary[NodeState, healthd_pb2.NodeState] = Vocabulary(
     "node state",
     {
         NodeState.ALIVE: healthd_pb2.NODE_STATE_ALIVE,
         NodeState.SUSPECT: healthd_pb2.NODE_STATE_SUSPECT,
         NodeState.DEAD: healthd_pb2.NODE_STATE_DEAD,
         NodeState.LEFT: healthd_pb2.NODE_STATE_LEFT,
+    },
+)
+
+WORKER_STATES: Vocabulary[WorkerState, common_pb2.WorkerState] = Vocabulary(
+    "worker state",
+    {
+        WorkerState.ACTIVE: common_pb2.WORKER_STATE_ACTIVE,
+        WorkerState.DRAINING: common_pb2.WORKER_STATE_DRAINING,
+        WorkerState.DEAD: common_pb2.WORKER_STATE_DEAD,
+        WorkerState.EVICTED: common_pb2.WORKER_STATE_EVICTED,
+        WorkerState.LEFT: common_pb2.WORKER_STATE_LEFT,
+        WorkerState.QUARANTINED: common_pb2.WORKER_STATE_QUARANTINED,
     },
 )

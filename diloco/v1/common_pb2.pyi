@@ -21,7 +21,6 @@ class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
     WORKER_STATE_ACTIVE: _ClassVar[WorkerState]
     WORKER_STATE_DRAINING: _ClassVar[WorkerState]
-    WORKER_STATE_SUSPECT: _ClassVar[WorkerState]
     WORKER_STATE_DEAD: _ClassVar[WorkerState]
     WORKER_STATE_EVICTED: _ClassVar[WorkerState]
     WORKER_STATE_LEFT: _ClassVar[WorkerState]
@@ -35,7 +34,6 @@ CODEC_TOPK: Codec
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_ACTIVE: WorkerState
 WORKER_STATE_DRAINING: WorkerState
-WORKER_STATE_SUSPECT: WorkerState
 WORKER_STATE_DEAD: WorkerState
 WORKER_STATE_EVICTED: WorkerState
 WORKER_STATE_LEFT: WorkerState

@@ -11,31 +11,29 @@ from diloco.rpc.bulk import BulkSink
 from diloco.task.params import ParamSpec
 from diloco.v1 import coordinator_pb2
 from services.coordinator.servicer import open_submission, submit_response
-from services.coordinator.state import CoordinatorState, Upload
+from services.coordinator.state import CoordinatorState, UploadStream
 
 SUBMIT_METHOD = f"/{auth.COORDINATOR_SERVICE}/SubmitPseudoGradient"
 
 
 class _UploadSink:
-    """One bulk connection feeding one upload of the state machine."""
+    """One bulk connection feeding one upload: the `UploadStream` the gRPC path uses, answering in protos."""
 
-    def __init__(self, state: CoordinatorState, upload: Upload, gen: int, expected_bytes: int) -> None:
-        self.state = state
-        self.upload = upload
-        self.gen = gen
-        self.expected_bytes = expected_bytes
+    def __init__(self, stream: UploadStream) -> None:
+        self.stream = stream
+        self.expected_bytes = stream.expected_bytes
 
     def feed(self, data: memoryview) -> None:
-        self.state.feed(self.upload, self.gen, data)
-
-    def finish(self) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        return submit_response(self.state.finish_upload(self.upload, self.gen))
+        self.stream.feed(data)
 
     def interrupted(self) -> None:
-        self.state.interrupted(self.upload)
+        self.stream.interrupted()
 
     def close(self) -> None:
-        self.state.end_stream(self.upload)
+        self.stream.close()
+
+    def finish(self) -> coordinator_pb2.SubmitPseudoGradientResponse:
+        return submit_response(self.stream.finish())
 
 
 class BulkUploads:
@@ -58,5 +56,4 @@ class BulkUploads:
         opened = open_submission(self.state, request, self.specs, identity)
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
-        upload, gen, header = opened
-        return _UploadSink(self.state, upload, gen, header.meta.encoded_bytes - header.resume_offset)
+        return _UploadSink(opened)

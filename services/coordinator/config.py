@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco.core.codecs import CODEC_NAMES
+from diloco.core.codecs import CODEC_NAMES, codec_class
 from diloco.core.coordinator import CoordinatorConfig
 from diloco.core.guard import GuardConfig, adamw_move_bound
 from diloco.core.merge import MERGE_NAMES
@@ -158,7 +158,7 @@ class CoordinatorServiceConfig:
         """The robust merge. With it on (`outlier_factor > 0`), the ceiling comes from the task's AdamW settings;
         not for `topk`, whose error feedback holds back most of every update and may send it rounds later."""
         inner = self.task.inner
-        ceiling = self.outlier_factor > 0 and self.codec != "topk"
+        ceiling = self.outlier_factor > 0 and not codec_class(self.codec).sparse
         return GuardConfig(
             outlier_factor=self.outlier_factor,
             window=self.outlier_window,

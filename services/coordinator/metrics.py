@@ -56,4 +56,8 @@ class CoordinatorMetrics:
         self.uploads_evicted = Counter(
             _PREFIX + "uploads_evicted", "Interrupted uploads dropped to make room for new ones", registry=r
         )
+        self.partial_uploads = Gauge(
+            _PREFIX + "partial_uploads", "Uploads held: streaming, or interrupted and kept for a resume", registry=r
+        )
+        self.streaming_uploads = Gauge(_PREFIX + "streaming_uploads", "Uploads with a stream feeding them", registry=r)
         self.validation_loss.set(float("nan"))

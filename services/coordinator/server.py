@@ -234,18 +234,22 @@ class CoordinatorServer:
 
     # --- after every round ----------------------------------------------------------------------------------------
     def _on_round(self, applied: RoundApplied) -> None:
-        """Called under the state lock: hand evaluation and checkpointing to the jobs thread (newest wins)."""
-        cfg, core = self.cfg, self.core
+        """Called after a round's outer step, holding the state's tensor lock (`work`) but not its control lock:
+        copy what evaluation and checkpointing need and hand them to the jobs thread (newest wins)."""
+        cfg = self.cfg
         v = applied.version
-        want_eval = bool(cfg.eval_every) and (v % cfg.eval_every == 0 or core.finished)
-        want_ckpt = bool(cfg.checkpoint_dir) and (v % cfg.checkpoint_every == 0 or core.finished)
+        last = bool(self.core.cfg.target_outer_steps) and v >= self.core.cfg.target_outer_steps
+        want_eval = bool(cfg.eval_every) and (v % cfg.eval_every == 0 or last)
+        want_ckpt = bool(cfg.checkpoint_dir) and (v % cfg.checkpoint_every == 0 or last)
         if not (want_eval or want_ckpt):
             return
+        evaluate = self.state.eval_params() if want_eval else None
+        snap = self.state.snapshot() if want_ckpt else None
         with self._jobs:
-            if want_eval:
-                self._eval_request = (v, core.params.detach().clone())
-            if want_ckpt:
-                self._ckpt_request = core.snapshot()
+            if evaluate is not None:
+                self._eval_request = evaluate
+            if snap is not None:
+                self._ckpt_request = snap
             self._jobs.notify_all()
 
     def _jobs_loop(self) -> None:

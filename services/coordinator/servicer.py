@@ -5,44 +5,30 @@ Domain errors (`diloco.errors`) become status codes in `diloco.rpc.status`; noth
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 
-from diloco.core.coordinator import ACTIVE, DEAD, DRAINING, EVICTED, LEFT, Submission, WorkerRecord, WorkPlan
+from diloco.core.coordinator import Submission, WorkerRecord, WorkerState, WorkPlan
 from diloco.core.ledger import ShardRange
+from diloco.core.uploads import Outcome, UploadHeader
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
 from diloco.rpc import auth, status
 from diloco.rpc.payload import (
     CHUNK_BYTES,
-    CODEC_TO_ENUM,
     check_layout,
     chunks,
     meta_from_proto,
     meta_to_proto,
     prefetch,
 )
-from diloco.task.factory import TaskConfig, config_to_dict
+from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
+from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.state import CoordinatorState, ParamsSnapshot, SubmitResult, Upload, UploadHeader
+from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadStream
 
-MODE_TO_ENUM = {
-    "sync": coordinator_pb2.ROUND_MODE_SYNC,
-    "decoupled": coordinator_pb2.ROUND_MODE_DECOUPLED,
-    "async": coordinator_pb2.ROUND_MODE_ASYNC,
-}
-STATE_TO_ENUM = {
-    ACTIVE: common_pb2.WORKER_STATE_ACTIVE,
-    DRAINING: common_pb2.WORKER_STATE_DRAINING,
-    "suspect": common_pb2.WORKER_STATE_SUSPECT,
-    DEAD: common_pb2.WORKER_STATE_DEAD,
-    EVICTED: common_pb2.WORKER_STATE_EVICTED,
-    LEFT: common_pb2.WORKER_STATE_LEFT,
-    "quarantined": common_pb2.WORKER_STATE_QUARANTINED,
-}
 WATCH_RECHECK_S = 1.0  # a follow watcher rechecks that its client is still there at least this often
 _MAX_ID = 256
 
@@ -83,7 +69,7 @@ def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2
     return coordinator_pb2.WorkerInfo(
         worker_id=rec.worker_id,
         worker_name=rec.name,
-        state=STATE_TO_ENUM.get(rec.state, common_pb2.WORKER_STATE_UNSPECIFIED),
+        state=WORKER_STATES.to_proto(rec.state),
         throughput=common_pb2.Throughput(tokens_per_s=rec.speed, device_kind=rec.device_kind),
         local_steps=plan.local_steps if plan else 0,
         shards=plan_to_proto(plan).shards if plan else [],
@@ -101,10 +87,10 @@ def open_submission(
     first: coordinator_pb2.SubmitPseudoGradientRequest | None,
     specs: list[ParamSpec],
     identity: str | None,
-) -> coordinator_pb2.SubmitPseudoGradientResponse | tuple[Upload, int, UploadHeader]:
+) -> coordinator_pb2.SubmitPseudoGradientResponse | UploadStream:
     """The start of an upload on either path (this RPC or the bulk port): check its header message and the
     client's certificate `identity` (`auth.act_as`), then open (or resume) the upload. Returns the earlier outcome
-    of a duplicate, else the upload, this stream's generation and the header."""
+    of a duplicate, else the stream to feed (`UploadStream`: feed, then finish or interrupted, then close)."""
     try:
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("an upload starts with a message holding its header (SubmissionHeader)")
@@ -117,12 +103,12 @@ def open_submission(
         except PermissionDenied as e:
             raise state.reject(e, "identity") from None
     opened = state.open_upload(header)
-    if isinstance(opened, SubmitResult):
+    if isinstance(opened, Outcome):
         return submit_response(opened)
-    return (*opened, header)
+    return opened
 
 
-def submit_response(r: SubmitResult) -> coordinator_pb2.SubmitPseudoGradientResponse:
+def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
     return coordinator_pb2.SubmitPseudoGradientResponse(
         outcome=coordinator_pb2.SUBMISSION_OUTCOME_APPLIED
         if r.applied
@@ -153,7 +139,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.mode = mode
         self.healthd_address = healthd_address
         self.task_json = task.to_json()
-        self.inner_json = json.dumps(config_to_dict(task.inner), sort_keys=True)
         self.checkpoint = checkpoint
         self.chunk_bytes = chunk_bytes
         self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
@@ -171,11 +156,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             coordinator_epoch=self.state.epoch,
             version=plan.version,
             plan=plan_to_proto(plan),
-            mode=MODE_TO_ENUM[self.mode],
-            codec=CODEC_TO_ENUM[self.state.codec],  # type: ignore[arg-type]
+            mode=MODES.to_proto(self.mode),
+            codec=CODECS.to_proto(self.state.codec),
             healthd_address=self.healthd_address,
             task_json=self.task_json,
-            inner_json=self.inner_json,
             bulk_port=self.bulk_port,
         )
 
@@ -234,24 +218,18 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         opened = open_submission(self.state, next(request_iterator, None), self.specs, auth.peer_identity(context))
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
-        upload, gen, _ = opened
         try:
-            return self._receive(upload, gen, request_iterator)
+            try:
+                for msg in prefetch(request_iterator):  # receive the next chunk while this one decodes
+                    if msg.WhichOneof("kind") != "data":
+                        raise InvalidArgument("an upload has one header; every following message must be data")
+                    opened.feed(msg.data)
+            except grpc.RpcError:  # the client went away: keep what we hold for a resume
+                opened.interrupted()
+                return coordinator_pb2.SubmitPseudoGradientResponse()
+            return submit_response(opened.finish())
         finally:
-            self.state.end_stream(upload)
-
-    def _receive(
-        self, upload: Upload, gen: int, request_iterator: Iterator[coordinator_pb2.SubmitPseudoGradientRequest]
-    ) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        try:
-            for msg in prefetch(request_iterator):  # receive the next chunk while this one decodes
-                if msg.WhichOneof("kind") != "data":
-                    raise InvalidArgument("an upload has one header; every following message must be data")
-                self.state.feed(upload, gen, msg.data)
-        except grpc.RpcError:  # the client went away: keep what we hold for a resume
-            self.state.interrupted(upload)
-            return coordinator_pb2.SubmitPseudoGradientResponse()
-        return submit_response(self.state.finish_upload(upload, gen))
+            opened.close()
 
     @status.unary
     def GetUploadStatus(
@@ -273,7 +251,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.DeregisterRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.DeregisterResponse:
         worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"))
-        self.state.remove(worker_id, LEFT, request.reason or "left")
+        self.state.remove(worker_id, WorkerState.LEFT, request.reason or "left")
         return coordinator_pb2.DeregisterResponse()
 
     @status.unary
@@ -303,7 +281,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.GetStatusResponse:
         s = self.state.status(self.mode)
         return coordinator_pb2.GetStatusResponse(
-            mode=MODE_TO_ENUM[s.mode],
+            mode=MODES.to_proto(s.mode),
             version=s.version,
             coordinator_epoch=s.coordinator_epoch,
             paused=s.paused,
@@ -369,14 +347,14 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.DrainWorkerRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.DrainWorkerResponse:
         rec = self.state.drain(_require_id(request.worker_id, "worker_id"))
-        return coordinator_pb2.DrainWorkerResponse(state=STATE_TO_ENUM[rec.state])
+        return coordinator_pb2.DrainWorkerResponse(state=WORKER_STATES.to_proto(rec.state))
 
     @status.unary
     def EvictWorker(
         self, request: coordinator_pb2.EvictWorkerRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.EvictWorkerResponse:
         worker_id = _require_id(request.worker_id, "worker_id")
-        _, released = self.state.remove(worker_id, EVICTED, request.reason or "evicted by operator")
+        _, released = self.state.remove(worker_id, WorkerState.EVICTED, request.reason or "evicted by operator")
         return coordinator_pb2.EvictWorkerResponse(reassigned_shards=released)
 
     @status.unary
@@ -384,7 +362,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.ReleaseWorkerRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.ReleaseWorkerResponse:
         rec = self.state.release(_require_id(request.worker_id, "worker_id"))
-        return coordinator_pb2.ReleaseWorkerResponse(state=STATE_TO_ENUM[rec.state])
+        return coordinator_pb2.ReleaseWorkerResponse(state=WORKER_STATES.to_proto(rec.state))
 
     @status.unary
     def Pause(

@@ -1,12 +1,19 @@
-"""The coordinator service's state around the pure `CoordinatorCore`: one lock, the coordinator epoch, the
-encoded parameters shared by every watcher, partial (resumable) uploads and the idempotency records.
+"""The coordinator service's state around the pure `CoordinatorCore` and the pure upload table
+(`diloco.core.uploads.Uploads`): the locks, the coordinator epoch, the encoded parameters shared by every watcher.
 
 No gRPC here: the servicer turns protos into the domain types below and calls these methods; errors are
 `diloco.errors` types, mapped to status codes in one place (`diloco.rpc.status`).
 
-Locks, always taken in this order: `lock` (the core and everything else here) -> `Upload.lock` (one upload's
-decoder) -> `_uploads_lock` (the upload table, a leaf). Decoding a chunk holds only its upload's lock, so
-uploads proceed in parallel and never block control calls.
+Control calls never wait on bulk work (ALGORITHM.md section 9). Locks, always taken in this order:
+- `work` (re-entrant): the tensors (merge buffer, parameters, outer state). Held to fold a pseudo-gradient in, to
+  step and encode a closed round, and to copy the parameters for a checkpoint or an evaluation.
+- `lock`: the core's bookkeeping (registry, ledger, round policy) and everything else here; held only briefly,
+  never for tensor work. Status, plans, registration and throughput reports take only this lock.
+- one stripe of `_stripes` per submission id: one upload's decoder (decoding a chunk holds only this).
+- `_table_lock`: the upload table and the byte counters (a leaf).
+A round's bookkeeping (version, ledger commits, applied ids) changes atomically under `lock` (`core.close`); its
+outer step and the encoding of the new parameters follow under `work`, and watchers see the new version only once
+its bytes are ready (`_publish`).
 """
 
 from __future__ import annotations
@@ -14,85 +21,48 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diloco import log as logging
-from diloco.core.codecs import CodecError, EncodedMeta
+from diloco.core.codecs import EncodedMeta
 from diloco.core.coordinator import (
-    DEAD,
-    EVICTED,
-    LEFT,
     LIVE_STATES,
-    QUARANTINED,
     CoordinatorCore,
     RoundApplied,
     Submission,
     SubmissionRejected,
     WorkerRecord,
+    WorkerState,
     WorkPlan,
 )
 from diloco.core.ledger import ShardState
-from diloco.errors import (
-    AlreadyExists,
-    DilocoError,
-    FailedPrecondition,
-    InvalidArgument,
-    ResourceExhausted,
+from diloco.core.uploads import (
+    Dropped,
+    Known,
+    Outcome,
+    Stream,
+    UploadHeader,
+    UploadLimits,
+    UploadRefused,
+    Uploads,
 )
+from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition
 from diloco.rpc.payload import BufferPool, PayloadReceiver, encode_params
 from services.coordinator.metrics import CoordinatorMetrics
 
-_DONE_RECORDS = 8192  # idempotency records of accepted submissions
+__all__ = ["CoordinatorState", "ParamsSnapshot", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
+
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
-
-
-@dataclass(frozen=True)
-class UploadHeader:
-    """A decoded `SubmissionHeader`."""
-
-    sub: Submission
-    coordinator_epoch: int
-    meta: EncodedMeta
-    resume_offset: int
-
-
-@dataclass(frozen=True)
-class SubmitResult:
-    applied: bool  # merged into the global parameters (else pending)
-    version: int  # newest global version at the time of the reply
-    staleness: int
-    round: int  # the version the submission produces (or produced)
-
-
-@dataclass
-class Upload:
-    """An upload in progress: its header and the decoder holding the bytes received so far."""
-
-    sub: Submission
-    meta: EncodedMeta
-    receiver: PayloadReceiver
-    started_at: float
-    touched_at: float
-    gen: int = 0  # bumped by every stream that takes the upload over; older streams stop
-    streams: int = 0  # streams feeding it now (under `_uploads_lock`); 0: held only for a resume
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def received(self) -> int:
-        return self.receiver.received
-
-
-@dataclass
-class _Done:
-    worker_id: str
-    staleness: int
-    round: int
-    encoded_bytes: int
+_STRIPES = 64  # locks for the uploads' decoders, by submission id
+_REMOVED_EVENTS = {
+    WorkerState.LEFT: "worker.left",
+    WorkerState.DEAD: "worker.dead",
+    WorkerState.EVICTED: "worker.evicted",
+}
 
 
 @dataclass(frozen=True)
@@ -101,7 +71,7 @@ class ParamsSnapshot:
 
     version: int
     coordinator_epoch: int
-    data: bytes
+    data: memoryview  # read-only by convention: every watcher sends from it
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool  # the run reached its target: this is the last version
@@ -134,8 +104,32 @@ class WorkerView:
     plan: WorkPlan | None  # None when the learner is not live
 
 
+class UploadStream:
+    """One transport stream (a gRPC call or a bulk connection) feeding one upload: the transport calls `feed`
+    per chunk, then exactly one of `finish` (the payload ended) or `interrupted` (the stream broke), or neither
+    (a refusal ended it), and always `close` last."""
+
+    def __init__(self, state: CoordinatorState, stream: Stream) -> None:
+        self._state = state
+        self._stream = stream
+        self.expected_bytes = stream.expected_bytes
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self._state._chunk(self._stream, data)
+
+    def finish(self) -> Outcome:
+        return self._state._finish(self._stream)
+
+    def interrupted(self) -> None:
+        self._state._broken(self._stream)
+
+    def close(self) -> None:
+        self._state._closed(self._stream)
+
+
 class CoordinatorState:
-    """Everything the servicer needs, thread-safe. `on_round` is called (under the lock) after every round."""
+    """Everything the servicer needs, thread-safe. `on_round` is called after every round's outer step, holding
+    `work` but not `lock` (so it may copy the parameters; `snapshot()` is safe there)."""
 
     def __init__(
         self,
@@ -157,18 +151,22 @@ class CoordinatorState:
         self.fingerprint = fingerprint
         self.codec = codec
         self.numel = core.params.numel()
-        self.max_upload_bytes = max_upload_bytes
-        self.upload_ttl_s = upload_ttl_s
-        self.max_partial_uploads = max_partial_uploads
-        self.max_uploads_per_worker = max_uploads_per_worker
         self._buffers = BufferPool(self.numel, size=2)  # decode buffers, reused across uploads
+        self.uploads = Uploads(
+            UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
+            lambda meta: PayloadReceiver(meta, self.numel, out=self._buffers.take()),
+        )
         self.metrics = metrics
         self.clock = clock
         self.on_round = on_round
         self.log = logging.get("coordinator", epoch=coordinator_epoch)
+        self.work = threading.RLock()
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # a new version, or stopping: wakes watchers
         self.wake = threading.Condition(self.lock)  # the round deadline may have moved: wakes the poller
+        self._poke = False  # an event happened since the poller last polled
+        self._stripes = [threading.Lock() for _ in range(_STRIPES)]
+        self._table_lock = threading.Lock()
         self.stopping = False
         self.started_at = clock()
         self.last_round_at = 0.0
@@ -177,11 +175,9 @@ class CoordinatorState:
         self.rejected = 0
         self.bytes_received = 0
         self.bytes_sent = 0
-        self._uploads: OrderedDict[str, Upload] = OrderedDict()
-        self._uploads_lock = threading.Lock()
-        self._done: OrderedDict[str, _Done] = OrderedDict()
-        self._applied_by_version: OrderedDict[int, tuple[str, ...]] = OrderedDict()
-        self._params: ParamsSnapshot | None = None
+        self._applied_by_version: dict[int, tuple[str, ...]] = {}
+        data, meta = encode_params(core.params)
+        self._params = ParamsSnapshot(core.version, self.epoch, data, meta, (), core.finished)
         self._refresh_gauges()
 
     # --- membership ---------------------------------------------------------------------------------------------
@@ -196,7 +192,7 @@ class CoordinatorState:
             rec = self.core.register(name, self.clock(), speed=speed, device_kind=device_kind)
             plan = self.core.plan(rec.worker_id)
             self._refresh_gauges()
-            self.wake.notify_all()
+            self._nudge_locked()
         self.log.info(
             "worker.registered",
             worker_id=rec.worker_id,
@@ -222,22 +218,22 @@ class CoordinatorState:
             self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=self.clock())
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
 
-    def remove(self, worker_id: str, state: str, reason: str) -> tuple[bool, list[int]]:
+    def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
-        A round that was only waiting for that learner closes at once."""
+        A round that was only waiting for that learner closes at once (the poller closes it)."""
         with self.lock:
             rec = self.core.worker(worker_id)
             was_live = rec.state in LIVE_STATES
             released = self.core.remove(worker_id, state, reason)
             if released:
                 self.metrics.reassignments.inc(len(released))
-            self._poll_locked()
             self._refresh_gauges()
-            self.wake.notify_all()
-        self._drop_uploads_of(worker_id)
+            self._nudge_locked(poll=True)
+        with self._table_lock:
+            self.uploads.drop_worker(worker_id)
+            self._upload_gauges()
         if was_live:
-            event = {LEFT: "worker.left", DEAD: "worker.dead", EVICTED: "worker.evicted"}.get(state, "worker.removed")
-            self.log.info(event, worker_id=worker_id, reason=reason, released_shards=released)
+            self.log.info(_REMOVED_EVENTS[state], worker_id=worker_id, reason=reason, released_shards=released)
         return was_live, released
 
     def report_failure(
@@ -250,7 +246,7 @@ class CoordinatorState:
             if rec is None or rec.state not in LIVE_STATES:
                 return False, []
         now = self.clock()
-        _, released = self.remove(worker_id, DEAD, reason or "reported dead")
+        _, released = self.remove(worker_id, WorkerState.DEAD, reason or "reported dead")
         fields: dict[str, float] = {}
         if declared_dead_unix_s > 0:
             fields["latency_s"] = round(now - declared_dead_unix_s, 4)
@@ -264,8 +260,9 @@ class CoordinatorState:
     def drain(self, worker_id: str) -> WorkerRecord:
         with self.lock:
             rec = self.core.drain(worker_id)
+            view = WorkerRecord(**vars(rec))
         self.log.info("worker.draining", worker_id=worker_id)
-        return rec
+        return view
 
     def release(self, worker_id: str) -> WorkerRecord:
         """Lift a quarantine (the operator's ReleaseWorker); a live learner not in quarantine is returned as it is."""
@@ -279,7 +276,7 @@ class CoordinatorState:
             was = rec.state
             rec = self.core.release(worker_id)
             self._refresh_gauges()
-            self.wake.notify_all()
+            self._nudge_locked()
             view = WorkerRecord(**vars(rec))
         if was != view.state:
             self.log.info("worker.released", worker_id=worker_id, by="operator")
@@ -288,48 +285,64 @@ class CoordinatorState:
     def set_paused(self, paused: bool) -> bool:
         with self.lock:
             self.core.set_paused(paused)
-            if not paused:
-                self._poll_locked()
-            self.wake.notify_all()
-        self.log.info("coordinator.paused" if paused else "coordinator.resumed", version=self.core.version)
+            self._nudge_locked(poll=not paused)
+            version = self.core.version
+        self.log.info("coordinator.paused" if paused else "coordinator.resumed", version=version)
         return paused
 
     # --- rounds ---------------------------------------------------------------------------------------------------
     def poll(self) -> RoundApplied | None:
         """Close a round if the policy says so now."""
-        with self.lock:
-            return self._poll_locked()
+        with self.work:
+            return self._close_round(self.clock())
+
+    def _nudge_locked(self, poll: bool = False) -> None:
+        """Under `lock`: a round's deadline may have moved: wake the poller. `poll`: the event may close a round
+        at once (a learner left, training resumed): the poller polls now, whatever the deadline."""
+        self._poke = self._poke or poll
+        self.wake.notify_all()
 
     def _expire_locked(self) -> None:
         for worker_id, released in self.core.expire_unconfirmed(self.clock()):
             self.metrics.reassignments.inc(len(released))
             reason = self.core.workers[worker_id].state_reason
             self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
-            self.wake.notify_all()
+            self._nudge_locked(poll=True)  # a round may have waited only for it
 
-    def _poll_locked(self) -> RoundApplied | None:
-        self._expire_locked()
-        applied = self.core.poll(self.clock())
-        if applied is not None:
-            self._round_applied(applied)
+    def _close_round(self, now: float) -> RoundApplied | None:
+        """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
+        the new parameters under `work` alone, then publish them."""
+        with self.lock:
+            self._expire_locked()
+            closed = self.core.close(now)
+        if closed is None:
+            return None
+        applied = self.core.step(closed)
+        data, meta = encode_params(self.core.params)
+        if self.on_round is not None:
+            self.on_round(applied)
+        self._publish(applied, data, meta)
         return applied
 
-    def _round_applied(self, applied: RoundApplied) -> None:
-        """Under the lock, after every applied round."""
-        self.last_round_at = self.clock()
+    def _publish(self, applied: RoundApplied, data: memoryview, meta: EncodedMeta) -> None:
+        """After a round's step: its parameters go to the watchers, its outcome to the records and metrics."""
         ids = tuple(p.submission_id for p in applied.submissions)
-        self._applied_by_version[applied.version] = ids
-        while len(self._applied_by_version) > _APPLIED_VERSIONS:
-            self._applied_by_version.popitem(last=False)
-        m = self.metrics
-        m.rounds.inc()
-        m.pseudo_gradient_norm.set(applied.delta_norm)
-        for p in applied.submissions:
-            done = self._done.get(p.submission_id)
-            if done is not None:
-                done.round = applied.version
-            m.round_staleness.observe(applied.version - 1 - p.base_version)
-        self._refresh_gauges()
+        with self._table_lock:
+            self.uploads.round_applied(applied.version, ids)
+        with self.lock:
+            self.last_round_at = self.clock()
+            self._applied_by_version[applied.version] = ids
+            for v in [v for v in self._applied_by_version if v <= applied.version - _APPLIED_VERSIONS]:
+                del self._applied_by_version[v]
+            self._params = ParamsSnapshot(applied.version, self.epoch, data, meta, ids, self.core.finished)
+            m = self.metrics
+            m.rounds.inc()
+            m.pseudo_gradient_norm.set(applied.delta_norm)
+            for p in applied.submissions:
+                m.round_staleness.observe(applied.version - 1 - p.base_version)
+            self._refresh_gauges()
+            self.changed.notify_all()
+            self._nudge_locked()
         self.log.info(
             "round.closed",
             version=applied.version,
@@ -340,9 +353,6 @@ class CoordinatorState:
             reason=applied.reason,
             delta_norm=round(applied.delta_norm, 6),
         )
-        self.changed.notify_all()
-        if self.on_round is not None:
-            self.on_round(applied)
 
     def next_deadline(self) -> float | None:
         """Under the lock: when the poller should poll next (None: only an event can close a round)."""
@@ -351,30 +361,37 @@ class CoordinatorState:
         return self.core.next_deadline()
 
     def run_poller(self, idle_s: float = 0.05) -> None:
-        """Close rounds at their deadlines until `stop()`: sleeps on a condition until the next deadline or
-        until an event (a submission, a membership change, resume) moves it. Run it in a thread."""
-        with self.lock:
-            while not self.stopping:
-                deadline = self.next_deadline()
-                if deadline is None:
-                    self.wake.wait()
-                    continue
-                delay = deadline - self.clock()
-                if delay > 0:
-                    self.wake.wait(delay)
-                    continue
-                try:
-                    applied = self._poll_locked()
-                except Exception:
-                    self.log.exception("round.poll_failed")
-                    applied = None
-                if applied is None:  # the policy did not close after all: do not spin
-                    self.wake.wait(idle_s)
+        """Close rounds at their deadlines, and after events that may close one (a submission, a membership
+        change, resume), until `stop()`. Sleeps on a condition in between. Run it in a thread."""
+        due_unclosed = False  # the last poll was due by its deadline and closed nothing: do not spin on it
+        while True:
+            with self.lock:
+                while not self.stopping and not self._poke:
+                    deadline = self.next_deadline()
+                    now = self.clock()
+                    if deadline is not None and deadline <= now and not due_unclosed:
+                        break
+                    if deadline is None:
+                        self.wake.wait()
+                    else:
+                        self.wake.wait(max(deadline - now, idle_s if due_unclosed else 0.0))
+                        due_unclosed = False
+                if self.stopping:
+                    return
+                self._poke = False
+            try:
+                applied = self.poll()
+            except Exception:
+                self.log.exception("round.poll_failed")
+                applied = None
+            due_unclosed = applied is None
 
     def _refresh_gauges(self) -> None:
         self.metrics.version.set(self.core.version)
         self.metrics.live_workers.set(len(self.core.live_ids()))
-        self.metrics.quarantined_workers.set(sum(r.state == QUARANTINED for r in self.core.workers.values()))
+        self.metrics.quarantined_workers.set(
+            sum(r.state == WorkerState.QUARANTINED for r in self.core.workers.values())
+        )
         self.metrics.pending_submissions.set(len(self.core.policy.pending))
 
     def set_validation(self, version: int, loss: float, tokens: int) -> None:
@@ -386,18 +403,9 @@ class CoordinatorState:
         self.log.info("eval.done", version=version, val_loss=round(loss, 6), eval_tokens=tokens)
 
     # --- parameters -----------------------------------------------------------------------------------------------
-    def _snapshot_locked(self) -> ParamsSnapshot:
-        v = self.core.version
-        if self._params is None or self._params.version != v:
-            data, meta = encode_params(self.core.params)
-            self._params = ParamsSnapshot(
-                v, self.epoch, data, meta, self._applied_by_version.get(v, ()), self.core.finished
-            )
-        return self._params
-
     def params_snapshot(self) -> ParamsSnapshot:
         with self.lock:
-            return self._snapshot_locked()
+            return self._params
 
     def wait_params(self, after: int | None, timeout_s: float) -> ParamsSnapshot | None:
         """The current parameters if their version is newer than `after` (None: any version), waiting up to
@@ -405,8 +413,8 @@ class CoordinatorState:
         deadline = time.monotonic() + timeout_s
         with self.lock:
             while not self.stopping:
-                if after is None or self.core.version > after:
-                    return self._snapshot_locked()
+                if after is None or self._params.version > after:
+                    return self._params
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
@@ -418,18 +426,16 @@ class CoordinatorState:
             self.changed.notify_all()
 
     def count_sent(self, nbytes: int) -> None:
-        with self._uploads_lock:
+        with self._table_lock:
             self.bytes_sent += nbytes
         self.metrics.download_bytes.inc(nbytes)
 
     # --- submissions ----------------------------------------------------------------------------------------------
-    def open_upload(self, h: UploadHeader) -> SubmitResult | tuple[Upload, int]:
-        """Check a submission's header before any payload byte is read. Returns the outcome of an earlier
-        identical submission (idempotent), or the upload to feed and this stream's generation."""
-        now = self.clock()
+    def open_upload(self, h: UploadHeader) -> Outcome | UploadStream:
+        """A stream starts with header `h`, checked before any payload byte is read. Returns the outcome of an
+        earlier identical submission (idempotent), or the stream to feed."""
         sub = h.sub
         with self.lock:
-            self._expire_uploads(now)
             if h.coordinator_epoch != self.epoch:
                 raise self.reject(
                     FailedPrecondition(
@@ -438,192 +444,51 @@ class CoordinatorState:
                     ),
                     "stale_coordinator_epoch",
                 )
-            done = self._duplicate_locked(sub)
-            if done is not None:
-                return done
-            if self.core.finished:
-                raise self.reject(
-                    FailedPrecondition(
-                        f"training finished at version {self.core.version} (target_outer_steps); stop training"
-                    ),
-                    "finished",
-                )
-            try:
-                self.core.admit(sub)
-            except DilocoError as e:
-                raise self.reject(e, e.code.lower()) from None
-            try:
-                h.meta.validate(expected_numel=self.numel)
-            except CodecError as e:
-                raise self.reject(e, "bad_payload_spec") from None
-            if h.meta.encoded_bytes > self.max_upload_bytes:
-                raise self.reject(
-                    ResourceExhausted(
-                        f"payload of {h.meta.encoded_bytes} bytes exceeds the limit of {self.max_upload_bytes} "
-                        "bytes; send it with a more compact codec (e.g. int8)"
-                    ),
-                    "too_large",
-                )
-            with self._uploads_lock:
-                up = self._uploads.get(sub.submission_id)
-            if up is not None and (up.sub != sub or up.meta != h.meta) and h.resume_offset != 0:
-                raise self.reject(
-                    FailedPrecondition(
-                        f"submission {sub.submission_id} was started with another header; "
-                        "resume with the same header or restart it from offset 0"
-                    ),
-                    "resume_mismatch",
-                )
-            if h.resume_offset == 0:
-                old = up
-                if old is None:
-                    self._make_room(sub.worker_id)  # before the decoder takes a buffer
-                up = Upload(sub, h.meta, PayloadReceiver(h.meta, self.numel, out=self._buffers.take()), now, now)
-                if old is not None:
-                    with old.lock:
-                        old.gen += 1  # a stream still feeding it stops
-            else:
-                held = up.received if up is not None else 0
-                if up is None or held != h.resume_offset:
+            known = self._known_locked(sub.submission_id)
+            version = self.core.version
+            if known is None:
+                if self.core.finished:
                     raise self.reject(
                         FailedPrecondition(
-                            f"upload {sub.submission_id}: the coordinator holds {held} bytes, not "
-                            f"{h.resume_offset}; resume from offset {held}"
+                            f"training finished at version {version} (target_outer_steps); stop training"
                         ),
-                        "resume_offset",
+                        "finished",
                     )
-            with up.lock:
-                up.gen += 1
-                gen = up.gen
-                up.touched_at = now
-            with self._uploads_lock:
-                up.streams += 1
-                self._uploads[sub.submission_id] = up
-                self._uploads.move_to_end(sub.submission_id)
-            return up, gen
-
-    def _make_room(self, worker_id: str) -> None:
-        """Under `lock`, before a new upload's buffer is allocated. Bounds the buffers held: at most
-        `max_uploads_per_worker` per learner and `max_partial_uploads` in all, counting interrupted uploads kept
-        for a resume. Those idle ones are evicted oldest first to make room; when the uploads in the way are all
-        streaming, the new one is refused (RESOURCE_EXHAUSTED)."""
-        refused: tuple[ResourceExhausted, str] | None = None
-        with self._uploads_lock:
-            mine = [s for s, u in self._uploads.items() if u.sub.worker_id == worker_id]
-            limits = (
-                (mine, self.max_uploads_per_worker, f"concurrent uploads per worker ({worker_id})", "per_worker"),
-                (list(self._uploads), self.max_partial_uploads, "concurrent uploads in all", "total"),
-            )
-            for held, limit, what, scope in limits:
-                idle = [s for s in held if s in self._uploads and self._uploads[s].streams == 0]  # oldest first
-                while len(held) >= limit and idle:
-                    sid = idle.pop(0)
-                    held.remove(sid)
-                    self._evict(sid, scope)
-                held[:] = [s for s in held if s in self._uploads]
-                if len(held) >= limit:
-                    message = (
-                        f"too many uploads in flight: the limit is {limit} {what}; "
-                        "finish or resume the uploads in flight first, then retry"
-                    )
-                    refused = (ResourceExhausted(message), f"too_many_uploads_{scope}")
-                    break
-        if refused is not None:  # counted and logged outside `_uploads_lock`, which `reject` takes
-            raise self.reject(*refused)
-
-    def _evict(self, sid: str, scope: str) -> None:
-        """Under `_uploads_lock`: drop an idle partial upload (its learner restarts it from offset 0)."""
-        up = self._uploads.pop(sid)
-        self.metrics.uploads_evicted.inc()
-        self.log.info(
-            "upload.evicted", worker_id=up.sub.worker_id, submission_id=sid, scope=scope, received_bytes=up.received
-        )
-
-    def end_stream(self, up: Upload) -> None:
-        """A stream of `up` ended (finished, failed or broke): it no longer counts as streaming."""
-        with self._uploads_lock:
-            up.streams = max(0, up.streams - 1)
-
-    def feed(self, up: Upload, gen: int, data: bytes | memoryview) -> None:
-        """Decode one chunk into the upload's buffer (without the core lock)."""
-        with up.lock:
-            self._check_gen(up, gen)
+                try:
+                    self.core.admit(sub)
+                except DilocoError as e:
+                    raise self.reject(e, e.code.lower()) from None
+        refused: UploadRefused | None = None
+        with self._stripe(sub.submission_id), self._table_lock:
             try:
-                up.receiver.feed(data)
-            except CodecError as e:
-                up.gen += 1
-                self._forget_upload(up)
-                raise self.reject(e, "bad_payload") from None
-            up.touched_at = self.clock()
-        with self._uploads_lock:
+                opened = self.uploads.open(h, self.clock(), known, version)
+            except UploadRefused as e:
+                refused = e
+            self._upload_gauges()
+        if refused is not None:  # counted and logged outside the table lock, which `reject` takes
+            self._log_dropped(refused.dropped)
+            raise self.reject(refused.error, refused.reason) from None
+        if isinstance(opened, Outcome):
+            return opened
+        self._log_dropped(opened.dropped)
+        return UploadStream(self, opened.stream)
+
+    def _stripe(self, submission_id: str) -> threading.Lock:
+        return self._stripes[hash(submission_id) % _STRIPES]
+
+    def _chunk(self, stream: Stream, data: bytes | memoryview) -> None:
+        """Decode one chunk into the upload's buffer (holding only that upload's stripe)."""
+        with self._stripe(stream.upload.sub.submission_id):
+            try:
+                self.uploads.chunk(stream, data, self.clock())
+            except UploadRefused as e:
+                raise self.reject(e.error, e.reason) from None
+        with self._table_lock:
             self.bytes_received += len(data)
         self.metrics.upload_bytes.inc(len(data))
 
-    def finish_upload(self, up: Upload, gen: int) -> SubmitResult:
-        """The stream ended: verify the payload and fold it into the round."""
-        with up.lock:
-            self._check_gen(up, gen)
-            held, total = up.received, up.meta.encoded_bytes
-            if held < total:
-                raise self.reject(
-                    InvalidArgument(
-                        f"payload truncated: got {held} of {total} bytes; resume from offset {held} "
-                        "(GetUploadStatus tells the bytes held)"
-                    ),
-                    "truncated",
-                )
-            try:
-                delta = up.receiver.finish()
-            except CodecError as e:
-                up.gen += 1
-                self._forget_upload(up)
-                raise self.reject(e, "bad_payload") from None
-            up.gen += 1  # complete: no other stream may feed it
-        self._forget_upload(up)
-        now = self.clock()
-        with self.lock:
-            try:
-                result = self.core.accept(up.sub, delta, now)  # folds delta into the merge sum; keeps no reference
-            except AlreadyExists:  # a concurrent stream of the same submission won
-                done = self._duplicate_locked(up.sub)
-                if done is None:
-                    raise
-                return done
-            except SubmissionRejected as e:
-                self._guard_rejected(e, up.sub)
-                raise
-            except DilocoError as e:
-                raise self.reject(e, e.code.lower()) from None
-            finally:
-                self._buffers.give(delta)
-            self._done[up.sub.submission_id] = _Done(
-                up.sub.worker_id, result.staleness, result.round, up.meta.encoded_bytes
-            )
-            while len(self._done) > _DONE_RECORDS:
-                self._done.popitem(last=False)
-            self.metrics.submission_tokens.observe(up.sub.tokens)
-            self.metrics.upload_seconds.observe(max(0.0, now - up.started_at))
-            self.log.info(
-                "submission.accepted",
-                worker_id=up.sub.worker_id,
-                submission_id=up.sub.submission_id,
-                base_version=up.sub.base_version,
-                staleness=result.staleness,
-                tokens=up.sub.tokens,
-                codec=up.meta.codec,
-                bytes=up.meta.encoded_bytes,
-            )
-            if result.released:
-                self.log.info("worker.released", worker_id=up.sub.worker_id, by="clean_submission")
-            if result.applied is not None:
-                self._round_applied(result.applied)
-            else:
-                self._refresh_gauges()
-            self.wake.notify_all()
-            return SubmitResult(result.applied is not None, self.core.version, result.staleness, result.round)
-
-    def interrupted(self, up: Upload) -> None:
-        """The stream broke mid-upload: the bytes held stay for a resume (until `upload_ttl_s` passes)."""
+    def _broken(self, stream: Stream) -> None:
+        up = self.uploads.broken(stream)
         self.log.info(
             "upload.interrupted",
             worker_id=up.sub.worker_id,
@@ -632,33 +497,102 @@ class CoordinatorState:
             total_bytes=up.meta.encoded_bytes,
         )
 
+    def _closed(self, stream: Stream) -> None:
+        with self._table_lock:
+            self.uploads.closed(stream)
+            self._upload_gauges()
+
+    def _finish(self, stream: Stream) -> Outcome:
+        """The stream ended: verify the payload and fold it into the round (tensor work under `work` only)."""
+        with self._stripe(stream.upload.sub.submission_id):
+            try:
+                done = self.uploads.end(stream)
+            except UploadRefused as e:
+                raise self.reject(e.error, e.reason) from None
+        sub, payload = done.sub, done.payload
+        try:
+            try:
+                per_step = self.core.measure(sub, payload)  # reads only the payload
+            except DilocoError as e:
+                raise self.reject(e, e.code.lower()) from None
+            with self.work:
+                now = self.clock()
+                with self.lock:
+                    try:
+                        taken = self.core.take(sub, per_step, now)
+                    except AlreadyExists:  # a concurrent stream of the same submission won
+                        known = self._known_locked(sub.submission_id)
+                        if known is None:
+                            raise
+                        with self._table_lock:
+                            return self.uploads.earlier(sub, known, self.core.version)
+                    except SubmissionRejected as e:
+                        self._guard_rejected(e, sub)
+                        raise
+                    except DilocoError as e:
+                        raise self.reject(e, e.code.lower()) from None
+                    with self._table_lock:
+                        self.uploads.accepted(sub, done.meta.encoded_bytes, taken.staleness, taken.round)
+                    self.metrics.submission_tokens.observe(sub.tokens)
+                    self.metrics.upload_seconds.observe(max(0.0, now - done.started_at))
+                    self._refresh_gauges()
+                    self._nudge_locked()
+                self.core.fold(payload, sub.tokens)
+                self.log.info(
+                    "submission.accepted",
+                    worker_id=sub.worker_id,
+                    submission_id=sub.submission_id,
+                    base_version=sub.base_version,
+                    staleness=taken.staleness,
+                    tokens=sub.tokens,
+                    codec=done.meta.codec,
+                    bytes=done.meta.encoded_bytes,
+                )
+                if taken.released:
+                    self.log.info("worker.released", worker_id=sub.worker_id, by="clean_submission")
+                applied = self._close_round(now)
+        finally:
+            self._buffers.give(payload)
+        with self.lock:
+            version = self.core.version
+        return Outcome(applied is not None, version, taken.staleness, applied.version if applied else taken.round)
+
+    def _known_locked(self, submission_id: str) -> Known | None:
+        if submission_id in self.core.receipts:
+            return Known.PENDING
+        if submission_id in self.core.applied_ids:
+            return Known.APPLIED
+        return None
+
     def upload_status(self, worker_id: str, submission_id: str) -> tuple[int, bool]:
         """(bytes held, complete) of an upload; (0, False) for one the coordinator does not hold."""
         with self.lock:
             self.core.worker(worker_id)
-            sid = submission_id
-            if sid in self.core.receipts or sid in self.core.applied_ids:
-                done = self._done.get(sid)
-                return (done.encoded_bytes if done else 0), True
-            self._expire_uploads(self.clock())
-            with self._uploads_lock:
-                up = self._uploads.get(sid)
-            if up is None or up.sub.worker_id != worker_id:
-                return 0, False
-            return up.received, False
+            known = self._known_locked(submission_id)
+        with self._table_lock:
+            expired = self.uploads.tick(self.clock())
+            held = self.uploads.status(worker_id, submission_id, known, self.clock())
+            self._upload_gauges()
+        self._log_dropped(expired)
+        return held
 
-    def _duplicate_locked(self, sub: Submission) -> SubmitResult | None:
-        sid = sub.submission_id
-        pending = sid in self.core.receipts
-        if not pending and sid not in self.core.applied_ids:
-            return None
-        done = self._done.get(sid)
-        if done is not None and done.worker_id != sub.worker_id:
-            raise AlreadyExists(f"submission id {sid!r} was used by another learner; make submission ids unique")
-        version = self.core.version
-        staleness = done.staleness if done else max(0, version - sub.base_version)
-        round_ = done.round if done else (version + 1 if pending else version)
-        return SubmitResult(not pending, version, staleness, round_)
+    def _upload_gauges(self) -> None:
+        """Under `_table_lock`, after the table changed."""
+        held, streaming = self.uploads.counts()
+        self.metrics.partial_uploads.set(held)
+        self.metrics.streaming_uploads.set(streaming)
+
+    def _log_dropped(self, dropped: tuple[Dropped, ...] | list[Dropped]) -> None:
+        for d in dropped:
+            if d.why != "expired":
+                self.metrics.uploads_evicted.inc()
+            self.log.info(
+                "upload.expired" if d.why == "expired" else "upload.evicted",
+                worker_id=d.worker_id,
+                submission_id=d.submission_id,
+                scope=d.why,
+                received_bytes=d.received,
+            )
 
     def _guard_rejected(self, e: SubmissionRejected, sub: Submission) -> None:
         """Under `lock`: count and log a submission the guard refused (its learner is now quarantined)."""
@@ -679,14 +613,7 @@ class CoordinatorState:
             owners = {s: self.core.ledger.state(s).owner for s in e.moved_shards}
             self.log.warning("shard.reassigned", worker_id=sub.worker_id, shards=e.moved_shards, owners=owners)
         self._refresh_gauges()
-        self.wake.notify_all()
-
-    def _check_gen(self, up: Upload, gen: int) -> None:
-        if up.gen != gen:
-            raise FailedPrecondition(
-                f"upload {up.sub.submission_id} was taken over by a newer stream; "
-                "only the newest stream of a submission may send data"
-            )
+        self._nudge_locked()
 
     def reject(self, err: DilocoError, reason: str) -> DilocoError:
         """Count and log a refused submission. After the run's last round every submission is refused
@@ -697,28 +624,9 @@ class CoordinatorState:
 
     def _count_rejected(self, reason: str) -> None:
         if reason != "finished":
-            with self._uploads_lock:
+            with self._table_lock:
                 self.rejected += 1
         self.metrics.rejected.labels(reason=reason).inc()
-
-    def _forget_upload(self, up: Upload) -> None:
-        with self._uploads_lock:
-            if self._uploads.get(up.sub.submission_id) is up:
-                del self._uploads[up.sub.submission_id]
-
-    def _drop_uploads_of(self, worker_id: str) -> None:
-        with self._uploads_lock:
-            for sid in [s for s, u in self._uploads.items() if u.sub.worker_id == worker_id]:
-                del self._uploads[sid]
-
-    def _expire_uploads(self, now: float) -> None:
-        with self._uploads_lock:
-            for sid in [s for s, u in self._uploads.items() if now - u.touched_at > self.upload_ttl_s]:
-                del self._uploads[sid]
-
-    def partial_uploads(self) -> int:
-        with self._uploads_lock:
-            return len(self._uploads)
 
     # --- operator views -------------------------------------------------------------------------------------------
     def status(self, mode: str) -> StatusView:
@@ -759,16 +667,33 @@ class CoordinatorState:
             return self.core.ledger.states(), self.core.version
 
     def snapshot(self) -> dict[str, Any]:
-        """A checkpoint of the applied state (taken under the lock; write it without)."""
-        with self.lock:
-            return self.core.snapshot()
+        """A checkpoint of the applied state: the bookkeeping under `lock`, the tensors copied under `work` alone
+        (no round steps meanwhile, so they match the version). Write it without any lock."""
+        with self.work:
+            with self.lock:
+                snap = self.core.snapshot()
+            return _detached(snap)
 
     def eval_params(self) -> tuple[int, torch.Tensor]:
-        with self.lock:
-            return self.core.version, self.core.params.detach().clone()
+        """The parameters of the newest stepped version, copied (for an evaluation)."""
+        with self.work:
+            with self.lock:
+                version = self.core.version
+            return version, self.core.params.detach().clone()
 
     def stop(self) -> None:
         with self.lock:
             self.stopping = True
             self.changed.notify_all()
             self.wake.notify_all()
+
+
+def _detached(x: Any) -> Any:
+    """`x` with every tensor in it (dicts and lists followed) copied."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    if isinstance(x, dict):
+        return {k: _detached(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_detached(v) for v in x]
+    return x

@@ -19,6 +19,7 @@ from diloco.core.ratelimit import TokenBucket
 from diloco.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.rpc import auth
 from diloco.rpc.status import streaming, unary
+from diloco.rpc.vocab import NODE_STATES
 from diloco.v1 import common_pb2, healthd_pb2, healthd_pb2_grpc
 from services.healthd.hub import Subscription
 
@@ -26,12 +27,6 @@ SERVICE_NAME = "diloco.v1.HealthDaemon"
 
 ROLE_FROM_PB = {healthd_pb2.NODE_ROLE_WORKER: NodeRole.WORKER, healthd_pb2.NODE_ROLE_COORDINATOR: NodeRole.COORDINATOR}
 ROLE_TO_PB = {v: k for k, v in ROLE_FROM_PB.items()}
-STATE_TO_PB = {
-    NodeState.ALIVE: healthd_pb2.NODE_STATE_ALIVE,
-    NodeState.SUSPECT: healthd_pb2.NODE_STATE_SUSPECT,
-    NodeState.DEAD: healthd_pb2.NODE_STATE_DEAD,
-    NodeState.LEFT: healthd_pb2.NODE_STATE_LEFT,
-}
 
 
 class MonitorLike(Protocol):
@@ -77,7 +72,7 @@ def encode_node(view: NodeView) -> healthd_pb2.NodeInfo:
     return healthd_pb2.NodeInfo(
         node_id=view.node_id,
         role=ROLE_TO_PB[view.role],
-        state=STATE_TO_PB[view.state],
+        state=NODE_STATES.to_proto(view.state),
         last_seen_unix_s=view.last_seen,
         throughput=encode_throughput(view.throughput),
         version=view.version,
@@ -86,10 +81,12 @@ def encode_node(view: NodeView) -> healthd_pb2.NodeInfo:
 
 
 def encode_event(ev: NodeEvent) -> healthd_pb2.NodeEvent:
-    previous = STATE_TO_PB[ev.previous_state] if ev.previous_state is not None else healthd_pb2.NODE_STATE_UNSPECIFIED
+    previous = (
+        NODE_STATES.to_proto(ev.previous_state) if ev.previous_state is not None else healthd_pb2.NODE_STATE_UNSPECIFIED
+    )
     return healthd_pb2.NodeEvent(
         node_id=ev.node_id,
-        state=STATE_TO_PB[ev.state],
+        state=NODE_STATES.to_proto(ev.state),
         previous_state=previous,
         at_unix_s=ev.at,
         reason=ev.reason,
@@ -155,7 +152,7 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
                 state = self.monitor.heartbeat(req.node_id, role, decode_throughput(req), req.version)
             node_id, last_sequence = req.node_id, req.sequence
             yield healthd_pb2.HeartbeatResponse(
-                sequence=req.sequence, state=STATE_TO_PB[state], dead_after_s=self.monitor.dead_after_s
+                sequence=req.sequence, state=NODE_STATES.to_proto(state), dead_after_s=self.monitor.dead_after_s
             )
 
     @unary
