@@ -63,6 +63,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from diloco.errors import ConfigError, DilocoError, InvalidArgument, ResourceExhausted
+from diloco.rpc.retry import StatusError
 from diloco.rpc.status import status_of
 from diloco.rpc.tls import TlsFiles
 from diloco.v1 import coordinator_pb2
@@ -90,19 +91,8 @@ log = structlog.get_logger()
 # --- errors -------------------------------------------------------------------------------------------------------
 
 
-class BulkError(grpc.RpcError):
+class BulkError(StatusError):
     """A failed bulk upload, shaped like a `grpc.RpcError`: `code()` is the status, `details()` the message."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self._code = code
-        self._message = message
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._message
 
 
 class _PeerGone(Exception):
