@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from diloco.core.codecs import ErrorFeedback, get_codec
-from diloco.core.coordinator import DEAD, CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
+from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
 from diloco.core.merge import Segment
+from diloco.core.states import DEAD
 from diloco.errors import ConfigError, DilocoError
 from diloco.sim.config import DILOCO_MODES, SimConfig
 from diloco.sim.dp import DataParallelSimulator
