@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+import structlog
 import torch
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
@@ -23,8 +24,9 @@ from diloco.task.params import param_specs
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.bulk import BulkUploads
 from services.coordinator.server import CoordinatorServer
-from services.worker.agent import Worker
 from services.worker.config import WorkerConfig
+from services.worker.metrics import Metrics
+from services.worker.uploader import Uploader, UploadJob
 from tests.proto_fuzz import garbage, mutated, mutated_bytes
 from tests.test_coordinator_service import Env, T, config, env, make_upload, register, start, wait_for
 
@@ -184,16 +186,20 @@ def fuzz_env() -> Iterator[tuple[Env, list[pb.RegisterResponse]]]:
 def test_a_worker_whose_bulk_port_went_away_finishes_the_upload_over_the_rpc(env: Env) -> None:
     """The bulk port changes with every coordinator start; the RPC address does not. A worker whose upload to the
     advertised port fails goes on over SubmitPseudoGradient (here: accepted; after a restart: told to resync)."""
-    worker = Worker(WorkerConfig(coordinator=env.server.address, retry_total_s=10.0))
-    session = worker._register()
+    cfg = WorkerConfig(coordinator=env.server.address, retry_total_s=10.0)
+    reg = register(env, "w")
     register(env, "b")
-    assert session.bulk_port > 0
+    assert reg.bulk_port > 0
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         dead_port = s.getsockname()[1]
-    session.bulk_port = dead_port
-    reg = pb.RegisterResponse(worker_id=session.worker_id, coordinator_epoch=session.epoch)
     header, data, _ = make_upload(env, reg, "s1")
-    worker._upload(session, header, data)
-    assert env.server.state.upload_status(session.worker_id, "s1") == (len(data), True)
-    assert worker.metrics.uploads.labels(outcome="accepted")._value.get() == 1
+    metrics = Metrics()
+    uploader = Uploader(env.stub, cfg, metrics, lambda _: None, lambda: structlog.get_logger())
+    try:
+        result = uploader.upload(UploadJob(header, data, dead_port))
+    finally:
+        uploader.close()
+    assert result.reaction is None and result.pending_round >= 1
+    assert env.server.state.upload_status(reg.worker_id, "s1") == (len(data), True)
+    assert metrics.uploads.labels(outcome="accepted")._value.get() == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diloco.core.ledger import ShardRange
-from diloco.task.progress import ReadProgress
+from diloco.core.progress import ReadProgress
 
 
 def test_round_robin_ranges_and_take() -> None:

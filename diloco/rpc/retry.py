@@ -1,8 +1,12 @@
-"""The one retry policy (tenacity): retryable status codes only, exponential backoff with jitter, bounded in
-attempts and in total time, one log line per retry. Retried writes must be idempotent (submission ids)."""
+"""The retry policies, in one place. `call_with_retry` (tenacity): retryable status codes only, exponential
+backoff with jitter, bounded in attempts and in total time, one log line per retry. `retry_while`: for a learner,
+which never gives up on its own: the caller decides on every error (from its status table, see
+`diloco.core.learner.REACTIONS`), the delays are capped and jittered (`Backoff`). Retried writes must be
+idempotent (submission ids)."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -65,3 +69,61 @@ def call_with_retry(fn: Callable[[], T], what: str, cfg: RetryConfig = RetryConf
         reraise=True,
     )
     return retrying(fn)
+
+
+@dataclass(frozen=True)
+class BackoffConfig:
+    """Capped exponential backoff with jitter, for calls retried until the caller says stop (a learner's)."""
+
+    initial_s: float = 0.1
+    max_s: float = 5.0
+    multiplier: float = 2.0
+    jitter: float = 0.5  # each delay is drawn uniformly from [(1 - jitter) x d, d]
+
+    def __post_init__(self) -> None:
+        if not (0 < self.initial_s <= self.max_s) or self.multiplier < 1 or not 0 <= self.jitter <= 1:
+            raise ConfigError("backoff: 0 < initial_s <= max_s, multiplier >= 1 and 0 <= jitter <= 1 are required")
+
+
+class Backoff:
+    """The delays of one retry sequence: `next_s()` for the next sleep, `reset()` after a success."""
+
+    def __init__(self, cfg: BackoffConfig = BackoffConfig(), rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.rng = rng or random.Random()
+        self._d = 0.0
+
+    def next_s(self) -> float:
+        c = self.cfg
+        self._d = c.initial_s if self._d == 0 else min(c.max_s, self._d * c.multiplier)
+        return self._d * (1 - c.jitter * self.rng.random())
+
+    def reset(self) -> None:
+        self._d = 0.0
+
+
+def retry_while(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    retry: Callable[[grpc.RpcError], bool],
+    wait: Callable[[float], bool],
+    backoff: Backoff | None = None,
+) -> T:
+    """Call `fn` until it succeeds; after each `grpc.RpcError` ask `retry(error)` (False: raise it), log the retry
+    and sleep with `wait(seconds)`, which returns True when the caller is stopping (then the error is raised).
+    Unlike `call_with_retry`, the decision is taken on every attempt, so a code that means "register again"
+    ends the retries whenever it comes, first attempt or tenth."""
+    backoff = backoff or Backoff()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            if not retry(e):
+                raise
+            sleep_s = backoff.next_s()
+            log.warning("rpc.retry", call=what, attempt=attempt, code=e.code().name, sleep_s=round(sleep_s, 3))
+            if wait(sleep_s):
+                raise

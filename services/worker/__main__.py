@@ -10,8 +10,8 @@ import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
-from services.worker.agent import Worker
 from services.worker.config import parse
+from services.worker.worker import Worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,8 @@ class WorkerConfig:
     heartbeat_interval_s: float = 0.5
     rpc_timeout_s: float = 10.0
     upload_timeout_s: float = 300.0
-    retry_total_s: float = 60.0  # give up on an unreachable coordinator after this long
+    retry_total_s: float = 60.0  # how long one upload is retried before it is dropped (its steps are retrained)
+    give_up_after_s: float = 0.0  # exit 1 when no coordinator call succeeded for this long (0: never)
     metrics_port: int = -1
     seed: int = 0
     device: str = ""  # "" = CUDA when present, else CPU
@@ -50,6 +51,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number > 0, got {value}")
+        if not (math.isfinite(self.give_up_after_s) and self.give_up_after_s >= 0):
+            raise ConfigError(f"give_up_after_s must be a finite number >= 0 (0: never), got {self.give_up_after_s}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in [-1, 65535] (-1: off, 0: a free port), got {self.metrics_port}")
         if self.seed < 0:
@@ -94,7 +97,19 @@ _FLAGS: list[Flag] = [
     ("--slowdown", float, 1.0, "emulate older hardware: >= 1, sleeps (slowdown - 1) x the step time after each step"),
     ("--heartbeat-interval-s", float, 0.5, "time between heartbeats to healthd"),
     ("--rpc-timeout-s", float, 10.0, "deadline of every control RPC"),
-    ("--retry-total-s", float, 60.0, "give up on an unreachable coordinator after this long"),
+    (
+        "--retry-total-s",
+        float,
+        60.0,
+        "how long one upload is retried (resumed) before it is dropped; its steps are then trained again",
+    ),
+    (
+        "--give-up-after-s",
+        float,
+        0.0,
+        "exit with status 1 when no call to the coordinator succeeded for this long (0: never; the learner then "
+        "rides through any outage and exits only on SIGTERM/SIGINT or when the job finished)",
+    ),
     ("--metrics-port", int, -1, "Prometheus metrics port (0: any free port, -1: off)"),
     ("--seed", int, 0, "seed of the model replica (its parameters come from the coordinator)"),
     ("--device", str, "", "cpu, cuda or cuda:N (default: CUDA when present, else CPU)"),

@@ -1,0 +1,572 @@
+"""The learner's rules (ALGORITHM.md sections 1, 5, 7, 8) as a state machine driven by the caller's clock.
+
+`LearnerCore` decides what a learner does next; it never does it. It holds no tensors, opens no connection,
+starts no thread and reads no clock: `now` is a parameter of every call. The worker service
+(`services/worker/`) and the simulator drive the same object: they feed it what happened (an event method) and
+ask it what to do (`next_action(now)`), then do that with their own model, network or virtual clock.
+
+States (`LearnerState`) and what moves between them (`[Action]`: what `next_action` returns on the way):
+
+    UNREGISTERED   --[Register] registered(...)--------------------------------> WAITING_PARAMS
+    WAITING_PARAMS --params known: [Load(catch_up_steps=v*H_m)]------------------> TRAINING | SHARDLESS
+    SHARDLESS      --a plan with shards (plan_received / params_arrived)---------> TRAINING
+    SHARDLESS      --poll time reached: [FetchPlan], backoff doubles (capped)----> SHARDLESS
+    TRAINING       --no shard left in the plan------------------------------------> SHARDLESS
+    TRAINING       --[Train]... steps >= H_m, no submission outstanding: [Submit]-> TRAINING (decoupled, async)
+                                                                                 | WAITING_ROUND (sync)
+    WAITING_ROUND  --a version newer than the base: [Load]------------------------> TRAINING | SHARDLESS
+    any registered --a refused upload (RESYNC, DROP_UPLOAD)----------------------> RESYNCING
+    RESYNCING      --params known: [Load(reset_codec=True)], cursors forgotten----> SHARDLESS (fetches the plan now)
+    any registered --session_ended / REREGISTER / epoch changed------------------> UNREGISTERED
+    any            --stop() or a broadcast that says finished--------------------> DRAINING
+    DRAINING       --[Wait] for the upload in flight (until the drain deadline), [Submit] the unsent steps (not
+                     after finished), [Deregister]-------------------------------> DONE
+    any            --a STOP reaction, or unreachable longer than give_up_after_s-> DONE
+    DONE           --[Exit(reason, code)] on every call
+
+In TRAINING and SHARDLESS, a version newer than the one trained on first yields `[Rebase(version)]` (in every
+mode: keep the unsent steps; see `InnerTrainer.rebase`); the submission comes after it, so a submission is always
+made against the newest version known. At most one submission is outstanding: a new one waits until the previous
+upload is done AND its round was applied (its id is in a broadcast's applied ids, or a version at least its
+round arrived); meanwhile the learner trains on.
+
+Driving it (what each call does and returns):
+- `next_action(now) -> Action`: the one thing to do now; call it again after doing it. Some actions are
+  commitments the core has already recorded (`Load`, `Rebase`, `Submit`, `Deregister`, `FetchPlan`); `Train` is
+  not: report the step with `stepped`, or the same batch is proposed again.
+  * `Register()`: call Register; then `registered(...)`, or `rpc_failed(now, Rpc.REGISTER, code)`.
+  * `Wait(until)`: nothing to do before `until` (None: before the next event).
+  * `FetchPlan()`: call GetWorkPlan; then `plan_received(now, plan)` or `rpc_failed(now, Rpc.GET_WORK_PLAN, ..)`.
+  * `Load(version, catch_up_steps, reset_codec)`: adopt the parameters of `version` (`load_global`), start the
+    LR schedule no earlier than `catch_up_steps` (`catch_up`), reset error feedback when `reset_codec`.
+  * `Rebase(version)`: rebase onto `version`, keeping the steps not yet submitted.
+  * `Train(shard_id, epoch, cursor)`: one inner step on that batch; then `stepped(shard_id, epoch, cursor, end)`.
+  * `Submit(draft, drain)`: compute the pseudo-gradient, compress it, `mark_submitted`, upload `draft` (its id,
+    base version, ranges, steps, tokens, plan_seq); then `upload_accepted(...)` or `upload_failed(...)`.
+  * `Deregister(worker_id)`: call Deregister (best effort), send the leaving heartbeat, then ask again.
+  * `Exit(reason, code)`: stop; `code` is the process exit status.
+- Events: `registered`, `params_arrived` (returns whether the version is now the newest: keep its tensor),
+  `plan_received`, `stepped`, `upload_accepted`, `upload_failed`, `rpc_failed` (returns the `Reaction` the table
+  gives; RETRY leaves the state alone), `contact` (any successful coordinator reply), `session_ended`, `stop`,
+  `fatal` (exit: something no retry fixes). `give_up_due(now)` tells a caller's retry loop to stop retrying.
+- `next_deadline()`: when `next_action` may change without an event (a plan poll, the drain deadline, giving up).
+- `react(rpc, code)`: the one table (`REACTIONS`) from every status code of every RPC to what a learner does.
+
+The core is not thread-safe; the caller serializes calls (the worker drives it from its training thread only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from diloco.core.coordinator import WorkPlan
+from diloco.core.ledger import ShardRange
+from diloco.core.progress import ReadProgress
+from diloco.core.rounds import MODES
+from diloco.errors import ConfigError, InvalidArgument
+
+
+class LearnerState(str, Enum):
+    UNREGISTERED = "unregistered"
+    WAITING_PARAMS = "waiting_params"
+    SHARDLESS = "shardless"
+    TRAINING = "training"
+    WAITING_ROUND = "waiting_round"
+    RESYNCING = "resyncing"
+    DRAINING = "draining"
+    DONE = "done"
+
+
+class ExitReason(str, Enum):
+    FINISHED = "finished"  # the job reached its target (exit 0)
+    STOPPED = "stopped"  # SIGTERM/SIGINT: drained and deregistered (exit 0)
+    GAVE_UP = "gave_up"  # unreachable for longer than give_up_after_s (exit 1)
+    FATAL = "fatal"  # a STOP reaction: no retry can help (exit 1)
+
+
+EXIT_CODES = {ExitReason.FINISHED: 0, ExitReason.STOPPED: 0, ExitReason.GAVE_UP: 1, ExitReason.FATAL: 1}
+
+
+class Rpc(str, Enum):
+    """Every call a learner makes."""
+
+    REGISTER = "Register"
+    WATCH_PARAMETERS = "WatchParameters"
+    GET_WORK_PLAN = "GetWorkPlan"
+    SUBMIT = "SubmitPseudoGradient"  # also the bulk upload path, which answers the same codes
+    GET_UPLOAD_STATUS = "GetUploadStatus"
+    DEREGISTER = "Deregister"
+    HEARTBEAT = "Heartbeat"  # to healthd
+
+
+class Reaction(str, Enum):
+    RETRY = "retry"  # the same call again after a capped, jittered backoff
+    REREGISTER = "reregister"  # the registration is gone: register again (unsent progress is void)
+    RESYNC = "resync"  # the submission was refused: adopt the newest parameters and the ledger's cursors
+    DROP_UPLOAD = "drop_upload"  # this upload can never be accepted: drop it, then resync like RESYNC
+    STOP = "stop"  # no retry can help (wrong service, malformed request): exit (or, leaving, skip the call)
+
+
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED", "UNKNOWN", "INTERNAL", "DATA_LOSS")
+STATUS_CODES = (
+    *_TRANSIENT,
+    *("INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED"),
+    *("FAILED_PRECONDITION", "OUT_OF_RANGE", "UNIMPLEMENTED", "UNAUTHENTICATED"),
+)
+
+
+def _table(default: Reaction, **special: Reaction) -> dict[str, Reaction]:
+    out = {code: default for code in STATUS_CODES}
+    out.update({code: r for code, r in special.items()})
+    return out
+
+
+R = Reaction
+# What a learner does on each status code of each RPC. Transient codes and overload are retried everywhere; a
+# learner the coordinator no longer knows (NOT_FOUND; FAILED_PRECONDITION on a plan or a watch: dead, left or a
+# new coordinator epoch; PERMISSION_DENIED: its id now names another learner) registers again; a refused
+# submission resyncs; UNIMPLEMENTED means the address is not a coordinator of this protocol: no retry helps.
+# Authentication failures are retried (the operator may fix the coordinator's side while the learner waits).
+REACTIONS: dict[Rpc, dict[str, Reaction]] = {
+    Rpc.REGISTER: _table(R.RETRY, INVALID_ARGUMENT=R.STOP, UNIMPLEMENTED=R.STOP),
+    Rpc.WATCH_PARAMETERS: _table(
+        R.RETRY,
+        NOT_FOUND=R.REREGISTER,
+        FAILED_PRECONDITION=R.REREGISTER,
+        PERMISSION_DENIED=R.REREGISTER,
+        INVALID_ARGUMENT=R.REREGISTER,
+        UNIMPLEMENTED=R.STOP,
+    ),
+    Rpc.GET_WORK_PLAN: _table(
+        R.RETRY,
+        NOT_FOUND=R.REREGISTER,
+        FAILED_PRECONDITION=R.REREGISTER,
+        PERMISSION_DENIED=R.REREGISTER,
+        INVALID_ARGUMENT=R.REREGISTER,
+        UNIMPLEMENTED=R.STOP,
+    ),
+    # an upload is idempotent and resumable: transient codes resume it (from GetUploadStatus's offset)
+    Rpc.SUBMIT: _table(
+        R.RETRY,
+        NOT_FOUND=R.REREGISTER,
+        PERMISSION_DENIED=R.REREGISTER,
+        FAILED_PRECONDITION=R.RESYNC,  # stale base, moved shard, wrong cursor; a new epoch or "finished" follow
+        INVALID_ARGUMENT=R.DROP_UPLOAD,  # the coordinator will never take these bytes
+        ALREADY_EXISTS=R.DROP_UPLOAD,  # the id was used by another learner
+        OUT_OF_RANGE=R.DROP_UPLOAD,
+        UNIMPLEMENTED=R.STOP,
+    ),
+    # asked between upload attempts: whatever it answers, the upload is retried (from byte 0 unless it says more)
+    Rpc.GET_UPLOAD_STATUS: _table(R.RETRY),
+    # best effort while leaving: retried until the drain deadline, otherwise skipped
+    Rpc.DEREGISTER: _table(R.STOP, UNAVAILABLE=R.RETRY, DEADLINE_EXCEEDED=R.RETRY, ABORTED=R.RETRY),
+    # training never waits on healthd; a DEAD verdict in a reply (not a status) means REREGISTER
+    Rpc.HEARTBEAT: _table(R.RETRY),
+}
+del R
+
+
+def react(rpc: Rpc, code: str) -> Reaction:
+    """The reaction to status `code` (a `grpc.StatusCode` name, e.g. "NOT_FOUND") from `rpc`."""
+    try:
+        return REACTIONS[rpc][code]
+    except KeyError:
+        known = ", ".join(STATUS_CODES)
+        raise InvalidArgument(f"no reaction for status {code!r} of {rpc.value}; known: {known}") from None
+
+
+# --- actions ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Register:
+    pass
+
+
+@dataclass(frozen=True)
+class Wait:
+    until: float | None  # None: until the next event
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    pass
+
+
+@dataclass(frozen=True)
+class Load:
+    version: int
+    catch_up_steps: int  # 0: no catch-up
+    reset_codec: bool  # a resync: error feedback starts from zero
+
+
+@dataclass(frozen=True)
+class Rebase:
+    version: int
+
+
+@dataclass(frozen=True)
+class Train:
+    shard_id: int
+    epoch: int
+    cursor: int
+
+
+@dataclass(frozen=True)
+class SubmissionDraft:
+    worker_id: str
+    coordinator_epoch: int
+    submission_id: str
+    base_version: int
+    ranges: tuple[ShardRange, ...]
+    steps: int
+    tokens: int
+    plan_seq: int
+
+
+@dataclass(frozen=True)
+class Submit:
+    draft: SubmissionDraft
+    drain: bool  # the hand-back of a draining learner
+
+
+@dataclass(frozen=True)
+class Deregister:
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Exit:
+    reason: ExitReason
+    code: int
+    detail: str
+
+
+Action = Register | Wait | FetchPlan | Load | Rebase | Train | Submit | Deregister | Exit
+
+
+@dataclass(frozen=True)
+class LearnerConfig:
+    id_prefix: str = ""  # submission ids are f"{id_prefix}{n}": make it unique per process (e.g. a uuid)
+    drain_timeout_s: float = 30.0  # how long a draining learner waits for its uploads
+    plan_poll_initial_s: float = 0.1  # a learner without shards asks for a plan again after this, doubling
+    plan_poll_max_s: float = 2.0
+    give_up_after_s: float | None = None  # exit when no coordinator call succeeded for this long (None: never)
+
+    def __post_init__(self) -> None:
+        for name in ("drain_timeout_s", "plan_poll_initial_s", "plan_poll_max_s"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"{name} must be a finite number > 0, got {v}")
+        if self.plan_poll_max_s < self.plan_poll_initial_s:
+            raise ConfigError("plan_poll_max_s must be >= plan_poll_initial_s")
+        g = self.give_up_after_s
+        if g is not None and not (math.isfinite(g) and g > 0):
+            raise ConfigError(f"give_up_after_s must be a finite number > 0 or None (never), got {g}")
+
+
+_SESSION_STATES = frozenset(
+    {
+        LearnerState.WAITING_PARAMS,
+        LearnerState.SHARDLESS,
+        LearnerState.TRAINING,
+        LearnerState.WAITING_ROUND,
+        LearnerState.RESYNCING,
+    }
+)
+
+
+@dataclass
+class LearnerCore:
+    cfg: LearnerConfig = field(default_factory=LearnerConfig)
+    state: LearnerState = LearnerState.UNREGISTERED
+    worker_id: str = ""  # "" while unregistered
+    coordinator_epoch: int = 0
+    mode: str = ""
+    local_steps: int = 1  # H_m of the current plan
+    plan_seq: int = 0
+    base_version: int = -1  # the version trained on (-1: none loaded this session)
+    latest_version: int = -1  # the newest version known this session (-1: none)
+    progress: ReadProgress = field(default_factory=ReadProgress)
+    uploading: str | None = None  # submission id of the upload in flight
+    awaiting: str | None = None  # submission id accepted (or in flight) whose round has not been applied
+    awaiting_round: int | None = None  # the version that will include it
+    finished: bool = False
+    stopping: bool = False
+    drain_deadline: float = math.inf
+    exit: Exit | None = None
+    failing_since: float | None = None  # first failed coordinator call since the last success
+    detail: str = ""  # why the last resync or re-registration happened (for logs)
+    _poll_at: float = 0.0
+    _poll_backoff_s: float = 0.0
+    _submissions: int = 0
+    _first_load: bool = True
+    _handed_back: bool = False
+    _deregistering: bool = False
+
+    # --- events -----------------------------------------------------------------------------------------------
+    def registered(self, now: float, worker_id: str, coordinator_epoch: int, mode: str, plan: WorkPlan) -> None:
+        """Register succeeded: a new session. Everything of the previous one (progress, uploads) is void."""
+        if mode not in MODES:
+            raise InvalidArgument(f"round mode {mode!r} is unknown; known: {', '.join(MODES)}")
+        if not worker_id:
+            raise InvalidArgument("worker_id is required")
+        self.contact(now)
+        self.worker_id, self.coordinator_epoch, self.mode = worker_id, coordinator_epoch, mode
+        self.base_version = self.latest_version = -1
+        self._forget_work()
+        self._first_load = True
+        self._adopt(plan)
+        if self.state is not LearnerState.DRAINING:
+            self.state = LearnerState.WAITING_PARAMS
+
+    def params_arrived(
+        self,
+        now: float,
+        version: int,
+        coordinator_epoch: int,
+        plan: WorkPlan | None = None,
+        applied: Iterable[str] = (),
+        finished: bool = False,
+    ) -> bool:
+        """A broadcast of global `version` (with this learner's plan, the submissions it merged and whether the
+        job is finished). Returns True when `version` is now the newest known: the caller keeps its tensor for
+        the `Load`/`Rebase` that follows. An older or repeated version, or one outside a session, returns False;
+        a version from another coordinator epoch ends the session."""
+        if not self.worker_id:
+            return False
+        self.contact(now)
+        if coordinator_epoch != self.coordinator_epoch:
+            self.session_ended(now, f"coordinator epoch {coordinator_epoch} != {self.coordinator_epoch}")
+            return False
+        if version <= self.latest_version:
+            return False
+        self.latest_version = version
+        if self.awaiting is not None and (
+            self.awaiting in applied or (self.awaiting_round is not None and version >= self.awaiting_round)
+        ):
+            self.awaiting = self.awaiting_round = None
+        if plan is not None:
+            self._adopt(plan)
+        if finished and not self.finished:
+            self.finished = True
+            self.stop(now)
+        return True
+
+    def plan_received(self, now: float, plan: WorkPlan) -> None:
+        """A plan from GetWorkPlan (or any other source): adopt its leases, H_m and plan_seq."""
+        self.contact(now)
+        if self.worker_id:
+            self._adopt(plan)
+
+    def stepped(self, shard_id: int, epoch: int, start: int, end: int) -> None:
+        """One inner step read `[start, end)` of `shard_id` under `epoch` (the batch a `Train` named)."""
+        self.progress.consumed(shard_id, epoch, start, end)
+
+    def upload_accepted(self, now: float, submission_id: str, pending_round: int, applied: bool = False) -> None:
+        """The coordinator holds submission `submission_id` for round `pending_round` (`applied`: it was merged
+        already, a duplicate of an earlier upload)."""
+        self.contact(now)
+        if submission_id != self.uploading:
+            return
+        self.uploading = None
+        if self.awaiting == submission_id:
+            if applied or (pending_round and self.latest_version >= pending_round):
+                self.awaiting = self.awaiting_round = None
+            else:
+                self.awaiting_round = pending_round or None
+
+    def upload_failed(self, now: float, submission_id: str, reaction: Reaction, detail: str = "") -> None:
+        """The upload of `submission_id` ended without acceptance; `reaction` is `react(Rpc.SUBMIT, code)` of the
+        last error, or DROP_UPLOAD when its retries ran out."""
+        if submission_id != self.uploading:
+            return
+        self.uploading = None
+        if self.awaiting == submission_id:
+            self.awaiting = self.awaiting_round = None
+        self._apply(now, reaction, detail or f"upload {submission_id}: {reaction.value}")
+
+    def rpc_failed(self, now: float, rpc: Rpc, code: str, detail: str = "") -> Reaction:
+        """A coordinator call failed with status `code`; returns the table's reaction after applying it (RETRY:
+        nothing changes but the give-up clock). Uploads report their outcome with `upload_failed`."""
+        reaction = react(rpc, code)
+        if rpc is not Rpc.HEARTBEAT and self.failing_since is None:
+            self.failing_since = now
+        if rpc is Rpc.SUBMIT:
+            return reaction
+        if rpc is Rpc.DEREGISTER:
+            return reaction  # leaving anyway: the caller retries until the drain deadline or skips the call
+        if rpc is Rpc.REGISTER and reaction is Reaction.REREGISTER:
+            return Reaction.RETRY
+        self._apply(now, reaction, detail or f"{rpc.value}: {code}")
+        return reaction
+
+    def contact(self, now: float) -> None:
+        """A coordinator call succeeded (or a broadcast arrived): the give-up clock stops."""
+        self.failing_since = None
+
+    def fatal(self, now: float, detail: str) -> None:
+        """Something no retry can fix (e.g. the coordinator speaks an enum value this build does not know): exit."""
+        self._done(ExitReason.FATAL, detail)
+
+    def session_ended(self, now: float, reason: str) -> None:
+        """The registration is gone (the coordinator forgot this learner, a new epoch, healthd declared it dead):
+        register again. Unsent progress is void: the coordinator moved the shards or lost the ledger entries."""
+        if not self.worker_id:
+            return
+        self.detail = reason
+        self.worker_id = ""
+        self._forget_work()
+        if self.state is not LearnerState.DRAINING and self.state is not LearnerState.DONE:
+            self.state = LearnerState.UNREGISTERED
+
+    def stop(self, now: float) -> None:
+        """Drain: hand the unsent steps back (unless the job finished), deregister, exit."""
+        if self.stopping or self.state is LearnerState.DONE:
+            return
+        self.stopping = True
+        self.drain_deadline = now + self.cfg.drain_timeout_s
+        self.state = LearnerState.DRAINING
+
+    # --- decisions --------------------------------------------------------------------------------------------
+    def next_action(self, now: float) -> Action:
+        """The one thing to do now (see the module docstring)."""
+        if self.exit is not None:
+            return self.exit
+        if self.failing_since is not None and self.give_up_due(now):
+            return self._done(ExitReason.GAVE_UP, f"no coordinator call succeeded for {now - self.failing_since:.1f} s")
+        if self.state is LearnerState.DRAINING:
+            return self._drain(now)
+        if self.state is LearnerState.UNREGISTERED:
+            return Register()
+        if self.latest_version < 0:
+            return Wait(None)
+        if self.state is LearnerState.WAITING_PARAMS:
+            catch_up = self.latest_version * self.local_steps if self._first_load else 0
+            self._first_load = False
+            return self._load(now, Load(self.latest_version, catch_up, reset_codec=False))
+        if self.state is LearnerState.RESYNCING:
+            self.progress.reset()
+            self._poll_at, self._poll_backoff_s = now, 0.0
+            self.state = LearnerState.SHARDLESS
+            self.base_version = self.latest_version
+            return Load(self.latest_version, 0, reset_codec=True)
+        if self.state is LearnerState.WAITING_ROUND:
+            if self.latest_version <= self.base_version:
+                return Wait(None)
+            self.awaiting = self.awaiting_round = None
+            return self._load(now, Load(self.latest_version, 0, reset_codec=False))
+        if self.latest_version > self.base_version:
+            self.base_version = self.latest_version
+            return Rebase(self.latest_version)
+        if self.state is LearnerState.SHARDLESS:
+            if self.progress.cursors:
+                self.state = LearnerState.TRAINING
+            elif now >= self._poll_at:
+                self._poll_backoff_s = min(
+                    self.cfg.plan_poll_max_s, max(self.cfg.plan_poll_initial_s, 2 * self._poll_backoff_s)
+                )
+                self._poll_at = now + self._poll_backoff_s
+                return FetchPlan()
+            else:
+                return Wait(self._poll_at)
+        if self.progress.steps >= self.local_steps and self.can_submit:
+            submit = self._submit(drain=False)
+            if self.mode == "sync":
+                self.state = LearnerState.WAITING_ROUND
+            return submit
+        if not self.progress.cursors:
+            self.state = LearnerState.SHARDLESS
+            self._poll_at, self._poll_backoff_s = now, 0.0
+            return self.next_action(now)
+        return Train(*self.progress.next_shard())
+
+    def next_deadline(self) -> float | None:
+        """When `next_action` may change without an event (None: only an event changes it)."""
+        times: list[float] = []
+        if self.state is LearnerState.SHARDLESS and self.latest_version >= 0:
+            times.append(self._poll_at)
+        if self.state is LearnerState.DRAINING and math.isfinite(self.drain_deadline):
+            times.append(self.drain_deadline)
+        if self.cfg.give_up_after_s is not None and self.failing_since is not None:
+            times.append(self.failing_since + self.cfg.give_up_after_s)
+        return min(times) if times else None
+
+    def give_up_due(self, now: float) -> bool:
+        """True when no coordinator call succeeded for `give_up_after_s` (never when that is None)."""
+        g = self.cfg.give_up_after_s
+        return g is not None and self.failing_since is not None and now - self.failing_since >= g
+
+    @property
+    def can_submit(self) -> bool:
+        """No upload in flight and no accepted submission waiting for its round."""
+        return self.uploading is None and self.awaiting is None
+
+    @property
+    def steps_to_submit(self) -> int:
+        """Inner steps still to train before the next submission is due (0: due now or waiting to submit)."""
+        return max(0, self.local_steps - self.progress.steps)
+
+    # --- internals --------------------------------------------------------------------------------------------
+    def _adopt(self, plan: WorkPlan) -> None:
+        self.progress.adopt((lease.shard_id, lease.epoch, lease.cursor) for lease in plan.shards)
+        self.local_steps = max(1, plan.local_steps)
+        self.plan_seq = plan.plan_seq
+
+    def _load(self, now: float, action: Load) -> Load:
+        self.base_version = action.version
+        self.state = LearnerState.TRAINING if self.progress.cursors else LearnerState.SHARDLESS
+        if self.state is LearnerState.SHARDLESS:  # the plan just came with Register or the broadcast: wait a bit
+            self._poll_backoff_s = self.cfg.plan_poll_initial_s
+            self._poll_at = now + self._poll_backoff_s
+        return action
+
+    def _forget_work(self) -> None:
+        self.progress.reset()
+        self.uploading = self.awaiting = self.awaiting_round = None
+
+    def _submit(self, drain: bool) -> Submit:
+        self._submissions += 1
+        sid = f"{self.cfg.id_prefix}{self._submissions}"
+        ranges, steps, tokens = self.progress.take()
+        draft = SubmissionDraft(
+            self.worker_id, self.coordinator_epoch, sid, self.base_version, ranges, steps, tokens, self.plan_seq
+        )
+        self.uploading = self.awaiting = sid
+        self.awaiting_round = None
+        return Submit(draft, drain)
+
+    def _apply(self, now: float, reaction: Reaction, detail: str) -> None:
+        if reaction is Reaction.REREGISTER:
+            self.session_ended(now, detail)
+        elif reaction in (Reaction.RESYNC, Reaction.DROP_UPLOAD):
+            self.detail = detail
+            self.progress.reset()
+            if self.state in _SESSION_STATES:
+                self.state = LearnerState.RESYNCING
+        elif reaction is Reaction.STOP:
+            self._done(ExitReason.FATAL, detail)
+
+    def _drain(self, now: float) -> Action:
+        if self.uploading is not None and now < self.drain_deadline:
+            return Wait(self.drain_deadline)
+        if (
+            self.worker_id
+            and not self.finished
+            and not self._handed_back
+            and self.uploading is None
+            and self.progress.steps > 0
+            and self.base_version >= 0
+        ):
+            self._handed_back = True
+            return self._submit(drain=True)
+        if self.worker_id and not self._deregistering:
+            self._deregistering = True
+            return Deregister(self.worker_id)
+        return self._done(ExitReason.FINISHED if self.finished else ExitReason.STOPPED, "")
+
+    def _done(self, reason: ExitReason, detail: str) -> Exit:
+        self.state = LearnerState.DONE
+        self.exit = Exit(reason, EXIT_CODES[reason], detail)
+        return self.exit

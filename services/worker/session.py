@@ -1,0 +1,103 @@
+"""The learner's registration with the coordinator, and the translations between its protos and the learner
+core's domain types (`WorkPlan`, `SubmissionDraft`). Enum values go through `diloco.rpc.vocab`: an unknown one
+is an error (`InvalidArgument`), never a default."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from diloco.core.codecs import EncodedMeta
+from diloco.core.coordinator import Lease, WorkPlan
+from diloco.core.learner import SubmissionDraft
+from diloco.core.rounds import MODES as ROUND_MODES
+from diloco.rpc.payload import meta_to_proto
+from diloco.rpc.vocab import CODECS, MODES
+from diloco.task.params import ParamSpec
+from diloco.v1 import common_pb2, coordinator_pb2
+
+assert set(MODES.names) == set(ROUND_MODES)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What Register answered, in domain terms."""
+
+    worker_id: str
+    epoch: int
+    version: int
+    mode: str
+    codec: str
+    plan: WorkPlan
+    task_json: str
+    healthd_address: str
+    bulk_port: int  # 0: upload over gRPC
+
+    @classmethod
+    def from_proto(cls, r: coordinator_pb2.RegisterResponse) -> Registration:
+        """Raises `InvalidArgument` for a mode or codec this build does not know."""
+        return cls(
+            worker_id=r.worker_id,
+            epoch=r.coordinator_epoch,
+            version=r.version,
+            mode=MODES.from_proto(r.mode),
+            codec=CODECS.from_proto(r.codec),
+            plan=plan_from_proto(r.plan, r.version),
+            task_json=r.task_json,
+            healthd_address=r.healthd_address,
+            bulk_port=r.bulk_port,
+        )
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """One version of the global parameters as the watch stream delivered it (the tensor travels beside it)."""
+
+    worker_id: str  # the session that received it
+    version: int
+    epoch: int
+    plan: WorkPlan | None
+    applied: tuple[str, ...]
+    finished: bool
+
+    @classmethod
+    def from_proto(cls, worker_id: str, h: coordinator_pb2.ParametersHeader) -> Broadcast:
+        plan = plan_from_proto(h.plan, h.version) if h.HasField("plan") else None
+        return cls(worker_id, h.version, h.coordinator_epoch, plan, tuple(h.applied_submission_ids), h.finished)
+
+
+def plan_from_proto(p: common_pb2.WorkPlan, version: int) -> WorkPlan:
+    return WorkPlan(tuple(Lease(s.shard_id, s.epoch, s.cursor) for s in p.shards), p.local_steps, p.plan_seq, version)
+
+
+def header_of(
+    draft: SubmissionDraft, meta: EncodedMeta, specs: Sequence[ParamSpec]
+) -> coordinator_pb2.SubmissionHeader:
+    return coordinator_pb2.SubmissionHeader(
+        worker_id=draft.worker_id,
+        coordinator_epoch=draft.coordinator_epoch,
+        submission_id=draft.submission_id,
+        base_version=draft.base_version,
+        tokens=draft.tokens,
+        steps=draft.steps,
+        ranges=[
+            common_pb2.ShardRange(shard_id=r.shard_id, epoch=r.epoch, start=r.start, end=r.end) for r in draft.ranges
+        ],
+        payload=meta_to_proto(meta, specs),
+        plan_seq=draft.plan_seq,
+    )
+
+
+@dataclass(frozen=True)
+class SessionLost:
+    """Posted by a thread that learned the registration is gone (REREGISTER)."""
+
+    worker_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """Posted by a thread that met something no retry fixes (STOP)."""
+
+    reason: str

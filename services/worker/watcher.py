@@ -1,0 +1,101 @@
+"""The parameter watcher: one thread per registration that streams every new version of the global parameters
+(WatchParameters, follow) and posts each as a `Delivered` to the worker's inbox. The header carries the
+learner's plan, the applied submission ids and whether the job finished, so the learner needs no GetStatus or
+GetWorkPlan per round. It reconnects with capped, jittered backoff; what each status code means comes from
+`diloco.core.learner.REACTIONS`."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+import torch
+
+from diloco.core.learner import Reaction, Rpc, react
+from diloco.errors import InvalidArgument
+from diloco.rpc.payload import PayloadReceiver, meta_from_proto
+from diloco.rpc.retry import Backoff
+from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+from services.worker.session import Broadcast, Fatal, SessionLost
+
+
+@dataclass(frozen=True)
+class Delivered:
+    """One complete version: its header and its decoded parameters."""
+
+    broadcast: Broadcast
+    flat: torch.Tensor
+
+
+class Watcher:
+    def __init__(
+        self,
+        stub: coordinator_pb2_grpc.CoordinatorStub,
+        worker_id: str,
+        epoch: int,
+        numel: int,
+        post: Callable[[object], None],
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
+        self.post, self.log = post, log
+        self._closed = threading.Event()
+        self._call: grpc.Future | None = None  # type: ignore[type-arg]
+        self._thread = threading.Thread(target=self._run, name=f"watch-{worker_id}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop streaming (safe to call twice); returns once the thread has ended."""
+        self._closed.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        after = 0
+        while not self._closed.is_set():
+            req = coordinator_pb2.WatchParametersRequest(worker_id=self.worker_id, after_version=after, follow=True)
+            try:
+                call = self.stub.WatchParameters(req)
+                self._call = call
+                if self._closed.is_set():
+                    call.cancel()
+                receiver: PayloadReceiver | None = None
+                header: coordinator_pb2.ParametersHeader | None = None
+                for msg in call:
+                    if msg.HasField("header"):
+                        header = msg.header
+                        if header.coordinator_epoch != self.epoch:
+                            self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
+                            return
+                        receiver = PayloadReceiver(meta_from_proto(header.payload), self.numel)
+                        continue
+                    if receiver is None or header is None:
+                        continue
+                    receiver.feed(msg.data)
+                    if receiver.received == receiver.meta.encoded_bytes:
+                        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), receiver.finish()))
+                        after, receiver = header.version, None
+                        backoff.reset()
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                reaction = react(Rpc.WATCH_PARAMETERS, e.code().name)
+                if reaction is Reaction.REREGISTER:
+                    self.post(SessionLost(self.worker_id, e.details() or e.code().name))
+                    return
+                if reaction is Reaction.STOP:
+                    self.post(Fatal(f"WatchParameters: {e.code().name} {e.details()}"))
+                    return
+                self.log.warning("worker.watch_retry", code=e.code().name, details=e.details())
+            except InvalidArgument as e:  # a codec or enum value this build does not know
+                self.post(Fatal(f"WatchParameters: {e}"))
+                return
+            if self._closed.wait(backoff.next_s()):
+                return
