@@ -1,0 +1,473 @@
+"""The kill storm (issue #16 item 4 and its measurements): real processes of `diloco.cluster.LocalCluster`
+(healthd, the coordinator and the learners, mutual TLS and tokens), killed again and again while the learners run
+without any supervisor. One driver for the test (`tests/test_kill_storm.py`: coordinator kills only, every learner
+must live through all of them) and the benchmark section (`--only kill-storm`: a longer storm that also kills
+healthd and learners, with recovery times).
+
+Faults, in a fixed interleaved schedule (`schedule`):
+
+- `coordinator-after-round`: SIGKILL the coordinator as soon as its log says `round.closed` (before or while
+  that round's checkpoint is written), then start it again on the same port with the same checkpoint folder: it
+  resumes from its newest checkpoint under a new epoch. Learners find their session gone and register again.
+- `coordinator-mid-upload`: the same, as soon as a learner's log says `worker.submitted` (the coordinator holds
+  a submission of the open round; the other learners are training towards or sending theirs). Whether an upload
+  was on the wire at that instant is counted afterwards: learners log `worker.upload_retry` for each one cut off.
+- `healthd`: SIGKILL healthd and start it again on the same port.
+- `learner`: SIGKILL the learner owning the most shards, then start it again (as a supervisor would; it
+  registers as a new incarnation).
+
+Measured per fault, each from the SIGKILL: coordinator: to its `coordinator.serving` line, and to the first
+`round.closed` of the new incarnation (the job advancing again); healthd: until `ListNodes` lists every learner
+the coordinator counts live as alive (its table rebuilt); learner: until the ledger shows every shard the victim
+owned owned by a live learner (its shards reassigned), and until its new incarnation is active.
+
+Each fault waits for the job to advance after the previous one (a round of the current coordinator incarnation
+closed after it), so every kill meets a running job. Waits poll the children's log files (`LogFollower`, every
+`poll_s`) or the services' RPCs with a deadline; an RPC error while a service restarts means "not yet". A learner
+that exits without being killed is recorded (with its log's tail), never restarted.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from diloco.bench.section import Context, Log, table
+from diloco.cluster import (
+    TINY_TASK_ARGS,
+    ClusterConfig,
+    LocalCluster,
+    LogFollower,
+    LogLine,
+    ledger_problems,
+    wait_until,
+)
+from diloco.v1 import common_pb2, healthd_pb2
+
+
+class Fault(enum.Enum):
+    COORDINATOR_AFTER_ROUND = "coordinator-after-round"
+    COORDINATOR_MID_UPLOAD = "coordinator-mid-upload"
+    HEALTHD = "healthd"
+    LEARNER = "learner"
+
+    @property
+    def coordinator(self) -> bool:
+        return self in (Fault.COORDINATOR_AFTER_ROUND, Fault.COORDINATOR_MID_UPLOAD)
+
+
+@dataclass(frozen=True)
+class StormSettings:
+    workers: int = 3
+    outer_steps: int = 60  # the job's target: long enough that the storm ends before the job does
+    local_steps: int = 10
+    min_local_steps: int = 2
+    min_quorum: int = 2
+    mode: str = "decoupled"
+    codec: str = "int8"
+    checkpoint_every: int = 1
+    slowdown: float = 1.0  # every learner's (sleeps after each step): slower rounds, fewer versions per fault
+    heartbeat_interval_s: float = 0.25
+    dead_after_s: float = 2.0
+    coordinator_kills: int = 12  # alternately right after a round and mid-upload
+    healthd_kills: int = 0
+    learner_kills: int = 0
+    poll_s: float = 0.01  # log files are read this often while waiting for a trigger
+    step_timeout_s: float = 60.0  # the longest wait for one trigger or one recovery
+    finish_timeout_s: float = 120.0  # after the last fault, for the job to reach its target
+    task_args: tuple[str, ...] = TINY_TASK_ARGS
+
+    def __post_init__(self) -> None:
+        if min(self.coordinator_kills, self.healthd_kills, self.learner_kills) < 0:
+            raise ValueError("kill counts must be >= 0")
+        if self.learner_kills and self.workers <= self.min_quorum:
+            raise ValueError("learner kills need more learners than the quorum, or rounds stop while one is down")
+
+    def cluster_config(self, run_dir: Path) -> ClusterConfig:
+        return ClusterConfig(
+            workers=self.workers,
+            mode=self.mode,
+            slowdowns=(self.slowdown,) * self.workers,
+            outer_steps=self.outer_steps,
+            local_steps=self.local_steps,
+            min_local_steps=self.min_local_steps,
+            min_quorum=self.min_quorum,
+            codec=self.codec,
+            dead_after_s=self.dead_after_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            checkpoint_every=self.checkpoint_every,
+            run_dir=run_dir,
+            task_args=self.task_args,
+        )
+
+
+def schedule(s: StormSettings) -> list[Fault]:
+    """The faults in order: coordinator kills alternating between their two triggers, with the healthd and learner
+    kills (alternating too) spread evenly among them."""
+    coord = [
+        Fault.COORDINATOR_AFTER_ROUND if i % 2 == 0 else Fault.COORDINATOR_MID_UPLOAD
+        for i in range(s.coordinator_kills)
+    ]
+    others: list[Fault] = []
+    h, n = s.healthd_kills, s.learner_kills
+    while h or n:
+        if h:
+            others.append(Fault.HEALTHD)
+            h -= 1
+        if n:
+            others.append(Fault.LEARNER)
+            n -= 1
+    before: dict[int, list[Fault]] = {}  # index into `coord` -> the other faults that come just before it
+    for j, f in enumerate(others):
+        before.setdefault((j + 1) * len(coord) // (len(others) + 1), []).append(f)
+    out: list[Fault] = []
+    for i in range(len(coord) + 1):
+        out += before.get(i, [])
+        out += coord[i : i + 1]
+    return out
+
+
+@dataclass
+class KillRecord:
+    fault: str
+    at_s: float  # from the storm's start
+    target: str  # the process killed
+    trigger: str = ""  # what the kill waited for
+    # coordinator
+    last_version: int | None = None  # the killed incarnation's newest version (closed, or resumed at)
+    resumed_version: int | None = None
+    serving_s: float | None = None  # kill -> `coordinator.serving`
+    advanced_s: float | None = None  # kill -> the first `round.closed` of the new incarnation
+    uploads_retried: int = 0  # submissions whose upload was retried (`worker.upload_retry`) by the job advancing
+    reregistered: int = 0  # learners' `worker.registered` lines in the same interval
+    # healthd
+    rebuilt_s: float | None = None  # kill -> ListNodes lists every live learner
+    # learner
+    shards: list[int] = field(default_factory=list)  # the victim's shards at the kill
+    reassigned_s: float | None = None  # kill -> every one of them owned by a live learner
+    rejoined_s: float | None = None  # kill -> its restarted process registered (`worker.registered` in its log)
+
+
+@dataclass
+class StormResult:
+    settings: dict[str, Any]
+    kills: list[KillRecord]
+    finished: bool
+    version: int
+    target_outer_steps: int
+    tokens_applied: int
+    ledger_problems: list[str]
+    alive_after_faults: dict[str, bool]  # learner -> running when the last fault was over
+    finished_exits: list[str]  # learners that exited 0 with reason `finished` once the job had finished
+    unexpected_exits: dict[str, str]  # learner -> exit status and the tail of its log (any other exit)
+    wall_s: float
+
+    @property
+    def coordinator_kills(self) -> int:
+        return sum(1 for k in self.kills if k.fault.startswith("coordinator"))
+
+    @property
+    def exactly_once(self) -> bool:
+        return not self.ledger_problems
+
+    def failures(self) -> list[str]:
+        """What the storm must not end with (empty: it survived): an exited learner, a job that did not finish, a
+        ledger that is not exactly once."""
+        out = [f"{name} exited without being killed: {why}" for name, why in self.unexpected_exits.items()]
+        out += [f"{name} was not running after the faults" for name, up in self.alive_after_faults.items() if not up]
+        if not self.finished or self.version < self.target_outer_steps:
+            out.append(f"the job did not finish: version {self.version} of {self.target_outer_steps}")
+        out += [f"ledger: {p}" for p in self.ledger_problems]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "coordinator_kill_count": self.coordinator_kills, "exactly_once": self.exactly_once}
+
+
+class StormError(RuntimeError):
+    """The storm could not go on (a wait ran out, a service would not come back); the message says where."""
+
+
+class _Storm:
+    def __init__(self, cluster: LocalCluster, s: StormSettings, log: Log) -> None:
+        self.c, self.s, self.log = cluster, s, log
+        self.coordinator = cluster.follow("coordinator")
+        self.learners = {f"worker{i}": cluster.follow(f"worker{i}") for i in range(s.workers)}
+        self.killed: set[str] = set()  # learners killed by the storm and not yet started again
+        self.rejoining: dict[str, tuple[float, KillRecord]] = {}  # restarted learners not registered yet
+        self.exits: dict[str, str] = {}
+        self.version = 0  # the coordinator's newest version in its log (closed, or resumed at)
+        self.t0 = time.monotonic()
+
+    # --- log and process watching -------------------------------------------------------------------------------
+    def _read(self, f: LogFollower) -> list[LogLine]:
+        """New lines of one log; a restarted learner's first registration completes its fault's record."""
+        lines = f.read()
+        if f is self.coordinator:
+            for x in lines:
+                if x.event in ("round.closed", "coordinator.serving") and "version" in x.fields:
+                    self.version = int(x.fields["version"])
+        for name, (killed, rec) in list(self.rejoining.items()):
+            if f is self.learners[name] and any(x.event == "worker.registered" for x in lines):
+                rec.rejoined_s = next(x.read_at for x in lines if x.event == "worker.registered") - killed
+                del self.rejoining[name]
+        return lines
+
+    def _drain(self) -> None:
+        """Read every log up to now, so that only lines written from now on can trigger a kill."""
+        for f in (self.coordinator, *self.learners.values()):
+            self._read(f)
+
+    def _check_learners(self) -> None:
+        for name in self.learners:
+            p = self.c.procs[name]
+            if name not in self.killed and name not in self.exits and not p.alive:
+                self.exits[name] = f"exit status {p.popen.returncode}; log tail:\n{self.c.tail(name)}"
+                self.log(f"  {name} EXITED ({p.popen.returncode})")
+
+    def classify_exits(self, job_finished: bool) -> list[str]:
+        """After the storm: learners that exited since it ended. Exiting 0 with reason `finished` once the job
+        finished is what a learner does; any other exit joins `exits`. Returns the learners that finished so."""
+        done = []
+        for name in self.learners:
+            p = self.c.procs[name]
+            if p.alive or name in self.exits:
+                continue
+            reasons = [x.fields.get("reason") for x in LogFollower(p.log_path).read() if x.event == "worker.exited"]
+            if job_finished and p.popen.returncode == 0 and reasons[-1:] == ["finished"]:
+                done.append(name)
+            else:
+                self.exits[name] = (
+                    f"exit status {p.popen.returncode}, reason {reasons[-1:]}; log tail:\n{self.c.tail(name)}"
+                )
+        return done
+
+    def _await(
+        self, what: str, sources: Iterable[LogFollower], match: Callable[[LogLine], bool], watch: str = ""
+    ) -> tuple[LogLine, list[LogLine]]:
+        """Read `sources` until a line matches; returns it and every line read meanwhile. `watch`: a child whose
+        exit ends the wait with its log."""
+        deadline = time.monotonic() + self.s.step_timeout_s
+        seen: list[LogLine] = []
+        sources = list(sources)
+        while True:
+            for f in sources:
+                for line in self._read(f):
+                    seen.append(line)
+                    if match(line):
+                        return line, seen
+            self._check_learners()
+            if watch and not self.c.procs[watch].alive:
+                raise StormError(f"{watch} exited while waiting for {what}:\n{self.c.tail(watch)}")
+            if time.monotonic() > deadline:
+                raise StormError(f"no {what} within {self.s.step_timeout_s:g} s{self._finished_note()}")
+            time.sleep(self.s.poll_s)
+
+    def _finished_note(self) -> str:
+        try:
+            st = self.c.status(timeout_s=2.0)
+        except grpc.RpcError:
+            return ""
+        if st.finished:
+            return f" (the job already finished at version {st.version}: make it longer, --outer-steps)"
+        return f" (coordinator at version {st.version}, {st.live_workers} live learners)"
+
+    def _live_learner_ids(self) -> dict[str, str]:
+        """worker id -> name of every learner the coordinator counts live."""
+        live = (common_pb2.WORKER_STATE_ACTIVE, common_pb2.WORKER_STATE_SUSPECT)
+        return {w.worker_id: w.worker_name for w in self.c.workers().workers if w.state in live}
+
+    # --- faults ------------------------------------------------------------------------------------------------
+    def run(self, faults: list[Fault]) -> list[KillRecord]:
+        self._await("a first round", [self.coordinator], lambda line: line.event == "round.closed", "coordinator")
+        records = []
+        for n, fault in enumerate(faults, 1):
+            if fault.coordinator:
+                rec = self._kill_coordinator(fault)
+            elif fault is Fault.HEALTHD:
+                rec = self._kill_healthd()
+            else:
+                rec = self._kill_learner()
+            records.append(rec)
+            self.log(f"  fault {n}/{len(faults)}: {self._describe(rec)}")
+            self._check_learners()
+        self._rejoined()
+        return records
+
+    def _describe(self, r: KillRecord) -> str:
+        def f(x: float | None) -> str:
+            return "-" if x is None else f"{x:.2f} s"
+
+        if r.fault.startswith("coordinator"):
+            return (
+                f"{r.fault} ({r.trigger}), closed v{r.last_version}, resumed v{r.resumed_version}: serving "
+                f"{f(r.serving_s)}, advancing {f(r.advanced_s)}, {r.uploads_retried} upload(s) retried, "
+                f"{r.reregistered} re-registration(s)"
+            )
+        if r.fault == Fault.HEALTHD.value:
+            return f"healthd: table rebuilt {f(r.rebuilt_s)}"
+        return f"learner {r.target} (shards {r.shards}): reassigned {f(r.reassigned_s)}, restarted"
+
+    def _next_round(self) -> None:
+        """Wait for a round closed after the previous fault (so every fault meets a job that advances)."""
+        self._await("the job to advance", [self.coordinator], lambda x: x.event == "round.closed", "coordinator")
+
+    def _kill_coordinator(self, fault: Fault) -> KillRecord:
+        c = self.c
+        self._drain()
+        if fault is Fault.COORDINATOR_AFTER_ROUND:
+            trigger, _ = self._await("a round to close", [self.coordinator], lambda x: x.event == "round.closed")
+            what = f"round.closed v{trigger.fields.get('version')}"
+        else:
+            trigger, _ = self._await(
+                "an accepted upload", self.learners.values(), lambda x: x.event == "worker.submitted", "coordinator"
+            )
+            what = f"worker.submitted by {trigger.fields.get('worker')} for round {trigger.fields.get('round')}"
+        killed = time.monotonic()
+        c.kill("coordinator")
+        self._read(self.coordinator)  # the rest of the killed incarnation's log
+        rec = KillRecord(fault.value, killed - self.t0, "coordinator", what, self.version)
+        c.respawn("coordinator")
+        serving, _ = self._await(
+            "the restarted coordinator to serve",
+            [self.coordinator],
+            lambda x: x.event == "coordinator.serving",
+            "coordinator",
+        )
+        rec.serving_s = serving.read_at - killed
+        rec.resumed_version = int(serving.fields.get("version", 0))
+        advanced, lines = self._await(
+            "the job to advance after the restart",
+            [self.coordinator, *self.learners.values()],
+            lambda x: x.event == "round.closed",
+            "coordinator",
+        )
+        rec.advanced_s = advanced.read_at - killed
+        rec.uploads_retried = len({x.fields.get("submission_id") for x in lines if x.event == "worker.upload_retry"})
+        rec.reregistered = sum(
+            1 for x in lines if x.event == "worker.registered" and x.fields.get("service") == "worker"
+        )
+        return rec
+
+    def _kill_healthd(self) -> KillRecord:
+        c = self.c
+        self._next_round()
+        killed = time.monotonic()
+        c.kill("healthd")
+        rec = KillRecord(Fault.HEALTHD.value, killed - self.t0, "healthd")
+        c.respawn("healthd")
+
+        def rebuilt() -> bool:
+            if not c.procs["healthd"].alive:
+                raise StormError(f"the restarted healthd exited:\n{c.tail('healthd')}")
+            alive = {n.node_id for n in c.nodes(timeout_s=1.0).nodes if n.state == healthd_pb2.NODE_STATE_ALIVE}
+            live = self._live_learner_ids()
+            return bool(live) and set(live) <= alive
+
+        self._wait("healthd to list every live learner", rebuilt)
+        rec.rebuilt_s = time.monotonic() - killed
+        return rec
+
+    def _wait(self, what: str, predicate: Callable[[], bool]) -> float:
+        def check() -> bool:
+            self._check_learners()
+            return predicate()
+
+        try:
+            return wait_until(what, check, self.s.step_timeout_s, interval_s=0.02)
+        except TimeoutError as e:
+            raise StormError(f"{e}{self._finished_note()}") from e
+
+    def _kill_learner(self) -> KillRecord:
+        c = self.c
+        self._rejoined()  # never two learners down at once: rounds need the quorum
+        self._next_round()
+        owned: dict[str, list[int]] = {}
+
+        def victim_known() -> bool:
+            live = self._live_learner_ids()
+            owned.clear()
+            for shard in c.ledger().shards:
+                if shard.owner in live:
+                    owned.setdefault(shard.owner, []).append(shard.shard_id)
+            return bool(owned)
+
+        self._wait("a learner owning shards", victim_known)
+        live = self._live_learner_ids()
+        victim_id = max(owned, key=lambda wid: (len(owned[wid]), wid))
+        name = live[victim_id]
+        shards = sorted(owned[victim_id])
+        killed = time.monotonic()
+        self.killed.add(name)
+        c.kill(name)
+        rec = KillRecord(Fault.LEARNER.value, killed - self.t0, name, shards=shards)
+
+        def reassigned() -> bool:
+            live_now = self._live_learner_ids()
+            by_id = {s.shard_id: s.owner for s in c.ledger().shards}
+            return all(by_id.get(i) != victim_id and by_id.get(i) in live_now for i in shards)
+
+        self._wait(f"{name}'s shards to be reassigned", reassigned)
+        rec.reassigned_s = time.monotonic() - killed
+        c.respawn(name)  # as a supervisor would; its registration is looked for in its log as the storm goes on
+        self.killed.discard(name)
+        self.rejoining[name] = (killed, rec)
+        return rec
+
+    def _rejoined(self) -> None:
+        """Wait until every restarted learner registered again."""
+
+        def registered() -> bool:
+            for name in list(self.rejoining):
+                self._read(self.learners[name])
+            return not self.rejoining
+
+        self._wait(f"{', '.join(self.rejoining) or 'restarted learners'} to register again", registered)
+
+
+def run_storm(s: StormSettings, run_dir: Path, log: Log = lambda line: None) -> StormResult:
+    """Start a cluster in `run_dir`, run the storm's faults, wait for the job to finish and check what it must
+    end with (`StormResult.failures()`). Every child is reaped on return, whatever happens."""
+    cluster = LocalCluster(s.cluster_config(run_dir))
+    started = time.monotonic()
+    with cluster:
+        cluster.start(timeout_s=s.step_timeout_s)
+        storm = _Storm(cluster, s, log)
+        kills = storm.run(schedule(s))
+
+        alive = {name: cluster.procs[name].alive for name in storm.learners}
+        storm._check_learners()
+        try:
+            wait_until("the job to finish", lambda: bool(cluster.status(timeout_s=2.0).finished), s.finish_timeout_s)
+        except TimeoutError as e:
+            log(f"  {e}")
+        final: list[Any] = []
+
+        def read_final() -> bool:
+            final[:] = [cluster.status(), cluster.ledger()]
+            return True
+
+        wait_until("the final status and ledger", read_final, timeout_s=30.0)
+        status, ledger = final
+        finished_exits = storm.classify_exits(status.finished)
+        result = StormResult(
+            settings=asdict(s),
+            kills=kills,
+            finished=status.finished,
+            version=status.version,
+            target_outer_steps=status.target_outer_steps,
+            tokens_applied=status.tokens_applied,
+            ledger_problems=ledger_problems(ledger, status.tokens_applied),
+            alive_after_faults=alive,
+            finished_exits=finished_exits,
+            unexpected_exits=dict(storm.exits),
+            wall_s=time.monotonic() - started,
+        )
+    return result
