@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from diloco.bench import cluster_bench, report, sim_bench, startup_bench
+from diloco.bench import cluster_bench, report, sim_bench, startup_bench, storm
 from diloco.bench.section import Context, Log, Section
 from diloco.bench.settings import FULL, QUICK
 from diloco.errors import ConfigError
@@ -63,6 +63,7 @@ SECTIONS: tuple[Section, ...] = (
         report.outer_plot,
     ),
     Section("startup", "Start-up time (real processes)", startup_bench.section, startup_bench.markdown),
+    Section("kill-storm", "Kill storm (real processes, no supervisor)", storm.section, storm.markdown),
 )
 NAMES = tuple(s.name for s in SECTIONS)
 CHECKOUT = Path(__file__).resolve().parents[2]
