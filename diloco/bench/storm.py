@@ -10,21 +10,25 @@ Faults, in a fixed interleaved schedule (`schedule`):
   that round's checkpoint is written), then start it again on the same port with the same checkpoint folder: it
   resumes from its newest checkpoint under a new epoch. Learners find their session gone and register again.
 - `coordinator-mid-upload`: the same, as soon as a learner's log says `worker.submitted` (the coordinator holds
-  a submission of the open round; the other learners are training towards or sending theirs). Whether an upload
-  was on the wire at that instant is counted afterwards: learners log `worker.upload_retry` for each one cut off.
+  a submission of the open round; the other learners are training towards or sending theirs). How many uploads
+  met the outage is counted afterwards: a learner logs `worker.upload_retry` for each one it resumes or re-sends.
 - `healthd`: SIGKILL healthd and start it again on the same port.
-- `learner`: SIGKILL the learner owning the most shards, then start it again (as a supervisor would; it
-  registers as a new incarnation).
+- `learner`: SIGKILL the learner owning the most shards, and once they moved start it again (as a supervisor
+  would; it registers as a new incarnation). Never two learners down at once: rounds need the quorum.
 
 Measured per fault, each from the SIGKILL: coordinator: to its `coordinator.serving` line, and to the first
-`round.closed` of the new incarnation (the job advancing again); healthd: until `ListNodes` lists every learner
-the coordinator counts live as alive (its table rebuilt); learner: until the ledger shows every shard the victim
-owned owned by a live learner (its shards reassigned), and until its new incarnation is active.
+`round.closed` of the new incarnation (the job advancing again); healthd: to its `healthd.started` line, and until
+`ListNodes` lists every learner the coordinator counts live as alive (its table rebuilt); learner: until the ledger
+shows every shard the victim owned owned by a live learner (its shards reassigned), and until the restarted
+process logs `worker.registered`.
 
-Each fault waits for the job to advance after the previous one (a round of the current coordinator incarnation
-closed after it), so every kill meets a running job. Waits poll the children's log files (`LogFollower`, every
+Each fault waits for the job to advance after the previous one (a round closed since), so every kill meets a
+running job. Waits poll the children's log files (`LogFollower`, every
 `poll_s`) or the services' RPCs with a deadline; an RPC error while a service restarts means "not yet". A learner
-that exits without being killed is recorded (with its log's tail), never restarted.
+that exits without being killed is recorded (with its log's tail), never restarted. After the faults the job must
+reach its target; learners then exit 0 with reason `finished`, as they should; any other exit is a failure.
+
+    python -m diloco.bench.storm [--quick] [--json]
 """
 
 from __future__ import annotations
@@ -148,7 +152,7 @@ class KillRecord:
     # coordinator
     last_version: int | None = None  # the killed incarnation's newest version (closed, or resumed at)
     resumed_version: int | None = None
-    serving_s: float | None = None  # kill -> `coordinator.serving`
+    serving_s: float | None = None  # kill -> `coordinator.serving` (`healthd.started` for healthd)
     advanced_s: float | None = None  # kill -> the first `round.closed` of the new incarnation
     uploads_retried: int = 0  # submissions whose upload was retried (`worker.upload_retry`) by the job advancing
     reregistered: int = 0  # learners' `worker.registered` lines in the same interval
@@ -204,6 +208,7 @@ class _Storm:
     def __init__(self, cluster: LocalCluster, s: StormSettings, log: Log) -> None:
         self.c, self.s, self.log = cluster, s, log
         self.coordinator = cluster.follow("coordinator")
+        self.healthd = cluster.follow("healthd")
         self.learners = {f"worker{i}": cluster.follow(f"worker{i}") for i in range(s.workers)}
         self.killed: set[str] = set()  # learners killed by the storm and not yet started again
         self.rejoining: dict[str, tuple[float, KillRecord]] = {}  # restarted learners not registered yet
@@ -317,7 +322,7 @@ class _Storm:
                 f"{r.reregistered} re-registration(s)"
             )
         if r.fault == Fault.HEALTHD.value:
-            return f"healthd: table rebuilt {f(r.rebuilt_s)}"
+            return f"healthd: serving {f(r.serving_s)}, table rebuilt {f(r.rebuilt_s)}"
         return f"learner {r.target} (shards {r.shards}): reassigned {f(r.reassigned_s)}, restarted"
 
     def _next_round(self) -> None:
@@ -364,10 +369,13 @@ class _Storm:
     def _kill_healthd(self) -> KillRecord:
         c = self.c
         self._next_round()
+        self._read(self.healthd)
         killed = time.monotonic()
         c.kill("healthd")
         rec = KillRecord(Fault.HEALTHD.value, killed - self.t0, "healthd")
         c.respawn("healthd")
+        started, _ = self._await("healthd to start", [self.healthd], lambda x: x.event == "healthd.started", "healthd")
+        rec.serving_s = started.read_at - killed
 
         def rebuilt() -> bool:
             if not c.procs["healthd"].alive:
@@ -496,6 +504,7 @@ RECOVERIES: tuple[tuple[str, str, str], ...] = (  # (label, fault prefix, KillRe
     ("coordinator kill → job advancing again (next version)", "coordinator", "advanced_s"),
     ("… right after `round.closed`", Fault.COORDINATOR_AFTER_ROUND.value, "advanced_s"),
     ("… right after `worker.submitted`", Fault.COORDINATOR_MID_UPLOAD.value, "advanced_s"),
+    ("healthd kill → serving again (`healthd.started`)", Fault.HEALTHD.value, "serving_s"),
     ("healthd kill → table rebuilt (every live learner listed)", Fault.HEALTHD.value, "rebuilt_s"),
     ("learner kill → its shards reassigned", Fault.LEARNER.value, "reassigned_s"),
     ("learner kill → restarted learner registered", Fault.LEARNER.value, "rejoined_s"),
@@ -523,7 +532,7 @@ def measure(s: StormSettings, log: Log) -> dict[str, Any]:
             log(f"  the storm stopped: {e}")
     kills: list[dict[str, Any]] = result.get("kills", [])
     rows = [{"label": label, **summary(kills, prefix, key)} for label, prefix, key in RECOVERIES]
-    reassigned = rows[5]
+    reassigned = summary(kills, Fault.LEARNER.value, "reassigned_s")
     checks = [
         {
             "name": "learners live through every coordinator kill, unsupervised",
