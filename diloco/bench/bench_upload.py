@@ -2,7 +2,7 @@
 
 Starts `python -m services.coordinator` as a separate process with a GPT of about `--params` parameters,
 registers one learner over gRPC and, per repeat, uploads a random pseudo-gradient through
-`SubmitPseudoGradient` exactly as the worker does (`services/worker/agent.py` `_upload`: a `SubmissionHeader`,
+`SubmitPseudoGradient` exactly as the worker does (`services/worker/uploader.py`: a `SubmissionHeader`,
 then ~1 MiB `data` messages), once encoded fp32 and once int8. Beside it, in the same run, the limit: a raw TCP
 socket on 127.0.0.1 sending the same fp32 bytes (`sendall` in 1 MiB pieces; the receiver, a thread of this
 process, `recv_into` a preallocated, touched buffer and acks the last byte).

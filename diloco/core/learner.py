@@ -51,6 +51,14 @@ Driving it (what each call does and returns):
   `fatal` (exit: something no retry fixes). `give_up_due(now)` tells a caller's retry loop to stop retrying.
 - `next_deadline()`: when `next_action` may change without an event (a plan poll, the drain deadline, giving up).
 - `react(rpc, code)`: the one table (`REACTIONS`) from every status code of every RPC to what a learner does.
+- `steps_to_submit`, `can_submit`, `progress` (the `ReadProgress`), `base_version`, `latest_version`, `state`:
+  read-only views, e.g. for a simulator that evaluates training lazily: it may take `steps_to_submit` `Train`
+  actions in one go (calling `stepped` for each) and schedule the next look at the time they take.
+
+Time is the caller's: monotonic seconds in the worker, virtual seconds in the simulator. A simulator without an
+RPC layer calls `registered` where the worker's Register returns, `params_arrived` when a broadcast's download
+completes, `upload_accepted`/`upload_failed(..., Reaction.RESYNC)` when `CoordinatorCore.accept` takes or refuses
+a submission, and `session_ended` when it kills the learner (a new incarnation registers again).
 
 The core is not thread-safe; the caller serializes calls (the worker drives it from its training thread only).
 """
@@ -130,24 +138,18 @@ R = Reaction
 # new coordinator epoch; PERMISSION_DENIED: its id now names another learner) registers again; a refused
 # submission resyncs; UNIMPLEMENTED means the address is not a coordinator of this protocol: no retry helps.
 # Authentication failures are retried (the operator may fix the coordinator's side while the learner waits).
+_SESSION_CALL = _table(  # a call that names this learner's registration (its worker id)
+    R.RETRY,
+    NOT_FOUND=R.REREGISTER,
+    FAILED_PRECONDITION=R.REREGISTER,
+    PERMISSION_DENIED=R.REREGISTER,
+    INVALID_ARGUMENT=R.REREGISTER,
+    UNIMPLEMENTED=R.STOP,
+)
 REACTIONS: dict[Rpc, dict[str, Reaction]] = {
     Rpc.REGISTER: _table(R.RETRY, INVALID_ARGUMENT=R.STOP, UNIMPLEMENTED=R.STOP),
-    Rpc.WATCH_PARAMETERS: _table(
-        R.RETRY,
-        NOT_FOUND=R.REREGISTER,
-        FAILED_PRECONDITION=R.REREGISTER,
-        PERMISSION_DENIED=R.REREGISTER,
-        INVALID_ARGUMENT=R.REREGISTER,
-        UNIMPLEMENTED=R.STOP,
-    ),
-    Rpc.GET_WORK_PLAN: _table(
-        R.RETRY,
-        NOT_FOUND=R.REREGISTER,
-        FAILED_PRECONDITION=R.REREGISTER,
-        PERMISSION_DENIED=R.REREGISTER,
-        INVALID_ARGUMENT=R.REREGISTER,
-        UNIMPLEMENTED=R.STOP,
-    ),
+    Rpc.WATCH_PARAMETERS: _SESSION_CALL,
+    Rpc.GET_WORK_PLAN: _SESSION_CALL,
     # an upload is idempotent and resumable: transient codes resume it (from GetUploadStatus's offset)
     Rpc.SUBMIT: _table(
         R.RETRY,
@@ -301,7 +303,6 @@ class LearnerCore:
     _poll_at: float = 0.0
     _poll_backoff_s: float = 0.0
     _submissions: int = 0
-    _first_load: bool = True
     _handed_back: bool = False
     _deregistering: bool = False
 
@@ -316,7 +317,6 @@ class LearnerCore:
         self.worker_id, self.coordinator_epoch, self.mode = worker_id, coordinator_epoch, mode
         self.base_version = self.latest_version = -1
         self._forget_work()
-        self._first_load = True
         self._adopt(plan)
         if self.state is not LearnerState.DRAINING:
             self.state = LearnerState.WAITING_PARAMS
@@ -442,9 +442,8 @@ class LearnerCore:
             return Register()
         if self.latest_version < 0:
             return Wait(None)
-        if self.state is LearnerState.WAITING_PARAMS:
-            catch_up = self.latest_version * self.local_steps if self._first_load else 0
-            self._first_load = False
+        if self.state is LearnerState.WAITING_PARAMS:  # the first version of a registration
+            catch_up = self.latest_version * self.local_steps
             return self._load(now, Load(self.latest_version, catch_up, reset_codec=False))
         if self.state is LearnerState.RESYNCING:
             self.progress.reset()

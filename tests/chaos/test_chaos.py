@@ -175,7 +175,7 @@ def test_untrusted_clients_cannot_join(make_cluster: MakeCluster) -> None:
     c = make_cluster("untrusted")
     c.wait_version(1, timeout_s=90)
     foreign = write_tls(c.hosts, ["intruder"])  # a CA of its own: the cluster does not trust it, nor it the cluster
-    give_up = {"DILOCO_RETRY_TOTAL_S": "5"}  # an unreachable coordinator is retried (UNAVAILABLE); not for ever here
+    give_up = {"DILOCO_GIVE_UP_AFTER_S": "5"}  # a learner retries a refusing coordinator for ever unless told
     try:
         c.start_worker("intruder-ca", seed=7, tls_name="intruder", tls_dir=foreign, environment=give_up)
         c.start_worker(

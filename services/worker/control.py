@@ -1,0 +1,97 @@
+"""The learner's control calls to the coordinator (Register, GetWorkPlan, Deregister), made from the training
+loop and retried with capped, jittered backoff (`diloco.rpc.retry.retry_while`) for as long as the learner core's
+status table says RETRY and the learner neither stops nor gives up. Every failure is reported to the core
+(`rpc_failed`), which applies the table's reaction (re-register, stop); a call that ends without a result
+returns None."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import structlog
+
+from diloco.core import learner as core
+from diloco.core.coordinator import WorkPlan
+from diloco.errors import InvalidArgument
+from diloco.rpc.retry import retry_while
+from diloco.task.inner import Throughput
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.worker.config import WorkerConfig
+from services.worker.session import Registration, plan_from_proto
+
+T = TypeVar("T")
+POLL_S = 0.1  # how often a backoff sleep looks at the stop request
+
+
+class Control:
+    def __init__(
+        self,
+        stub: coordinator_pb2_grpc.CoordinatorStub,
+        cfg: WorkerConfig,
+        learner: core.LearnerCore,
+        stopping: Callable[[], bool],
+        log: Callable[[], structlog.stdlib.BoundLogger],
+    ) -> None:
+        self.stub, self.cfg, self.learner, self.stopping, self.log = stub, cfg, learner, stopping, log
+
+    def register(self, name: str, tp: Throughput | None, device_kind: str) -> Registration | None:
+        req = coordinator_pb2.RegisterRequest(
+            worker_name=name,
+            throughput=common_pb2.Throughput(
+                tokens_per_s=tp.tokens_per_s if tp else 0.0,
+                step_time_s=tp.step_time_s if tp else 0.0,
+                device_kind=device_kind,
+            ),
+        )
+        resp = self.call(core.Rpc.REGISTER, lambda: self.stub.Register(req, timeout=self.cfg.rpc_timeout_s))
+        if resp is None:
+            return None
+        try:
+            return Registration.from_proto(resp)
+        except InvalidArgument as e:  # a mode or codec this build does not know: no retry helps
+            self.learner.fatal(time.monotonic(), f"Register: {e}")
+            return None
+
+    def work_plan(self, worker_id: str) -> WorkPlan | None:
+        req = coordinator_pb2.GetWorkPlanRequest(worker_id=worker_id)
+        resp = self.call(core.Rpc.GET_WORK_PLAN, lambda: self.stub.GetWorkPlan(req, timeout=self.cfg.rpc_timeout_s))
+        return None if resp is None else plan_from_proto(resp.plan, resp.version)
+
+    def deregister(self, worker_id: str) -> bool:
+        """Best effort, retried until the drain deadline; True when the coordinator took it."""
+        req = coordinator_pb2.DeregisterRequest(worker_id=worker_id, reason="drained")
+        return (
+            self.call(core.Rpc.DEREGISTER, lambda: self.stub.Deregister(req, timeout=self.cfg.rpc_timeout_s))
+            is not None
+        )
+
+    def call(self, rpc: core.Rpc, fn: Callable[[], T]) -> T | None:
+        """`fn()`, retried while the table says RETRY; None when it failed for good (the core has applied the
+        reaction), the learner is stopping (Deregister: past the drain deadline) or gave up."""
+        leaving = rpc is core.Rpc.DEREGISTER
+
+        def retry(e: grpc.RpcError) -> bool:
+            now = time.monotonic()
+            reaction = self.learner.rpc_failed(now, rpc, e.code().name, e.details() or "")
+            if reaction is not core.Reaction.RETRY:
+                self.log().warning("worker.rpc_refused", call=rpc.value, code=e.code().name, action=reaction.value)
+            return reaction is core.Reaction.RETRY and not self.learner.give_up_due(now)
+
+        def wait(seconds: float) -> bool:
+            end = time.monotonic() + seconds
+            while (left := end - time.monotonic()) > 0:
+                if self.stopping() and not leaving:
+                    return True
+                time.sleep(min(left, POLL_S))
+            return leaving and time.monotonic() >= self.learner.drain_deadline
+
+        try:
+            result = retry_while(fn, rpc.value, retry=retry, wait=wait)
+        except grpc.RpcError as e:
+            self.log().debug("worker.rpc_ended", call=rpc.value, code=e.code().name)
+            return None
+        self.learner.contact(time.monotonic())
+        return result
