@@ -498,7 +498,8 @@ FULL = StormSettings(
     slowdown=3.0,
     finish_timeout_s=300.0,
 )
-QUICK = StormSettings(workers=4, coordinator_kills=2, healthd_kills=1, learner_kills=1, outer_steps=40, slowdown=3.0)
+# one fault of each kind (the learner's restart overlaps the coordinator's), for the `--quick` suite's time budget
+QUICK = StormSettings(workers=3, coordinator_kills=1, healthd_kills=1, learner_kills=1, outer_steps=35, slowdown=3.0)
 RECOVERIES: tuple[tuple[str, str, str], ...] = (  # (label, fault prefix, KillRecord field)
     ("coordinator kill → serving again (`coordinator.serving`)", "coordinator", "serving_s"),
     ("coordinator kill → job advancing again (next version)", "coordinator", "advanced_s"),
@@ -556,7 +557,7 @@ def measure(s: StormSettings, log: Log) -> dict[str, Any]:
             "name": "learner kill → shards reassigned (max over the storm)",
             "target": f"≤ {REASSIGN_WINDOW_S:g} s",
             "measured": "n/a" if reassigned["max_s"] is None else f"{reassigned['max_s']:.2f} s",
-            "pass": reassigned["max_s"] is not None and reassigned["max_s"] <= REASSIGN_WINDOW_S,
+            "pass": None if reassigned["max_s"] is None else reassigned["max_s"] <= REASSIGN_WINDOW_S,
         },
     ]
     return {
