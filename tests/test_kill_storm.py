@@ -15,6 +15,7 @@ import pytest
 
 from diloco.bench.storm import Fault, StormSettings, run_storm, schedule
 from diloco.cluster import LogFollower, ledger_problems
+from diloco.errors import ConfigError
 from diloco.v1 import common_pb2, coordinator_pb2
 
 # Three learners slowed down 3x (they sleep after each step: rounds of about half a second, and CPU left for the
@@ -51,7 +52,7 @@ def test_schedule_alternates_coordinator_triggers_and_spreads_the_other_faults()
         Fault.LEARNER,
         Fault.HEALTHD,
     ]
-    with pytest.raises(ValueError, match="more learners than the quorum"):
+    with pytest.raises(ConfigError, match="workers > min_quorum"):
         StormSettings(workers=2, min_quorum=2, learner_kills=1)
 
 

@@ -58,6 +58,7 @@ from diloco.cluster import (
     ledger_problems,
     wait_until,
 )
+from diloco.errors import ConfigError
 from diloco.v1 import common_pb2, healthd_pb2
 
 
@@ -95,9 +96,11 @@ class StormSettings:
 
     def __post_init__(self) -> None:
         if min(self.coordinator_kills, self.healthd_kills, self.learner_kills) < 0:
-            raise ValueError("kill counts must be >= 0")
+            raise ConfigError("storm: coordinator_kills, healthd_kills and learner_kills must be >= 0")
         if self.learner_kills and self.workers <= self.min_quorum:
-            raise ValueError("learner kills need more learners than the quorum, or rounds stop while one is down")
+            raise ConfigError(
+                "storm: learner_kills need workers > min_quorum (rounds stop while a learner is down otherwise)"
+            )
 
     def cluster_config(self, run_dir: Path) -> ClusterConfig:
         return ClusterConfig(
