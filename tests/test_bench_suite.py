@@ -60,7 +60,9 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert set(doc["sections"]) == set(NAMES)
     kill = next(r for r in doc["sections"]["cluster"]["runs"] if r["kill"])
     assert 0 < kill["reassign_s"] < 10 and kill["samples"], "the failure run measured no reassignment"
-    assert doc["meta"]["wall_s"]["total"] < 180, "the quick suite should stay under 3 minutes"
+    # seven sections, three of them starting real processes (about 165 s before the kill storm joined, 195 s with
+    # it at a load average of 6 on this 2-core machine)
+    assert doc["meta"]["wall_s"]["total"] < 240, "the quick suite should stay under 4 minutes"
 
 
 @pytest.mark.slow
