@@ -73,8 +73,9 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         assert len(where["commit"]) == 40 and isinstance(where["dirty"], bool) and where["date"], where
     kill = next(r for r in doc["sections"]["cluster"]["runs"] if r["kill"])
     assert 0 < kill["reassign_s"] < 10 and kill["samples"], "the failure run measured no reassignment"
-    # about 3 minutes on 2 quiet cores; the bound leaves room for a loaded machine, not for a full-size section
-    assert doc["meta"]["wall_s"]["total"] < 480, "the quick suite should stay well under 8 minutes"
+    # a guard against a full-size section slipping into the quick profile, not a performance figure: about 4
+    # minutes on 2 quiet cores (eight sections, four of them starting real processes)
+    assert doc["meta"]["wall_s"]["total"] < 600, "the quick suite should stay well under 10 minutes"
 
 
 @pytest.mark.slow
