@@ -58,8 +58,10 @@ from diloco.cluster import (
     ledger_problems,
     wait_until,
 )
+from diloco.core.states import LIVE_STATES
 from diloco.errors import ConfigError
-from diloco.v1 import common_pb2, healthd_pb2
+from diloco.rpc.vocab import WORKER_STATES
+from diloco.v1 import healthd_pb2
 
 
 class Fault(enum.Enum):
@@ -294,7 +296,7 @@ class _Storm:
 
     def _live_learner_ids(self) -> dict[str, str]:
         """worker id -> name of every learner the coordinator counts live."""
-        live = (common_pb2.WORKER_STATE_ACTIVE, common_pb2.WORKER_STATE_SUSPECT)
+        live = {WORKER_STATES.to_proto(s) for s in LIVE_STATES}
         return {w.worker_id: w.worker_name for w in self.c.workers().workers if w.state in live}
 
     # --- faults ------------------------------------------------------------------------------------------------
