@@ -16,7 +16,7 @@ from diloco.rpc.tls import write_bundle
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
 from services.worker.config import parse as parse_worker
-from tests.conftest import tiny_task
+from tests.support import tiny_task
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from services.healthd import config as healthd_config
 from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
 from services.worker import config as worker_config
-from tests.conftest import tiny_task
+from tests.support import tiny_task
 
 T = 10.0
 Code = grpc.StatusCode

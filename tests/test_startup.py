@@ -22,7 +22,7 @@ import pytest
 from diloco.cluster import TINY_TASK_ARGS, wait_serving
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
-from tests.conftest import tiny_task
+from tests.support import tiny_task
 
 pytestmark = pytest.mark.timeout(180)
 
