@@ -50,37 +50,56 @@ V = TypeVar("V")
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
-def transient(error: BaseException) -> bool:
+def transient(error: Exception) -> bool:
     """A transient RPC failure: the condition is not known yet, ask again."""
     return isinstance(error, grpc.RpcError) and error.code() in TRANSIENT
 
 
-def wait_for(what: str, probe: Callable[[], V], timeout_s: float = 10.0, interval_s: float = 0.02) -> V:
-    """Poll `probe` until it returns something truthy and return that. A transient RPC failure (`TRANSIENT`)
-    counts as "not yet"; any other exception ends the wait. On timeout, fails with `what` and the last transient
-    error, if any."""
+def wait_for(
+    what: str,
+    probe: Callable[[], V],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    retry_on: Callable[[Exception], bool] = transient,
+) -> V:
+    """Poll `probe` until it returns something truthy and return that. An exception `retry_on` accepts (by default
+    a transient RPC failure, `TRANSIENT`) counts as "not yet"; any other ends the wait. On timeout, fails with
+    `what` and the last error the wait let pass, if any."""
     deadline = time.monotonic() + timeout_s
-    last: BaseException | None = None
-    tick = threading.Event()  # never set: a sleep that is not `time.sleep`
+    last: Exception | None = None
+    tick = threading.Event()  # never set: waits `interval_s` between polls
     while True:
         try:
             value = probe()
             if value:
                 return value
-        except grpc.RpcError as e:
-            if not transient(e):
+        except Exception as e:
+            if not retry_on(e):
                 raise
             last = e
         if time.monotonic() > deadline:
-            detail = f"; last error: {last.code()}: {last.details()}" if isinstance(last, grpc.Call) else ""
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}{detail}")
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + describe(last))
         tick.wait(interval_s)
 
 
-def seconds_until(what: str, probe: Callable[[], object], timeout_s: float, interval_s: float = 0.05) -> float:
+def describe(error: Exception | None) -> str:
+    if error is None:
+        return ""
+    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
+        return f"; last error: {error.code().name}: {error.details()}"
+    return f"; last error: {error!r}"
+
+
+def seconds_until(
+    what: str,
+    probe: Callable[[], object],
+    timeout_s: float,
+    interval_s: float = 0.05,
+    retry_on: Callable[[Exception], bool] = transient,
+) -> float:
     """`wait_for`, returning the seconds the wait took."""
     start = time.monotonic()
-    wait_for(what, probe, timeout_s, interval_s)
+    wait_for(what, probe, timeout_s, interval_s, retry_on)
     return time.monotonic() - start
 
 
