@@ -12,8 +12,9 @@ import torch
 from diloco.rpc.server import channel
 from diloco.task.params import param_specs
 from diloco.v1 import coordinator_pb2_grpc
+from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
-from tests.support import Env, config
+from tests.support import Env, config, tiny_task
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -23,6 +24,15 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture
+def plain_coordinator() -> Iterator[CoordinatorServer]:
+    """An in-process coordinator of the tiny task (insecure, port 0) expecting two workers."""
+    server = CoordinatorServer(CoordinatorServiceConfig(task=tiny_task(8), expected_workers=2))
+    server.start()
+    yield server
+    server.stop(0)
 
 
 @pytest.fixture

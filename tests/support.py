@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -26,7 +27,7 @@ import pytest
 import torch
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import ClusterConfig, LocalCluster
+from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
 from diloco.core.codecs import get_codec
 from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.server import channel
@@ -390,6 +391,21 @@ def node_states(server: HealthdServer) -> dict[str, int]:
 # --- a real multi-process cluster ------------------------------------------------------------------------------
 
 UNTRAINED_LOSS = math.log(256)  # a byte-level model that knows nothing
+
+
+def cluster_config(run_dir: Path, **overrides: Any) -> ClusterConfig:
+    """A small cluster of the tiny task with the settings the multi-process tests share (rounds of 10 local steps,
+    a quorum of 2, heartbeats every 0.25 s, dead after 2 s); `overrides` on top."""
+    settings: dict[str, Any] = {
+        "local_steps": 10,
+        "min_local_steps": 2,
+        "min_quorum": 2,
+        "dead_after_s": 2.0,
+        "heartbeat_interval_s": 0.25,
+        "run_dir": run_dir,
+        "task_args": TINY_TASK_ARGS,
+    }
+    return ClusterConfig(**{**settings, **overrides})
 
 
 @contextmanager

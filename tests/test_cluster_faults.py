@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
-from tests.support import assert_finished_and_learned, running, wait_for, worker_state
+from diloco.cluster import LocalCluster
+from tests.support import assert_finished_and_learned, cluster_config, running, wait_for, worker_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-TASK = TINY_TASK_ARGS
 
 
 @pytest.fixture
@@ -25,20 +23,11 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
     # workers slowed down 8x, so a run lasts long enough (tens of seconds) to inject faults in the middle of it
     settings = dict(
         workers=3,
-        mode="decoupled",
         slowdowns=(8.0, 8.0, 8.0),
         outer_steps=30,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
-        codec="int8",
-        dead_after_s=2.0,
-        heartbeat_interval_s=0.25,
         checkpoint_every=2,
-        run_dir=tmp_path,
-        task_args=TASK,
     )
-    with running(ClusterConfig(**{**settings, **overrides})) as c:
+    with running(cluster_config(tmp_path, **{**settings, **overrides})) as c:
         yield c
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig
-from tests.support import assert_finished_and_learned, running, wait_for, worker_state
+from diloco.cluster import ClusterConfig
+from tests.support import assert_finished_and_learned, cluster_config, running, wait_for, worker_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FAULTY = "worker3"
@@ -21,21 +21,14 @@ LOSS_MARGIN = 0.3
 
 
 def config(tmp_path: Path, faulty: bool) -> ClusterConfig:
-    return ClusterConfig(
+    return cluster_config(
+        tmp_path / ("faulty" if faulty else "clean"),
         workers=4,
-        mode="decoupled",
         # as fast as the others: its first submission may be the run's first, before the median has a reference,
         # and the ceiling (what AdamW can produce) refuses it all the same
         slowdowns=(2.0, 2.0, 2.0, 2.0),
         outer_steps=12,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
-        codec="int8",
-        heartbeat_interval_s=0.25,
         checkpoint_every=4,
-        run_dir=tmp_path / ("faulty" if faulty else "clean"),
-        task_args=TINY_TASK_ARGS,
         worker_args={3: ("--fault-scale-updates", "100")} if faulty else {},
     )
 

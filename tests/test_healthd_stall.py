@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
+from diloco.cluster import LocalCluster
 from diloco.v1 import healthd_pb2
-from tests.support import running, wait_for
+from tests.support import cluster_config, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -33,18 +33,13 @@ WORKERS = 3
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    cfg = ClusterConfig(
+    cfg = cluster_config(
+        tmp_path,
         workers=WORKERS,
         slowdowns=(8.0,) * WORKERS,
         outer_steps=400,  # far more than the test lasts: the learners are busy throughout
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
         dead_after_s=DEAD_AFTER_S,
-        heartbeat_interval_s=0.25,
         checkpoint_every=50,
-        run_dir=tmp_path,
-        task_args=TINY_TASK_ARGS,
     )
     with running(cfg) as c:
         yield c

@@ -14,11 +14,11 @@ import grpc
 import pytest
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
+from diloco.cluster import LocalCluster
 from diloco.core.failure import NodeState
 from diloco.rpc.vocab import NODE_STATES
 from diloco.v1 import healthd_pb2, healthd_pb2_grpc
-from tests.support import running, wait_for
+from tests.support import cluster_config, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 DEAD_AFTER_S = 2.0
@@ -26,16 +26,13 @@ DEAD_AFTER_S = 2.0
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    cfg = ClusterConfig(
+    cfg = cluster_config(
+        tmp_path,
         workers=2,
         outer_steps=10_000,  # it never finishes on its own here
         local_steps=5,
-        min_local_steps=2,
         min_quorum=1,
         dead_after_s=DEAD_AFTER_S,
-        heartbeat_interval_s=0.25,
-        run_dir=tmp_path,
-        task_args=TINY_TASK_ARGS,
     )
     with running(cfg) as c:
         yield c
