@@ -6,7 +6,7 @@ conftest.py, never from another test module):
 - an in-process coordinator on port 0 (`Env`, `config`) and what a learner sends it (`register`, `make_upload`,
   `requests`, `submit`), with the checks that a refused call changed nothing (`frozen`, `code_of`, `gauge`);
 - healthd's side: a recording coordinator endpoint, a heartbeat client (`Beater`), `healthd_config`, `node_states`;
-- a real multi-process cluster (`running`) and the checks the cluster tests share.
+- a real multi-process cluster (`cluster_config`, `running`) and the checks the cluster tests share.
 """
 
 from __future__ import annotations
