@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
+from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster, ledger_problems
 from diloco.core.codecs import get_codec
 from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.server import channel
@@ -427,16 +427,8 @@ def worker_state(c: LocalCluster, name: str) -> str:
 
 
 def assert_exactly_once(c: LocalCluster) -> None:
-    ledger = c.ledger()
-    total = 0
-    for shard in ledger.shards:
-        cursor = 0
-        for r in shard.committed_ranges:
-            assert r.start == cursor, f"shard {shard.shard_id}: range {r.start}-{r.end} leaves a gap or overlaps"
-            cursor = r.end
-        assert cursor == shard.committed
-        total += shard.committed
-    assert total == c.status().tokens_applied, "ledger and applied tokens disagree"
+    problems = ledger_problems(c.ledger(), c.status().tokens_applied)
+    assert not problems, "the ledger is not exactly once:\n" + "\n".join(problems)
 
 
 def assert_finished_and_learned(c: LocalCluster) -> None:
