@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -177,12 +176,6 @@ class LogFollower:
         return out
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @dataclass(frozen=True)
 class ClusterConfig:
     workers: int = 4
@@ -212,6 +205,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_file: IO[bytes]
     started_at: float
+    log_offset: int = 0  # where this incarnation's lines start in the log (a restarted child appends to it)
 
     @property
     def alive(self) -> bool:
@@ -223,8 +217,10 @@ class LocalCluster:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.coordinator_port = free_port()
-        self.healthd_port = free_port()
+        # 0 until the first start: each service binds port 0 and logs the port it got (`<service>.started`); a
+        # restarted one binds the same port again (it was ours)
+        self.coordinator_port = 0
+        self.healthd_port = 0
         self.procs: dict[str, Proc] = {}
         self._channel: grpc.Channel | None = None
         self.tls_dir: Path | None = None
@@ -269,14 +265,17 @@ class LocalCluster:
             old.log_file.close()  # the ended incarnation's; the new one appends to the same file
         log_path = self.run_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in _reap
+        offset = log_file.tell()
         argv = [sys.executable, "-m", module, *args]
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
-        proc = Proc(name, argv, log_path, popen, log_file, time.monotonic())
+        proc = Proc(name, argv, log_path, popen, log_file, time.monotonic(), offset)
         self.procs[name] = proc
         return proc
 
     def start_healthd(self) -> Proc:
+        """Start healthd on its port (0 before the first start); it reports to the coordinator once that has a
+        port (before, it only tracks heartbeats)."""
         c = self.cfg
         return self._spawn(
             "healthd",
@@ -285,7 +284,7 @@ class LocalCluster:
                 "--port",
                 str(self.healthd_port),
                 "--coordinator-address",
-                self.coordinator_address,
+                self.coordinator_address if self.coordinator_port else "",
                 "--heartbeat-interval-s",
                 str(c.heartbeat_interval_s),
                 "--dead-after-s",
@@ -333,12 +332,51 @@ class LocalCluster:
         )
 
     def start(self, timeout_s: float = 60.0) -> None:
+        """Start healthd, the coordinator and the workers; return once both services answer SERVING.
+
+        No port is picked here (a port found free and closed can be taken by another process before the child
+        binds it): each service binds port 0 and this reads the port from its `<service>.started` log line. Each
+        needs the other's address, so healthd starts first without a coordinator to report to, the coordinator
+        starts with healthd's address, and healthd is started again on the same port with the coordinator's."""
+        deadline = time.monotonic() + timeout_s
+        self.healthd_port = self.bound_port(self.start_healthd(), "healthd.started", timeout_s)
+        coordinator = self.start_coordinator()
+        self.coordinator_port = self.bound_port(coordinator, "coordinator.started", deadline - time.monotonic())
+        self.stop_child("healthd", grace_s=10)
         self.start_healthd()
-        self.start_coordinator()
-        self.wait_serving(self.healthd_address, timeout_s)
-        self.wait_serving(self.coordinator_address, timeout_s)
+        self.wait_serving(self.healthd_address, deadline - time.monotonic())
+        self.wait_serving(self.coordinator_address, deadline - time.monotonic())
         for i in range(self.cfg.workers):
             self.start_worker(i)
+
+    def bound_port(self, proc: Proc, event: str, timeout_s: float) -> int:
+        """The port child `proc` bound, from its `event` log line (`<service>.started`, which has `port`)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with open(proc.log_path, "rb") as f:
+                f.seek(proc.log_offset)
+                for raw in f.read().splitlines():
+                    try:
+                        fields = json.loads(raw)
+                    except ValueError:
+                        continue
+                    if isinstance(fields, dict) and fields.get("event") == event:
+                        return int(fields["port"])
+            if not proc.alive:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{self.tail(proc.name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{proc.name} did not log {event} within {timeout_s:g} s:\n{self.tail(proc.name)}")
+            time.sleep(0.02)
+
+    def stop_child(self, name: str, grace_s: float) -> None:
+        """SIGTERM child `name` and wait for it to exit (SIGKILL after `grace_s`)."""
+        p = self.procs[name]
+        self.signal(name, signal.SIGTERM)
+        try:
+            p.popen.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.popen.pid, signal.SIGKILL)
+            p.popen.wait(timeout=10)
 
     def wait_serving(self, address: str, timeout_s: float) -> None:
         """Wait until a service answers SERVING on grpc.health.v1 (raises with the log tail if it exits)."""

@@ -1,16 +1,20 @@
-"""Shared fixtures: a tiny task that trains in milliseconds, one torch thread per test process."""
+"""Shared fixtures: one torch thread per test process, and an in-process coordinator on port 0. Shared helpers
+live in tests/support.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from diloco.task.data import DataConfig
-from diloco.task.factory import TaskConfig
-from diloco.task.inner import InnerConfig
-from diloco.task.model import ModelConfig
+from diloco.rpc.server import channel
+from diloco.task.params import param_specs
+from diloco.v1 import coordinator_pb2_grpc
+from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.server import CoordinatorServer
+from tests.support import Env, config, tiny_task
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -22,9 +26,34 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(old)
 
 
-def tiny_task(num_shards: int = 8) -> TaskConfig:
-    return TaskConfig(
-        model=ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2),
-        data=DataConfig(num_shards=num_shards, max_bytes=400_000),
-        inner=InnerConfig(batch_size=4, warmup_steps=5, total_steps=400, lr=3e-3),
-    )
+@pytest.fixture
+def plain_coordinator() -> Iterator[CoordinatorServer]:
+    """An in-process coordinator of the tiny task (insecure, port 0) expecting two workers."""
+    server = CoordinatorServer(CoordinatorServiceConfig(task=tiny_task(8), expected_workers=2))
+    server.start()
+    yield server
+    server.stop(0)
+
+
+@pytest.fixture
+def start() -> Iterator[Callable[..., Env]]:
+    """Start in-process coordinators (`support.config(**kw)`), each with a channel; all stopped at the end."""
+    made: list[Env] = []
+
+    def _start(**kw: Any) -> Env:
+        srv = CoordinatorServer(config(**kw))
+        srv.start()
+        chan = channel(srv.address)
+        env = Env(srv, coordinator_pb2_grpc.CoordinatorStub(chan), chan, param_specs(srv.task.model_fn(0)))
+        made.append(env)
+        return env
+
+    yield _start
+    for env in made:
+        env.chan.close()
+        env.server.stop(0)
+
+
+@pytest.fixture
+def env(start: Callable[..., Env]) -> Env:
+    return start()

@@ -10,7 +10,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -24,6 +24,7 @@ from diloco.rpc.bulk import BulkError, BulkServer, BulkSink, bulk_upload
 from diloco.rpc.retry import RetryConfig, call_with_retry, is_retryable
 from diloco.rpc.tls import write_bundle
 from diloco.v1 import common_pb2, coordinator_pb2
+from tests.support import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,14 +36,6 @@ U32 = struct.Struct(">I")
 
 class Unauthenticated(DilocoError):
     code = "UNAUTHENTICATED"
-
-
-def eventually(pred: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.005)
 
 
 # --- a handler that behaves like the coordinator's upload state --------------------------------------------------
@@ -394,7 +387,7 @@ def test_bad_streams_get_an_error_frame(
     if b"short" in data:
         store.wait_event("short", "close")
         assert store.of("short") == ["open", "interrupted", "close"] and len(store.held["short"]) == 40
-    eventually(lambda: server.active_connections == 0)
+    wait_for("every connection closed", lambda: server.active_connections == 0)
     serves(server, store)
 
 
@@ -417,7 +410,7 @@ def test_connection_cap_is_resource_exhausted(store: Store) -> None:
     try:
         for s in held:
             s.sendall(bulk.MAGIC)
-        eventually(lambda: srv.active_connections == 2)
+        wait_for("two connections open", lambda: srv.active_connections == 2)
         with pytest.raises(BulkError) as e:
             upload(srv, "over", os.urandom(1000))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "at most 2" in e.value.details()
@@ -426,7 +419,7 @@ def test_connection_cap_is_resource_exhausted(store: Store) -> None:
     finally:
         for s in held:
             s.close()
-    eventually(lambda: srv.active_connections == 0)
+    wait_for("every connection closed", lambda: srv.active_connections == 0)
     serves(srv, store)
     srv.stop()
 
@@ -526,7 +519,7 @@ def test_tls_refuses_unknown_clients(
         upload(tls_server, "intruder", os.urandom(2 << 20), ssl_context=ctx)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
     assert store.opened == 0 and store.of("intruder") == []
-    eventually(lambda: tls_server.active_connections == 0)
+    wait_for("every connection closed", lambda: tls_server.active_connections == 0)
     r = upload(tls_server, "ok", b"fine", ssl_context=bulk.client_ssl_context_from_dir(good, "worker"))
     assert r.version == zlib.crc32(b"fine")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,8 @@ import pytest
 from diloco.cli.main import COMMANDS, build_parser, main
 from diloco.errors import ConfigError
 from diloco.rpc.tls import write_bundle
-from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
 from services.worker.config import parse as parse_worker
-from tests.conftest import tiny_task
-
-
-@pytest.fixture
-def coordinator() -> Iterator[CoordinatorServer]:
-    server = CoordinatorServer(CoordinatorServiceConfig(task=tiny_task(8), expected_workers=2))
-    server.start()
-    yield server
-    server.stop(0)
 
 
 def reply(out: str) -> dict[str, object]:
@@ -37,33 +26,35 @@ def ctl(address: str, *args: str) -> list[str]:
     return ["ctl", "--coordinator", address, "--insecure", *args]  # the in-process coordinator is plaintext
 
 
-def test_ctl_status_workers_ledger_json(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
-    coordinator.core.register("w0", 0.0)
-    assert main(ctl(coordinator.address, "status", "--json")) == 0
+def test_ctl_status_workers_ledger_json(
+    plain_coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain_coordinator.core.register("w0", 0.0)
+    assert main(ctl(plain_coordinator.address, "status", "--json")) == 0
     status = reply(capsys.readouterr().out)
     assert status["live_workers"] == 1 and status["mode"] == "ROUND_MODE_DECOUPLED"
-    assert main(ctl(coordinator.address, "workers", "--json")) == 0
+    assert main(ctl(plain_coordinator.address, "workers", "--json")) == 0
     workers = reply(capsys.readouterr().out)["workers"]
     assert [w["worker_name"] for w in workers] == ["w0"]  # type: ignore[attr-defined]
-    assert main(ctl(coordinator.address, "ledger")) == 0
+    assert main(ctl(plain_coordinator.address, "ledger")) == 0
     assert "shard ledger at version 0" in capsys.readouterr().out
 
 
-def test_ctl_pause_resume_and_drain(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
-    worker_id = coordinator.core.register("w0", 0.0).worker_id
-    assert main(ctl(coordinator.address, "pause")) == 0
-    assert coordinator.core.paused
-    assert main(ctl(coordinator.address, "resume")) == 0
-    assert not coordinator.core.paused
-    assert main(ctl(coordinator.address, "drain", worker_id)) == 0
-    assert coordinator.core.workers[worker_id].state == "draining"
+def test_ctl_pause_resume_and_drain(plain_coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
+    worker_id = plain_coordinator.core.register("w0", 0.0).worker_id
+    assert main(ctl(plain_coordinator.address, "pause")) == 0
+    assert plain_coordinator.core.paused
+    assert main(ctl(plain_coordinator.address, "resume")) == 0
+    assert not plain_coordinator.core.paused
+    assert main(ctl(plain_coordinator.address, "drain", worker_id)) == 0
+    assert plain_coordinator.core.workers[worker_id].state == "draining"
 
 
-def test_ctl_errors_are_clear(coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(ctl(coordinator.address, "evict", "ghost-1")) == 1
+def test_ctl_errors_are_clear(plain_coordinator: CoordinatorServer, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(ctl(plain_coordinator.address, "evict", "ghost-1")) == 1
     assert "NOT_FOUND" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="give a WORKER_ID"):
-        main(ctl(coordinator.address, "evict"))
+        main(ctl(plain_coordinator.address, "evict"))
 
 
 # the least each command parses (its required flags)

@@ -4,35 +4,17 @@ below the untrained model's, and the ledger must show every committed token rang
 
 from __future__ import annotations
 
-import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
-from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
+from diloco.cluster import LocalCluster
+from tests.support import assert_finished_and_learned, cluster_config, running, wait_for, worker_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
-UNTRAINED_LOSS = math.log(256)  # a byte-level model that knows nothing
-TASK = TINY_TASK_ARGS
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
-    """Poll `predicate` until true; returns the seconds it took. Fails with `what` on timeout."""
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except grpc.RpcError:
-            pass
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 @pytest.fixture
@@ -41,51 +23,12 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
     # workers slowed down 8x, so a run lasts long enough (tens of seconds) to inject faults in the middle of it
     settings = dict(
         workers=3,
-        mode="decoupled",
         slowdowns=(8.0, 8.0, 8.0),
         outer_steps=30,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
-        codec="int8",
-        dead_after_s=2.0,
-        heartbeat_interval_s=0.25,
         checkpoint_every=2,
-        run_dir=tmp_path,
-        task_args=TASK,
     )
-    cfg = ClusterConfig(**{**settings, **overrides})
-    c = LocalCluster(cfg)
-    try:
-        c.start(timeout_s=60)
+    with running(cluster_config(tmp_path, **{**settings, **overrides})) as c:
         yield c
-    finally:
-        c.stop(grace_s=10)
-
-
-def worker_state(c: LocalCluster, name: str) -> str:
-    ws = [w for w in c.workers().workers if w.worker_name == name]
-    return state_name(max(ws, key=lambda w: w.registered_unix_s).state) if ws else "unknown"
-
-
-def assert_exactly_once(c: LocalCluster) -> None:
-    ledger = c.ledger()
-    total = 0
-    for shard in ledger.shards:
-        cursor = 0
-        for r in shard.committed_ranges:
-            assert r.start == cursor, f"shard {shard.shard_id}: range {r.start}-{r.end} leaves a gap or overlaps"
-            cursor = r.end
-        assert cursor == shard.committed
-        total += shard.committed
-    assert total == c.status().tokens_applied, "ledger and applied tokens disagree"
-
-
-def assert_finished_and_learned(c: LocalCluster) -> None:
-    wait_for("training to finish", lambda: c.status().finished, timeout_s=150, interval_s=0.2)
-    status = c.status()
-    assert status.validation_loss < UNTRAINED_LOSS - 1.0, f"loss {status.validation_loss} did not drop"
-    assert_exactly_once(c)
 
 
 def test_sigkill_worker_is_reassigned_within_the_window(cluster: LocalCluster) -> None:

@@ -5,14 +5,12 @@ committed token range exactly once."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from diloco.cluster import ClusterConfig, LocalCluster
-from tests.test_cluster_faults import TASK, assert_finished_and_learned, wait_for, worker_state
+from diloco.cluster import ClusterConfig
+from tests.support import assert_finished_and_learned, cluster_config, running, wait_for, worker_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 FAULTY = "worker3"
@@ -23,33 +21,16 @@ LOSS_MARGIN = 0.3
 
 
 def config(tmp_path: Path, faulty: bool) -> ClusterConfig:
-    return ClusterConfig(
+    return cluster_config(
+        tmp_path / ("faulty" if faulty else "clean"),
         workers=4,
-        mode="decoupled",
         # as fast as the others: its first submission may be the run's first, before the median has a reference,
         # and the ceiling (what AdamW can produce) refuses it all the same
         slowdowns=(2.0, 2.0, 2.0, 2.0),
         outer_steps=12,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
-        codec="int8",
-        heartbeat_interval_s=0.25,
         checkpoint_every=4,
-        run_dir=tmp_path / ("faulty" if faulty else "clean"),
-        task_args=TASK,
         worker_args={3: ("--fault-scale-updates", "100")} if faulty else {},
     )
-
-
-@contextmanager
-def running(cfg: ClusterConfig) -> Iterator[LocalCluster]:
-    c = LocalCluster(cfg)
-    try:
-        c.start(timeout_s=60)
-        yield c
-    finally:
-        c.stop(grace_s=10)
 
 
 def test_x100_learner_is_quarantined_and_the_run_stays_within_the_margin_of_a_clean_run(tmp_path: Path) -> None:

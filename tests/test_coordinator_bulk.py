@@ -28,9 +28,7 @@ from services.worker.config import WorkerConfig
 from services.worker.metrics import Metrics
 from services.worker.uploader import Uploader, UploadJob
 from tests.proto_fuzz import garbage, mutated, mutated_bytes
-from tests.test_coordinator_service import Env, T, config, env, make_upload, register, start, wait_for
-
-__all__ = ["env", "start"]  # fixtures
+from tests.support import Env, T, config, make_upload, register, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 pb = coordinator_pb2

@@ -41,7 +41,7 @@ def test_first_learner_does_not_take_every_shard() -> None:
     assert len(c.plan(a).shards) == 2
     b = c.register("b", 0.0).worker_id
     assert len(c.plan(b).shards) == 2
-    assert not c.ledger.unowned()
+    assert all(s.owner is not None for s in c.ledger.states())
 
 
 def test_rounds_apply_the_merged_pseudo_gradient_and_commit_the_ledger() -> None:
@@ -133,8 +133,9 @@ def test_snapshot_restore_rolls_back_pending_and_forgets_learners() -> None:
     fresh = core(k=2)
     fresh.restore(snap)
     assert fresh.version == 1 and torch.equal(fresh.params, c.params)
-    assert fresh.ledger.accepted_tokens() == fresh.ledger.committed_tokens() == 20
-    assert not fresh.workers and fresh.ledger.unowned() == [0, 1, 2, 3]
+    assert [s.accepted for s in fresh.ledger.states()] == [s.committed for s in fresh.ledger.states()]
+    assert fresh.ledger.committed_tokens() == 20
+    assert not fresh.workers and all(s.owner is None for s in fresh.ledger.states())
     with pytest.raises(InvalidArgument, match="malformed"):
         fresh.restore({"params": c.params})
 

@@ -13,7 +13,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,128 +23,29 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.core.codecs import get_codec
 from diloco.errors import ConfigError
-from diloco.rpc.payload import PayloadReceiver, meta_from_proto, meta_to_proto
+from diloco.rpc.payload import PayloadReceiver, meta_from_proto
 from diloco.rpc.server import channel
-from diloco.task.params import ParamSpec, param_specs
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from diloco.v1 import common_pb2, coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.__main__ import main
-from services.coordinator.config import CoordinatorServiceConfig, parse
-from services.coordinator.server import CoordinatorServer
-from tests.conftest import tiny_task
+from services.coordinator.config import parse
+from tests.support import (
+    CHUNK,
+    Env,
+    T,
+    code_of,
+    frozen,
+    gauge,
+    make_upload,
+    pb,
+    register,
+    requests,
+    submit,
+    tiny_task,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
-
-pb = coordinator_pb2
-CHUNK = 16 << 10  # small chunks, so a tiny model's payload still spans several
-T = 5.0  # deadline of every unary call in these tests
-
-
-def config(**kw: Any) -> CoordinatorServiceConfig:
-    base: dict[str, Any] = {"task": tiny_task(), "eval_every": 0, "grace_max_s": 30.0, "min_quorum": 2}
-    return CoordinatorServiceConfig(**{**base, **kw})
-
-
-@dataclass
-class Env:
-    server: CoordinatorServer
-    stub: coordinator_pb2_grpc.CoordinatorStub
-    chan: grpc.Channel
-    specs: list[ParamSpec]
-
-    @property
-    def numel(self) -> int:
-        return self.server.core.params.numel()
-
-
-@pytest.fixture
-def start() -> Iterator[Callable[..., Env]]:
-    made: list[Env] = []
-
-    def _start(**kw: Any) -> Env:
-        srv = CoordinatorServer(config(**kw))
-        srv.start()
-        chan = channel(srv.address)
-        env = Env(srv, coordinator_pb2_grpc.CoordinatorStub(chan), chan, param_specs(srv.task.model_fn(0)))
-        made.append(env)
-        return env
-
-    yield _start
-    for env in made:
-        env.chan.close()
-        env.server.stop(0)
-
-
-@pytest.fixture
-def env(start: Callable[..., Env]) -> Env:
-    return start()
-
-
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll a condition until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
-def gauge(env: Env, name: str) -> float | None:
-    """A coordinator metric's value now (None: never set)."""
-    value: float | None = env.server.metrics.registry.get_sample_value(f"diloco_coordinator_{name}")
-    return value
-
-
-def register(env: Env, name: str = "w") -> pb.RegisterResponse:
-    resp: pb.RegisterResponse = env.stub.Register(
-        pb.RegisterRequest(worker_name=name, model_fingerprint=env.server.task.fingerprint), timeout=T
-    )
-    return resp
-
-
-def make_upload(
-    env: Env,
-    reg: pb.RegisterResponse,
-    sid: str,
-    *,
-    codec: str = "fp32",
-    delta: torch.Tensor | None = None,
-    tokens: int = 128,
-    seed: int = 0,
-) -> tuple[pb.SubmissionHeader, bytes, torch.Tensor]:
-    """A valid submission against the learner's current plan: (header, encoded payload, the delta)."""
-    got = env.stub.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=reg.worker_id), timeout=T)
-    lease = got.plan.shards[0]
-    if delta is None:
-        delta = torch.randn(env.numel, generator=torch.Generator().manual_seed(seed)) * 1e-3
-    data, meta = get_codec(codec).encode(delta)
-    header = pb.SubmissionHeader(
-        worker_id=reg.worker_id,
-        coordinator_epoch=reg.coordinator_epoch,
-        submission_id=sid,
-        base_version=got.version,
-        tokens=tokens,
-        steps=1,
-        ranges=[
-            common_pb2.ShardRange(
-                shard_id=lease.shard_id, epoch=lease.epoch, start=lease.cursor, end=lease.cursor + tokens
-            )
-        ],
-        payload=meta_to_proto(meta, env.specs),
-        plan_seq=got.plan.plan_seq,
-    )
-    return header, data, delta
-
-
-def requests(header: pb.SubmissionHeader | None, data: bytes, offset: int = 0) -> list[pb.SubmitPseudoGradientRequest]:
-    msgs = [pb.SubmitPseudoGradientRequest(header=header)] if header is not None else []
-    msgs += [pb.SubmitPseudoGradientRequest(data=data[i : i + CHUNK]) for i in range(offset, len(data), CHUNK)]
-    return msgs
-
-
-def submit(env: Env, header: pb.SubmissionHeader, data: bytes) -> pb.SubmitPseudoGradientResponse:
-    resp: pb.SubmitPseudoGradientResponse = env.stub.SubmitPseudoGradient(iter(requests(header, data)), timeout=T)
-    return resp
 
 
 def fetch_params(env: Env, after: int = 0) -> tuple[pb.ParametersHeader, torch.Tensor]:
@@ -157,23 +57,10 @@ def fetch_params(env: Env, after: int = 0) -> tuple[pb.ParametersHeader, torch.T
     return header, receiver.finish()
 
 
-def frozen(env: Env) -> tuple[torch.Tensor, bytes, int]:
-    """Global parameters, the ledger and the version, to check that a refused call changed nothing."""
-    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
-    return env.server.core.params.clone(), ledger.SerializeToString(deterministic=True), ledger.version
-
-
 def assert_unchanged(env: Env, before: tuple[torch.Tensor, bytes, int]) -> None:
     params, ledger, version = frozen(env)
     assert torch.equal(params, before[0]) and ledger == before[1] and version == before[2]
     assert env.server.core.acc.count == 0
-
-
-def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
-    with pytest.raises(grpc.RpcError) as info:
-        call()
-    err: Any = info.value
-    return err.code(), err.details()
 
 
 # --- registration and parameters ----------------------------------------------------------------------------------

@@ -35,8 +35,7 @@ from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd
 from services.coordinator.server import CoordinatorServer
 from services.healthd.server import HealthdServer
 from tests.proto_fuzz import Outcome, Rpc, call, garbage, messages, mutated, mutated_bytes, parses, rpcs
-from tests.test_coordinator_service import Env, config, make_upload, register, requests
-from tests.test_healthd_service import CoordinatorEndpoint, healthd_config
+from tests.support import CoordinatorEndpoint, Env, config, healthd_config, make_upload, register, requests
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,7 +24,7 @@ from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 from diloco.task.factory import build_task
 from diloco.task.inner import InnerConfig, InnerTrainer
 from diloco.task.params import flatten_params
-from tests.conftest import tiny_task
+from tests.support import tiny_task
 
 N = 8
 

@@ -12,7 +12,7 @@ from diloco.core.ratelimit import TokenBucket
 from diloco.errors import ConfigError
 from diloco.v1 import healthd_pb2
 from services.healthd.server import HealthdServer
-from tests.test_healthd_service import INTERVAL_S, Beater, healthd_config, node_states
+from tests.support import INTERVAL_S, Beater, healthd_config, node_states
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,10 +15,8 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
-from concurrent import futures
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -27,198 +25,27 @@ import structlog
 from diloco import log as dlog
 from diloco.core.failure import NodeRole, NodeState
 from diloco.errors import ConfigError
-from diloco.rpc.server import channel
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
+from diloco.v1 import common_pb2, healthd_pb2
 from services.healthd.__main__ import main
 from services.healthd.config import HealthdConfig, parse
 from services.healthd.metrics import HealthdMetrics
 from services.healthd.monitor import Monitor
 from services.healthd.server import HealthdServer
+from tests.support import (
+    DEAD_AFTER_S,
+    INTERVAL_S,
+    WORKER,
+    Beater,
+    CoordinatorEndpoint,
+    healthd_config,
+    node_states,
+    stub_for,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
-INTERVAL_S = 0.1
-DEAD_AFTER_S = 0.6
-WORKER = healthd_pb2.NODE_ROLE_WORKER
-T = TypeVar("T")
-
-
-def wait_until(probe: Callable[[], T], timeout_s: float = 5.0, what: str = "condition") -> T:
-    """Poll `probe` until it returns something truthy, failing after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    tick = threading.Event()
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        tick.wait(0.01)
-
-
-# --- a real coordinator endpoint that records the calls healthd makes -------------------------------------------
-
-
-@dataclass
-class Received:
-    request: Any
-    at: float
-
-
-class RecordingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
-    def __init__(self) -> None:
-        self.cond = threading.Condition()
-        self.failures: list[Received] = []
-        self.throughput: list[Received] = []
-
-    def ReportNodeFailure(
-        self, request: coordinator_pb2.ReportNodeFailureRequest, context: grpc.ServicerContext
-    ) -> coordinator_pb2.ReportNodeFailureResponse:
-        with self.cond:
-            self.failures.append(Received(request, time.time()))
-            self.cond.notify_all()
-        return coordinator_pb2.ReportNodeFailureResponse(known=True, reassigned_shards=[3, 5])
-
-    def ReportThroughput(
-        self, request: coordinator_pb2.ReportThroughputRequest, context: grpc.ServicerContext
-    ) -> coordinator_pb2.ReportThroughputResponse:
-        with self.cond:
-            self.throughput.append(Received(request, time.time()))
-            self.cond.notify_all()
-        return coordinator_pb2.ReportThroughputResponse()
-
-    def wait_failures(self, n: int, timeout_s: float) -> list[Received]:
-        with self.cond:
-            ok = self.cond.wait_for(lambda: len(self.failures) >= n, timeout_s)
-            assert ok, f"coordinator got {len(self.failures)} failure reports, expected {n}"
-            return list(self.failures)
-
-
-class CoordinatorEndpoint:
-    def __init__(self, port: int = 0) -> None:
-        self.recorder = RecordingCoordinator()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.recorder, self.server)
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
-        assert self.port, f"cannot bind 127.0.0.1:{port}"
-        self.server.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(0).wait()
-
-
-# --- a heartbeat client ----------------------------------------------------------------------------------------
-
-
-class Beater:
-    """One heartbeat stream. With `interval_s`, a thread sends a heartbeat at that pace until `pause`/`kill`."""
-
-    def __init__(
-        self,
-        address: str,
-        node_id: str,
-        role: healthd_pb2.NodeRole = WORKER,
-        interval_s: float | None = INTERVAL_S,
-        throughput: common_pb2.Throughput | None = None,
-    ) -> None:
-        self.node_id, self.role, self.throughput = node_id, role, throughput
-        self.channel = channel(address)
-        self._q: queue.SimpleQueue[healthd_pb2.HeartbeatRequest | None] = queue.SimpleQueue()
-        self.cond = threading.Condition()
-        self.acks: list[healthd_pb2.HeartbeatResponse] = []
-        self.error: grpc.RpcError | None = None
-        self.done = False
-        self.seq = 0
-        self.last_sent_at = 0.0
-        self.call = healthd_pb2_grpc.HealthDaemonStub(self.channel).Heartbeat(self._requests(), timeout=30)
-        self._rx = threading.Thread(target=self._receive, daemon=True)
-        self._rx.start()
-        self._paused = threading.Event()
-        self._tx: threading.Thread | None = None
-        if interval_s is not None:
-            self._tx = threading.Thread(target=self._pace, args=(interval_s,), daemon=True)
-            self._tx.start()
-
-    def _requests(self) -> Iterator[healthd_pb2.HeartbeatRequest]:
-        while (item := self._q.get()) is not None:
-            yield item
-
-    def _receive(self) -> None:
-        try:
-            for resp in self.call:
-                with self.cond:
-                    self.acks.append(resp)
-                    self.cond.notify_all()
-        except grpc.RpcError as e:
-            self.error = e
-        with self.cond:
-            self.done = True
-            self.cond.notify_all()
-
-    def _pace(self, interval_s: float) -> None:
-        while not self._paused.is_set():
-            self.send()
-            self._paused.wait(interval_s)
-
-    def send(self, leaving: bool = False, **fields: Any) -> int:
-        self.seq += 1
-        req = healthd_pb2.HeartbeatRequest(
-            node_id=self.node_id, role=self.role, sequence=self.seq, leaving=leaving, throughput=self.throughput
-        )
-        for name, value in fields.items():
-            setattr(req, name, value)
-        self.last_sent_at = time.time()
-        self._q.put(req)
-        return self.seq
-
-    def wait_acks(self, n: int, timeout_s: float = 5.0) -> list[healthd_pb2.HeartbeatResponse]:
-        with self.cond:
-            ok = self.cond.wait_for(lambda: len(self.acks) >= n or self.done, timeout_s)
-            assert ok and len(self.acks) >= n, f"{self.node_id}: {len(self.acks)} acks, expected {n} ({self.error})"
-            return list(self.acks)
-
-    def wait_done(self, timeout_s: float = 5.0) -> grpc.RpcError | None:
-        with self.cond:
-            assert self.cond.wait_for(lambda: self.done, timeout_s), "stream did not end"
-        return self.error
-
-    def pause(self) -> None:
-        """Stop sending; the stream stays open (a hung process)."""
-        self._paused.set()
-        if self._tx is not None and self._tx is not threading.current_thread():
-            self._tx.join(5)
-
-    def kill(self) -> None:
-        """The process dies: no more heartbeats, the stream breaks."""
-        self.pause()
-        self.call.cancel()
-        self.channel.close()
-
-    def close(self) -> None:
-        self.pause()
-        self._q.put(None)
-        self.wait_done()
-        self.channel.close()
-
-
 # --- fixtures ----------------------------------------------------------------------------------------------------
-
-
-def healthd_config(**overrides: Any) -> HealthdConfig:
-    fields: dict[str, Any] = {
-        "heartbeat_interval_s": INTERVAL_S,
-        "suspect_after_missed": 2,
-        "dead_after_s": DEAD_AFTER_S,
-        "report_timeout_s": 1.0,
-        "shutdown_grace_s": 0.2,
-        "metrics_port": -1,  # the registry still counts; the HTTP endpoint is tested once (its stop is slow)
-    }
-    fields.update(overrides)
-    return HealthdConfig(**fields)
 
 
 @pytest.fixture
@@ -236,20 +63,9 @@ def healthd(coordinator: CoordinatorEndpoint) -> Iterator[HealthdServer]:
     server.stop(0)
 
 
-def stub_for(server: HealthdServer) -> tuple[grpc.Channel, healthd_pb2_grpc.HealthDaemonStub]:
-    ch = channel(server.address)
-    return ch, healthd_pb2_grpc.HealthDaemonStub(ch)
-
-
 def metric(server: HealthdServer, name: str, **labels: str) -> float:
     value = server.registry.get_sample_value(name, labels or None)
     return 0.0 if value is None else float(value)
-
-
-def node_states(server: HealthdServer) -> dict[str, int]:
-    ch, stub = stub_for(server)
-    with ch:
-        return {n.node_id: n.state for n in stub.ListNodes(healthd_pb2.ListNodesRequest(), timeout=5).nodes}
 
 
 # --- tests -------------------------------------------------------------------------------------------------------
@@ -289,7 +105,7 @@ def test_silent_worker_is_reported_dead_within_the_window(
     assert req.worker_id == "w1" and "no heartbeat" in req.reason
     assert DEAD_AFTER_S <= req.declared_dead_unix_s - req.last_seen_unix_s < DEAD_AFTER_S + INTERVAL_S + 0.3
     assert abs(req.last_seen_unix_s - killed_at) < 0.3
-    wait_until(lambda: metric(healthd, "diloco_healthd_reports_total") == 1, what="reports_total")
+    wait_for("reports_total", lambda: metric(healthd, "diloco_healthd_reports_total") == 1)
     assert metric(healthd, "diloco_healthd_deaths_total") == 1
     assert metric(healthd, "diloco_healthd_detection_seconds_count") == 1
     assert metric(healthd, "diloco_healthd_nodes", state="dead") == 1
@@ -328,8 +144,8 @@ def test_list_nodes_and_only_workers_are_reported(healthd: HealthdServer, coordi
         assert nodes["w1"].throughput == tp and not nodes["coord"].HasField("throughput")
         assert abs(nodes["w1"].last_seen_unix_s - time.time()) < 5
         c.kill()
-        wait_until(lambda: node_states(healthd).get("coord") == healthd_pb2.NODE_STATE_DEAD, what="coord dead")
-        wait_until(lambda: healthd.reporter is not None and healthd.reporter.idle(), what="reporter idle")
+        wait_for("coord dead", lambda: node_states(healthd).get("coord") == healthd_pb2.NODE_STATE_DEAD)
+        wait_for("reporter idle", lambda: healthd.reporter is not None and healthd.reporter.idle())
         assert [r.request.worker_id for r in coordinator.recorder.failures] == []  # not a worker
         assert node_states(healthd)["w1"] in (healthd_pb2.NODE_STATE_ALIVE, healthd_pb2.NODE_STATE_SUSPECT)
     finally:
@@ -386,7 +202,7 @@ def test_watch_node_events_sees_joined_suspect_dead_and_left(healthd: HealthdSer
     }
     assert by_node["b"] == [(st.NODE_STATE_UNSPECIFIED, st.NODE_STATE_ALIVE), (st.NODE_STATE_ALIVE, st.NODE_STATE_LEFT)]
     assert next(r for (m, _, _, r) in seen if m == "a") == "joined"
-    wait_until(lambda: healthd.monitor.hub.subscriber_count() == 0, what="watcher unsubscribed after cancel")
+    wait_for("watcher unsubscribed after cancel", lambda: healthd.monitor.hub.subscriber_count() == 0)
 
 
 def test_watchers_end_when_the_server_stops(coordinator: CoordinatorEndpoint) -> None:
@@ -490,9 +306,7 @@ def test_coordinator_down_heartbeats_go_on_and_the_report_arrives_later() -> Non
     try:
         victim.wait_acks(2)
         victim.kill()
-        wait_until(
-            lambda: metric(server, "diloco_healthd_report_failures_total") >= 1, timeout_s=10, what="a failed report"
-        )
+        wait_for("a failed report", lambda: metric(server, "diloco_healthd_report_failures_total") >= 1, timeout_s=10)
         # Heartbeats were never held up by the failing reports.
         before = len(healthy.wait_acks(1))
         healthy.wait_acks(before + 3, timeout_s=2.0)
@@ -500,7 +314,7 @@ def test_coordinator_down_heartbeats_go_on_and_the_report_arrives_later() -> Non
         back = CoordinatorEndpoint(port)  # the coordinator comes back on the same address
         (report,) = back.recorder.wait_failures(1, timeout_s=10)
         assert report.request.worker_id == "victim"
-        wait_until(lambda: server.reporter is not None and server.reporter.idle(), what="reporter idle")
+        wait_for("reporter idle", lambda: server.reporter is not None and server.reporter.idle())
         assert [r.request.worker_id for r in back.recorder.failures] == ["victim"]  # delivered once
     finally:
         healthy.close()
@@ -549,7 +363,7 @@ def test_throughput_is_forwarded_at_most_once_per_second(
     elapsed = time.monotonic() - started
     with coordinator.recorder.cond:
         assert coordinator.recorder.cond.wait_for(lambda: len(coordinator.recorder.throughput) >= 1, 5)
-    wait_until(lambda: healthd.reporter is not None and healthd.reporter.idle(), what="reporter idle")
+    wait_for("reporter idle", lambda: healthd.reporter is not None and healthd.reporter.idle())
     if elapsed < 1.0:  # all ten fell in one window
         assert len(coordinator.recorder.throughput) == 1
     got = coordinator.recorder.throughput[0].request

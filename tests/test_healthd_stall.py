@@ -13,14 +13,14 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 import pytest
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
+from diloco.cluster import LocalCluster
 from diloco.v1 import healthd_pb2
+from tests.support import cluster_config, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -29,45 +29,20 @@ PAUSE_S = 2 * DEAD_AFTER_S  # healthd stopped for twice dead_after: without stal
 WINDOW_S = 5.0  # from the resume to the dead learner's shards having moved (ALGORITHM.md section 8)
 SLACK_S = 1.0  # scheduling slack of a loaded test host on top of dead_after_s
 WORKERS = 3
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout_s: float, interval_s: float = 0.05) -> T:
-    """Poll `probe` until it returns something truthy and return it. Fails with `what` on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            value = probe()
-            if value:
-                return value
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    cfg = ClusterConfig(
+    cfg = cluster_config(
+        tmp_path,
         workers=WORKERS,
         slowdowns=(8.0,) * WORKERS,
         outer_steps=400,  # far more than the test lasts: the learners are busy throughout
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
         dead_after_s=DEAD_AFTER_S,
-        heartbeat_interval_s=0.25,
         checkpoint_every=50,
-        run_dir=tmp_path,
-        task_args=TINY_TASK_ARGS,
     )
-    c = LocalCluster(cfg)
-    try:
-        c.start(timeout_s=60)
+    with running(cfg) as c:
         yield c
-    finally:
-        c.stop(grace_s=10)
 
 
 def healthd_log(c: LocalCluster, event: str) -> list[dict[str, Any]]:

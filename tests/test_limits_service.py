@@ -13,22 +13,7 @@ import torch
 
 from diloco.rpc.server import MAX_MESSAGE_BYTES
 from diloco.v1 import common_pb2
-from tests import test_coordinator_service as cs
-from tests.test_coordinator_service import (
-    Env,
-    T,
-    code_of,
-    frozen,
-    gauge,
-    make_upload,
-    pb,
-    register,
-    requests,
-    submit,
-    wait_for,
-)
-
-start = cs.start  # the in-process coordinator fixture
+from tests.support import Env, T, code_of, frozen, gauge, make_upload, pb, register, requests, submit, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED

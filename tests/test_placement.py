@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,6 @@ from hypothesis import strategies as st
 from diloco.core.placement import (
     effective_speeds,
     local_steps,
-    moved_shards,
     place_shards,
     plan_local_steps,
     shard_quotas,
@@ -23,6 +23,11 @@ SPEEDS = {"a": 1.0, "b": 1.0, "c": 0.5, "d": 0.25}
 
 
 # ---------------------------------------------------------------- local steps
+
+
+def moved_between(before: Mapping[int, str | None], after: Mapping[int, str | None]) -> list[int]:
+    """Ids of shards whose owner differs between two placements."""
+    return sorted(s for s in set(before) | set(after) if before.get(s) != after.get(s))
 
 
 def test_plan_local_steps_golden() -> None:
@@ -118,7 +123,7 @@ def test_place_shards_keeps_owners_when_balanced() -> None:
 def test_place_shards_worker_death_moves_only_its_shards() -> None:
     before = place_shards(12, {"a": 1.0, "b": 1.0, "c": 1.0}, {})
     after = place_shards(12, {"a": 1.0, "b": 1.0}, before)
-    moved = moved_shards(before, after)
+    moved = moved_between(before, after)
     assert moved == sorted(s for s, o in before.items() if o == "c")
     assert all(after[s] in ("a", "b") for s in range(12))
     assert sum(1 for o in after.values() if o == "a") == 6
@@ -127,7 +132,7 @@ def test_place_shards_worker_death_moves_only_its_shards() -> None:
 def test_place_shards_join_moves_minimum_from_over_quota() -> None:
     before = place_shards(12, {"a": 1.0, "b": 1.0}, {})
     after = place_shards(12, {"a": 1.0, "b": 1.0, "c": 1.0}, before)
-    moved = moved_shards(before, after)
+    moved = moved_between(before, after)
     assert len(moved) == 4  # c's quota; nothing else moves
     assert all(after[s] == "c" for s in moved)
     # the over-quota workers keep their lowest shard ids
@@ -185,7 +190,7 @@ def test_place_shards_properties(num_shards: int, speeds: dict[str, float], curr
         for w, n in counts.items():
             assert math.floor(shares[w] + 1e-9) <= n <= math.ceil(shares[w] - 1e-9)
     # minimal moves: a shard moves only away from a dead or over-quota owner, or from unowned
-    moved = moved_shards(current, placement)
+    moved = moved_between(current, placement)
     lower_bound = sum(max(0, quotas[w] - sum(1 for o in current.values() if o == w)) for w in quotas)
     assert len(moved) == lower_bound
     # stable: placing again with the result as current moves nothing

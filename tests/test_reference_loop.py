@@ -24,7 +24,7 @@ from diloco.sim.engine import Simulator
 from diloco.task.data import evaluate
 from diloco.task.factory import build_task
 from diloco.task.inner import lr_at
-from tests.conftest import tiny_task
+from tests.support import tiny_task
 
 LEARNERS, H, ROUNDS, SEED = 2, 4, 3, 5
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9

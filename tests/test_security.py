@@ -4,6 +4,7 @@ servers on port 0 through real channels; one healthd subprocess for the log chec
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -39,7 +40,7 @@ from services.healthd import config as healthd_config
 from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
 from services.worker import config as worker_config
-from tests.conftest import tiny_task
+from tests.support import tiny_task, wait_for
 
 T = 10.0
 Code = grpc.StatusCode
@@ -439,14 +440,12 @@ def test_tokens_never_appear_in_service_logs(pki: Path, tmp_path: Path) -> None:
 
 def wait_for_address(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> str:
     """The address healthd logs in `healthd.started` (it binds port 0)."""
-    import json
-    import time
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def logged() -> str:
         assert proc.poll() is None, log_path.read_text()
         for line in log_path.read_text().splitlines():
             if '"healthd.started"' in line:
                 return str(json.loads(line)["address"])
-        time.sleep(0.05)
-    raise AssertionError(f"healthd did not start: {log_path.read_text()}")
+        return ""
+
+    return wait_for("healthd to log its address", logged, timeout_s)

@@ -12,7 +12,7 @@ from diloco.cli.main import main
 from diloco.errors import ConfigError
 from diloco.sim.config import FailureEvent, SimConfig, parse_failures, parse_speeds
 from diloco.sim.engine import Simulator, simulate
-from tests.conftest import tiny_task
+from tests.support import tiny_task
 
 
 def cfg(**kw: object) -> SimConfig:

@@ -20,9 +20,7 @@ from typing import Any
 import pytest
 
 from diloco.cluster import TINY_TASK_ARGS, wait_serving
-from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
-from tests.conftest import tiny_task
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -121,16 +119,8 @@ def test_healthd_serves_without_torch(target: str, tmp_path: Path, children: lis
     assert heavy_of(child.output()) == []
 
 
-@pytest.fixture
-def coordinator() -> Iterator[CoordinatorServer]:
-    server = CoordinatorServer(CoordinatorServiceConfig(task=tiny_task(8), expected_workers=2))
-    server.start()
-    yield server
-    server.stop(0)
-
-
-def test_ctl_status_round_trip_without_torch(coordinator: CoordinatorServer) -> None:
-    argv = wrapped("cli", "ctl", "--coordinator", coordinator.address, "--insecure", "--json", "status")
+def test_ctl_status_round_trip_without_torch(plain_coordinator: CoordinatorServer) -> None:
+    argv = wrapped("cli", "ctl", "--coordinator", plain_coordinator.address, "--insecure", "--json", "status")
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.lstrip().startswith("{"), proc.stdout[-2000:]  # the reply as JSON

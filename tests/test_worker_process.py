@@ -7,54 +7,35 @@ import contextlib
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster
+from diloco.cluster import LocalCluster
 from diloco.core.failure import NodeState
 from diloco.rpc.vocab import NODE_STATES
 from diloco.v1 import healthd_pb2, healthd_pb2_grpc
+from tests.support import cluster_config, running, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 DEAD_AFTER_S = 2.0
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float) -> None:
-    """Poll `predicate` (transient RPC errors count as "not yet") until true; fail with `what` on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if predicate():
-                return
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    cfg = ClusterConfig(
+    cfg = cluster_config(
+        tmp_path,
         workers=2,
         outer_steps=10_000,  # it never finishes on its own here
         local_steps=5,
-        min_local_steps=2,
         min_quorum=1,
         dead_after_s=DEAD_AFTER_S,
-        heartbeat_interval_s=0.25,
-        run_dir=tmp_path,
-        task_args=TINY_TASK_ARGS,
     )
-    c = LocalCluster(cfg)
-    try:
-        c.start(timeout_s=60)
+    with running(cfg) as c:
         yield c
-    finally:
-        c.stop(grace_s=10)
 
 
 def test_sigterm_drains_and_healthd_reports_left_never_dead(cluster: LocalCluster) -> None:
@@ -70,10 +51,10 @@ def test_sigterm_drains_and_healthd_reports_left_never_dead(cluster: LocalCluste
     recorder = threading.Thread(target=record, daemon=True)
     recorder.start()
     try:
-        wait_until("rounds with both learners", lambda: cluster.status().version >= 3, timeout_s=90)
+        wait_for("rounds with both learners", lambda: cluster.status().version >= 3, timeout_s=90)
         ids = {w.worker_name: w.worker_id for w in cluster.workers().workers}
         victim = ids["worker1"]
-        wait_until("healthd to know the learner", lambda: victim in {n.node_id for n in cluster.nodes().nodes}, 30)
+        wait_for("healthd to know the learner", lambda: victim in {n.node_id for n in cluster.nodes().nodes}, 30)
 
         cluster.signal("worker1", signal.SIGTERM)
         assert cluster.procs["worker1"].popen.wait(timeout=60) == 0, cluster.tail("worker1")
@@ -83,10 +64,10 @@ def test_sigterm_drains_and_healthd_reports_left_never_dead(cluster: LocalCluste
             states = {n.node_id: NODE_STATES.from_proto(n.state) for n in cluster.nodes().nodes}
             return states.get(victim) is NodeState.LEFT
 
-        wait_until("healthd to report the learner LEFT", left_in_healthd, timeout_s=10)
+        wait_for("healthd to report the learner LEFT", left_in_healthd, timeout_s=10)
         # watch for longer than dead_after: a learner that only went silent would be declared dead by now
         version = cluster.status().version
-        wait_until(
+        wait_for(
             "dead_after to pass with rounds going on",
             lambda: time.monotonic() - exited > 2 * DEAD_AFTER_S and cluster.status().version > version,
             timeout_s=60,

@@ -34,7 +34,7 @@ from services.worker.config import WorkerConfig
 from services.worker.session import SessionLost
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 from services.worker.worker import Worker
-from tests.conftest import tiny_task
+from tests.support import tiny_task, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 UNKNOWN = "unknown worker; register first"
@@ -194,13 +194,6 @@ def code(name: str) -> grpc.StatusCode:
     return grpc.StatusCode[name]
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def registered(w: Worker) -> str:
     w._register()
     assert w.core.worker_id, w.core.exit
@@ -330,7 +323,7 @@ def test_heartbeat(name: str, reaction: Reaction) -> None:
     try:
         proxy.fail("Heartbeat", code(name))
         wid = registered(w)
-        wait_until("a heartbeat through", lambda: wid in {n.node_id for n in healthd.nodes()})
+        wait_for("a heartbeat through", lambda: wid in {n.node_id for n in healthd.nodes()}, timeout_s=30)
         assert proxy.calls["Heartbeat"] >= 2
     finally:
         w.close()
@@ -368,14 +361,14 @@ def test_a_learner_rides_through_a_coordinator_restart_and_exits_only_when_stopp
     t.start()
     second: CoordinatorServer | None = None
     try:
-        wait_until("a round on the first coordinator", lambda: first.core.version >= 2, timeout_s=60)
+        wait_for("a round on the first coordinator", lambda: first.core.version >= 2, timeout_s=60)
         for method in ("Register", "GetWorkPlan", "WatchParameters", "SubmitPseudoGradient", "GetUploadStatus"):
             proxy.fail(method, grpc.StatusCode.UNAVAILABLE, times=3)
         first.stop(0)
         second = coordinator()
         proxy.point(second.address)
         s = second
-        wait_until("rounds on the restarted coordinator", lambda: s.core.version >= 2, timeout_s=60)
+        wait_for("rounds on the restarted coordinator", lambda: s.core.version >= 2, timeout_s=60)
         assert t.is_alive()
         w.stop()
         t.join(timeout=40)
@@ -451,7 +444,7 @@ def test_give_up_after_s_also_while_training_and_waiting(proxy: FaultProxy) -> N
     t = threading.Thread(target=lambda: codes.append(w.run()), daemon=True)
     t.start()
     try:
-        wait_until("a round", lambda: first.core.version >= 1, timeout_s=60)
+        wait_for("a round", lambda: first.core.version >= 1, timeout_s=60)
         for method in ("Register", "GetWorkPlan", "WatchParameters", "SubmitPseudoGradient", "GetUploadStatus"):
             proxy.fail(method, grpc.StatusCode.UNAVAILABLE, times=100_000)
         gone = time.monotonic()

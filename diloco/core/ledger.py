@@ -8,9 +8,8 @@ must match the applied parameters:
 * `commit` is called when the round containing that submission is applied; it moves the *committed*
   cursors and records the committed ranges. Receipts touching a shard are committed in acceptance order.
 
-`rollback_uncommitted` (after a restart from a checkpoint, where pending submissions are lost) and
-`discard` (one pending submission dropped for good) undo acceptance. Every mutating call validates
-everything first, so a failure leaves the ledger exactly as it was.
+`rollback_uncommitted` (after a restart from a checkpoint, where pending submissions are lost) undoes
+acceptance. Every mutating call validates everything first, so a failure leaves the ledger exactly as it was.
 
 Epochs are fencing tokens within one coordinator incarnation; across a restart from an older checkpoint the
 coordinator epoch (checked by the RPC layer) fences submissions made against the lost state.
@@ -74,7 +73,7 @@ class ShardState:
 
 @dataclass(frozen=True)
 class AcceptReceipt:
-    """Proof that a submission's ranges were accepted; pass it to `commit` or `discard`."""
+    """Proof that a submission's ranges were accepted; pass it to `commit`."""
 
     receipt_id: int
     worker_id: str
@@ -153,25 +152,9 @@ class ShardLedger:
         """The shards `worker_id` owns now, by id (empty for a worker that owns none)."""
         return [self._view(i, s) for i, s in enumerate(self._shards) if s.owner == worker_id]
 
-    def unowned(self) -> list[int]:
-        """Ids of shards without an owner."""
-        return [i for i, s in enumerate(self._shards) if s.owner is None]
-
-    def owners(self) -> dict[int, str | None]:
-        """shard id -> owner (None when unowned); the `current` argument of `placement.place_shards`."""
-        return {i: s.owner for i, s in enumerate(self._shards)}
-
-    def pending(self) -> list[AcceptReceipt]:
-        """Accepted but not yet committed receipts, in acceptance order."""
-        return list(self._pending.values())
-
     def committed_tokens(self) -> int:
         """Tokens applied to the global parameters, over all shards."""
         return sum(s.committed for s in self._shards)
-
-    def accepted_tokens(self) -> int:
-        """Tokens accepted (committed or pending), over all shards."""
-        return sum(s.accepted for s in self._shards)
 
     # ------------------------------------------------------------------ ownership
 
@@ -199,23 +182,6 @@ class ShardLedger:
             shard.owner = None
             shard.epoch += 1
         return released
-
-    def apply_placement(self, placement: Mapping[int, str | None]) -> list[int]:
-        """Make every shard in `placement` owned by the given worker (None: unowned), bumping the epoch of
-        each shard whose owner changes. All-or-nothing. Returns the ids of the shards that changed owner."""
-        for shard_id, owner in placement.items():
-            self._get(shard_id)
-            if owner is not None:
-                _check_worker_id(owner)
-        changed: list[int] = []
-        for shard_id in sorted(placement):
-            owner = placement[shard_id]
-            shard = self._shards[shard_id]
-            if shard.owner != owner:
-                shard.owner = owner
-                shard.epoch += 1
-                changed.append(shard_id)
-        return changed
 
     # ------------------------------------------------------------------ phase 1: accept
 
@@ -310,7 +276,7 @@ class ShardLedger:
         """Record `receipt`'s ranges as applied to the global parameters (its round was applied).
 
         Receipts touching a shard must be committed in acceptance order; FailedPrecondition otherwise, or when
-        the receipt is not pending (already committed, discarded or rolled back).
+        the receipt is not pending (already committed or rolled back).
         """
         self._check_pending(receipt)
         for r in receipt.ranges:
@@ -331,26 +297,6 @@ class ShardLedger:
                 shard.committed_ranges.append(r)
         del self._pending[receipt.receipt_id]
 
-    def discard(self, receipt: AcceptReceipt) -> None:
-        """Forget a pending submission that will never be applied; accepted cursors roll back to its starts.
-
-        Only allowed when it is the last accepted receipt on every shard it touches; FailedPrecondition
-        otherwise.
-        """
-        self._check_pending(receipt)
-        for r in receipt.ranges:
-            last = self._shards[r.shard_id].queue[-1]
-            if last != receipt.receipt_id:
-                raise FailedPrecondition(
-                    f"receipt {receipt.receipt_id} is not the last accepted on shard {r.shard_id} "
-                    f"(receipt {last} follows it); apply it with its round instead of discarding it"
-                )
-        for r in receipt.ranges:
-            shard = self._shards[r.shard_id]
-            shard.queue.pop()
-            shard.accepted = r.start
-        del self._pending[receipt.receipt_id]
-
     def rollback_uncommitted(self) -> None:
         """After a restart from a checkpoint: pending submissions are lost, so every accepted cursor falls
         back to the committed one and every epoch bumps (owners are kept; they must fetch a new work plan)."""
@@ -365,8 +311,8 @@ class ShardLedger:
             raise InvalidArgument(f"expected AcceptReceipt, got {type(receipt).__name__}")
         if self._pending.get(receipt.receipt_id) != receipt:
             raise FailedPrecondition(
-                f"receipt {receipt.receipt_id} is not pending (already committed, discarded or rolled back "
-                "by a restart); commit or discard only receipts returned by accept since the last restart"
+                f"receipt {receipt.receipt_id} is not pending (already committed or rolled back by a restart); "
+                "commit only receipts returned by accept since the last restart"
             )
 
     # ------------------------------------------------------------------ checkpoints

@@ -137,8 +137,3 @@ def place_shards(
         for _ in range(quota - kept[worker_id]):
             placement[next(free_iter)] = worker_id
     return dict(sorted(placement.items()))
-
-
-def moved_shards(before: Mapping[int, str | None], after: Mapping[int, str | None]) -> list[int]:
-    """Ids of shards whose owner differs between two placements."""
-    return sorted(s for s in set(before) | set(after) if before.get(s) != after.get(s))

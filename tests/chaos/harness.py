@@ -21,7 +21,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, coordinator_flags, free_port
+from diloco.cluster import TINY_TASK_ARGS, coordinator_flags
 from diloco.rpc.security import SecurityConfig
 from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, write_bundle
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
+from tests.support import seconds_until
 
 IMAGE = os.environ.get("DILOCO_IMAGE", "diloco:latest")
 REQUIRE = os.environ.get("DILOCO_CHAOS_REQUIRE", "") not in ("", "0", "false", "no")  # CI: fail, never skip
@@ -116,20 +117,6 @@ def security_of(tls_dir: Path, name: str = "admin") -> SecurityConfig:
     )
 
 
-def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
-    """Poll `predicate` until true; returns the seconds it took. An RPC error counts as 'not yet'."""
-    start = time.monotonic()
-    while True:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except grpc.RpcError:
-            pass
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
-
-
 class DockerCluster:
     """healthd, the coordinator and N workers, one container each, on a network of their own."""
 
@@ -139,8 +126,9 @@ class DockerCluster:
         self.run_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.prefix = f"diloco-chaos-{self.run_id}"
         self.labels = {LABEL: self.run_id, SESSION_LABEL: cfg.session}
-        self.coordinator_port = free_port()
-        self.healthd_port = free_port()
+        # host ports docker picked for the published gRPC ports (read back in start() and after a restart)
+        self.coordinator_port = 0
+        self.healthd_port = 0
         self.containers: dict[str, Any] = {}
         self.network: Any = None
         self.volume: Any = None
@@ -258,7 +246,7 @@ class DockerCluster:
                 str(c.dead_after_s),
             ],
             "healthd",
-            ports={f"{HEALTHD_PORT}/tcp": ("127.0.0.1", self.healthd_port)},
+            ports={f"{HEALTHD_PORT}/tcp": ("127.0.0.1",)},  # a free host port that docker picks
         )
         self._run(
             "coordinator",
@@ -268,9 +256,10 @@ class DockerCluster:
                 *TASK_ARGS,
             ],
             "coordinator",
-            ports={f"{COORDINATOR_PORT}/tcp": ("127.0.0.1", self.coordinator_port)},
+            ports={f"{COORDINATOR_PORT}/tcp": ("127.0.0.1",)},
             volumes={self.volume.name: {"bind": "/var/lib/diloco", "mode": "rw"}},
         )
+        self.read_ports()
         self.wait_serving("healthd", self.healthd_address, timeout_s)  # both were started above, in parallel
         self.wait_serving("coordinator", self.coordinator_address, timeout_s)
         for i, name in enumerate(self.worker_names):
@@ -284,6 +273,26 @@ class DockerCluster:
         self.wait_version(1, timeout_s)  # the learners are in: goodput counts from here, not from cold starts
         self.training_since = time.monotonic()
 
+    def published_port(self, role: str, port: int) -> int:
+        """The host port docker published container `role`'s `port` on."""
+        container = self.containers[role]
+        container.reload()
+        bindings = (container.ports or {}).get(f"{port}/tcp") or []
+        if not bindings or not bindings[0].get("HostPort"):
+            raise AssertionError(
+                f"{role} publishes no host port for {port} ({container.status}):\n{self.logs(role, 30)}"
+            )
+        return int(bindings[0]["HostPort"])
+
+    def read_ports(self) -> None:
+        """Learn the host ports of healthd and the coordinator (docker may give a restarted container another)."""
+        coordinator_port = self.published_port("coordinator", COORDINATOR_PORT)
+        if coordinator_port != self.coordinator_port and self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self.coordinator_port = coordinator_port
+        self.healthd_port = self.published_port("healthd", HEALTHD_PORT)
+
     def wait_serving(self, role: str, address: str, timeout_s: float) -> float:
         """Wait for SERVING on grpc.health.v1 through the published port; fails early if the container exits."""
 
@@ -296,7 +305,7 @@ class DockerCluster:
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-        return wait_for(f"{role} to serve on {address}", serving, timeout_s, interval_s=0.1)
+        return seconds_until(f"{role} to serve on {address}", serving, timeout_s, interval_s=0.1)
 
     def logs(self, role: str, tail: int | str = "all") -> str:
         return str(self.containers[role].logs(tail=tail).decode(errors="replace"))
@@ -321,8 +330,11 @@ class DockerCluster:
         self.containers[role].wait(timeout=30)
 
     def restart(self, role: str) -> None:
-        """Start a killed container again: same name, network, published ports and volume."""
+        """Start a killed container again: same name, network and volume; its published port may change (docker
+        picks the host ports), so the addresses are read again."""
         self.containers[role].start()
+        if role in ("coordinator", "healthd"):
+            self.read_ports()
 
     def exec_root(self, role: str, cmd: Sequence[str]) -> tuple[int, str]:
         code, out = self.containers[role].exec_run(list(cmd), user="root")
@@ -372,7 +384,7 @@ class DockerCluster:
                 return True
             return False
 
-        wait_for(f"{name} active" + (f" again (not {not_id})" if not_id else ""), active, timeout_s, 0.1)
+        seconds_until(f"{name} active" + (f" again (not {not_id})" if not_id else ""), active, timeout_s, 0.1)
         return found[-1]
 
     def wait_heartbeating(self, worker_id: str, timeout_s: float) -> None:
@@ -386,7 +398,7 @@ class DockerCluster:
                 for n in self.nodes()
             )
 
-        wait_for(f"healthd to track {worker_id}", alive, timeout_s, 0.05)
+        seconds_until(f"healthd to track {worker_id}", alive, timeout_s, 0.05)
 
     def wait_reassigned(self, worker_id: str, since: float, timeout_s: float) -> float:
         """Seconds from `since` (a `time.monotonic()` reading taken just before the fault) until incarnation
@@ -399,16 +411,16 @@ class DockerCluster:
             return seen[0] == ("dead", 0)
 
         try:
-            wait_for(f"{worker_id} declared dead and its shards reassigned", gone, timeout_s, 0.05)
+            seconds_until(f"{worker_id} declared dead and its shards reassigned", gone, timeout_s, 0.05)
         except AssertionError as e:
             raise AssertionError(f"{e}; it is {seen[0][0]} with {seen[0][1]} shards, status: {self.status()}") from e
         return time.monotonic() - since
 
     def wait_version(self, version: int, timeout_s: float) -> float:
-        return wait_for(f"version {version}", lambda: self.status().version >= version, timeout_s, 0.1)
+        return seconds_until(f"version {version}", lambda: self.status().version >= version, timeout_s, 0.1)
 
     def wait_finished(self, timeout_s: float) -> float:
-        return wait_for("training to finish", lambda: self.status().finished, timeout_s, 0.2)
+        return seconds_until("training to finish", lambda: self.status().finished, timeout_s, 0.2)
 
 
 def remove_labelled(client: Any, labels: dict[str, str]) -> None:

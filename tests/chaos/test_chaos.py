@@ -34,9 +34,9 @@ from tests.chaos.harness import (
     ScenarioResult,
     finish_and_check,
     security_of,
-    wait_for,
     write_tls,
 )
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from diloco.cluster import free_port
 from tests.chaos.harness import (
     IMAGE,
     UNTRAINED_LOSS,
@@ -31,8 +30,8 @@ from tests.chaos.harness import (
     ledger_problems,
     remove_labelled,
     unavailable,
-    wait_for,
 )
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -60,17 +59,17 @@ class Project:
         self.client = client
         self.name = f"diloco-chaos-{name}-{uuid.uuid4().hex[:8]}"
         self.cmd = [*cmd, "-f", str(COMPOSE_FILE), "-p", self.name]
-        self.coordinator_port = free_port()
         # the host's DILOCO_* settings must not leak into the project: only ours
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         self.env.update(
             DILOCO_IMAGE=IMAGE,
             DILOCO_PUBLISH_ADDRESS="127.0.0.1",
-            DILOCO_COORDINATOR_HOST_PORT=str(self.coordinator_port),
-            DILOCO_HEALTHD_HOST_PORT=str(free_port()),
-            DILOCO_COORDINATOR_METRICS_HOST_PORT=str(free_port()),
-            DILOCO_COORDINATOR_BULK_HOST_PORT=str(free_port()),
-            DILOCO_HEALTHD_METRICS_HOST_PORT=str(free_port()),
+            # empty: docker picks a free host port for each (no port picked here that another process could take)
+            DILOCO_COORDINATOR_HOST_PORT="",
+            DILOCO_HEALTHD_HOST_PORT="",
+            DILOCO_COORDINATOR_METRICS_HOST_PORT="",
+            DILOCO_COORDINATOR_BULK_HOST_PORT="",
+            DILOCO_HEALTHD_METRICS_HOST_PORT="",
             **env,
         )
 
@@ -81,6 +80,19 @@ class Project:
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+    def host_port(self, service: str, port: int) -> int:
+        """The host port docker published `service`'s container `port` on (asked each time: a container that
+        restarted may have been given another). Fails with `Unreachable` while there is none."""
+        proc = self.run("port", service, str(port), check=False, timeout_s=30)
+        found = re.search(r":(\d+)\s*$", proc.stdout)
+        if proc.returncode != 0 or not found:
+            raise Unreachable(f"no host port for {service}:{port} yet: {proc.stdout.strip()} {proc.stderr.strip()}")
+        return int(found.group(1))
+
+    @property
+    def coordinator_port(self) -> int:
+        return self.host_port("coordinator", 50051)
 
     def copy_admin_tls(self, dest: Path) -> Path:
         """The README's way to reach the cluster from the host: the admin identity out of the `ctl` volume."""
@@ -124,8 +136,22 @@ def project(docker_client: Any) -> Iterator[Any]:
         p.down()
 
 
+class Unreachable(AssertionError):
+    """The coordinator cannot be reached right now (no published port yet, or `ctl` got a transient status: the
+    server is starting, a TLS handshake failed under load): a wait asks again."""
+
+
+TRANSIENT_CTL = re.compile(r": (UNAVAILABLE|DEADLINE_EXCEEDED): ")  # how `diloco ctl` reports a transient status
+
+
+def reachable_yet(error: Exception) -> bool:
+    """`wait_for`'s `retry_on`: an `Unreachable` coordinator is "not yet"."""
+    return isinstance(error, Unreachable)
+
+
 def ctl(port: int, tls_dir: Path, action: str) -> dict[str, Any]:
-    """`diloco ctl --coordinator 127.0.0.1:PORT --tls-dir DIR --json ACTION`, run from the host as a user would."""
+    """`diloco ctl --coordinator 127.0.0.1:PORT --tls-dir DIR --json ACTION`, run from the host as a user would.
+    A transient failure raises `Unreachable`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     proc = subprocess.run(
         [*CTL, "--coordinator", f"127.0.0.1:{port}", "--tls-dir", str(tls_dir), "--json", action],
@@ -135,6 +161,8 @@ def ctl(port: int, tls_dir: Path, action: str) -> dict[str, Any]:
         check=False,
         env=env,
     )
+    if proc.returncode != 0 and TRANSIENT_CTL.search(proc.stderr):
+        raise Unreachable(f"ctl {action} exited {proc.returncode}: {proc.stderr.strip()}")
     assert proc.returncode == 0, f"ctl {action} exited {proc.returncode}: {proc.stderr}"
     reply: dict[str, Any] = json.loads(proc.stdout)
     return reply
@@ -145,7 +173,7 @@ def test_compose_up_trains_the_default_task(project: Any, tmp_path: Path) -> Non
     p.run("up", "-d", "--scale", "worker=1")
     tls = p.copy_admin_tls(tmp_path / "tls")
     assert sorted(f.name for f in tls.iterdir()) == ["admin.key", "admin.pem", "admin.token", "ca.pem"]
-    wait_for("training to finish", lambda: ctl(p.coordinator_port, tls, "status")["finished"], 240, 0.5)
+    wait_for("training to finish", lambda: ctl(p.coordinator_port, tls, "status")["finished"], 240, 0.5, reachable_yet)
     status = ctl(p.coordinator_port, tls, "status")
     assert int(status["version"]) >= 6
     assert float(status["validation_loss"]) < UNTRAINED_LOSS, status  # it learned something
