@@ -599,7 +599,8 @@ def outer_md(r: dict[str, Any]) -> str:
         for run in r["runs"]
     ]
     model = (
-        f"a {s['numel']:,}-parameter byte-level GPT ({s['d_model']} wide, {s['n_layers']} layers, {s['n_heads']} "
+        f"a {s['numel']:,}-parameter byte-level GPT ({s['d_model']} wide, {s['n_layers']} layer"
+        f"{'s' if s['n_layers'] != 1 else ''}, {s['n_heads']} "
         f"heads, sequence {s['seq_len']}, batch {s['batch_size']}, inner AdamW lr {s['inner_lr']})"
         if "numel" in s
         else f"the model of section 1 ({s['d_model']} wide, {s['n_layers']} layer)"
@@ -614,10 +615,10 @@ def outer_md(r: dict[str, Any]) -> str:
         [
             f"Settings: `uniform`, M = 4, H = {s['local_steps']} for all three, {model}; budget "
             f"{s['token_budget']:,} tokens, i.e. {s['token_budget'] / per_step:.0f} outer steps of `sync`; evaluated "
-            f"every {s.get('eval_every', 1)} outer steps on {scored}. Nesterov and FedAvg run in `sync` mode; Delayed Nesterov is the outer optimizer of `async` mode "
-            "(ALGORITHM.md section 3), so it runs there (a round there is one submission, so it counts about M times "
-            "as many). " + seeds_note(s),
-            *([CHANGED_OUTER] if "seeds" in s else []),
+            f"every {s.get('eval_every', 1)} outer steps on {scored}. Nesterov and FedAvg run in `sync` mode; "
+            "Delayed Nesterov is the outer optimizer of `async` mode (ALGORITHM.md section 3), so it runs there (a "
+            "round there is one submission, so it counts about M times as many). " + seeds_note(s),
+            *([changed_outer(s, per_step)] if "seeds" in s else []),
             table(
                 [
                     "outer optimizer",
@@ -716,13 +717,18 @@ CHANGED_TTT = CHANGED_SIM + (
     "and "
     "a time-to-target target now needs every seed to pass, not one run."
 )
-CHANGED_OUTER = (
-    "**What changed since the last report (issue #17):** the old table (the 1-layer, 32-wide model of section 1, "
-    "15 outer steps, one seed, scored on the first 16,384 validation tokens) ranked FedAvg (2.1447) ahead of "
-    "Nesterov (2.2042) and Delayed Nesterov (2.2158). Issue #17 found that this first slice of the split favours "
-    "FedAvg (in both seeds it tried, while the whole split ranked Nesterov ahead), so that ranking is withdrawn. "
-    "This section now runs a 1M-parameter model for 50 outer steps with 3 seeds, scored on the evenly spread sample."
-)
+
+
+def changed_outer(s: dict[str, Any], per_step: int) -> str:
+    return (
+        "**What changed since the last report (issue #17):** the old table (the 1-layer, 32-wide model of section "
+        "1, 15 outer steps, one seed, scored on the first 16,384 validation tokens) ranked FedAvg (2.1447) ahead of "
+        "Nesterov (2.2042) and Delayed Nesterov (2.2158). Issue #17 found that this first slice of the split "
+        "favours FedAvg (in both seeds it tried, while the whole split ranked Nesterov ahead), so that ranking is "
+        f"withdrawn. This section now runs a {s.get('numel', 0):,}-parameter model for "
+        f"{s['token_budget'] / per_step:.0f} outer steps with {len(seeds_of(s))} seeds, scored on the evenly spread "
+        "sample."
+    )
 
 
 def measured_at(m: dict[str, Any] | None) -> str:

@@ -33,16 +33,18 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
     }
 
 
-def target_holds(values: Sequence[float | None], threshold: float, *, at_least: bool) -> bool:
+def target_holds(values: Sequence[float | None], threshold: float, *, at_least: bool, strict: bool = False) -> bool:
     """THE rule of every target on a loss comparison: the mean over the seeds meets the threshold (`>=` when
-    `at_least`, else `<=`) and so does every seed, so the spread does not cross it. A seed without a value
-    (e.g. it never reached a target) fails it."""
+    `at_least`, else `<=`; `>` and `<` when `strict`) and so does every seed, so the spread does not cross it. A
+    seed without a value (e.g. it never reached a target) fails it."""
     if not values or any(v is None or not math.isfinite(v) for v in values):
         return False
     xs = [float(v) for v in values if v is not None]
     s = spread(xs)
 
     def ok(x: float) -> bool:
+        if strict:
+            return x > threshold if at_least else x < threshold
         return x >= threshold if at_least else x <= threshold
 
     return ok(s["mean"]) and ok(s["min"]) and ok(s["max"])

@@ -335,7 +335,7 @@ def outer(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             "FedAvg − Nesterov > 0",
             f"{fmt(margin, '+.4f')} nats; lowest mean: {ranked[0]['outer']}; "
             + ", ".join(f"{r['outer']} {fmt(values(r, 'loss_at_budget'))}" for r in runs),
-            target_holds(margin, 0.0, at_least=True) and min(margin) > 0,
+            target_holds(margin, 0.0, at_least=True, strict=True),
             len(s.seeds),
         )
     ]
@@ -362,7 +362,7 @@ def layout(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             "contiguous − spread > 0",
             f"{fmt(gain, '+.4f')} nats: spread {fmt(values(by['spread'], 'loss_at_budget'))} vs contiguous "
             f"{fmt(values(by['contiguous'], 'loss_at_budget'))}",
-            target_holds(gain, 0.0, at_least=True) and min(gain) > 0,
+            target_holds(gain, 0.0, at_least=True, strict=True),
             len(s.seeds),
         )
     ]
