@@ -168,5 +168,7 @@ def test_a_target_holds_only_on_the_mean_and_every_seed() -> None:
     assert not target_holds([0.50, 0.50, 0.25], 0.30, at_least=True)  # the mean holds, one seed crosses
     assert not target_holds([0.31, None], 0.30, at_least=True)  # a seed that never got there
     assert target_holds([0.01, 0.02], 0.02, at_least=False) and not target_holds([0.01, 0.03], 0.02, at_least=False)
-    assert fmt([1.0, 2.0, 3.0], ".1f") == "2.0 (1.0–3.0)" and fmt([1.5]) == "1.5000"
+    assert (
+        fmt([1.0, 2.0, 3.0], ".1f") == "2.0 (1.0–3.0)" and fmt([1.5]) == "1.5000" and fmt([1.01, 1.02], ".1f") == "1.0"
+    )
     assert fmt([1.0, None]) == "never (1 of 2 seeds)" and fmt([None]) == "never"

@@ -51,14 +51,15 @@ def target_holds(values: Sequence[float | None], threshold: float, *, at_least: 
 
 
 def fmt(values: Sequence[float | None], spec: str = ".4f", unit: str = "") -> str:
-    """`mean (min–max)` of the values, e.g. `1.9123 (1.9050–1.9201)`; one value alone; `never (k of n seeds)`
-    when some are None."""
+    """`mean (min–max)` of the values, e.g. `1.9123 (1.9050–1.9201)`; the mean alone for one value or when the
+    range rounds to one number; `never (k of n seeds)` when some are None."""
     s = spread(values)
     if s["missing"]:
         return "never" if s["n"] == 1 else f"never ({s['missing']} of {s['n']} seeds)"
-    if s["n"] == 1:
+    lo, hi = f"{s['min']:{spec}}", f"{s['max']:{spec}}"
+    if s["n"] == 1 or lo == hi:  # one seed, or seeds that agree to the digits shown
         return f"{s['mean']:{spec}}{unit}"
-    return f"{s['mean']:{spec}}{unit} ({s['min']:{spec}}–{s['max']:{spec}}{unit})"
+    return f"{s['mean']:{spec}}{unit} ({lo}–{hi}{unit})"
 
 
 def aggregate(per_seed: Sequence[dict[str, Any]], seeds: Sequence[int]) -> dict[str, Any]:
