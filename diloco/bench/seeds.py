@@ -2,7 +2,7 @@
 the one rule by which a target on a loss comparison passes (issue #17).
 
 Spread is the min–max range over the seeds (the report writes `mean (min–max)`); the standard deviation is kept
-in `results.json` too. The rule (`target_holds`): a target passes only if it holds on the mean over the seeds AND
+in `results.json` too. The rule (`target_met`): a target passes only if it holds on the mean over the seeds AND
 on every seed, i.e. the min–max spread does not cross the threshold. With one seed it is the plain comparison.
 """
 
@@ -33,7 +33,7 @@ def spread(values: Sequence[float | None]) -> dict[str, Any]:
     }
 
 
-def target_holds(values: Sequence[float | None], threshold: float, *, at_least: bool, strict: bool = False) -> bool:
+def target_met(values: Sequence[float | None], threshold: float, *, at_least: bool, strict: bool = False) -> bool:
     """THE rule of every target on a loss comparison: the mean over the seeds meets the threshold (`>=` when
     `at_least`, else `<=`; `>` and `<` when `strict`) and so does every seed, so the spread does not cross it. A
     seed without a value (e.g. it never reached a target) fails it."""

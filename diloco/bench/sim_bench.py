@@ -2,7 +2,7 @@
 
 Every run is deterministic for its seed. Every loss comparison runs each configuration with each of the settings'
 `seeds` and reports one row per configuration: means, the min–max spread and the per-seed runs; its targets are
-judged by `diloco.bench.seeds.target_holds` (the mean and every seed). A run is summarized as a JSON-ready dict;
+judged by `diloco.bench.seeds.target_met` (the mean and every seed). A run is summarized as a JSON-ready dict;
 the loss history is kept as `[virtual time, tokens, loss]` points for the plots.
 """
 
@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from diloco.bench.seeds import aggregate, check, fmt, spread, target_holds, values
+from diloco.bench.seeds import aggregate, check, fmt, spread, target_met, values
 from diloco.bench.settings import PROFILES, ScaleSettings, SimSettings
 from diloco.core.outer import OuterConfig
 from diloco.sim.config import SimConfig
@@ -213,7 +213,7 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
                 ">= 30% sooner",
                 f"{fmt(saved, '.0%')} sooner (decoupled {fmt(t_dec_all, ',.0f')} s vs sync "
                 f"{fmt(t_sync_all, ',.0f')} s)",
-                target_holds(saved, 0.30, at_least=True),
+                target_met(saved, 0.30, at_least=True),
                 n,
             )
         )
@@ -223,7 +223,7 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             "decoupled final loss at equal tokens vs sync (mixed+failures)",
             "within 2% of sync",
             f"{fmt(gaps, '+.2%')}: {fmt(values(dec, 'loss_at_budget'))} vs {fmt(values(sync, 'loss_at_budget'))}",
-            target_holds(gaps, 0.02, at_least=False),
+            target_met(gaps, 0.02, at_least=False),
             n,
         )
     )
@@ -242,7 +242,7 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             ">= 100x fewer",
             f"lowest: {fmt(worst[2], ',.0f', 'x')} ({worst[1]}); "
             + ", ".join(f"{name} {statistics.fmean(per):,.0f}x" for _, name, per in ratios),
-            all(target_holds(per, 100, at_least=True) for _, _, per in ratios),
+            all(target_met(per, 100, at_least=True) for _, _, per in ratios),
             n,
         )
     )
@@ -335,7 +335,7 @@ def outer(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             "FedAvg − Nesterov > 0",
             f"{fmt(margin, '+.4f')} nats; lowest mean: {ranked[0]['outer']}; "
             + ", ".join(f"{r['outer']} {fmt(values(r, 'loss_at_budget'))}" for r in runs),
-            target_holds(margin, 0.0, at_least=True, strict=True),
+            target_met(margin, 0.0, at_least=True, strict=True),
             len(s.seeds),
         )
     ]
@@ -362,7 +362,7 @@ def layout(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             "contiguous − spread > 0",
             f"{fmt(gain, '+.4f')} nats: spread {fmt(values(by['spread'], 'loss_at_budget'))} vs contiguous "
             f"{fmt(values(by['contiguous'], 'loss_at_budget'))}",
-            target_holds(gain, 0.0, at_least=True, strict=True),
+            target_met(gain, 0.0, at_least=True, strict=True),
             len(s.seeds),
         )
     ]
