@@ -302,6 +302,11 @@ def section(ctx: Context) -> dict[str, Any]:
     return {"settings": asdict(s), **r, "checks": checks}
 
 
+def _ms(x: float | None) -> str:
+    """A latency for the table; none measured (null in results.json, NaN before) is `-`."""
+    return "-" if x is None or math.isnan(x) else f"{x:.1f}"
+
+
 def markdown(r: dict[str, Any]) -> str:
     s = r["settings"]
     rounds = ", ".join(f"{x:.2f}" for x in r["round_s"])
@@ -321,10 +326,7 @@ def markdown(r: dict[str, Any]) -> str:
                     [
                         str(r["calls"]),
                         str(r["over_50ms"]),
-                        f"{r['p50_ms']:.1f}",
-                        f"{r['p99_ms']:.1f}",
-                        f"{r['max_ms']:.1f}",
-                        f"{r['mean_ms']:.1f}",
+                        *(_ms(r[k]) for k in ("p50_ms", "p99_ms", "max_ms", "mean_ms")),
                         rounds,
                     ]
                 ],
