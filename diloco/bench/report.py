@@ -710,7 +710,7 @@ def layout_plot(r: dict[str, Any], out: Path) -> list[str]:
 def changed_sim(s: dict[str, Any]) -> str:
     return (
         "**What changed since the last report (issue #17):** the validation loss was the first 16,384 tokens of the "
-        "validation split (contiguous, inside one file); it is now an evenly spread sample of the whole split "
+        "validation split (one contiguous stretch of text); it is now an evenly spread sample of the whole split "
         f"({s['eval_tokens']:,} tokens), split from training by document. Batch rows are spread across the shard "
         "instead of one contiguous chunk (§9 compares the two). Every configuration runs "
         f"{len(seeds_of(s))} seeds instead of 1, and to pay for that the budget went from 1.5M to "
