@@ -4,6 +4,7 @@ benchmarks. Every child is reaped on exit, whatever happens."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -15,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -85,6 +86,95 @@ def wait_serving(
                 pass
             time.sleep(0.1)
     raise TimeoutError(f"{address} did not become healthy within {timeout_s} s")
+
+
+def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
+    """Poll `predicate` until it is true; returns the seconds that took. A `grpc.RpcError` inside the predicate (a
+    service restarting answers UNAVAILABLE) counts as "not yet". Raises TimeoutError naming `what` after
+    `timeout_s`, with the last RPC error if there was one."""
+    start = time.monotonic()
+    last_error = ""
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except grpc.RpcError as e:
+            last_error = f" (last RPC error: {e.code().name} {e.details()})"
+        if time.monotonic() - start >= timeout_s:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}{last_error}")
+        time.sleep(interval_s)
+
+
+def ledger_problems(ledger: coordinator_pb2.GetLedgerResponse, tokens_applied: int) -> list[str]:
+    """What keeps a ledger from being exactly once (empty: it is): every shard's committed ranges must be
+    contiguous from 0 (no gap, no overlap) and end at its committed cursor, and the cursors must add up to the
+    tokens the coordinator applied."""
+    problems: list[str] = []
+    total = 0
+    for shard in ledger.shards:
+        cursor = 0
+        for r in shard.committed_ranges:
+            if r.start != cursor or r.end <= r.start:
+                what = (
+                    "overlaps the one before"
+                    if r.start < cursor
+                    else "leaves a gap"
+                    if r.start > cursor
+                    else "is empty"
+                )
+                problems.append(f"shard {shard.shard_id}: range [{r.start}, {r.end}) {what} (cursor {cursor})")
+            cursor = max(cursor, r.end)
+        if cursor != shard.committed:
+            problems.append(f"shard {shard.shard_id}: ranges end at {cursor}, committed cursor is {shard.committed}")
+        total += shard.committed
+    if total != tokens_applied:
+        problems.append(f"the committed cursors add up to {total} tokens, the coordinator applied {tokens_applied}")
+    return problems
+
+
+@dataclass(frozen=True)
+class LogLine:
+    read_at: float  # time.monotonic() when the follower read it
+    fields: dict[str, Any]
+
+    @property
+    def event(self) -> str:
+        return str(self.fields.get("event", ""))
+
+
+class LogFollower:
+    """Reads the JSON log lines a child appends to its log file (`tail -f`): `read()` returns the complete lines
+    written since the last call. A restarted child appends to the same file, so one follower sees every
+    incarnation in order. Lines that are not JSON objects (a traceback) come back as `{"event": "", "text": ...}`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[LogLine]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        *complete, self._partial = (self._partial + data).split(b"\n")
+        now = time.monotonic()
+        out = []
+        for raw in complete:
+            text = raw.decode(errors="replace").strip()
+            if not text:
+                continue
+            fields: Any = None
+            if text.startswith("{"):
+                try:
+                    fields = json.loads(text)
+                except ValueError:
+                    fields = None
+            out.append(LogLine(now, fields if isinstance(fields, dict) else {"event": "", "text": text}))
+        return out
 
 
 def free_port() -> int:
@@ -173,8 +263,10 @@ class LocalCluster:
 
     def _spawn(self, name: str, module: str, args: Sequence[str], env: dict[str, str] | None = None) -> Proc:
         old = self.procs.get(name)
-        if old is not None and old.alive:
-            raise RuntimeError(f"{name} is already running")
+        if old is not None:
+            if old.alive:
+                raise RuntimeError(f"{name} is already running")
+            old.log_file.close()  # the ended incarnation's; the new one appends to the same file
         log_path = self.run_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in _reap
         argv = [sys.executable, "-m", module, *args]
@@ -266,6 +358,22 @@ class LocalCluster:
     def kill(self, name: str) -> None:
         self.signal(name, signal.SIGKILL)
         self.procs[name].popen.wait(timeout=10)
+
+    def respawn(self, name: str) -> Proc:
+        """Start child `name` (`coordinator`, `healthd` or `worker<i>`) again after it ended, with the same flags:
+        the same port, and for the coordinator the same checkpoint folder (it resumes from its newest checkpoint
+        under a new epoch). Raises if it is still running."""
+        if name == "coordinator":
+            return self.start_coordinator()
+        if name == "healthd":
+            return self.start_healthd()
+        if name.startswith("worker") and name.removeprefix("worker").isdigit():
+            return self.start_worker(int(name.removeprefix("worker")))
+        raise ValueError(f"no child named {name!r}: coordinator, healthd or worker<i>")
+
+    def follow(self, name: str) -> LogFollower:
+        """A follower of child `name`'s log from its beginning (every incarnation's lines)."""
+        return LogFollower(self.run_dir / f"{name}.log")
 
     def tail(self, name: str, lines: int = 30) -> str:
         path = self.procs[name].log_path

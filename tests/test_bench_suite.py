@@ -41,8 +41,8 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     out, results = quick
     readme = (out / "README.md").read_text()
     titles = ("1. Time to target", "2. Scale sweep", "3. Compression sweep", "4. Real cluster", "5. Outer-opt")
-    titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Batch layout")
-    titles += ("10. Control calls",)
+    titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Kill storm")
+    titles += ("10. Batch layout", "11. Control calls")
     for title in titles:
         assert f"## {title}" in readme, f"section {title!r} missing"
     headings = [line for line in readme.splitlines() if line.startswith("## ") and line[3].isdigit()]
@@ -64,7 +64,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert rows_of(readme, "int8") and rows_of(readme, "bulk upload port, fp32"), "core/upload rows missing"
     assert rows_of(readme, "accept + round close: CoordinatorCore.accept"), "upload: no breakdown"
     assert rows_of(readme, "`spread`") and rows_of(readme, "`contiguous`"), "layout: a row per batch layout"
-    assert "| calls | over 50 ms | p50 (ms) | p99 (ms) |" in readme, "control: no latency table"
+    assert "| model | calls | over 50 ms | p50 (ms) | p99 (ms) |" in readme, "control: no latency table"
     assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
     for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed
         for run in results["sections"][name]["runs"]:
@@ -81,8 +81,9 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         assert len(where["commit"]) == 40 and isinstance(where["dirty"], bool) and where["date"], where
     kill = next(r for r in doc["sections"]["cluster"]["runs"] if r["kill"])
     assert 0 < kill["reassign_s"] < 10 and kill["samples"], "the failure run measured no reassignment"
-    # about 3 minutes on 2 quiet cores; the bound leaves room for a loaded machine, not for a full-size section
-    assert doc["meta"]["wall_s"]["total"] < 480, "the quick suite should stay well under 8 minutes"
+    # a guard against a full-size section slipping into the quick profile, not a performance figure: about 4
+    # minutes on 2 quiet cores (eight sections, four of them starting real processes)
+    assert doc["meta"]["wall_s"]["total"] < 600, "the quick suite should stay well under 10 minutes"
 
 
 @pytest.mark.slow

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.core.coordinator import DEAD, CoordinatorConfig, CoordinatorCore, Submission
+from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
 from diloco.core.rounds import RoundConfig
+from diloco.core.states import DEAD
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
 
 N = 8

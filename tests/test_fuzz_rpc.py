@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from diloco.core.coordinator import ACTIVE, EVICTED
+from diloco.core.states import ACTIVE, EVICTED
 from diloco.rpc.server import channel
 from diloco.task.params import param_specs
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2

@@ -10,8 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.core.coordinator import (
-    ACTIVE,
-    QUARANTINED,
     CoordinatorConfig,
     CoordinatorCore,
     NonFiniteRejected,
@@ -21,6 +19,7 @@ from diloco.core.coordinator import (
 from diloco.core.guard import CEILING, NON_FINITE, OUTLIER, GuardConfig, NormGuard, adamw_move_bound
 from diloco.core.ledger import ShardRange
 from diloco.core.rounds import RoundConfig
+from diloco.core.states import ACTIVE, QUARANTINED
 from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 from diloco.task.factory import build_task
 from diloco.task.inner import InnerConfig, InnerTrainer

@@ -205,6 +205,15 @@ def test_the_broadcast_plan_is_adopted() -> None:
     assert core.steps_to_submit == 4
 
 
+def test_asking_again_before_stepping_proposes_the_same_batch() -> None:
+    core = started()
+    assert core.next_action(1.0) == core.next_action(1.5) == Train(0, 1, 0)  # e.g. the simulator, asking early
+    core.stepped(0, 1, 0, TOK)
+    assert core.next_action(1.0) == core.next_action(1.0) == Train(1, 1, 100)
+    core.plan_received(1.0, plan((0, 1, 0), (1, 2, 500)))  # shard 1 re-leased: the proposal is withdrawn
+    assert core.next_action(1.0) == Train(0, 1, 10)
+
+
 # --- without shards ---------------------------------------------------------------------------------------------
 def test_a_learner_without_shards_polls_with_capped_backoff() -> None:
     core = LearnerCore(LearnerConfig(plan_poll_initial_s=0.1, plan_poll_max_s=0.4))

@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from diloco.core.coordinator import DEAD, LEFT, CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
+from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.rounds import RoundConfig
+from diloco.core.states import DEAD, LEFT
 from diloco.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 # ---------------------------------------------------------------- helpers

@@ -244,6 +244,7 @@ def test_sync_round_closes_after_a_learner_rejoins_mid_round() -> None:
         )
     )
     assert r.rounds == 6 and r.shardless_s < 20.0
+    assert r.rejected == 0  # the rejoined learner submits against the version of the round it is in
 
 
 def test_random_failures_hit_at_the_same_times_in_every_mode() -> None:

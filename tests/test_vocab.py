@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from diloco.core.codecs import CODEC_NAMES
-from diloco.core.coordinator import WorkerState
 from diloco.core.failure import NodeState
 from diloco.core.rounds import MODES as ROUND_MODES
+from diloco.core.states import WorkerState
 from diloco.errors import InvalidArgument
 from diloco.rpc.vocab import CODECS, MODES, NODE_STATES, WORKER_STATES, Vocabulary
 from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2

@@ -321,9 +321,10 @@ def markdown(r: dict[str, Any]) -> str:
             "from when it was due (a call held up behind a slow one is not dropped). The figures are the calls due "
             f"while the rounds ran. Target (issue #10): p99 ≤ {TARGET_P99_MS:g} ms.",
             table(
-                ["calls", "over 50 ms", "p50 (ms)", "p99 (ms)", "max (ms)", "mean (ms)", "round times (s)"],
+                ["model", "calls", "over 50 ms", "p50 (ms)", "p99 (ms)", "max (ms)", "mean (ms)", "round times (s)"],
                 [
                     [
+                        f"{s['numel']:,} fp32 parameters",
                         str(r["calls"]),
                         str(r["over_50ms"]),
                         *(_ms(r[k]) for k in ("p50_ms", "p99_ms", "max_ms", "mean_ms")),

@@ -712,7 +712,7 @@ def changed_sim(s: dict[str, Any]) -> str:
         "**What changed since the last report (issue #17):** the validation loss was the first 16,384 tokens of the "
         "validation split (one contiguous stretch of text); it is now an evenly spread sample of the whole split "
         f"({s['eval_tokens']:,} tokens), split from training by document. Batch rows are spread across the shard "
-        "instead of one contiguous chunk (§9 compares the two). Every configuration runs "
+        "instead of one contiguous chunk (the batch-layout section compares the two). Every configuration runs "
         f"{len(seeds_of(s))} seeds instead of 1, and to pay for that the budget went from 1.5M to "
         f"{s['token_budget'] / 1e6:.1f}M tokens. Absolute losses are therefore not comparable with earlier reports."
     )

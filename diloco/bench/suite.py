@@ -20,7 +20,16 @@ from typing import Any
 
 import torch
 
-from diloco.bench import bench_control, bench_core, bench_upload, cluster_bench, report, sim_bench, startup_bench
+from diloco.bench import (
+    bench_control,
+    bench_core,
+    bench_upload,
+    cluster_bench,
+    report,
+    sim_bench,
+    startup_bench,
+    storm,
+)
 from diloco.bench.section import Context, Log, Section
 from diloco.bench.settings import FULL, QUICK
 from diloco.errors import ConfigError
@@ -84,6 +93,7 @@ SECTIONS: tuple[Section, ...] = (
         bench_upload.markdown,
         readme=bench_upload.summary,
     ),
+    Section("kill-storm", "Kill storm (real processes, no supervisor)", storm.section, storm.markdown),
     Section(
         "layout",
         "Batch layout: rows spread across the shard vs contiguous (simulator)",

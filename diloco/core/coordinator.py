@@ -30,7 +30,6 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import Any
 
 import torch
@@ -41,34 +40,16 @@ from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
 from diloco.core.placement import effective_speeds, is_known_speed, local_steps, place_shards
 from diloco.core.rounds import CloseReason, Pending, RoundClose, RoundConfig, RoundPolicy
+from diloco.core.states import (
+    ACTIVE,
+    DEAD,
+    DRAINING,
+    GONE_STATES,
+    LIVE_STATES,
+    QUARANTINED,
+    WorkerState,
+)
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
-
-
-class WorkerState(StrEnum):
-    """A learner's state in the coordinator's registry.
-
-    ACTIVE      --drain-->                DRAINING  (finishes its work, gets no shards)
-    ACTIVE      --guard refuses-->        QUARANTINED (keeps its shards, gets no new ones)
-    QUARANTINED --clean submission / release--> ACTIVE
-    ACTIVE, DRAINING, QUARANTINED --remove--> DEAD | LEFT | EVICTED (final: the learner registers again)
-    """
-
-    ACTIVE = "active"
-    DRAINING = "draining"
-    QUARANTINED = "quarantined"
-    DEAD = "dead"
-    LEFT = "left"
-    EVICTED = "evicted"
-
-    @property
-    def live(self) -> bool:
-        return self in LIVE_STATES
-
-
-ACTIVE, DRAINING, QUARANTINED = WorkerState.ACTIVE, WorkerState.DRAINING, WorkerState.QUARANTINED
-DEAD, LEFT, EVICTED = WorkerState.DEAD, WorkerState.LEFT, WorkerState.EVICTED
-LIVE_STATES = frozenset({ACTIVE, DRAINING, QUARANTINED})
-GONE_STATES = frozenset({DEAD, LEFT, EVICTED})  # what `remove` may set
 
 
 class SubmissionRejected(FailedPrecondition):

@@ -305,6 +305,7 @@ class LearnerCore:
     _submissions: int = 0
     _handed_back: bool = False
     _deregistering: bool = False
+    _proposed: Train | None = None  # the batch the last Train named, until it is stepped or no longer leased
 
     # --- events -----------------------------------------------------------------------------------------------
     def registered(self, now: float, worker_id: str, coordinator_epoch: int, mode: str, plan: WorkPlan) -> None:
@@ -362,6 +363,7 @@ class LearnerCore:
 
     def stepped(self, shard_id: int, epoch: int, start: int, end: int) -> None:
         """One inner step read `[start, end)` of `shard_id` under `epoch` (the batch a `Train` named)."""
+        self._proposed = None
         self.progress.consumed(shard_id, epoch, start, end)
 
     def upload_accepted(self, now: float, submission_id: str, pending_round: int, applied: bool = False) -> None:
@@ -475,7 +477,7 @@ class LearnerCore:
             self.state = LearnerState.SHARDLESS
             self._poll_at, self._poll_backoff_s = now, 0.0
             return self.next_action(now)
-        return Train(*self.progress.next_shard())
+        return self._train()
 
     def next_deadline(self) -> float | None:
         """When `next_action` may change without an event (None: only an event changes it)."""
@@ -504,6 +506,15 @@ class LearnerCore:
         return max(0, self.local_steps - self.progress.steps)
 
     # --- internals --------------------------------------------------------------------------------------------
+    def _train(self) -> Train:
+        """The next batch, round-robin over the leased shards. Asked again before `stepped` (a caller that
+        schedules the step for later, like the simulator), the same batch, while its shard is leased at that
+        cursor: proposing does not move the round-robin on."""
+        p = self._proposed
+        if p is None or self.progress.cursors.get(p.shard_id) != (p.epoch, p.cursor):
+            p = self._proposed = Train(*self.progress.next_shard())
+        return p
+
     def _adopt(self, plan: WorkPlan) -> None:
         self.progress.adopt((lease.shard_id, lease.epoch, lease.cursor) for lease in plan.shards)
         self.local_steps = max(1, plan.local_steps)

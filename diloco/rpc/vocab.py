@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Generic, TypeVar
 
-from diloco.core.coordinator import WorkerState
 from diloco.core.failure import NodeState
+from diloco.core.states import WorkerState
 from diloco.errors import InvalidArgument
 from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
 

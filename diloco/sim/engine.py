@@ -1,31 +1,41 @@
-"""The simulation loop: learners, links and failures on a virtual clock, driving the real `CoordinatorCore`.
+"""The simulation loop: learners, links and failures on a virtual clock, driving the real cores.
 
-Every learner trains a real model replica (unless `train=False`), but time is virtual: an inner step of a learner
-with relative speed `v` takes `step_time_s / v`, an upload of `n` bytes takes `latency_s + n / bandwidth`.
-Learner training is evaluated lazily: when an event touches a learner, it first runs the whole steps that fit
-before the event's time. Events at equal times run in the order they were scheduled, so runs are deterministic
-for a seed.
+The coordinator is the real `CoordinatorCore` and every learner the real `LearnerCore`, the object the worker
+service drives: the learner's rules (when to submit, at most one submission outstanding, rebase, resync, the LR
+catch-up, polling for a plan without shards, waiting for the round in `sync`) are written there, once. This module
+is an adapter: it feeds each learner's core what happened and carries out the actions it returns on a virtual
+clock, and keeps only time, links, failures and measurements:
 
-Learner behaviour follows ALGORITHM.md section 5:
-- `sync`: train H steps, upload, wait for the new parameters (idle), repeat.
-- `decoupled` / `async`: train H_m steps, upload and keep training; rebase onto new parameters when they arrive.
-  A learner has at most one submission waiting for a round; if its next H_m steps are done before that one is
-  applied, it keeps training and submits as soon as it is.
+- an inner step (`Train`) of a learner with relative speed `v` takes `step_time_s / v`; a `Submit` of `n` bytes
+  reaches the coordinator after `latency_s + n / bandwidth`; so do the parameters, towards each learner: once
+  after it registers (the watch's first message) and after every round (the broadcast, with the applied
+  submission ids). The learner's plan rides along, read when the parameters arrive.
+- control calls (`Register`, `FetchPlan`, `Deregister`) take no time; `Load` and `Rebase` run on the learner's
+  `InnerTrainer`; `Wait(until)` wakes the learner at `until`.
+- training is lazy: when an event touches a learner, the whole steps that end by the event's time run first, then
+  the event is fed to the core, then the actions it asks for at that time; a step in progress at an event is
+  computed after it, from its start, so no step is lost to an event. A learner also wakes itself when its next
+  submission falls due and at the core's `next_deadline()`.
+- a kill ends the session (`session_ended`); a revived learner starts a new model replica and registers again;
+  the coordinator hears of the death `dead_after_s` later (healthd).
+
+Events at equal times run in the order they were scheduled, so runs are deterministic for a seed.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
+from diloco.core import learner as lc
 from diloco.core.codecs import ErrorFeedback, get_codec
-from diloco.core.coordinator import DEAD, CoordinatorConfig, CoordinatorCore, RoundApplied, Submission
+from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission, WorkPlan
 from diloco.core.merge import Segment
+from diloco.core.states import DEAD, LEFT
 from diloco.errors import ConfigError, DilocoError
 from diloco.sim.config import DILOCO_MODES, SimConfig
 from diloco.sim.dp import DataParallelSimulator
@@ -35,36 +45,37 @@ from diloco.task.data import Corpus, EvalResult, evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.inner import InnerTrainer
 from diloco.task.params import flatten_params, load_flat_, merge_segments
-from diloco.task.progress import ReadProgress
 
 __all__ = ["Learner", "SimResult", "Simulator", "encoded_size", "simulate"]
 
-_EPS = 1e-9
+_EPS = 1e-9  # in inner steps: a step that ends within this of an event's time ends by it
 
 
 @dataclass
 class Learner:
+    """One simulated learner: its core, and what carrying out the core's actions needs."""
+
     idx: int
     speed: float
     step_time: float
-    alive: bool = True
+    core: lc.LearnerCore
+    alive: bool = False
     incarnation: int = 0
-    worker_id: str = ""
     trainer: InnerTrainer | None = None
     ef: ErrorFeedback | None = None
-    training: bool = False
-    t_cursor: float = 0.0
-    segment_steps: int = 0
-    seg_gen: int = 0
-    progress: ReadProgress = field(default_factory=ReadProgress)
-    plan_seq: int = 0
-    base_version: int = 0
-    uploading: bool = False
-    awaiting: str | None = None  # submission id waiting for its round
-    ready: bool = False  # H_m steps done, submission deferred
+    params: tuple[int, torch.Tensor] | None = None  # the newest version the core took, and its tensor
+    training: bool = False  # False: idle until an event or a deadline
+    t: float = 0.0  # while training: when the next (or the in-progress) inner step started
+    clock: float = 0.0  # the last time given to the core (never goes back)
+    wake_at: float | None = None  # the learner's own wake-up event, if one is pending
+    wake_gen: int = 0
     alive_since: float = 0.0
     killed_at: float = 0.0
     shardless_since: float | None = None  # registered, but its plan holds no shard
+
+    @property
+    def tol(self) -> float:
+        return _EPS * self.step_time
 
 
 class Simulator(EventLoop):
@@ -111,7 +122,10 @@ class Simulator(EventLoop):
             target_outer_steps=cfg.outer_steps,
         )
         self.core = CoordinatorCore(core_cfg, params, shard_lengths, segments)
-        self.learners = [Learner(i, v, cfg.step_time_s / v) for i, v in enumerate(cfg.speeds)]
+        self.learners = [
+            Learner(i, v, cfg.step_time_s / v, lc.LearnerCore(lc.LearnerConfig(id_prefix=f"l{i}-")))
+            for i, v in enumerate(cfg.speeds)
+        ]
         self.history: list[dict[str, float]] = []
         self.bytes_up = 0
         self.bytes_down = 0
@@ -125,7 +139,6 @@ class Simulator(EventLoop):
         self.reassign_latency: list[float] = []
         self.shardless_s = 0.0
         self.deadline_scheduled: float | None = None
-        self.sub_ids = itertools.count()
 
     # --- event queue ------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -135,26 +148,166 @@ class Simulator(EventLoop):
             {"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial.loss, "eval_tokens": initial.tokens}
         )
         for learner in self.learners:
-            self.join(learner, 0.0)
+            self.join(learner)
         for e in cfg.failures:
             self.at(e.at_s, e.action, e.learner)
         self.run_events(cfg.max_time_s)
         for learner in self.learners:
             if learner.alive:
                 self.available_s[learner.idx] += self.now - learner.alive_since
-                self.end_shardless(learner, self.now)
+                self.end_shardless(learner)
         if self.history[-1]["version"] != self.core.version:
             self.record(force_eval=True)
         return self.result(initial.loss)
 
-    # --- learners ---------------------------------------------------------------------------------------------
-    def join(self, learner: Learner, t: float) -> None:
-        """Register (a new incarnation) and schedule the start once the parameters are downloaded."""
+    def transfer_s(self, nbytes: int) -> float:
+        """Time for `nbytes` over one learner's link."""
+        return self.cfg.latency_s + nbytes / self.cfg.bandwidth_bytes_per_s
+
+    # --- driving a learner's core -----------------------------------------------------------------------------
+    def touch(self, learner: Learner, event: Callable[[lc.LearnerCore], None] | None = None) -> None:
+        """Bring `learner` to the current time: run the steps that end by now, feed its core `event`, carry out
+        what the core asks for now, and schedule the learner's next wake-up."""
+        self.act(learner, before_event=True)
+        if not learner.alive:
+            return
+        learner.clock = max(learner.clock, self.now)
+        if event is not None:
+            event(learner.core)
+        self.act(learner, before_event=False)
+
+    def act(self, learner: Learner, before_event: bool) -> None:
+        """Carry out the core's actions up to now; `before_event`: stop when the learner reaches now."""
+        now, step = self.now, learner.step_time
+        done = 0  # steps run since learner.t
+        while learner.alive:
+            if learner.training:
+                fits = math.floor((now - learner.t) / step + _EPS)  # whole steps from learner.t that end by now
+                if before_event and done >= fits:
+                    break
+                learner.clock = max(learner.clock, learner.t + done * step)
+            elif before_event:
+                break
+            action = learner.core.next_action(learner.clock)
+            if isinstance(action, lc.Train):
+                if not learner.training:
+                    learner.training, learner.t, done, fits = True, now, 0, 0
+                if done >= fits:
+                    break  # the step in progress ends after now
+                self.train(learner, action)
+                done += 1
+                continue
+            self.count_steps(learner, done)
+            done = 0
+            when = now if learner.clock >= now - learner.tol else learner.clock
+            if learner.training and learner.t >= now - learner.tol:
+                learner.t = now  # at a step boundary
+            if isinstance(action, lc.Wait):
+                learner.training = False
+                if action.until is not None and action.until <= now:
+                    continue  # idle until `until`, which has passed: ask again now
+                break
+            if isinstance(action, lc.Exit):
+                learner.training = False
+                break
+            self.carry_out(learner, action, when)
+        self.count_steps(learner, done)
+        self.schedule_wake(learner)
+        self.track_shardless(learner)
+
+    def train(self, learner: Learner, a: lc.Train) -> None:
+        bs, seq = self.cfg.task.inner.batch_size, self.cfg.task.model.seq_len
+        if learner.trainer is not None:
+            assert self.corpus is not None
+            x, y, nxt = self.corpus.batch(a.shard_id, a.cursor, bs, seq)
+            learner.trainer.step(x, y)
+        else:
+            nxt = a.cursor + bs * seq
+        learner.core.stepped(a.shard_id, a.epoch, a.cursor, nxt)
+
+    def count_steps(self, learner: Learner, n: int) -> None:
+        if n:
+            learner.t += n * learner.step_time
+            self.busy_s[learner.idx] += n * learner.step_time
+
+    def carry_out(self, learner: Learner, a: lc.Action, t: float) -> None:
+        """One action other than Train, Wait and Exit, at time `t`."""
+        trainer = learner.trainer
+        if isinstance(a, lc.Register):
+            self.register(learner, t)
+        elif isinstance(a, lc.Load):
+            assert learner.params is not None and learner.params[0] == a.version and learner.ef is not None
+            if trainer is not None:
+                trainer.load_global(learner.params[1])
+                trainer.catch_up(a.catch_up_steps)
+            if a.reset_codec:
+                learner.ef.reset()
+        elif isinstance(a, lc.Rebase):
+            assert learner.params is not None and learner.params[0] == a.version
+            if trainer is not None:
+                trainer.rebase(learner.params[1])  # keeps the steps not yet submitted
+        elif isinstance(a, lc.Submit):
+            self.submit(learner, a.draft, t)
+        elif isinstance(a, lc.FetchPlan):
+            plan = self.plan_of(learner, lc.Rpc.GET_WORK_PLAN, t)
+            if plan is not None:
+                learner.core.plan_received(t, plan)
+        elif isinstance(a, lc.Deregister):
+            try:
+                self.core.remove(a.worker_id, LEFT, "deregistered")
+            except DilocoError as e:
+                learner.core.rpc_failed(t, lc.Rpc.DEREGISTER, e.code, str(e))
+
+    def plan_of(self, learner: Learner, rpc: lc.Rpc, t: float) -> WorkPlan | None:
+        """The learner's plan as the coordinator has it now (None: the call failed, and the core was told)."""
+        try:
+            return self.core.plan(learner.core.worker_id)
+        except DilocoError as e:
+            learner.core.rpc_failed(t, rpc, e.code, str(e))
+            return None
+
+    def schedule_wake(self, learner: Learner) -> None:
+        """Wake the learner when its submission falls due or its core's deadline comes, whichever is first."""
+        times: list[float] = []
+        if learner.alive and learner.training and learner.core.steps_to_submit > 0:
+            times.append(learner.t + learner.core.steps_to_submit * learner.step_time)
+        deadline = learner.core.next_deadline() if learner.alive else None
+        if deadline is not None:
+            times.append(max(deadline, self.now))
+        wake = min(times, default=None)
+        if wake is not None and learner.wake_at is not None and abs(wake - learner.wake_at) <= learner.tol:
+            return  # already due then (up to rounding)
+        learner.wake_gen += 1
+        learner.wake_at = wake
+        if wake is not None:
+            self.at(wake, "wake", learner.idx, learner.incarnation, learner.wake_gen)
+
+    def on_wake(self, idx: int, inc: int, gen: int) -> None:
+        learner = self.learners[idx]
+        if learner.incarnation != inc or not learner.alive or learner.wake_gen != gen:
+            return
+        learner.wake_at = None
+        self.touch(learner)
+
+    def track_shardless(self, learner: Learner) -> None:
+        if learner.alive and learner.core.state is lc.LearnerState.SHARDLESS:
+            if learner.shardless_since is None:
+                learner.shardless_since = self.now
+        else:
+            self.end_shardless(learner)
+
+    def end_shardless(self, learner: Learner) -> None:
+        if learner.shardless_since is not None:
+            self.shardless_s += self.now - learner.shardless_since
+            learner.shardless_since = None
+
+    # --- carrying out the learner's calls ---------------------------------------------------------------------
+    def join(self, learner: Learner) -> None:
+        """A learner process starts (again): a new model replica; its core registers."""
         learner.alive = True
-        learner.alive_since = t
+        learner.alive_since = self.now
         learner.incarnation += 1
-        rec = self.core.register(f"learner{learner.idx}", t, speed=learner.speed * self.tokens_per_step)
-        learner.worker_id = rec.worker_id
+        learner.training, learner.params, learner.clock = False, None, self.now
         if self.task is not None:
             model = self.task.model_fn(self.cfg.seed)
             assert self.corpus is not None
@@ -162,153 +315,69 @@ class Simulator(EventLoop):
                 model, self.corpus, self.cfg.task.inner, seq_len=self.cfg.task.model.seq_len, device=torch.device("cpu")
             )
         learner.ef = ErrorFeedback(self.codec, self.core.params.numel(), enabled=self.cfg.error_feedback)
-        self.bytes_down += self.param_bytes
-        self.at(
-            t + self.cfg.latency_s + self.param_bytes / self.cfg.bandwidth_bytes_per_s,
-            "start",
-            learner.idx,
-            learner.incarnation,
-            self.core.version,
-            self.core.params.clone(),
-        )
+        self.touch(learner)
         if self.cfg.mtbf_s > 0:
-            self.at(t + self.rng.expovariate(1 / self.cfg.mtbf_s), "kill", learner.idx, learner.incarnation)
+            self.at(self.now + self.rng.expovariate(1 / self.cfg.mtbf_s), "kill", learner.idx, learner.incarnation)
 
-    def on_start(self, idx: int, inc: int, version: int, params: torch.Tensor) -> None:
+    def register(self, learner: Learner, t: float) -> None:
+        """Register, then the watch sends the current parameters."""
+        rec = self.core.register(f"learner{learner.idx}", t, speed=learner.speed * self.tokens_per_step)
+        learner.core.registered(t, rec.worker_id, 0, self.cfg.mode, self.core.plan(rec.worker_id))
+        self.send_params(learner, t, self.core.version, self.core.params.clone(), ())
+
+    def send_params(
+        self, learner: Learner, t: float, version: int, params: torch.Tensor, applied: Iterable[str]
+    ) -> None:
+        """Stream `version` to the learner's current registration (a watch ends with its registration)."""
+        self.bytes_down += self.param_bytes
+        arrive = t + self.transfer_s(self.param_bytes)
+        self.at(arrive, "params", learner.idx, learner.core.worker_id, version, params, frozenset(applied))
+
+    def on_params(self, idx: int, worker_id: str, version: int, params: torch.Tensor, applied: frozenset[str]) -> None:
+        """Parameters arrive with the learner's plan, the submissions they hold and whether the job finished."""
         learner = self.learners[idx]
-        if learner.incarnation != inc or not learner.alive:
+        if not learner.alive or learner.core.worker_id != worker_id:
             return
-        if learner.trainer is not None:
-            learner.trainer.load_global(params)
-            learner.trainer.catch_up(version * self.core.plan(learner.worker_id).local_steps)
-        learner.base_version = version
-        learner.progress.reset()
-        learner.awaiting, learner.ready, learner.uploading = None, False, False
-        self.begin_segment(learner, self.now)
 
-    def refresh_plan(self, learner: Learner) -> int:
-        plan = self.core.plan(learner.worker_id)
-        learner.progress.adopt((lease.shard_id, lease.epoch, lease.cursor) for lease in plan.shards)
-        learner.plan_seq = plan.plan_seq
-        return plan.local_steps
+        def arrived(core: lc.LearnerCore) -> None:
+            plan = self.plan_of(learner, lc.Rpc.WATCH_PARAMETERS, self.now)
+            if plan is not None and core.params_arrived(self.now, version, 0, plan, applied, self.core.finished):
+                learner.params = (version, params)
 
-    def begin_segment(self, learner: Learner, t: float) -> None:
-        steps = self.refresh_plan(learner)
-        learner.seg_gen += 1
-        learner.t_cursor = t
-        if not learner.progress.cursors:  # no shards yet: ask again a little later
-            learner.training = False
-            if learner.shardless_since is None:
-                learner.shardless_since = t
-            self.at(t + learner.step_time * self.cfg.min_local_steps, "retry_plan", learner.idx, learner.incarnation)
-            return
-        self.end_shardless(learner, t)
-        learner.training = True
-        learner.segment_steps = steps
-        self.at(t + steps * learner.step_time, "segment_end", learner.idx, learner.incarnation, learner.seg_gen)
+        self.touch(learner, arrived)
 
-    def end_shardless(self, learner: Learner, t: float) -> None:
-        if learner.shardless_since is not None:
-            self.shardless_s += t - learner.shardless_since
-            learner.shardless_since = None
-
-    def on_retry_plan(self, idx: int, inc: int) -> None:
-        learner = self.learners[idx]
-        if learner.incarnation == inc and learner.alive and not learner.training:
-            self.begin_segment(learner, self.now)
-
-    def advance(self, learner: Learner, t: float) -> None:
-        """Run the whole inner steps that fit between the learner's cursor and `t`."""
-        if not learner.training or not learner.alive:
-            return
-        n = math.floor((t - learner.t_cursor) / learner.step_time + _EPS)
-        if n <= 0:
-            return
-        bs, seq = self.cfg.task.inner.batch_size, self.cfg.task.model.seq_len
-        for _ in range(n):
-            shard, epoch, cursor = learner.progress.next_shard()
-            if learner.trainer is not None:
-                assert self.corpus is not None
-                x, y, nxt = self.corpus.batch(shard, cursor, bs, seq)
-                learner.trainer.step(x, y)
-            else:
-                nxt = cursor + bs * seq
-            learner.progress.consumed(shard, epoch, cursor, nxt)
-        learner.t_cursor += n * learner.step_time
-        self.busy_s[learner.idx] += n * learner.step_time
-
-    def on_segment_end(self, idx: int, inc: int, gen: int) -> None:
-        learner = self.learners[idx]
-        if learner.incarnation != inc or not learner.alive or learner.seg_gen != gen:
-            return
-        self.advance(learner, self.now)
-        if learner.uploading or learner.awaiting is not None:
-            learner.ready = True  # keep training; submit once the previous submission is in
-            return
-        self.submit(learner)
-
-    def submit(self, learner: Learner) -> None:
-        t = self.now
-        self.advance(learner, t)
+    def submit(self, learner: Learner, d: lc.SubmissionDraft, t: float) -> None:
         assert learner.ef is not None
         trainer = learner.trainer
         delta = trainer.pseudo_gradient() if trainer is not None else torch.full((1,), 1e-3)
         payload, meta = learner.ef.compress(delta)
         decoded = self.codec.decode(payload, meta)
-        if learner.trainer is not None:
-            learner.trainer.mark_submitted()
-        nbytes = self.payload_bytes if learner.trainer is None else meta.encoded_bytes
-        sid = f"s{next(self.sub_ids)}"
-        ranges, steps, tokens = learner.progress.take()
-        sub = Submission(learner.worker_id, sid, learner.base_version, tokens, steps, ranges, learner.plan_seq)
-        self.sub_cost[sid] = (learner.idx, steps * learner.step_time)
+        if trainer is not None:
+            trainer.mark_submitted()
+        nbytes = self.payload_bytes if trainer is None else meta.encoded_bytes
+        sub = Submission(d.worker_id, d.submission_id, d.base_version, d.tokens, d.steps, d.ranges, d.plan_seq)
+        self.sub_cost[d.submission_id] = (learner.idx, d.steps * learner.step_time)
         self.bytes_up += nbytes
-        learner.uploading, learner.awaiting, learner.ready = True, sid, False
-        self.at(
-            t + self.cfg.latency_s + nbytes / self.cfg.bandwidth_bytes_per_s,
-            "arrival",
-            learner.idx,
-            learner.incarnation,
-            sub,
-            decoded,
-        )
-        if self.cfg.mode == "sync":
-            learner.training = False  # classic DiLoCo: wait for the new parameters
-            return
-        self.begin_segment(learner, t)
+        self.at(t + self.transfer_s(nbytes), "arrival", learner.idx, learner.incarnation, sub, decoded)
 
     def on_arrival(self, idx: int, inc: int, sub: Submission, delta: torch.Tensor) -> None:
         learner = self.learners[idx]
         if learner.incarnation != inc or not learner.alive:
             self.lost_uploads += 1  # the learner died mid-upload
             return
-        learner.uploading = False
         try:
             res = self.core.accept(sub, delta, self.now)
-        except DilocoError:
+        except DilocoError as e:
             self.rejected += 1
-            self.resync(learner)
+            reaction, detail = lc.react(lc.Rpc.SUBMIT, e.code), str(e)
+            self.touch(learner, lambda core: core.upload_failed(self.now, sub.submission_id, reaction, detail))
             return
         self.staleness.append(res.staleness)
         if res.applied:
             self.on_round(res.applied)
         self.schedule_deadline()
-
-    def resync(self, learner: Learner) -> None:
-        """A refused submission: adopt the newest parameters and the ledger's cursors, start over."""
-        learner.training = False
-        learner.seg_gen += 1
-        if learner.ef is not None:
-            learner.ef.reset()
-        self.bytes_down += self.param_bytes
-        self.at(
-            self.now + self.cfg.latency_s + self.param_bytes / self.cfg.bandwidth_bytes_per_s,
-            "start",
-            learner.idx,
-            learner.incarnation,
-            self.core.version,
-            self.core.params.clone(),
-        )
+        if not self.done:
+            self.touch(learner, lambda core: core.upload_accepted(self.now, sub.submission_id, res.round))
 
     def on_round(self, applied: RoundApplied) -> None:
         for p in applied.submissions:
@@ -318,54 +387,29 @@ class Simulator(EventLoop):
             self.done = True
             return
         params = self.core.params.clone()
-        applied_ids = {p.submission_id for p in applied.submissions}
+        ids = [p.submission_id for p in applied.submissions]
         for learner in self.learners:
             if learner.alive:
-                self.bytes_down += self.param_bytes
-                self.at(
-                    self.now + self.cfg.latency_s + self.param_bytes / self.cfg.bandwidth_bytes_per_s,
-                    "broadcast",
-                    learner.idx,
-                    learner.incarnation,
-                    applied.version,
-                    params,
-                    applied_ids,
-                )
+                self.send_params(learner, self.now, applied.version, params, ids)
 
-    def on_broadcast(self, idx: int, inc: int, version: int, params: torch.Tensor, applied: set[str]) -> None:
-        learner = self.learners[idx]
-        if learner.incarnation != inc or not learner.alive or version <= learner.base_version:
-            return
-        if learner.awaiting in applied:
-            learner.awaiting = None
-        if self.cfg.mode == "sync":
-            if learner.training or learner.uploading:
-                return  # still in its round (it joined late); it picks the version up after submitting
-            if learner.trainer is not None:
-                learner.trainer.load_global(params)
-            learner.base_version = version
-            learner.awaiting = None
-            self.begin_segment(learner, self.now)
-            return
-        self.advance(learner, self.now)
-        if learner.trainer is not None:
-            learner.trainer.rebase(params)  # keeps the steps not yet submitted
-        learner.base_version = version
-        if learner.ready and not learner.uploading and learner.awaiting is None:
-            self.submit(learner)
-
+    # --- failures ---------------------------------------------------------------------------------------------
     def on_kill(self, idx: int, inc: int | None = None) -> None:
         learner = self.learners[idx]
         if not learner.alive or (inc is not None and learner.incarnation != inc):
             return
-        self.advance(learner, self.now)
-        self.end_shardless(learner, self.now)
+        self.act(learner, before_event=True)
+        self.end_shardless(learner)
+        worker_id = learner.core.worker_id
+        learner.core.session_ended(self.now, "killed")
         learner.alive = False
         learner.training = False
         learner.trainer = None
+        learner.params = None
+        learner.wake_gen += 1
+        learner.wake_at = None
         learner.killed_at = self.now
         self.available_s[idx] += self.now - learner.alive_since
-        self.at(self.now + self.cfg.dead_after_s, "detect", idx, learner.worker_id)
+        self.at(self.now + self.cfg.dead_after_s, "detect", idx, worker_id)
         if inc is not None and self.cfg.mtbf_s > 0:
             self.at(self.now + self.cfg.repair_s, "revive", idx)
 
@@ -381,7 +425,7 @@ class Simulator(EventLoop):
     def on_revive(self, idx: int) -> None:
         learner = self.learners[idx]
         if not learner.alive:
-            self.join(learner, self.now)
+            self.join(learner)
 
     def schedule_deadline(self) -> None:
         deadline = self.core.next_deadline()

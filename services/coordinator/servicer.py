@@ -10,8 +10,9 @@ from pathlib import Path
 
 import grpc
 
-from diloco.core.coordinator import Submission, WorkerRecord, WorkerState, WorkPlan
+from diloco.core.coordinator import Submission, WorkerRecord, WorkPlan
 from diloco.core.ledger import ShardRange
+from diloco.core.states import WorkerState
 from diloco.core.uploads import Outcome, UploadHeader
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
 from diloco.rpc import auth, status

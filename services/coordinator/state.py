@@ -30,16 +30,15 @@ import torch
 from diloco import log as logging
 from diloco.core.codecs import EncodedMeta
 from diloco.core.coordinator import (
-    LIVE_STATES,
     CoordinatorCore,
     RoundApplied,
     Submission,
     SubmissionRejected,
     WorkerRecord,
-    WorkerState,
     WorkPlan,
 )
 from diloco.core.ledger import ShardState
+from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
     Dropped,
     Known,
