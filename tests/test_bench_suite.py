@@ -15,6 +15,7 @@ import pytest
 
 from diloco.bench.cluster_bench import rate, recovery_s
 from diloco.bench.report import update_readme
+from diloco.bench.seeds import fmt, target_met
 from diloco.bench.sim_bench import first_time_at_or_below, loss_at_tokens
 from diloco.bench.suite import NAMES, SECTIONS, parse_only, run_suite
 from diloco.cli.main import main
@@ -40,7 +41,8 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     out, results = quick
     readme = (out / "README.md").read_text()
     titles = ("1. Time to target", "2. Scale sweep", "3. Compression sweep", "4. Real cluster", "5. Outer-opt")
-    titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient")
+    titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Kill storm")
+    titles += ("10. Batch layout", "11. Control calls")
     for title in titles:
         assert f"## {title}" in readme, f"section {title!r} missing"
     headings = [line for line in readme.splitlines() if line.startswith("## ") and line[3].isdigit()]
@@ -61,8 +63,14 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         assert rows_of(readme, name), f"startup: no row for {name}"
     assert rows_of(readme, "int8") and rows_of(readme, "bulk upload port, fp32"), "core/upload rows missing"
     assert rows_of(readme, "accept + round close: CoordinatorCore.accept"), "upload: no breakdown"
+    assert rows_of(readme, "`spread`") and rows_of(readme, "`contiguous`"), "layout: a row per batch layout"
+    assert "| model | calls | over 50 ms | p50 (ms) | p99 (ms) |" in readme, "control: no latency table"
+    assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
+    for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed
+        for run in results["sections"][name]["runs"]:
+            assert run["seeds"] == [0, 1] and len(run["per_seed"]) == 2, (name, run.get("seeds"))
     assert "## Targets" in readme and ("**pass**" in readme or "**FAIL**" in readme)
-    for png in ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer"):
+    for png in ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer", "layout"):
         path = out / f"{png}.png"
         assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000, f"{png}.png missing or empty"
         assert f"]({png}.png)" in readme, f"{png}.png not linked from the report"
@@ -150,7 +158,18 @@ def test_readme_blocks_are_rewritten_from_results_and_nothing_else(tmp_path: Pat
     text = readme.read_text()
     assert text.startswith("intro\n") and "\nmiddle\n" in text and text.endswith("\nend\n")
     assert "old" not in text and "stale table" not in text
-    assert "| §8 core | outer step | <= 1.2x | 0.9x | **pass** |" in text
+    assert f"| §{len(sections)} core | outer step | <= 1.2x | 0.9x | - | **pass** |" in text  # no seeds: "-"
     assert "commit `aaaaaaaaaa` + uncommitted changes, 2026-12-01" in text and "THE TABLE" in text
     assert "Not measured yet: run `.venv/bin/diloco bench --only upload" in text
     assert not update_readme(results, readme, sections), "a second pass changes nothing"
+
+
+def test_a_seeded_target_is_met_only_on_the_mean_and_every_seed() -> None:
+    assert target_met([0.35, 0.40, 0.31], 0.30, at_least=True)
+    assert not target_met([0.50, 0.50, 0.25], 0.30, at_least=True)  # the mean holds, one seed crosses
+    assert not target_met([0.31, None], 0.30, at_least=True)  # a seed that never got there
+    assert target_met([0.01, 0.02], 0.02, at_least=False) and not target_met([0.01, 0.03], 0.02, at_least=False)
+    assert (
+        fmt([1.0, 2.0, 3.0], ".1f") == "2.0 (1.0–3.0)" and fmt([1.5]) == "1.5000" and fmt([1.01, 1.02], ".1f") == "1.0"
+    )
+    assert fmt([1.0, None]) == "never (1 of 2 seeds)" and fmt([None]) == "never"

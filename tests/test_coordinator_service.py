@@ -348,8 +348,9 @@ def test_validation_loss_is_evaluated_after_rounds(start: Callable[..., Env]) ->
     h, data, _ = make_upload(env, reg, "s1")
     submit(env, h, data)
     wait_for("an evaluation of version 1", lambda: env.server.state.validation_version == 1)
-    loss = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).validation_loss
-    assert 0 < loss < 10
+    status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
+    assert 0 < status.validation_loss < 10
+    assert status.validation_tokens == 256  # the sample the evaluation scored (eval_tokens=256)
     body = urllib.request.urlopen(f"http://127.0.0.1:{env.server.metrics_port}/metrics", timeout=T).read().decode()
     assert "diloco_coordinator_rounds_total 1.0" in body and "diloco_coordinator_validation_loss" in body
 

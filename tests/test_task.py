@@ -239,6 +239,8 @@ def test_data_config_validation() -> None:
         DataConfig(val_fraction=0.0)
     with pytest.raises(ConfigError, match=r"data\.max_bytes"):
         DataConfig(max_bytes=-1)
+    with pytest.raises(ConfigError, match=r"data\.layout must be one of spread, contiguous"):
+        DataConfig(layout="strided")
 
 
 # -- batches and cursors ------------------------------------------------------------------------------------
@@ -260,6 +262,19 @@ def test_batch_rows_are_spread_across_the_shard() -> None:
     assert steps == min(row // 8, (length - 1 - 3 * row) // 8)
     x2, y2, _ = c.batch(1, steps * 32, 4, 8)  # the next pass over the shard reads the same tokens again
     assert torch.equal(x2, x) and torch.equal(y2, y)
+
+
+def test_contiguous_layout_reads_consecutive_sequences_and_wraps() -> None:
+    tokens = (np.arange(4000) % 256).astype(np.uint16)
+    c = Corpus(tokens, DataConfig(source="memory", num_shards=2, val_fraction=0.1, layout="contiguous"))
+    shard = c.shard_tokens(1).astype(np.int64)
+    length = shard.shape[0]
+    x, y, nxt = c.batch(1, 8, 4, 8)  # rows are the 4 sequences after the cursor
+    assert nxt == 40 and x.shape == (4, 8)
+    assert x.flatten().tolist() == shard[8:40].tolist() and y.flatten().tolist() != x.flatten().tolist()
+    assert y[3].tolist() == shard[33:41].tolist()
+    xw, _, _ = c.batch(1, length - 8, 4, 8)  # past the end of the shard it wraps to its start
+    assert xw[0].tolist() == shard[length - 8 :].tolist() and xw[1].tolist() == shard[:8].tolist()
 
 
 @given(batch_size=st.integers(1, 5), seq_len=st.integers(1, 9), n=st.integers(1_000, 3_000))

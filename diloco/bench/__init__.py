@@ -3,11 +3,13 @@ the suite and writes the report in `docs/benchmarks/` and the generated blocks o
 
 - `suite.py`: `SECTIONS`, the registry (report order), and the runner that records where each section was
   measured (commit, dirty flag, date, machine); `section.py`: how a module joins the registry.
-- sections: `sim_bench.py` (time to target, scale, compression, outer optimizers), `cluster_bench.py` (the real
-  cluster), `startup_bench.py` (process start to serving), `bench_core.py` (outer step, codecs),
-  `bench_upload.py` (a pseudo-gradient into the coordinator); `settings.py` (the simulator and cluster settings),
-  `report.py` (Markdown and plots from `results.json` alone).
-- `bench_core`, `bench_upload`, `bench_bulk` and `startup_bench` also run on their own:
+- sections: `sim_bench.py` (time to target, scale, compression, outer optimizers, batch layout),
+  `cluster_bench.py` (the real cluster), `startup_bench.py` (process start to serving), `bench_core.py` (outer
+  step, codecs), `bench_upload.py` (a pseudo-gradient into the coordinator), `bench_control.py` (GetStatus
+  latency while a round closes); `settings.py` (the simulator and cluster settings), `seeds.py` (mean and spread
+  over seeds, and the one rule by which a seeded target passes), `report.py` (Markdown and plots from
+  `results.json` alone).
+- `bench_core`, `bench_upload`, `bench_bulk`, `bench_control` and `startup_bench` also run on their own:
   `python -m diloco.bench.bench_core --help`.
 
 Nothing here imports `diloco.cli`; the CLI imports this package only when `diloco bench` runs.

@@ -1,7 +1,7 @@
 """Run the benchmark suite and write the report: `diloco bench` and `python -m diloco.bench.run_all` are the same
 command (the CLI builds its parser with `add_arguments` and calls `run`).
 
-python -m diloco.bench.run_all                      # full suite into docs/benchmarks (about 15 minutes on 2 cores)
+python -m diloco.bench.run_all                      # full suite into docs/benchmarks (about 30 minutes on 2 cores)
 python -m diloco.bench.run_all --quick              # CI variant into a temp dir (about 2 minutes)
 python -m diloco.bench.run_all --only startup --out docs/benchmarks
 

@@ -20,7 +20,16 @@ from typing import Any
 
 import torch
 
-from diloco.bench import bench_core, bench_upload, cluster_bench, report, sim_bench, startup_bench, storm
+from diloco.bench import (
+    bench_control,
+    bench_core,
+    bench_upload,
+    cluster_bench,
+    report,
+    sim_bench,
+    startup_bench,
+    storm,
+)
 from diloco.bench.section import Context, Log, Section
 from diloco.bench.settings import FULL, QUICK
 from diloco.errors import ConfigError
@@ -59,7 +68,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "outer",
         "Outer-optimizer ablation (simulator)",
-        lambda c: sim_bench.outer(c.profile.sim, c.sim),
+        lambda c: sim_bench.outer(c.profile.outer, c.sim),
         report.outer_md,
         report.outer_plot,
     ),
@@ -85,6 +94,19 @@ SECTIONS: tuple[Section, ...] = (
         readme=bench_upload.summary,
     ),
     Section("kill-storm", "Kill storm (real processes, no supervisor)", storm.section, storm.markdown),
+    Section(
+        "layout",
+        "Batch layout: rows spread across the shard vs contiguous (simulator)",
+        lambda c: sim_bench.layout(c.profile.sim, c.sim),
+        report.layout_md,
+        report.layout_plot,
+    ),
+    Section(
+        "control",
+        "Control calls while a round closes (GetStatus latency)",
+        bench_control.section,
+        bench_control.markdown,
+    ),
 )
 NAMES = tuple(s.name for s in SECTIONS)
 CHECKOUT = Path(__file__).resolve().parents[2]

@@ -74,6 +74,8 @@ def render(console: Console, action: str, msg: Any) -> None:
     if action == "status":
         t = Table(title="coordinator", show_header=False)
         loss = "-" if math.isnan(msg.validation_loss) else f"{msg.validation_loss:.4f}"
+        if not math.isnan(msg.validation_loss) and msg.validation_tokens:
+            loss += f" ({msg.validation_tokens:,} tokens)"
         rows = {
             "mode": MODES.from_proto(msg.mode),
             "version": f"{msg.version}" + (f" / {msg.target_outer_steps}" if msg.target_outer_steps else ""),

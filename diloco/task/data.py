@@ -28,6 +28,9 @@ shard, counted in tokens read in this layout: step `s` of a shard is the range `
 position `p = s mod P` of every row (inputs `[j·R + p·T, j·R + (p+1)·T)`, targets shifted by one), so a cursor
 range `[c0, c1)` is `B` disjoint token ranges of the shard and holds `c1 - c0` training tokens: the ledger's
 exactly-once accounting and its token counts need no change. `cursor // (P·B·T)` counts passes over the shard.
+`DataConfig.layout = "contiguous"` keeps the layout used before (issue #17), for the benchmark that compares the
+two only: a batch is `B` consecutive sequences starting at `cursor mod L` (wrapping), so a run reads only the
+start of each shard.
 
 Evaluation (`evaluate`): the validation split holds `n = ⌊(V - 1)/T⌋` non-overlapping sequences. With a budget
 of `eval_tokens` it scores `k = min(n, ⌊eval_tokens/T⌋)` of them (all of them when `eval_tokens` is 0), evenly
@@ -62,6 +65,7 @@ _SOURCES = '"stdlib", a text file, a folder of text files, or a .bin file of lit
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"})
 _DOC_SEPARATOR = b"\n\n"
 _BLOCK_MIN, _BLOCK_MAX, _BLOCKS = 64, 4096, 256
+LAYOUTS = ("spread", "contiguous")  # batch layouts; "contiguous" only for the benchmark comparing the two
 _EVAL_ROWS = 32  # sequences per forward pass of the evaluator (the result does not depend on the caller)
 
 
@@ -81,7 +85,8 @@ class DataConfig:
     """Where the tokens come from and how they are split.
 
     `max_bytes` caps every source (for a `.bin` file: `max_bytes // 2` tokens); 0 means no cap. `seed` orders
-    the training documents (not the split).
+    the training documents (not the split). `layout` is the batch layout (module docstring): `"spread"`, or
+    `"contiguous"` (the layout before issue #17, kept for the benchmark that compares the two).
     """
 
     source: str = STDLIB
@@ -89,8 +94,11 @@ class DataConfig:
     val_fraction: float = 0.02
     max_bytes: int = 8_000_000
     seed: int = 0
+    layout: str = "spread"
 
     def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"data.layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not isinstance(self.source, str) or not self.source:
             raise ConfigError(f"data.source must be {_SOURCES}, got {self.source!r}")
         check_int("data", "num_shards", self.num_shards, minimum=1)
@@ -319,6 +327,11 @@ class Corpus:
             raise InvalidArgument(f"cursor must be >= 0, got {cursor}")
         step_tokens = batch_size * seq_len
         shard = self.shard_tokens(shard_id)
+        if self.cfg.layout == "contiguous":
+            begin = cursor % shard.shape[0] + np.arange(batch_size, dtype=np.int64)[:, None] * seq_len
+            idx = (begin + np.arange(seq_len + 1, dtype=np.int64)[None, :]) % shard.shape[0]
+            seqs = torch.from_numpy(shard[idx].astype(np.int64))
+            return seqs[:, :-1], seqs[:, 1:], cursor + step_tokens
         row = shard.shape[0] // batch_size
         position = (cursor // step_tokens) % self.steps_per_pass(shard_id, batch_size, seq_len)
         starts = (np.arange(batch_size, dtype=np.int64) * row + position * seq_len)[:, None]

@@ -217,7 +217,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s")
+    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s", "validation_tokens")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class GetStatusResponse(_message.Message):
     MIN_QUORUM_FIELD_NUMBER: _ClassVar[int]
     REJECTED_SUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    VALIDATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: RoundMode
     version: int
     coordinator_epoch: int
@@ -252,7 +253,8 @@ class GetStatusResponse(_message.Message):
     min_quorum: int
     rejected_submissions: int
     started_unix_s: float
-    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ...) -> None: ...
+    validation_tokens: int
+    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason")

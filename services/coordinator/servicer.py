@@ -291,6 +291,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             tokens_applied=s.tokens_applied,
             last_round_unix_s=s.last_round_unix_s,
             validation_loss=s.validation_loss,
+            validation_tokens=s.validation_tokens,
             bytes_received=s.bytes_received,
             bytes_sent=s.bytes_sent,
             target_outer_steps=s.target_outer_steps,

@@ -87,6 +87,7 @@ class StatusView:
     tokens_applied: int
     last_round_unix_s: float
     validation_loss: float
+    validation_tokens: int  # scored by the evaluation behind `validation_loss` (0: none yet)
     bytes_received: int
     bytes_sent: int
     target_outer_steps: int
@@ -171,6 +172,7 @@ class CoordinatorState:
         self.last_round_at = 0.0
         self.validation_loss = math.nan
         self.validation_version = -1
+        self.validation_tokens = 0
         self.rejected = 0
         self.bytes_received = 0
         self.bytes_sent = 0
@@ -398,6 +400,7 @@ class CoordinatorState:
         with self.lock:
             if version >= self.validation_version:
                 self.validation_version, self.validation_loss = version, loss
+                self.validation_tokens = tokens
                 self.metrics.validation_loss.set(loss)
         self.log.info("eval.done", version=version, val_loss=round(loss, 6), eval_tokens=tokens)
 
@@ -641,6 +644,7 @@ class CoordinatorState:
                 tokens_applied=c.tokens_applied,
                 last_round_unix_s=self.last_round_at,
                 validation_loss=self.validation_loss,
+                validation_tokens=self.validation_tokens,
                 bytes_received=self.bytes_received,
                 bytes_sent=self.bytes_sent,
                 target_outer_steps=c.cfg.target_outer_steps,
