@@ -331,11 +331,11 @@ def outer(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
     ranked = sorted(runs, key=lambda r: r["loss_at_budget"])
     checks = [
         check(
-            "outer Nesterov reaches a lower loss than FedAvg at equal tokens (the DiLoCo paper's finding)",
-            "FedAvg − Nesterov > 0",
-            f"{fmt(margin, '+.4f')} nats; lowest mean: {ranked[0]['outer']}; "
+            "which outer optimizer gives the lowest loss at equal tokens (the DiLoCo paper: Nesterov, at H = 500)",
+            "reported (no target; issue #17 asks for the comparison)",
+            f"FedAvg − Nesterov {fmt(margin, '+.4f')} nats; lowest mean: {ranked[0]['outer']}; "
             + ", ".join(f"{r['outer']} {fmt(values(r, 'loss_at_budget'))}" for r in runs),
-            target_met(margin, 0.0, at_least=True, strict=True),
+            None,
             len(s.seeds),
         )
     ]
