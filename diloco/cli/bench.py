@@ -12,8 +12,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "bench",
         help="run the benchmark suite; writes a Markdown report and plots",
-        description="Run the benchmark suite (start-up times, core operations, uploads, time to target, scale, "
-        "compression, real cluster, outer optimizer) and write README.md, PNG plots and results.json into --out.",
+        description="Run the benchmark suite (the sections of diloco.bench.suite.SECTIONS; `--only` with an unknown "
+        "name lists them) and write README.md, PNG plots and results.json into --out.",
     )
     add_arguments(p)
     p.set_defaults(func=run)
