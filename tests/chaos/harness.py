@@ -598,11 +598,13 @@ def finish_and_check(
     applied per second from the first round to the end) and wall time."""
     cluster.wait_finished(timeout_s)
     result.wall_s = time.monotonic() - cluster.training_since
+    # the registry before the ledger: learners leave once the job finished, and one that left between the two
+    # reads would look like a gone owner (its shards are released when it leaves, never handed back to it)
+    gone = {w.worker_id for w in cluster.workers() if state_name(w.state) in ("dead", "evicted", "left")}
     status = cluster.status()
     ledger = cluster.ledger()
     problems = ledger_problems(ledger_shards(ledger), status.tokens_applied)
     assert not problems, "ledger: " + "; ".join(problems)
-    gone = {w.worker_id for w in cluster.workers() if state_name(w.state) in ("dead", "evicted", "left")}
     stale_owners = {s.owner for s in ledger.shards if s.owner in gone}
     assert not stale_owners, f"incarnations that are gone still own shards: {stale_owners}"
     result.final_loss = final_loss(eval_losses(cluster.logs("coordinator")))
