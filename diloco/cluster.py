@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -104,28 +104,41 @@ def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float, inter
         time.sleep(interval_s)
 
 
-def ledger_problems(ledger: coordinator_pb2.GetLedgerResponse, tokens_applied: int) -> list[str]:
-    """What keeps a ledger from being exactly once (empty: it is): every shard's committed ranges must be
-    contiguous from 0 (no gap, no overlap) and end at its committed cursor, and the cursors must add up to the
-    tokens the coordinator applied."""
+@dataclass(frozen=True)
+class LedgerShard:
+    """One shard of a ledger as plain data (from GetLedger, or from `diloco ctl ledger --json`)."""
+
+    shard_id: int
+    committed: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+def ledger_shards(ledger: coordinator_pb2.GetLedgerResponse) -> list[LedgerShard]:
+    return [
+        LedgerShard(s.shard_id, s.committed, tuple((r.start, r.end) for r in s.committed_ranges)) for s in ledger.shards
+    ]
+
+
+def ledger_problems(shards: Iterable[LedgerShard], tokens_applied: int) -> list[str]:
+    """What keeps a ledger from being exactly once (empty: it is): every shard's committed ranges must tile
+    [0, committed) in order, with no gap (a lost range) and no overlap (a duplicate), and the cursors must add up
+    to the tokens the coordinator applied."""
     problems: list[str] = []
     total = 0
-    for shard in ledger.shards:
+    for s in shards:
         cursor = 0
-        for r in shard.committed_ranges:
-            if r.start != cursor or r.end <= r.start:
-                what = (
-                    "overlaps the one before"
-                    if r.start < cursor
-                    else "leaves a gap"
-                    if r.start > cursor
-                    else "is empty"
-                )
-                problems.append(f"shard {shard.shard_id}: range [{r.start}, {r.end}) {what} (cursor {cursor})")
-            cursor = max(cursor, r.end)
-        if cursor != shard.committed:
-            problems.append(f"shard {shard.shard_id}: ranges end at {cursor}, committed cursor is {shard.committed}")
-        total += shard.committed
+        for start, end in s.ranges:
+            if start < cursor:
+                what = f"overlaps the one before: applied twice (cursor {cursor})"
+                problems.append(f"shard {s.shard_id}: range [{start}, {end}) {what}")
+            elif start > cursor:
+                problems.append(f"shard {s.shard_id}: range [{start}, {end}) leaves a gap: [{cursor}, {start}) lost")
+            if end <= start:
+                problems.append(f"shard {s.shard_id}: range [{start}, {end}) is empty or inverted")
+            cursor = max(cursor, end)
+        if cursor != s.committed:
+            problems.append(f"shard {s.shard_id}: ranges end at {cursor}, committed cursor is {s.committed}")
+        total += s.committed
     if total != tokens_applied:
         problems.append(f"the committed cursors add up to {total} tokens, the coordinator applied {tokens_applied}")
     return problems

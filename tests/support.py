@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster, ledger_problems
+from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster, ledger_problems, ledger_shards
 from diloco.core.codecs import get_codec
 from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.server import channel
@@ -427,7 +427,7 @@ def worker_state(c: LocalCluster, name: str) -> str:
 
 
 def assert_exactly_once(c: LocalCluster) -> None:
-    problems = ledger_problems(c.ledger(), c.status().tokens_applied)
+    problems = ledger_problems(ledger_shards(c.ledger()), c.status().tokens_applied)
     assert not problems, "the ledger is not exactly once:\n" + "\n".join(problems)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from diloco.bench.storm import Fault, StormSettings, run_storm, schedule
-from diloco.cluster import LogFollower, ledger_problems
+from diloco.cluster import LedgerShard, LogFollower, ledger_problems, ledger_shards
 from diloco.errors import ConfigError
 from diloco.v1 import common_pb2, coordinator_pb2
 
@@ -56,16 +56,14 @@ def test_schedule_alternates_coordinator_triggers_and_spreads_the_other_faults()
         StormSettings(workers=2, min_quorum=2, learner_kills=1)
 
 
-def ledger(
-    *ranges: list[tuple[int, int]], committed: dict[int, int] | None = None
-) -> coordinator_pb2.GetLedgerResponse:
+def ledger(*ranges: list[tuple[int, int]], committed: dict[int, int] | None = None) -> list[LedgerShard]:
     """Shard i holds ranges[i]; its committed cursor is where they end unless `committed` says otherwise."""
     entries = []
     for i, rs in enumerate(ranges):
         cursor = (committed or {}).get(i, rs[-1][1] if rs else 0)
         spans = [common_pb2.ShardRange(shard_id=i, start=a, end=b) for a, b in rs]
         entries.append(coordinator_pb2.ShardLedgerEntry(shard_id=i, committed=cursor, committed_ranges=spans))
-    return coordinator_pb2.GetLedgerResponse(shards=entries)
+    return ledger_shards(coordinator_pb2.GetLedgerResponse(shards=entries))  # as read from GetLedger
 
 
 def test_ledger_problems_name_gaps_overlaps_and_a_wrong_total() -> None:

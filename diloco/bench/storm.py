@@ -56,6 +56,7 @@ from diloco.cluster import (
     LogFollower,
     LogLine,
     ledger_problems,
+    ledger_shards,
     wait_until,
 )
 from diloco.core.states import LIVE_STATES
@@ -483,7 +484,7 @@ def run_storm(s: StormSettings, run_dir: Path, log: Log = lambda line: None) -> 
             version=status.version,
             target_outer_steps=status.target_outer_steps,
             tokens_applied=status.tokens_applied,
-            ledger_problems=ledger_problems(ledger, status.tokens_applied),
+            ledger_problems=ledger_problems(ledger_shards(ledger), status.tokens_applied),
             alive_after_faults=alive,
             finished_exits=finished_exits,
             unexpected_exits=dict(storm.exits),

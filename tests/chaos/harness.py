@@ -8,7 +8,7 @@ Every connection is mutual TLS with tokens, as in production: each cluster write
 containers' names and 127.0.0.1) and tokens into a temporary folder on the host (`diloco.rpc.tls.write_bundle`),
 bind-mounted read-only at /certs in every container; the host's own channels use the admin identity and token.
 
-The pure helpers (`ledger_problems`, `error_lines`, `median`, `render_table`) take plain data and are unit-tested
+The pure helpers (`error_lines`, `median`, `render_table`) take plain data and are unit-tested
 without an engine (tests/chaos/test_harness.py).
 """
 
@@ -31,7 +31,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, coordinator_flags
+from diloco.cluster import TINY_TASK_ARGS, coordinator_flags, ledger_problems, ledger_shards
 from diloco.rpc.security import SecurityConfig
 from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, write_bundle
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
@@ -439,42 +439,6 @@ def remove_labelled(client: Any, labels: dict[str, str]) -> None:
 
 
 # --- pure checks -----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LedgerShard:
-    shard_id: int
-    committed: int
-    ranges: tuple[tuple[int, int], ...]
-
-
-def ledger_shards(ledger: coordinator_pb2.GetLedgerResponse) -> list[LedgerShard]:
-    return [
-        LedgerShard(s.shard_id, s.committed, tuple((r.start, r.end) for r in s.committed_ranges)) for s in ledger.shards
-    ]
-
-
-def ledger_problems(shards: Iterable[LedgerShard], tokens_applied: int) -> list[str]:
-    """Every committed token range exactly once: per shard the ranges tile [0, committed) in order, with no gap
-    (a lost range) and no overlap (a duplicate); and the ledger adds up to the tokens the coordinator applied."""
-    problems = []
-    total = 0
-    for s in shards:
-        cursor = 0
-        for start, end in s.ranges:
-            if start < cursor:
-                problems.append(f"shard {s.shard_id}: range {start}-{end} overlaps (applied twice) before {cursor}")
-            elif start > cursor:
-                problems.append(f"shard {s.shard_id}: range {start}-{end} leaves {cursor}-{start} lost")
-            if end <= start:
-                problems.append(f"shard {s.shard_id}: empty or inverted range {start}-{end}")
-            cursor = max(cursor, end)
-        if cursor != s.committed:
-            problems.append(f"shard {s.shard_id}: ranges end at {cursor}, committed says {s.committed}")
-        total += s.committed
-    if total != tokens_applied:
-        problems.append(f"ledger holds {total} tokens, the coordinator applied {tokens_applied}")
-    return problems
-
-
 def error_lines(role: str, text: str, allowed_events: Iterable[str] = ()) -> list[str]:
     """Error-level JSON log lines and tracebacks in one container's log, less the events the fault explains."""
     allowed = set(allowed_events)

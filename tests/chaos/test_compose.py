@@ -23,11 +23,10 @@ from typing import Any
 
 import pytest
 
+from diloco.cluster import LedgerShard, ledger_problems
 from tests.chaos.harness import (
     IMAGE,
     UNTRAINED_LOSS,
-    LedgerShard,
-    ledger_problems,
     remove_labelled,
     unavailable,
 )

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import math
 
+from diloco.cluster import LedgerShard, ledger_problems
 from tests.chaos.harness import (
-    LedgerShard,
     ScenarioResult,
     error_lines,
     eval_losses,
     final_loss,
-    ledger_problems,
     median,
     render_table,
 )
@@ -28,7 +27,7 @@ def test_ledger_gap_overlap_and_totals_are_reported() -> None:
     twice = ledger_problems([LedgerShard(0, 30, ((0, 20), (10, 30)))], 30)
     assert any("applied twice" in p for p in twice)
     short = ledger_problems([LedgerShard(0, 30, ((0, 20),))], 30)
-    assert any("committed says 30" in p for p in short)
+    assert any("committed cursor is 30" in p for p in short)
     total = ledger_problems([LedgerShard(0, 30, ((0, 30),))], 40)
     assert any("applied 40" in p for p in total)
 
