@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -646,11 +646,12 @@ def outer_md(r: dict[str, Any]) -> str:
     )
 
 
-def outer_plot(r: dict[str, Any], out: Path) -> list[str]:
+def loss_by_tokens_plot(runs: list[dict[str, Any]], label_of: Callable[[dict[str, Any]], str], path: Path) -> str:
+    """Validation loss against applied tokens, one colour per row, every seed drawn (the first one labelled)."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for k, run in enumerate(r["runs"]):
+    for k, run in enumerate(runs):
         for i, h in enumerate(curves(run)):
-            label, alpha = (f"{run['outer']} ({run['mode']})", 1.0) if i == 0 else (None, 0.4)
+            label, alpha = (label_of(run), 1.0) if i == 0 else (None, 0.4)
             ax.plot([p[1] for p in h], [p[2] for p in h], label=label, color=f"C{k}", alpha=alpha)
     ax.set_xlabel("applied tokens")
     ax.set_ylabel("validation loss")
@@ -658,9 +659,13 @@ def outer_plot(r: dict[str, Any], out: Path) -> list[str]:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "outer.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return ["outer.png"]
+    return path.name
+
+
+def outer_plot(r: dict[str, Any], out: Path) -> list[str]:
+    return [loss_by_tokens_plot(r["runs"], lambda run: f"{run['outer']} ({run['mode']})", out / "outer.png")]
 
 
 # --- batch layout ---------------------------------------------------------------------------------------------
@@ -690,20 +695,7 @@ def layout_md(r: dict[str, Any]) -> str:
 
 
 def layout_plot(r: dict[str, Any], out: Path) -> list[str]:
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for k, run in enumerate(r["runs"]):
-        for i, h in enumerate(curves(run)):
-            label, alpha = (run["layout"], 1.0) if i == 0 else (None, 0.4)
-            ax.plot([p[1] for p in h], [p[2] for p in h], label=label, color=f"C{k}", alpha=alpha)
-    ax.set_xlabel("applied tokens")
-    ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "layout.png", dpi=100)
-    plt.close(fig)
-    return ["layout.png"]
+    return [loss_by_tokens_plot(r["runs"], lambda run: str(run["layout"]), out / "layout.png")]
 
 
 # --- what changed since the last report (issue #17) -------------------------------------------------------------
