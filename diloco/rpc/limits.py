@@ -39,7 +39,7 @@ MAX_FINGERPRINT_CHARS = 64  # a fingerprint is 16 hex digits of a sha256; 64 hol
 MAX_REASON_CHARS = 1024
 MAX_TENSOR_NAME_CHARS = 512
 MAX_DTYPE_CHARS = 32
-MAX_TENSORS = 100_000
+MAX_TENSORS = 10_000  # Llama-2-70B has 723 parameter tensors
 MAX_DIMS = 64  # torch's own limit on tensor dimensions
 MAX_RANGES = 100_000
 MAX_TOKENS_PER_S = 1e9  # per learner
@@ -157,7 +157,7 @@ LIMITS: Mapping[str, Bound] = {
     ),
     _P + "SubmissionHeader.resume_offset": _count(0, "a byte offset", "send the offset GetUploadStatus reported"),
     _P + "PayloadSpec.tensors": Bound(
-        "one entry per parameter tensor; the largest models have a few thousand",
+        "one entry per parameter tensor; Llama-2-70B has 723, so 10,000 is ample",
         "describe the parameters as the coordinator does (ParametersHeader.payload)",
         max_items=MAX_TENSORS,
     ),
