@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from types import ModuleType
 
-import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from diloco.rpc.auth import TokenAuthInterceptor, Tokens
+from diloco.rpc.server import GrpcService
 from diloco.rpc.tls import TlsFiles, server_credentials, write_bundle
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,26 +36,23 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def serve(tls_dir: Path | None) -> tuple[grpc.Server, int]:
-    """A health service behind the token interceptor, over mutual TLS with `tls_dir`'s coordinator identity, else
-    plaintext."""
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2), interceptors=[TokenAuthInterceptor(Tokens("join-t", "admin-t"))]
+def serve(tls_dir: Path | None) -> GrpcService:
+    """The services' server (health included) behind the token interceptor, over mutual TLS with `tls_dir`'s
+    coordinator identity, else plaintext."""
+    creds = None if tls_dir is None else server_credentials(TlsFiles.from_dir(tls_dir, "coordinator"))
+    server = GrpcService(
+        "127.0.0.1", 0, [], credentials=creds, interceptors=[TokenAuthInterceptor(Tokens("join-t", "admin-t"))]
     )
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-    if tls_dir is None:
-        port = server.add_insecure_port("127.0.0.1:0")
-    else:
-        port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsFiles.from_dir(tls_dir, "coordinator")))
     server.start()
-    return server, port
+    return server
 
 
 @pytest.fixture
 def tls_server(pki: Path) -> Iterator[int]:
-    server, port = serve(pki)
+    server = serve(pki)
+    port = server.port
     yield port
-    server.stop(None)
+    server.stop(0)
 
 
 def test_tls_check_with_the_mounted_certificates(tls_server: int, pki: Path) -> None:
@@ -75,15 +70,17 @@ def test_tls_check_fails_in_plaintext_or_with_another_ca(tls_server: int, tmp_pa
 
 
 def test_plaintext_check_when_insecure() -> None:
-    server, port = serve(None)
+    server = serve(None)
+    port = server.port
     try:
         assert hc.main(["diloco", "healthd", "--port", str(port)], {"DILOCO_INSECURE": "1"}) == 0
     finally:
-        server.stop(None)
+        server.stop(0)
 
 
 def test_a_stopped_server_is_unhealthy(pki: Path) -> None:
-    server, port = serve(pki)
+    server = serve(pki)
+    port = server.port
     assert hc.check_grpc(str(port), str(pki), "coordinator") == ""
-    server.stop(None)
+    server.stop(0)
     assert hc.check_grpc(str(port), str(pki), "coordinator").startswith(f"health check on port {port}: ")

@@ -396,7 +396,7 @@ def test_parse_flags_win_over_environment() -> None:
         (["--coordinator-address", "nohostport"], {}, "coordinator_address"),
         (["--report-timeout-s", "0"], {}, "report_timeout_s"),
         (["--log-level", "loud"], {}, "log_level"),
-        (["--max-streams", "1"], {}, "max_streams"),
+        (["--max-calls", "1"], {}, "max_calls"),
         (["--stall-after-s", "0.2"], {}, "stall_after_s"),  # not above --tick-interval-s (0.25)
         (["--tick-interval-s", "0"], {}, "tick_interval_s"),
         (["--unknown-flag"], {}, "unrecognized"),

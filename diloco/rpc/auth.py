@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import enum
 import hmac
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, NamedTuple
 
 import grpc
 
 from diloco.errors import PermissionDenied
+from diloco.rpc.admission import wrap_handler
 from diloco.rpc.tls import RESERVED_NAMES
 
 COORDINATOR_SERVICE = "diloco.v1.Coordinator"
@@ -174,21 +175,9 @@ def check(tokens: Tokens, method: str, presented: str | None) -> Denied | None:
     return None
 
 
-def _aborting_handler(handler: grpc.RpcMethodHandler[Any, Any], denied: Denied) -> grpc.RpcMethodHandler[Any, Any]:
-    def abort(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(denied.code, denied.message)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(abort)
-    return grpc.unary_unary_rpc_method_handler(abort)
-
-
-class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
-    """Checks the bearer token of every call against `METHOD_ROLES` before the servicer sees it."""
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks the bearer token of every call against `METHOD_ROLES` before the servicer sees it (a `grpc.aio`
+    server's interceptor)."""
 
     def __init__(self, tokens: Tokens) -> None:
         if not tokens.join or not tokens.admin:
@@ -197,17 +186,20 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
             raise ValueError("the join and admin tokens must differ")
         self._tokens = tokens
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        method = handler_call_details.method
-        denied = check(self._tokens, method, bearer(handler_call_details.invocation_metadata))
-        handler = continuation(handler_call_details)
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        denied = check(self._tokens, handler_call_details.method, bearer(handler_call_details.invocation_metadata))
+        handler = await continuation(handler_call_details)
         if denied is None or handler is None:
             return handler
-        return _aborting_handler(handler, denied)
+
+        async def abort(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+            await context.abort(denied.code, denied.message)
+
+        return wrap_handler(handler, lambda _behavior: abort, only_async=False)
 
 
 # --- client side ------------------------------------------------------------------------------------------------

@@ -112,7 +112,7 @@ class SecurityConfig:
     def server_credentials(self) -> grpc.ServerCredentials | None:
         return server_credentials(TlsFiles.from_dir(self.tls_dir, self.tls_name)) if self.tls else None
 
-    def server_interceptors(self) -> list[grpc.ServerInterceptor[Any, Any]]:
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         if not self.join_token:
             return []
         return [TokenAuthInterceptor(Tokens(self.join_token, self.admin_token))]

@@ -1,19 +1,23 @@
-"""Server wiring shared by the services: a grpc.Server with health checking and reflection, bound to a port
-(0 picks a free one), with an idempotent start/stop."""
+"""Server wiring shared by the services: a `grpc.aio` server on its own event loop, with health checking,
+reflection and admission limits, bound to a port (0 picks a free one), with an idempotent start/stop; and the
+client channel with the same options."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from diloco.rpc.admission import Admission, AdmissionInterceptor, AdmissionLimits
 from diloco.rpc.auth import BearerTokenInterceptor
 
+T = TypeVar("T")
 MiB = 1 << 20
 # Bulk payloads travel as ~1 MiB chunks; messages above this are refused by gRPC itself.
 MAX_MESSAGE_BYTES = 8 * MiB
@@ -36,10 +40,13 @@ SERVER_OPTIONS = [
 
 
 class GrpcService:
-    """A running gRPC server: `add` registers servicers; `start()` binds and serves; `stop(grace)` drains.
+    """A running `grpc.aio` server on an event loop of its own (one thread): an open stream costs a coroutine, not
+    a thread. `add` registers servicers (async ones run on the loop; sync ones in a small thread pool); `start()`
+    binds and serves; `stop(grace)` drains. Both are safe to call more than once, from any thread but the loop's.
 
-    Both are safe to call more than once. Health reports SERVING for every named service after start and
-    NOT_SERVING as soon as stop begins, so load balancers and healthchecks see the drain.
+    Every call passes `admission` first (`diloco.rpc.admission`): beyond its limits, RESOURCE_EXHAUSTED with a
+    retry hint. Health reports SERVING for every named service after start and NOT_SERVING as soon as stop begins,
+    so load balancers and healthchecks see the drain.
     """
 
     def __init__(
@@ -47,72 +54,162 @@ class GrpcService:
         host: str,
         port: int,
         service_names: Sequence[str],
-        max_workers: int = 32,
+        *,
         credentials: grpc.ServerCredentials | None = None,
-        interceptors: Sequence[grpc.ServerInterceptor[Any, Any]] = (),
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        admission: AdmissionLimits = AdmissionLimits(),
+        sync_threads: int = 4,
     ) -> None:
         """`credentials`: serve TLS (`diloco.rpc.tls.server_credentials`), else plaintext; `interceptors`: e.g.
-        the token check (`diloco.rpc.auth.TokenAuthInterceptor`)."""
+        the token check (`diloco.rpc.auth.TokenAuthInterceptor`), run before admission; `sync_threads`: the pool
+        that runs sync servicer methods (the diloco services have none; benchmarks' sinks do)."""
         self.host = host
         self.requested_port = port
         self.service_names = list(service_names)
         self.credentials = credentials
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS, interceptors=list(interceptors)
-        )
-        self.health = health.HealthServicer(experimental_non_blocking=True)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
-        )
+        self.admission = Admission(admission)
+        self._interceptors = [*interceptors, AdmissionInterceptor(self.admission)]
+        self._sync_threads = sync_threads
+        self._registrations: list[Callable[[grpc.aio.Server], None]] = []
+        self.health = health.aio.HealthServicer()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
+        self._pool: futures.ThreadPoolExecutor | None = None
         self.port = 0
         self._lock = threading.Lock()
         self._started = False
         self._stopped = threading.Event()
 
-    def add(self, register: Callable[[grpc.Server], None]) -> None:
-        register(self.server)
+    def add(self, register: Callable[[grpc.aio.Server], None]) -> None:
+        """`register(server)` runs at `start`, on the loop (e.g. `add_FooServicer_to_server(servicer, server)`)."""
+        self._registrations.append(register)
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
+        """Run `coro` on the server's loop from another thread and return its result."""
+        if self.loop is None:
+            raise RuntimeError("the server is not started")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
     def start(self) -> int:
         with self._lock:
             if self._started:
                 return self.port
-            target = f"{self.host}:{self.requested_port}"
-            if self.credentials is None:
-                self.port = self.server.add_insecure_port(target)
-            else:
-                self.port = self.server.add_secure_port(target, self.credentials)
-            if self.port == 0:
-                raise OSError(f"cannot bind {self.host}:{self.requested_port}; is the port in use?")
-            self.server.start()
+            loop = asyncio.new_event_loop()
+            self.loop = loop
+            self._thread = threading.Thread(
+                target=loop.run_forever, name=f"grpc-{self.service_names[0] if self.service_names else 'server'}"
+            )
+            self._thread.daemon = True
+            self._thread.start()
+            try:
+                self.port = self.run(self._start())
+            except BaseException:
+                self._close_loop()
+                raise
             self._started = True
-            self.set_serving(True)
             return self.port
 
-    def set_serving(self, serving: bool) -> None:
+    async def _start(self) -> int:
+        self._pool = futures.ThreadPoolExecutor(max_workers=self._sync_threads, thread_name_prefix="grpc-sync")
+        server = grpc.aio.server(
+            migration_thread_pool=self._pool, options=SERVER_OPTIONS, interceptors=self._interceptors
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+        )
+        for register in self._registrations:
+            register(server)
+        target = f"{self.host}:{self.requested_port}"
+        try:
+            if self.credentials is None:
+                port = server.add_insecure_port(target)
+            else:
+                port = server.add_secure_port(target, self.credentials)
+        except RuntimeError as e:  # grpc.aio raises where grpc.server returned 0
+            raise OSError(f"cannot bind {target}; is the port in use? ({e})") from None
+        if port == 0:
+            raise OSError(f"cannot bind {target}; is the port in use?")
+        await server.start()
+        self._server = server
+        await self._set_serving(True)
+        return port
+
+    async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ["", *self.service_names]:
-            self.health.set(name, status)
+            await self.health.set(name, status)
+
+    def set_serving(self, serving: bool) -> None:
+        if self.loop is not None and not self._stopped.is_set():
+            self.run(self._set_serving(serving), STOP_SLACK_S)
 
     def stop(self, grace_s: float = 5.0) -> None:
         with self._lock:
             if not self._started or self._stopped.is_set():
                 self._stopped.set()
                 return
-            self.set_serving(False)
-            # Bounded: after a streaming request that fails to deserialize, grpcio (1.85) sometimes never sets
-            # the shutdown event, which would hang every later drain (tests/test_fuzz_rpc.py found it). By then
-            # every call has been cancelled; only that event is missing.
-            self.server.stop(grace_s).wait(grace_s + STOP_SLACK_S)
-            self._stopped.set()
+            try:
+                self.run(self._stop(grace_s), grace_s + STOP_SLACK_S)
+            except (futures.TimeoutError, TimeoutError):
+                pass  # every call is cancelled by now; only grpc's own bookkeeping is late
+            finally:
+                self._close_loop()
+                self._stopped.set()
+
+    async def _stop(self, grace_s: float) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace_s)
+
+    def _close_loop(self) -> None:
+        loop, thread = self.loop, self._thread
+        if loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not None:
+            thread.join(STOP_SLACK_S)
+        if not loop.is_running():
+            loop.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until `stop` has finished (or the timeout passes)."""
         return self._stopped.wait(timeout_s)
+
+
+class LoopSignal:
+    """Wakes coroutines on one event loop when something changes in another thread: `notify()` from any thread;
+    `waiter()` on the loop, taken *before* reading the state it guards, then awaited."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+
+    def waiter(self) -> asyncio.Event:
+        if self._event is None:
+            self._loop = asyncio.get_running_loop()
+            self._event = asyncio.Event()
+        return self._event
+
+    def _fire(self) -> None:
+        event, self._event = self._event, asyncio.Event()
+        if event is not None:
+            event.set()
+
+    def notify(self) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._fire)
+            except RuntimeError:  # the loop closed in between
+                pass
 
 
 def channel(

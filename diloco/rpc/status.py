@@ -1,15 +1,18 @@
-"""Domain errors to gRPC status codes, in one place. Servicers raise `diloco.errors` types; the wrappers here
-turn them into `context.abort(code, message)`."""
+"""Domain errors to gRPC status codes, in one place, and the boundary every request passes: servicers (async,
+`grpc.aio`) raise `diloco.errors` types; the wrappers here check each request message against its documented
+bounds (`diloco.rpc.limits`) and turn a domain error into `context.abort(code, details)`, with the details
+capped so no reply echoes a caller's input at length."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import grpc
 
 from diloco.errors import DilocoError
+from diloco.rpc.limits import check_request, clip_details
 
 CODES: dict[str, grpc.StatusCode] = {
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
@@ -22,7 +25,6 @@ CODES: dict[str, grpc.StatusCode] = {
     "PERMISSION_DENIED": grpc.StatusCode.PERMISSION_DENIED,
     "INTERNAL": grpc.StatusCode.INTERNAL,
 }
-
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -30,27 +32,52 @@ def status_of(err: DilocoError) -> grpc.StatusCode:
     return CODES.get(err.code, grpc.StatusCode.INTERNAL)
 
 
+def details_of(err: DilocoError) -> str:
+    return clip_details(str(err))
+
+
+async def checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """A client stream with every message checked (`diloco.rpc.limits.check_request`) as it arrives."""
+    async for msg in requests:
+        check_request(msg)
+        yield msg
+
+
+def _is_message(request: Any) -> bool:
+    return hasattr(request, "DESCRIPTOR")
+
+
 def unary(fn: F) -> F:
-    """Wrap a unary (or client-streaming) servicer method: domain errors become status codes."""
+    """Wrap an async unary (or client-streaming) servicer method: the request (each message of a stream) is
+    checked, domain errors become status codes."""
 
     @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         try:
-            return fn(self, request, context)
+            if _is_message(request):
+                check_request(request)
+            else:
+                request = checked(request)
+            return await fn(self, request, context)
         except DilocoError as e:
-            context.abort(status_of(e), str(e))
+            await context.abort(status_of(e), details_of(e))
 
     return wrapper  # type: ignore[return-value]
 
 
 def streaming(fn: F) -> F:
-    """Wrap a server-streaming servicer method (a generator)."""
+    """Wrap an async server-streaming (or bidirectional) servicer method, an async generator, as `unary` does."""
 
     @functools.wraps(fn)
-    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
         try:
-            yield from fn(self, request, context)
+            if _is_message(request):
+                check_request(request)
+            else:
+                request = checked(request)
+            async for item in fn(self, request, context):
+                yield item
         except DilocoError as e:
-            context.abort(status_of(e), str(e))
+            await context.abort(status_of(e), details_of(e))
 
     return wrapper  # type: ignore[return-value]

@@ -21,6 +21,7 @@ from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
 from diloco.flags import Flag, config_from_flags, parse_bool
+from diloco.rpc.admission import AdmissionLimits
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.security import SecurityConfig
@@ -82,6 +83,9 @@ class CoordinatorServiceConfig:
     outlier_min_samples: int = 3  # accepted norms before any outlier judgement
     quarantine_strikes: int = 3  # refusals in a row after which a quarantined learner's shards move away
     shutdown_grace_s: float = 5.0
+    max_calls: int = 8192  # gRPC calls running at once (open streams included); more: RESOURCE_EXHAUSTED
+    max_calls_per_client: int = 64  # the same for one connection
+    work_threads: int = 4  # threads that decode uploads and write checkpoints, off the event loop
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
@@ -119,6 +123,9 @@ class CoordinatorServiceConfig:
         _int_in("outlier_min_samples", self.outlier_min_samples, 1, self.outlier_window)
         _int_in("quarantine_strikes", self.quarantine_strikes, 1)
         _float_min("shutdown_grace_s", self.shutdown_grace_s, 0.0)
+        _int_in("max_calls", self.max_calls, 16, 1_000_000)
+        _int_in("max_calls_per_client", self.max_calls_per_client, 4, self.max_calls)
+        _int_in("work_threads", self.work_threads, 1, 256)
         if not isinstance(self.healthd_address, str):
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
         if not isinstance(self.task, TaskConfig):
@@ -153,6 +160,9 @@ class CoordinatorServiceConfig:
             guard=self.guard_config(),
             tokens_per_step=self.task.inner.batch_size * self.task.model.seq_len,
         )
+
+    def admission(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_calls, self.max_calls_per_client)
 
     def guard_config(self) -> GuardConfig:
         """The robust merge. With it on (`outlier_factor > 0`), the ceiling comes from the task's AdamW settings;
@@ -246,6 +256,9 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--outlier-min-samples", int, 3, "accepted norms before the outlier check judges"),
     ("--quarantine-strikes", int, 3, "refusals in a row after which a quarantined learner's shards move away"),
     ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
+    ("--max-calls", int, 8192, "gRPC calls running at once, open streams included (more: RESOURCE_EXHAUSTED)"),
+    ("--max-calls-per-client", int, 64, "gRPC calls one connection may run at once"),
+    ("--work-threads", int, 4, "threads decoding uploads and writing checkpoints, off the event loop"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
 ]
 _TASK_FLAGS: list[Flag] = [

@@ -7,6 +7,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,6 @@ from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.state import CoordinatorState
 
 SERVICE_NAME = "diloco.v1.Coordinator"
-GRPC_THREADS = 64  # every following watcher holds one
 
 
 def default_max_upload_bytes(numel: int) -> int:
@@ -59,6 +59,7 @@ class CoordinatorServer:
         self._bulk: BulkServer | None = None
         self._metrics_server: Any = None
         self._threads: list[threading.Thread] = []
+        self._work: ThreadPoolExecutor | None = None
         self._task: Task | None = None
         self._eval_model: nn.Module | None = None
         self._jobs = threading.Condition()
@@ -145,6 +146,7 @@ class CoordinatorServer:
         if self.resumed_from is not None:
             self.log.info("checkpoint.restored", path=str(self.resumed_from), version=core.version)
         self._task, self._eval_model, self._state = task, model, state
+        self._work = ThreadPoolExecutor(max_workers=cfg.work_threads, thread_name_prefix="coordinator-work")
         servicer = CoordinatorServicer(
             state,
             task=task.config,
@@ -152,14 +154,15 @@ class CoordinatorServer:
             mode=cfg.mode,
             healthd_address=cfg.healthd_address,
             checkpoint=self.checkpoint_now,
+            work=self._work,
         )
         service = GrpcService(
             cfg.host,
             cfg.port,
             [SERVICE_NAME],
-            max_workers=GRPC_THREADS,
             credentials=cfg.security.server_credentials(),
             interceptors=cfg.security.server_interceptors(),
+            admission=cfg.admission(),
         )
         service.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
         self._threads = [
@@ -220,6 +223,8 @@ class CoordinatorServer:
                 self._jobs.notify_all()
             for t in self._threads:
                 t.join()
+            if self._work is not None:
+                self._work.shutdown(wait=True)
             if self.cfg.checkpoint_dir and self._last_ckpt_version != self.core.version:
                 self.checkpoint_now()
             if self._metrics_server is not None:

@@ -1,12 +1,20 @@
-"""The `diloco.v1.Coordinator` servicer: decode the request, call `CoordinatorState`, encode the reply.
+"""The `diloco.v1.Coordinator` servicer (`grpc.aio`): decode the request, call `CoordinatorState`, encode the reply.
+
+Control calls run on the event loop (they take only the state's short bookkeeping lock); upload work (opening,
+decoding chunks, finishing) and checkpoints run on a bounded executor, so control calls keep answering while
+pseudo-gradients arrive. A parameter watch is a coroutine waiting on `LoopSignal`; every watcher sends the same
+encoded chunks of a version (built once per version).
 
 Domain errors (`diloco.errors`) become status codes in `diloco.rpc.status`; nothing here decides policy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
@@ -22,16 +30,17 @@ from diloco.rpc.payload import (
     chunks,
     meta_from_proto,
     meta_to_proto,
-    prefetch,
 )
 from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from diloco.rpc.limits import MAX_ID_CHARS, check_request
+from diloco.rpc.server import LoopSignal
 from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadStream
 
-WATCH_RECHECK_S = 1.0  # a follow watcher rechecks that its client is still there at least this often
-_MAX_ID = 256
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def plan_to_proto(plan: WorkPlan) -> common_pb2.WorkPlan:
@@ -46,8 +55,8 @@ def plan_to_proto(plan: WorkPlan) -> common_pb2.WorkPlan:
 def _require_id(value: str, field: str) -> str:
     if not value:
         raise InvalidArgument(f"{field} is required")
-    if len(value) > _MAX_ID or not value.isprintable():
-        raise InvalidArgument(f"{field} must be at most {_MAX_ID} printable characters")
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidArgument(f"{field} must be at most {MAX_ID_CHARS} printable characters")
     return value
 
 
@@ -95,6 +104,7 @@ def open_submission(
     try:
         if first is None or first.WhichOneof("kind") != "header":
             raise InvalidArgument("an upload starts with a message holding its header (SubmissionHeader)")
+        check_request(first)  # the gRPC path checked it already; the bulk path did not
         header = header_from_proto(first.header, specs)
     except DilocoError as e:
         raise state.reject(e, "bad_header") from None
@@ -122,7 +132,7 @@ def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Thin gRPC layer over `CoordinatorState`. `checkpoint` writes a checkpoint now and returns its path
-    and version (None when checkpoints are off)."""
+    and version (None when checkpoints are off); `work`: the executor for upload decoding and checkpoints."""
 
     def __init__(
         self,
@@ -133,6 +143,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         mode: str,
         healthd_address: str,
         checkpoint: Callable[[], tuple[Path, int] | None],
+        work: Executor,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.state = state
@@ -141,14 +152,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.healthd_address = healthd_address
         self.task_json = task.to_json()
         self.checkpoint = checkpoint
+        self.work = work
         self.chunk_bytes = chunk_bytes
         self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
+        self.params_changed = LoopSignal()
+        state.add_listener(self.params_changed.notify)
+        self._chunks: tuple[ParamsSnapshot, list[coordinator_pb2.ParametersChunk]] | None = None
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
 
     # --- learners -------------------------------------------------------------------------------------------------
     @status.unary
-    def Register(
-        self, request: coordinator_pb2.RegisterRequest, context: grpc.ServicerContext
-    ) -> coordinator_pb2.RegisterResponse:
+    async def Register(self, request: coordinator_pb2.RegisterRequest, context: Context) -> coordinator_pb2.RegisterResponse:
         auth.act_as(auth.peer_identity(context), request.worker_name)
         tp = request.throughput
         rec, plan = self.state.register(request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind)
@@ -165,34 +181,41 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     @status.streaming
-    def WatchParameters(
-        self, request: coordinator_pb2.WatchParametersRequest, context: grpc.ServicerContext
-    ) -> Iterator[coordinator_pb2.ParametersChunk]:
+    async def WatchParameters(
+        self, request: coordinator_pb2.WatchParametersRequest, context: Context
+    ) -> AsyncIterator[coordinator_pb2.ParametersChunk]:
         worker_id = request.worker_id
         if worker_id:
             self._act_as(context, worker_id)
             self.state.plan(worker_id)  # NOT_FOUND / FAILED_PRECONDITION before anything is sent
-        context.add_callback(self.state.wake_watchers)
         # 0, or a version newer than ours (we restarted from an older checkpoint): send the current one
         current = self.state.params_snapshot().version
         after: int | None = request.after_version if 0 < request.after_version <= current else None
-        while context.is_active() and not self.state.stopping:
-            snap = self.state.wait_params(after, WATCH_RECHECK_S if request.follow else 0.0)
-            if snap is None:
+        while not self.state.stopping:
+            changed = self.params_changed.waiter()  # before reading: a version published after this wakes it
+            snap = self.state.params_snapshot()
+            if after is not None and snap.version <= after:
                 if not request.follow:
                     return
+                await changed.wait()
                 continue
             yield coordinator_pb2.ParametersChunk(header=self._params_header(snap, worker_id))
-            for chunk in chunks(snap.data, chunk_bytes=self.chunk_bytes):
-                if not context.is_active():
-                    return
-                yield coordinator_pb2.ParametersChunk(data=bytes(chunk))
-                self.state.count_sent(len(chunk))
+            for chunk in self._encoded_chunks(snap):
+                yield chunk
+                self.state.count_sent(len(chunk.data))
             after = snap.version
             if not request.follow:
                 return
 
-    def _act_as(self, context: grpc.ServicerContext, worker_id: str) -> str:
+    def _encoded_chunks(self, snap: ParamsSnapshot) -> list[coordinator_pb2.ParametersChunk]:
+        """The data messages of `snap`, built once per version and shared by every watcher."""
+        cached = self._chunks
+        if cached is None or cached[0] is not snap:
+            cached = (snap, [coordinator_pb2.ParametersChunk(data=bytes(c)) for c in chunks(snap.data, chunk_bytes=self.chunk_bytes)])
+            self._chunks = cached
+        return cached[1]
+
+    def _act_as(self, context: Context, worker_id: str) -> str:
         """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`); returns it."""
         identity = auth.peer_identity(context)
         if identity is not None:
@@ -213,51 +236,61 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return header
 
     @status.unary
-    def SubmitPseudoGradient(
-        self, request_iterator: Iterator[coordinator_pb2.SubmitPseudoGradientRequest], context: grpc.ServicerContext
+    async def SubmitPseudoGradient(
+        self, request_iterator: AsyncIterator[coordinator_pb2.SubmitPseudoGradientRequest], context: Context
     ) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        opened = open_submission(self.state, next(request_iterator, None), self.specs, auth.peer_identity(context))
+        first = await anext(aiter(request_iterator), None)
+        opened = await self._blocking(open_submission, self.state, first, self.specs, auth.peer_identity(context))
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
+        feeding: asyncio.Future[None] | None = None
         try:
             try:
-                for msg in prefetch(request_iterator):  # receive the next chunk while this one decodes
+                async for msg in request_iterator:  # the next chunk arrives while this one decodes
                     if msg.WhichOneof("kind") != "data":
                         raise InvalidArgument("an upload has one header; every following message must be data")
-                    opened.feed(msg.data)
-            except grpc.RpcError:  # the client went away: keep what we hold for a resume
+                    if feeding is not None:
+                        await feeding
+                    feeding = asyncio.ensure_future(self._blocking(opened.feed, msg.data))
+                if feeding is not None:
+                    await feeding
+            except (grpc.RpcError, asyncio.CancelledError):  # the client went away: keep what we hold for a resume
+                await _settle(feeding)
                 opened.interrupted()
-                return coordinator_pb2.SubmitPseudoGradientResponse()
-            return submit_response(opened.finish())
+                raise
+            return submit_response(await self._blocking(opened.finish))
+        except BaseException:
+            await _settle(feeding)
+            raise
         finally:
             opened.close()
 
     @status.unary
-    def GetUploadStatus(
-        self, request: coordinator_pb2.GetUploadStatusRequest, context: grpc.ServicerContext
+    async def GetUploadStatus(
+        self, request: coordinator_pb2.GetUploadStatusRequest, context: Context
     ) -> coordinator_pb2.GetUploadStatusResponse:
         worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"))
         held, complete = self.state.upload_status(worker_id, _require_id(request.submission_id, "submission_id"))
         return coordinator_pb2.GetUploadStatusResponse(received_bytes=held, complete=complete)
 
     @status.unary
-    def GetWorkPlan(
-        self, request: coordinator_pb2.GetWorkPlanRequest, context: grpc.ServicerContext
+    async def GetWorkPlan(
+        self, request: coordinator_pb2.GetWorkPlanRequest, context: Context
     ) -> coordinator_pb2.GetWorkPlanResponse:
         plan, version = self.state.plan(self._act_as(context, _require_id(request.worker_id, "worker_id")))
         return coordinator_pb2.GetWorkPlanResponse(plan=plan_to_proto(plan), version=version)
 
     @status.unary
-    def Deregister(
-        self, request: coordinator_pb2.DeregisterRequest, context: grpc.ServicerContext
+    async def Deregister(
+        self, request: coordinator_pb2.DeregisterRequest, context: Context
     ) -> coordinator_pb2.DeregisterResponse:
         worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"))
         self.state.remove(worker_id, WorkerState.LEFT, request.reason or "left")
         return coordinator_pb2.DeregisterResponse()
 
     @status.unary
-    def ReportNodeFailure(
-        self, request: coordinator_pb2.ReportNodeFailureRequest, context: grpc.ServicerContext
+    async def ReportNodeFailure(
+        self, request: coordinator_pb2.ReportNodeFailureRequest, context: Context
     ) -> coordinator_pb2.ReportNodeFailureResponse:
         known, released = self.state.report_failure(
             _require_id(request.worker_id, "worker_id"),
@@ -268,8 +301,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.ReportNodeFailureResponse(reassigned_shards=released, known=known)
 
     @status.unary
-    def ReportThroughput(
-        self, request: coordinator_pb2.ReportThroughputRequest, context: grpc.ServicerContext
+    async def ReportThroughput(
+        self, request: coordinator_pb2.ReportThroughputRequest, context: Context
     ) -> coordinator_pb2.ReportThroughputResponse:
         tp = request.throughput
         self.state.report_throughput(_require_id(request.worker_id, "worker_id"), tp.tokens_per_s, tp.device_kind)
@@ -277,8 +310,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- operators ------------------------------------------------------------------------------------------------
     @status.unary
-    def GetStatus(
-        self, request: coordinator_pb2.GetStatusRequest, context: grpc.ServicerContext
+    async def GetStatus(
+        self, request: coordinator_pb2.GetStatusRequest, context: Context
     ) -> coordinator_pb2.GetStatusResponse:
         s = self.state.status(self.mode)
         return coordinator_pb2.GetStatusResponse(
@@ -303,16 +336,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     @status.unary
-    def ListWorkers(
-        self, request: coordinator_pb2.ListWorkersRequest, context: grpc.ServicerContext
+    async def ListWorkers(
+        self, request: coordinator_pb2.ListWorkersRequest, context: Context
     ) -> coordinator_pb2.ListWorkersResponse:
         return coordinator_pb2.ListWorkersResponse(
             workers=[worker_to_proto(w.record, w.plan) for w in self.state.workers()]
         )
 
     @status.unary
-    def GetLedger(
-        self, request: coordinator_pb2.GetLedgerRequest, context: grpc.ServicerContext
+    async def GetLedger(
+        self, request: coordinator_pb2.GetLedgerRequest, context: Context
     ) -> coordinator_pb2.GetLedgerResponse:
         shards, version = self.state.ledger()
         return coordinator_pb2.GetLedgerResponse(
@@ -335,45 +368,51 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     @status.unary
-    def Checkpoint(
-        self, request: coordinator_pb2.CheckpointRequest, context: grpc.ServicerContext
+    async def Checkpoint(
+        self, request: coordinator_pb2.CheckpointRequest, context: Context
     ) -> coordinator_pb2.CheckpointResponse:
-        written = self.checkpoint()
+        written = await self._blocking(self.checkpoint)
         if written is None:
             raise FailedPrecondition("checkpoints are off; start the coordinator with --checkpoint-dir")
         path, version = written
         return coordinator_pb2.CheckpointResponse(path=str(path), version=version)
 
     @status.unary
-    def DrainWorker(
-        self, request: coordinator_pb2.DrainWorkerRequest, context: grpc.ServicerContext
+    async def DrainWorker(
+        self, request: coordinator_pb2.DrainWorkerRequest, context: Context
     ) -> coordinator_pb2.DrainWorkerResponse:
         rec = self.state.drain(_require_id(request.worker_id, "worker_id"))
         return coordinator_pb2.DrainWorkerResponse(state=WORKER_STATES.to_proto(rec.state))
 
     @status.unary
-    def EvictWorker(
-        self, request: coordinator_pb2.EvictWorkerRequest, context: grpc.ServicerContext
+    async def EvictWorker(
+        self, request: coordinator_pb2.EvictWorkerRequest, context: Context
     ) -> coordinator_pb2.EvictWorkerResponse:
         worker_id = _require_id(request.worker_id, "worker_id")
         _, released = self.state.remove(worker_id, WorkerState.EVICTED, request.reason or "evicted by operator")
         return coordinator_pb2.EvictWorkerResponse(reassigned_shards=released)
 
     @status.unary
-    def ReleaseWorker(
-        self, request: coordinator_pb2.ReleaseWorkerRequest, context: grpc.ServicerContext
+    async def ReleaseWorker(
+        self, request: coordinator_pb2.ReleaseWorkerRequest, context: Context
     ) -> coordinator_pb2.ReleaseWorkerResponse:
         rec = self.state.release(_require_id(request.worker_id, "worker_id"))
         return coordinator_pb2.ReleaseWorkerResponse(state=WORKER_STATES.to_proto(rec.state))
 
     @status.unary
-    def Pause(
-        self, request: coordinator_pb2.PauseRequest, context: grpc.ServicerContext
-    ) -> coordinator_pb2.PauseResponse:
+    async def Pause(self, request: coordinator_pb2.PauseRequest, context: Context) -> coordinator_pb2.PauseResponse:
         return coordinator_pb2.PauseResponse(paused=self.state.set_paused(True))
 
     @status.unary
-    def Resume(
-        self, request: coordinator_pb2.ResumeRequest, context: grpc.ServicerContext
-    ) -> coordinator_pb2.ResumeResponse:
+    async def Resume(self, request: coordinator_pb2.ResumeRequest, context: Context) -> coordinator_pb2.ResumeResponse:
         return coordinator_pb2.ResumeResponse(paused=self.state.set_paused(False))
+
+
+async def _settle(pending: asyncio.Future[None] | None) -> None:
+    """Wait for a chunk still decoding (the decoder must be idle before the upload is interrupted or closed);
+    its own error, if any, is not the one to report."""
+    if pending is not None:
+        try:
+            await asyncio.shield(pending)
+        except BaseException:
+            pass

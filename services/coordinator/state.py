@@ -162,7 +162,7 @@ class CoordinatorState:
         self.log = logging.get("coordinator", epoch=coordinator_epoch)
         self.work = threading.RLock()
         self.lock = threading.Lock()
-        self.changed = threading.Condition(self.lock)  # a new version, or stopping: wakes watchers
+        self._listeners: list[Callable[[], None]] = []  # called after a new version, and on stop: wake watchers
         self.wake = threading.Condition(self.lock)  # the round deadline may have moved: wakes the poller
         self._poke = False  # an event happened since the poller last polled
         self._stripes = [threading.Lock() for _ in range(_STRIPES)]
@@ -342,8 +342,8 @@ class CoordinatorState:
             for p in applied.submissions:
                 m.round_staleness.observe(applied.version - 1 - p.base_version)
             self._refresh_gauges()
-            self.changed.notify_all()
             self._nudge_locked()
+        self._notify_listeners()
         self.log.info(
             "round.closed",
             version=applied.version,
@@ -409,23 +409,17 @@ class CoordinatorState:
         with self.lock:
             return self._params
 
-    def wait_params(self, after: int | None, timeout_s: float) -> ParamsSnapshot | None:
-        """The current parameters if their version is newer than `after` (None: any version), waiting up to
-        `timeout_s` for one; None on timeout or when stopping."""
-        deadline = time.monotonic() + timeout_s
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` is called (from the thread that published) after every new version and when stopping; it
+        must not block (the servicer's wakes its watchers on the event loop)."""
         with self.lock:
-            while not self.stopping:
-                if after is None or self._params.version > after:
-                    return self._params
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return None
-                self.changed.wait(left)
-            return None
+            self._listeners.append(listener)
 
-    def wake_watchers(self) -> None:
+    def _notify_listeners(self) -> None:
         with self.lock:
-            self.changed.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
 
     def count_sent(self, nbytes: int) -> None:
         with self._table_lock:
@@ -687,8 +681,8 @@ class CoordinatorState:
     def stop(self) -> None:
         with self.lock:
             self.stopping = True
-            self.changed.notify_all()
             self.wake.notify_all()
+        self._notify_listeners()
 
 
 def _detached(x: Any) -> Any:

@@ -17,6 +17,7 @@ from diloco.errors import ConfigError
 from diloco.flags import Flag, config_from_flags
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
+from diloco.rpc.admission import AdmissionLimits
 from diloco.rpc.security import SecurityConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -38,9 +39,10 @@ class HealthdConfig:
     stall_after_s: float = 1.0  # a ticker gap above this is healthd's own stall: silence windows restart
     report_timeout_s: float = 2.0  # deadline of each call to the coordinator
     shutdown_grace_s: float = 2.0  # how long SIGTERM waits for in-flight calls
-    # Server threads. Each heartbeat stream and each event watcher holds one for its lifetime, so this bounds the
-    # number of nodes plus watchers; keep it above the fleet size with room to spare.
-    max_streams: int = 256
+    # gRPC calls running at once: each heartbeat stream and each event watcher is one for its lifetime (a coroutine,
+    # a few KB), so this bounds the nodes plus watchers; more get RESOURCE_EXHAUSTED with a retry hint.
+    max_calls: int = 8192
+    max_calls_per_client: int = 64  # the same for one connection
     # a stream sending more than heartbeat_rate_factor x the expected rate (after a burst) ends RESOURCE_EXHAUSTED
     heartbeat_rate_factor: float = 10.0
     heartbeat_burst: int = 20
@@ -60,7 +62,8 @@ class HealthdConfig:
             self.shutdown_grace_s < 0
         ):
             raise ConfigError(f"shutdown_grace_s must be a finite number >= 0, got {self.shutdown_grace_s!r}")
-        _int_in("max_streams", self.max_streams, 4, 100_000)
+        _int_in("max_calls", self.max_calls, 16, 1_000_000)
+        _int_in("max_calls_per_client", self.max_calls_per_client, 4, self.max_calls)
         _positive("heartbeat_rate_factor", self.heartbeat_rate_factor)
         _int_in("heartbeat_burst", self.heartbeat_burst, 1, 100_000)
         if self.log_level not in LOG_LEVELS:
@@ -69,6 +72,9 @@ class HealthdConfig:
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
         if self.coordinator_address:
             self.security.check_client(self.coordinator_address)
+
+    def admission(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_calls, self.max_calls_per_client)
 
     def detector(self) -> DetectorConfig:
         """The pure failure detector's configuration."""
@@ -115,7 +121,8 @@ _FLAGS: list[Flag] = [
     ),
     ("--report-timeout-s", float, _d.report_timeout_s, "deadline of each call to the coordinator"),
     ("--shutdown-grace-s", float, _d.shutdown_grace_s, "how long SIGTERM waits for in-flight calls"),
-    ("--max-streams", int, _d.max_streams, "server threads: heartbeat streams plus watchers it can hold"),
+    ("--max-calls", int, _d.max_calls, "gRPC calls at once: heartbeat streams plus watchers (more: RESOURCE_EXHAUSTED)"),
+    ("--max-calls-per-client", int, _d.max_calls_per_client, "gRPC calls one connection may run at once"),
     ("--heartbeat-rate-factor", float, _d.heartbeat_rate_factor, "a stream may send this x the expected rate"),
     ("--heartbeat-burst", int, _d.heartbeat_burst, "heartbeats a stream may send at once above that rate"),
     ("--log-level", str, _d.log_level, f"log level: {', '.join(LOG_LEVELS)}"),

@@ -1,32 +1,35 @@
-"""Fan-out of node events to watchers (WatchNodeEvents). Publishing never blocks: each subscriber has a bounded
-buffer, and one that falls too far behind is cut off (it should reconnect and resync with ListNodes)."""
+"""Fan-out of node events to watchers (WatchNodeEvents). Publishing never blocks (it may come from any thread): each
+subscriber has a bounded buffer, and one that falls too far behind is cut off (it should reconnect and resync with
+ListNodes). A watcher is a coroutine on the server's event loop (`async for ev in subscription`)."""
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable
 
 from diloco.core.failure import NodeEvent
 from diloco.errors import ResourceExhausted
+from diloco.rpc.server import LoopSignal
 
 MAX_BUFFERED_EVENTS = 10_000
 
 
 class Subscription:
-    """Events published after `EventHub.subscribe`, in order. Iterating blocks until the next event and ends
+    """Events published after `EventHub.subscribe`, in order. Iterating (async) waits for the next event and ends
     when the subscription is closed (by the watcher, or by the hub when the server stops)."""
 
     def __init__(self, hub: EventHub, max_buffered: int) -> None:
         self._hub = hub
         self._max = max_buffered
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._signal = LoopSignal()
         self._events: deque[NodeEvent] = deque()
         self._closed = False
         self._overflowed = False
 
     def push(self, events: Iterable[NodeEvent]) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._events.extend(events)
@@ -34,33 +37,36 @@ class Subscription:
                 self._overflowed = True
                 self._closed = True
                 self._events.clear()
-            self._cond.notify_all()
+        self._signal.notify()
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+        self._signal.notify()
         self._hub.unsubscribe(self)
 
     @property
     def closed(self) -> bool:
-        with self._cond:
+        with self._lock:
             return self._closed
 
-    def __iter__(self) -> Iterator[NodeEvent]:
+    async def __aiter__(self) -> AsyncIterator[NodeEvent]:
         while True:
-            with self._cond:
-                while not self._events and not self._closed:
-                    self._cond.wait()
+            changed = self._signal.waiter()  # before looking: an event pushed after this wakes it
+            with self._lock:
                 if self._overflowed:
                     raise ResourceExhausted(
                         f"the watcher fell more than {self._max} events behind; reconnect and call ListNodes to resync"
                     )
-                if not self._events:
-                    return
                 batch = list(self._events)
                 self._events.clear()
-            yield from batch
+                closed = self._closed
+            for ev in batch:
+                yield ev
+            if not batch:
+                if closed:
+                    return
+                await changed.wait()
 
 
 class EventHub:

@@ -44,9 +44,9 @@ class HealthdServer:
             cfg.host,
             cfg.port,
             [SERVICE_NAME],
-            max_workers=cfg.max_streams,
             credentials=cfg.security.server_credentials(),
             interceptors=cfg.security.server_interceptors(),
+            admission=cfg.admission(),
         )
         servicer = HealthDaemonServicer(
             self.monitor,

@@ -3,14 +3,16 @@ Domain errors become status codes in `diloco.rpc.status`.
 
 Heartbeat floods: every heartbeat stream (one node each) has a token bucket allowing `rate_factor` times the
 configured heartbeat rate with a burst of `burst`. The first heartbeat over it is not applied: the stream ends
-with RESOURCE_EXHAUSTED (the node reconnects with backoff). Streams are bounded by the server's threads
-(`max_streams`), so healthd's memory and CPU stay bounded whatever the nodes send."""
+with RESOURCE_EXHAUSTED (the node reconnects with backoff). Streams are coroutines on the server's event loop
+(`grpc.aio`), bounded by the server's admission limits (`--max-calls`), so healthd's memory and CPU stay bounded
+whatever the nodes send. The monitor's calls take only its short lock and queue their reports, so they run on the
+loop."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
 
 import grpc
 
@@ -123,13 +125,13 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
         self.clock = clock
 
     @streaming
-    def Heartbeat(
-        self, request_iterator: Iterable[healthd_pb2.HeartbeatRequest], context: grpc.ServicerContext
-    ) -> Iterator[healthd_pb2.HeartbeatResponse]:
+    async def Heartbeat(
+        self, request_iterator: AsyncIterator[healthd_pb2.HeartbeatRequest], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[healthd_pb2.HeartbeatResponse]:
         node_id: str | None = None
         last_sequence: int | None = None
         bucket = TokenBucket(self.max_heartbeats_per_s, self.burst)
-        for req in request_iterator:
+        async for req in request_iterator:
             if not bucket.allow(self.clock()):
                 raise ResourceExhausted(
                     f"heartbeat flood from {req.node_id!r}: the limit is {self.max_heartbeats_per_s:g} heartbeats/s "
@@ -156,21 +158,20 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
             )
 
     @unary
-    def ListNodes(
-        self, request: healthd_pb2.ListNodesRequest, context: grpc.ServicerContext
+    async def ListNodes(
+        self, request: healthd_pb2.ListNodesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> healthd_pb2.ListNodesResponse:
         return healthd_pb2.ListNodesResponse(nodes=[encode_node(v) for v in self.monitor.nodes()])
 
     @streaming
-    def WatchNodeEvents(
-        self, request: healthd_pb2.WatchNodeEventsRequest, context: grpc.ServicerContext
-    ) -> Iterator[healthd_pb2.NodeEvent]:
+    async def WatchNodeEvents(
+        self, request: healthd_pb2.WatchNodeEventsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[healthd_pb2.NodeEvent]:
         sub = self.monitor.subscribe()
-        context.add_callback(sub.close)  # the watcher cancels or goes away
-        # Headers go out once the subscription exists: a client that waits for them misses no later event.
-        context.send_initial_metadata(())
         try:
-            for ev in sub:
+            # Headers go out once the subscription exists: a client that waits for them misses no later event.
+            await context.send_initial_metadata(())
+            async for ev in sub:
                 yield encode_event(ev)
         finally:
-            sub.close()
+            sub.close()  # the watcher cancelled or went away, or the server stops
