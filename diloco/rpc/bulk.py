@@ -321,6 +321,17 @@ class _Conn(asyncio.BufferedProtocol):
 # --- the server ---------------------------------------------------------------------------------------------------
 
 
+def _end(sink: BulkSink, complete: bool) -> Response | None:
+    """`finish` (None: `interrupted` instead), then `close`: one call on a handler thread, not two."""
+    try:
+        if complete:
+            return sink.finish()
+        sink.interrupted()
+        return None
+    finally:
+        sink.close()
+
+
 class _State(Enum):
     NEW = "new"
     SERVING = "serving"
@@ -696,23 +707,25 @@ class BulkServer:
             conn.reply(STATUS_OK, opened.SerializeToString())
             return True
         sink = opened
+        ended = False  # `_end` ran: it called `close`
         try:
             expected = sink.expected_bytes
             if expected < 0:
                 raise InvalidArgument(f"the upload expects a negative byte count ({expected})")
             got, why = await self._receive(conn, sink, expected)
-            if got < expected:
-                await self._call(sink.interrupted)
-                log.info("bulk.interrupted", peer=conn.peer, received_bytes=got, expected_bytes=expected, reason=why)
-                conn.reply_error(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"payload ended after {got} of {expected} bytes ({why}); resume from the offset GetUploadStatus "
-                    "reports",
-                )
-                return False
-            response = await self._call(sink.finish)
+            ended = True
+            response = await self._call(_end, sink, got >= expected)
         finally:
-            await self._call(sink.close)
+            if not ended:
+                await self._call(sink.close)
+        if response is None:
+            log.info("bulk.interrupted", peer=conn.peer, received_bytes=got, expected_bytes=expected, reason=why)
+            conn.reply_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"payload ended after {got} of {expected} bytes ({why}); resume from the offset GetUploadStatus "
+                "reports",
+            )
+            return False
         conn.reply(STATUS_OK, response.SerializeToString())
         return True
 
