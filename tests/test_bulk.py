@@ -5,6 +5,7 @@ stopping with uploads in flight, serving on the caller's event loop, mutual TLS.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import socket
 import ssl
@@ -556,16 +557,19 @@ def test_serves_on_the_callers_event_loop(store: Store) -> None:
     loop = asyncio.new_event_loop()  # a loop another thread runs (as the gRPC server's), passed in
     t = threading.Thread(target=loop.run_forever)
     t.start()
+    pool = concurrent.futures.ThreadPoolExecutor(2, "shared")  # and a thread pool shared with other work
     try:
-        srv = BulkServer("127.0.0.1", 0, store, loop=loop)
+        srv = BulkServer("127.0.0.1", 0, store, loop=loop, executor=pool)
         srv.start()
         serves(srv, store)
         srv.stop()
-        assert loop.is_running()  # the caller's loop is the caller's to stop
+        assert loop.is_running()  # the caller's loop and pool are the caller's to stop
+        assert pool.submit(lambda: 7).result() == 7
     finally:
         loop.call_soon_threadsafe(loop.stop)
         t.join()
         loop.close()
+        pool.shutdown()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -41,8 +41,8 @@ most `max_connections` such refusals run at once, and one more is closed without
 Cost: the server is one asyncio event loop (its own thread, or a loop the caller runs, e.g. the grpc.aio
 server's): a connection, idle or slow, costs a coroutine and a few KiB, not a thread. Every call into the handler
 (`open`, `feed`, `finish`, `interrupted`, `close`: CPU work that takes locks) runs on a bounded thread pool
-(`handler_threads`), never on the loop. The loop pauses reading a connection while no buffer is free for it, so a
-slow handler slows its client down through TCP instead of buffering.
+(`handler_threads`, or an executor the caller shares), never on the loop. The loop pauses reading a connection
+while no buffer is free for it, so a slow handler slows its client down through TCP instead of buffering.
 
 Errors reach the client as `BulkError`, a `grpc.RpcError` with `code()` and `details()`, so the retry policy
 (`diloco.rpc.retry`) and the worker's handling treat it as it treats a gRPC error: a connection that fails, resets
@@ -321,9 +321,12 @@ class _Conn(asyncio.BufferedProtocol):
 # --- the server ---------------------------------------------------------------------------------------------------
 
 
-def _end(sink: BulkSink, complete: bool) -> Response | None:
-    """`finish` (None: `interrupted` instead), then `close`: one call on a handler thread, not two."""
+def _end(sink: BulkSink, last: memoryview, complete: bool) -> Response | None:
+    """Feed `last` (the last piece received), `finish` (None: `interrupted` instead), then `close`: one call on a
+    handler thread, not three. A `feed` that raises skips `finish` and `interrupted`."""
     try:
+        if len(last):
+            sink.feed(last)
         if complete:
             return sink.finish()
         sink.interrupted()
@@ -345,7 +348,9 @@ class BulkServer:
     One asyncio event loop serves every connection: `start()` runs it in one background thread, or, with `loop`
     (an event loop running in another thread, e.g. the grpc.aio server's), on that loop; a coroutine on a running
     loop can instead `await start_async()` (the server then lives on that loop) and `await stop_async(grace_s)`.
-    The handler's calls run on `handler_threads` threads. `start()` and `stop()` are idempotent; `stop` stops
+    The handler's calls run on `handler_threads` threads of the server's own, or on `executor` (shared with other
+    work, e.g. the gRPC servicer's blocking calls, so one bound covers both; the server does not shut it down).
+    `start()` and `stop()` are idempotent; `stop` stops
     accepting, gives running uploads `grace_s`, then cuts them (they are interrupted, hence resumable), waits for
     their handler calls, shuts the thread pool down and, when it owns the loop, ends its thread."""
 
@@ -362,6 +367,7 @@ class BulkServer:
         buffer_bytes: int = BUFFER_BYTES,
         overlap: bool = True,
         handler_threads: int = 4,
+        executor: concurrent.futures.Executor | None = None,
         retry_after_s: float = RETRY_AFTER_S,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
@@ -396,7 +402,8 @@ class BulkServer:
         self._loop = loop
         self._thread: threading.Thread | None = None  # the loop's, when the server owns it
         self._server: asyncio.AbstractServer | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: concurrent.futures.Executor | None = executor
+        self._own_executor = executor is None
         # loop-confined:
         self._tasks: dict[_Conn, asyncio.Task[None]] = {}  # every connection, served or refused
         self._served: set[_Conn] = set()  # admitted: counted against max_connections
@@ -454,7 +461,8 @@ class BulkServer:
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
             listener = socket.create_server((self.host, self._requested_port), family=family, backlog=128)
             self._port = listener.getsockname()[1]
-            self._executor = concurrent.futures.ThreadPoolExecutor(self.handler_threads, "bulk-handler")
+            if self._own_executor:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self.handler_threads, "bulk-handler")
             self._stopped = asyncio.Event()
             self._state = _State.SERVING
         listener.setblocking(False)
@@ -519,7 +527,7 @@ class BulkServer:
             log.warning("bulk.stop_timeout", connections=len(stuck))
         if self._server is not None:
             await self._server.wait_closed()
-        if self._executor is not None:
+        if self._executor is not None and self._own_executor:
             self._executor.shutdown(wait=not stuck, cancel_futures=True)
         log.info("bulk.stopped", port=self._port)
 
@@ -712,9 +720,9 @@ class BulkServer:
             expected = sink.expected_bytes
             if expected < 0:
                 raise InvalidArgument(f"the upload expects a negative byte count ({expected})")
-            got, why = await self._receive(conn, sink, expected)
+            got, why, last = await self._receive(conn, sink, expected)
             ended = True
-            response = await self._call(_end, sink, got >= expected)
+            response = await self._call(_end, sink, last, got >= expected)
         finally:
             if not ended:
                 await self._call(sink.close)
@@ -738,38 +746,31 @@ class BulkServer:
             return f"connection failed: {conn.error or 'aborted'}"
         return f"no data for {self.idle_timeout_s:g} s"
 
-    async def _receive(self, conn: _Conn, sink: BulkSink, expected: int) -> tuple[int, str]:
+    async def _receive(self, conn: _Conn, sink: BulkSink, expected: int) -> tuple[int, str, memoryview]:
         """Receive `expected` bytes into reused buffers and feed them in order, one `feed` at a time; with
-        `overlap`, the next buffer fills while the previous one is fed. Returns (bytes fed, why it stopped
-        early)."""
+        `overlap`, the next buffer fills while the previous one is fed. Returns (bytes received, why it stopped
+        early or "", the last piece received): that piece is not fed yet; `_end` feeds it in the same handler
+        call as `finish` or `interrupted` (a payload of one buffer costs two handler calls in all, with `open`)."""
         size = min(self.buffer_bytes, max(expected, 1))
         overlap = self.overlap and expected > size
         buffers = [memoryview(bytearray(size)) for _ in range(2 if overlap else 1)]
         feeding: asyncio.Future[None] | None = None
         got, turn = 0, 0
         try:
-            while got < expected:
+            while True:
                 view = buffers[turn % len(buffers)]
                 turn += 1
                 k, stop = await conn.fill(view[: min(size, expected - got)], self.idle_timeout_s)
                 if feeding is not None:  # the other buffer's feed: its errors end the upload here
                     done, feeding = feeding, None
                     await done
-                if k:
-                    feeding = self._submit(sink.feed, view[:k])
-                    got += k
-                    if not overlap:
-                        done, feeding = feeding, None
-                        await done
-                if stop is not None:
-                    if feeding is not None:
-                        done, feeding = feeding, None
-                        await done
-                    return got, self._why(conn, stop)
-            if feeding is not None:
-                done, feeding = feeding, None
-                await done
-            return got, ""
+                got += k
+                if stop is not None or got >= expected:
+                    return got, "" if stop is None else self._why(conn, stop), view[:k]
+                feeding = self._submit(sink.feed, view[:k])
+                if not overlap:
+                    done, feeding = feeding, None
+                    await done
         finally:
             if feeding is not None:  # leaving on an error: the feed in flight ends before `close` is called
                 await asyncio.wait([feeding])
