@@ -39,7 +39,7 @@ limit gets a RESOURCE_EXHAUSTED frame ("overloaded: ...; retry after 1 s, or upl
 most `max_connections` such refusals run at once, and one more is closed without a frame.
 
 Cost: the server is one asyncio event loop (its own thread, or a loop the caller runs, e.g. the grpc.aio
-server's): a connection, idle or slow, costs a coroutine and a few KiB, not a thread. Every call into the handler
+server's): a connection, idle or slow, costs a coroutine and about 16 KiB, not a thread. Every call into the handler
 (`open`, `feed`, `finish`, `interrupted`, `close`: CPU work that takes locks) runs on a bounded thread pool
 (`handler_threads`, or an executor the caller shares), never on the loop. The loop pauses reading a connection
 while no buffer is free for it, so a slow handler slows its client down through TCP instead of buffering.
@@ -93,6 +93,7 @@ LINGER_S = 2.0
 STOP_JOIN_S = 30.0  # how long `stop` waits for connections once they are cut (a handler call cannot be cut)
 RETRY_AFTER_S = 1.0  # the hint a refused connection gets
 _SCRATCH_BYTES = 16 << 10  # bytes read when no buffer waits (discarded while lingering)
+_READ_AHEAD_BYTES = 16 << 10  # a preamble field is read with up to this much more; the rest waits in `_pending`
 
 Request = coordinator_pb2.SubmitPseudoGradientRequest
 Response = coordinator_pb2.SubmitPseudoGradientResponse
@@ -184,6 +185,7 @@ class _Conn(asyncio.BufferedProtocol):
         self.lost: asyncio.Future[None] = loop.create_future()
         self._target: memoryview | None = None
         self._pos = 0
+        self._need = 0  # wake the `fill` once this many bytes are in its buffer
         self._waiter: asyncio.Future[_Stop | None] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last = 0.0  # loop time of the last bytes
@@ -217,7 +219,7 @@ class _Conn(asyncio.BufferedProtocol):
         t = self._target
         if t is not None and self._pos < len(t):
             self._pos += nbytes
-            if self._pos >= len(t):
+            if self._pos >= self._need:
                 self._wake(None)
         elif self._scratch is not None:  # nobody asked: keep it for the next `fill`, and stop reading
             self._pending += self._scratch[:nbytes]
@@ -252,19 +254,23 @@ class _Conn(asyncio.BufferedProtocol):
         else:
             self._timer = self.loop.call_at(min(deadline, self._last + idle_s), self._check_time, idle_s, deadline)
 
-    async def fill(self, view: memoryview, idle_s: float, deadline: float = math.inf) -> tuple[int, _Stop | None]:
-        """Receive into `view` until it is full (then None), or the stream ends, stalls for `idle_s` or passes
-        `deadline` (loop time) first. Returns (bytes received, why it ended early)."""
+    async def fill(
+        self, view: memoryview, idle_s: float, deadline: float = math.inf, need: int | None = None
+    ) -> tuple[int, _Stop | None]:
+        """Receive into `view` until it holds `need` bytes (default: until it is full; then None), or the stream
+        ends, stalls for `idle_s` or passes `deadline` (loop time) first. Returns (bytes received, why it ended
+        early). Bytes kept in `_pending` come first."""
+        need = len(view) if need is None else need
         got = min(len(self._pending), len(view))
         if got:
             view[:got] = self._pending[:got]
             del self._pending[:got]
-        if got == len(view):
+        if got >= need:
             return got, None
         transport = self.transport
         if self.stop is not None or transport is None:
             return got, self.stop or _Stop.FAILED
-        self._target, self._pos = view, got
+        self._target, self._pos, self._need = view, got, need
         self._waiter = waiter = self.loop.create_future()
         self._last = self.loop.time()
         self._timer = self.loop.call_at(min(deadline, self._last + idle_s), self._check_time, idle_s, deadline)
@@ -278,6 +284,15 @@ class _Conn(asyncio.BufferedProtocol):
             if not transport.is_closing():
                 transport.pause_reading()
         return got, why
+
+    async def read_exact(self, n: int, idle_s: float, deadline: float) -> tuple[bytes, _Stop | None]:
+        """`n` bytes (with the reason when fewer came), reading ahead: what arrived beyond them stays in `_pending`
+        for the next read, so a preamble that arrives in one piece costs one wake-up, not one per field."""
+        buf = memoryview(bytearray(max(n, _READ_AHEAD_BYTES)))
+        got, why = await self.fill(buf, idle_s, deadline, need=n)
+        if got > n:
+            self._pending[0:0] = buf[n:got]
+        return bytes(buf[: min(got, n)]), None if got >= n else why
 
     async def linger(self, seconds: float) -> None:
         """Read and discard what the client still sends until it closes (at most `seconds`), so that closing with
@@ -675,10 +690,10 @@ class BulkServer:
         await conn.linger(min(LINGER_S, self.idle_timeout_s))
 
     async def _read_exact(self, conn: _Conn, n: int, deadline: float) -> bytes:
-        buf = bytearray(n)
-        got, why = await conn.fill(memoryview(buf), self.idle_timeout_s, deadline)
+        data, why = await conn.read_exact(n, self.idle_timeout_s, deadline)
         if why is None:
-            return bytes(buf)
+            return data
+        got = len(data)
         if why in (_Stop.IDLE, _Stop.DEADLINE):
             raise _PeerGone(f"the preamble did not arrive within {self.idle_timeout_s:g} s")
         if why is _Stop.FAILED and conn.error:
