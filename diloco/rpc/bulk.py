@@ -365,9 +365,11 @@ class BulkServer:
     loop can instead `await start_async()` (the server then lives on that loop) and `await stop_async(grace_s)`.
     The handler's calls run on `handler_threads` threads of the server's own, or on `executor` (shared with other
     work, e.g. the gRPC servicer's blocking calls, so one bound covers both; the server does not shut it down).
-    `start()` and `stop()` are idempotent; `stop` stops
-    accepting, gives running uploads `grace_s`, then cuts them (they are interrupted, hence resumable), waits for
-    their handler calls, shuts the thread pool down and, when it owns the loop, ends its thread."""
+    Admission: `max_connections` in all, `max_connections_per_client` from one client (its certificate's name
+    with TLS, else its IP address); a refusal is a RESOURCE_EXHAUSTED frame saying "retry after `retry_after_s`".
+    `start()` and `stop()` are idempotent; `stop` stops accepting, gives running uploads `grace_s`, then cuts them
+    (they are interrupted, hence resumable), waits for their handler calls, shuts its own thread pool down and,
+    when it owns the loop, ends the loop's thread."""
 
     def __init__(
         self,
