@@ -1,8 +1,11 @@
 """The bulk data plane (`diloco.rpc.bulk`) over real sockets on 127.0.0.1 (port 0): framing, errors as status
-codes, interruption and resume, hostile input, the connection cap, mutual TLS."""
+codes, interruption and resume, hostile input, admission (in total and per client), what idle connections cost,
+stopping with uploads in flight, serving on the caller's event loop, mutual TLS."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import socket
 import ssl
@@ -18,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from diloco.core.learner import Reaction, Rpc, react
 from diloco.errors import ConfigError, DilocoError, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from diloco.rpc import bulk
 from diloco.rpc.bulk import BulkError, BulkServer, BulkSink, bulk_upload
@@ -137,9 +141,12 @@ def preamble(token: bytes, req: Request | bytes) -> bytes:
     return bulk.MAGIC + U32.pack(len(token)) + token + U32.pack(len(body)) + body
 
 
-def exchange(port: int, data: bytes, *, close_write: bool = True, timeout_s: float = 10.0) -> tuple[int, bytes] | None:
-    """Send `data` raw, half-close, read the server's frame (None: it closed without one)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
+def exchange(
+    port: int, data: bytes, *, close_write: bool = True, timeout_s: float = 10.0, source: str = "127.0.0.1"
+) -> tuple[int, bytes] | None:
+    """Send `data` raw (from address `source`), half-close, read the server's frame (None: it closed without
+    one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s, source_address=(source, 0)) as s:
         try:
             s.sendall(data)
             if close_write:
@@ -424,6 +431,147 @@ def test_connection_cap_is_resource_exhausted(store: Store) -> None:
     srv.stop()
 
 
+def hold(
+    store: Store, port: int, sid: str, source: str = "127.0.0.1", ctx: ssl.SSLContext | None = None
+) -> socket.socket:
+    """A slow upload: the preamble and 10 of its 1000 bytes, then nothing; returns once the server opened it."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
+    if ctx is not None:
+        s = ctx.wrap_socket(s, server_hostname="127.0.0.1")
+    s.sendall(preamble(TOKEN, request(sid, 1000)) + b"x" * 10)
+    store.wait_event(sid, "open")
+    return s
+
+
+def read_frame(s: socket.socket) -> tuple[int, bytes]:
+    buf = bytearray()
+    while len(buf) < 5 or len(buf) < 5 + struct.unpack(">I", buf[1:5])[0]:
+        chunk = s.recv(1 << 16)
+        assert chunk, f"the server closed after {len(buf)} bytes of its frame"
+        buf += chunk
+    return buf[0], bytes(buf[5:])
+
+
+def test_idle_connections_cost_no_threads(store: Store) -> None:
+    before = threading.active_count()
+    srv = BulkServer("127.0.0.1", 0, store, max_connections=256, max_connections_per_client=256, idle_timeout_s=30)
+    srv.start()
+    held: list[socket.socket] = []
+    try:
+        serves(srv, store)  # the loop's thread and the handler threads it used exist from here on
+        threads = threading.active_count()
+        assert threads <= before + 1 + srv.handler_threads
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+            s.sendall(bulk.MAGIC)  # then nothing: a slow client inside its preamble
+            held.append(s)
+        wait_for("200 connections open", lambda: srv.active_connections == 200)
+        assert threading.active_count() <= threads
+        serves(srv, store)  # and the server still serves
+        assert threading.active_count() <= before + 1 + srv.handler_threads
+        wait_for("the upload's connection closed", lambda: srv.active_connections == 200)
+    finally:
+        for s in held:
+            s.close()
+    wait_for("every connection closed", lambda: srv.active_connections == 0)
+    srv.stop()
+    assert threading.active_count() == before  # the loop's thread and the handler threads are gone
+
+
+def test_per_client_and_total_limits_refuse_with_a_retry_hint(store: Store) -> None:
+    srv = BulkServer("127.0.0.1", 0, store, max_connections=3, max_connections_per_client=2, idle_timeout_s=10)
+    srv.start()
+    held = [hold(store, srv.port, f"h{i}") for i in range(2)]  # client 127.0.0.1 at its limit
+    try:
+        with pytest.raises(BulkError) as e:
+            upload(srv, "mine", os.urandom(1000))
+        details = e.value.details()
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at most 2 uploads at once from one client (127.0.0.1)" in details and "retry after 1 s" in details
+        assert react(Rpc.SUBMIT, e.value.code().name) is Reaction.RETRY  # the worker's uploader tries again
+        assert store.of("mine") == []
+        payload = os.urandom(5000)  # another client (another address) still gets in
+        frame = exchange(srv.port, preamble(TOKEN, request("theirs", len(payload))) + payload, source="127.0.0.2")
+        assert frame is not None and frame[0] == bulk.STATUS_OK
+        assert Response.FromString(frame[1]).version == zlib.crc32(payload)
+        held.append(hold(store, srv.port, "h2", source="127.0.0.2"))  # 3 in all: the total is reached
+        frame = exchange(srv.port, b"", source="127.0.0.2")
+        assert frame is not None and frame[0] == code_value(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        assert "at most 3 uploads at once; retry after 1 s" in frame[1].decode()
+        assert srv.active_connections == 3
+    finally:
+        for s in held:
+            s.close()
+    wait_for("every connection closed", lambda: srv.active_connections == 0)
+    for sid in ("h0", "h1", "h2"):
+        store.wait_event(sid, "close")
+        assert store.of(sid) == ["open", "interrupted", "close"]
+    serves(srv, store)
+    srv.stop()
+
+
+def test_stop_lets_a_slow_upload_finish_within_grace(store: Store) -> None:
+    before = threading.active_count()
+    srv = BulkServer("127.0.0.1", 0, store, idle_timeout_s=30)
+    port = srv.start()
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            return True
+        return False
+
+    with hold(store, port, "slow") as s:
+        stopper = threading.Thread(target=srv.stop, kwargs={"grace_s": 30})
+        stopper.start()
+        wait_for("the server stops accepting", refused)
+        assert stopper.is_alive()  # stop waits for the upload in flight
+        s.sendall(b"x" * 990)
+        status, body = read_frame(s)
+        assert status == bulk.STATUS_OK and Response.FromString(body).version == zlib.crc32(b"x" * 1000)
+    stopper.join(timeout=10)
+    assert not stopper.is_alive()
+    assert store.of("slow") == ["open", "finish", "close"]
+    assert srv.active_connections == 0 and threading.active_count() == before
+
+
+def test_serves_on_the_callers_event_loop(store: Store) -> None:
+    async def main() -> None:
+        srv = BulkServer("127.0.0.1", 0, store)
+        await srv.start_async()
+        assert threading.active_count() == before  # no thread of its own until a handler call
+        payload = os.urandom(3 << 20)
+        r = await asyncio.to_thread(upload, srv, "on-loop", payload)
+        assert r.version == zlib.crc32(payload)
+        assert srv.start() == srv.port  # started already
+        with pytest.raises(RuntimeError):
+            srv.stop()  # would wait on the loop it blocks
+        await srv.stop_async(grace_s=1)
+        await srv.stop_async()
+
+    before = threading.active_count()
+    asyncio.run(main())
+    assert threading.active_count() == before
+
+    loop = asyncio.new_event_loop()  # a loop another thread runs (as the gRPC server's), passed in
+    t = threading.Thread(target=loop.run_forever)
+    t.start()
+    pool = concurrent.futures.ThreadPoolExecutor(2, "shared")  # and a thread pool shared with other work
+    try:
+        srv = BulkServer("127.0.0.1", 0, store, loop=loop, executor=pool)
+        srv.start()
+        serves(srv, store)
+        srv.stop()
+        assert loop.is_running()  # the caller's loop and pool are the caller's to stop
+        assert pool.submit(lambda: 7).result() == 7
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        t.join()
+        loop.close()
+        pool.shutdown()
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prefix=st.sampled_from([b"", bulk.MAGIC, bulk.MAGIC + U32.pack(len(TOKEN)) + TOKEN, "preamble"]),
@@ -498,6 +646,29 @@ def test_tls_upload(tls_server: BulkServer, store: Store, tls_dirs: tuple[Path, 
     assert store.identities == ["worker"] * 3  # the handler learns who the verified certificate names
 
 
+def test_tls_client_is_its_certificate(store: Store, tls_dirs: tuple[Path, Path]) -> None:
+    good, _ = tls_dirs
+    srv = BulkServer(
+        "127.0.0.1",
+        0,
+        store,
+        ssl_context=bulk.server_ssl_context_from_dir(good, "coordinator"),
+        max_connections_per_client=1,
+    )
+    srv.start()
+    ctx = bulk.client_ssl_context_from_dir(good, "worker")
+    try:
+        with hold(store, srv.port, "tls-slow", ctx=ctx):
+            with pytest.raises(BulkError) as e:  # the same certificate, from another connection
+                upload(srv, "tls-more", b"abc", ssl_context=ctx)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "from one client (certificate 'worker')" in e.value.details()
+        store.wait_event("tls-slow", "close")
+        assert upload(srv, "tls-more", b"abc", ssl_context=ctx).version == zlib.crc32(b"abc")
+    finally:
+        srv.stop()
+
+
 def _no_cert(ca: Path) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(cafile=str(ca))
@@ -531,6 +702,13 @@ def test_plaintext_client_on_tls_server_is_refused(tls_server: BulkServer, store
 
 
 def test_config_is_validated(store: Store) -> None:
-    for kw in ({"max_connections": 0}, {"idle_timeout_s": 0.0}, {"buffer_bytes": 10}):
+    for kw in (
+        {"max_connections": 0},
+        {"max_connections_per_client": 0},
+        {"idle_timeout_s": 0.0},
+        {"buffer_bytes": 10},
+        {"handler_threads": 0},
+        {"retry_after_s": 0.0},
+    ):
         with pytest.raises(ConfigError):
             BulkServer("127.0.0.1", 0, store, **kw)

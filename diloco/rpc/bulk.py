@@ -1,9 +1,9 @@
 """Bulk data plane: pseudo-gradient payloads over a plain TCP (or TLS) byte stream, beside gRPC (the control
-plane). Python gRPC copies every payload byte about three times; here the receiver `recv_into`s reused buffers and
-hands memoryviews of them to the upload state machine, while the next buffer fills (double buffering: decoding in
-torch and zlib releases the GIL). The upload itself (open, feed, finish, interrupted, resumable by byte offset,
-idempotent by submission id) is the coordinator's one upload protocol (`diloco.core.uploads`), shared with the
-gRPC path; only the framing is new.
+plane). Python gRPC copies every payload byte about three times; here the event loop `recv_into`s reused buffers
+(an `asyncio.BufferedProtocol`) and the upload state machine is fed memoryviews of them on a small thread pool,
+while the next buffer fills (double buffering: decoding in torch and zlib releases the GIL). The upload itself
+(open, feed, finish, interrupted, resumable by byte offset, idempotent by submission id) is the coordinator's one
+upload protocol (`diloco.core.uploads`), shared with the gRPC path; only the framing is new.
 
 Wire format, one upload per connection, integers big-endian:
 
@@ -27,14 +27,27 @@ arrives. After answering, the server keeps reading (and discards) what is still 
 for at most LINGER_S, so that a TCP reset does not destroy its answer.
 
 Bounds: every length is checked before anything is allocated; every read waits at most `idle_timeout_s`, and the
-preamble (magic, token, request) must arrive within `idle_timeout_s` as a whole; at most `max_connections`
-connections are served at once (one more gets a RESOURCE_EXHAUSTED frame and is closed); a bad magic gets an
-INVALID_ARGUMENT frame. A connection that ends (or stalls) inside the payload calls `BulkSink.interrupted()`: the
-bytes fed so far stay with the coordinator, and the client resumes from the offset `GetUploadStatus` reports.
+preamble (magic, token, request) must arrive within `idle_timeout_s` as a whole (so must the TLS handshake); a bad
+magic gets an INVALID_ARGUMENT frame. A connection that ends (or stalls) inside the payload calls
+`BulkSink.interrupted()`: the bytes fed so far stay with the coordinator, and the client resumes from the offset
+`GetUploadStatus` reports.
+
+Admission, never a silent queue: at most `max_connections` connections are served at once, and at most
+`max_connections_per_client` from one client: the name on its verified TLS certificate when there is one, else its
+IP address (learners that share a certificate or an address count as one client). A connection beyond either
+limit gets a RESOURCE_EXHAUSTED frame ("overloaded: ...; retry after 1 s, or upload over gRPC") and is closed; at
+most `max_connections` such refusals run at once, and one more is closed without a frame.
+
+Cost: the server is one asyncio event loop (its own thread, or a loop the caller runs, e.g. the grpc.aio
+server's): a connection, idle or slow, costs a coroutine and about 16 KiB, not a thread. Every call into the handler
+(`open`, `feed`, `finish`, `interrupted`, `close`: CPU work that takes locks) runs on a bounded thread pool
+(`handler_threads`, or an executor the caller shares), never on the loop. The loop pauses reading a connection
+while no buffer is free for it, so a slow handler slows its client down through TCP instead of buffering.
 
 Errors reach the client as `BulkError`, a `grpc.RpcError` with `code()` and `details()`, so the retry policy
 (`diloco.rpc.retry`) and the worker's handling treat it as it treats a gRPC error: a connection that fails, resets
-or times out is UNAVAILABLE (retryable).
+or times out is UNAVAILABLE (retryable); RESOURCE_EXHAUSTED is retried by the worker's uploader
+(`diloco.core.learner.REACTIONS`), over gRPC.
 
 TLS: `server_ssl_context` requires a client certificate signed by the CA (mutual TLS, as the gRPC side does);
 `client_ssl_context` verifies the server against the CA and presents the client's certificate. The files follow
@@ -45,18 +58,19 @@ Throughput against raw loopback TCP: `python -m diloco.bench.bench_bulk`.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
+import concurrent.futures
 import math
-import queue
 import select
 import socket
 import ssl
 import struct
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
+from enum import Enum
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import structlog
@@ -73,11 +87,13 @@ MAX_TOKEN_BYTES = 4 << 10
 MAX_HEADER_BYTES = 64 << 10
 MAX_REPLY_BYTES = 64 << 10
 STATUS_OK = 0
-BUFFER_BYTES = 4 << 20  # one receive buffer; the server keeps `BUFFERS` of them per connection
-BUFFERS = 2
+BUFFER_BYTES = 4 << 20  # one receive buffer; the server keeps two per upload (one filling, one being fed)
 SEND_PIECE_BYTES = 4 << 20  # the client looks for an early answer between pieces
 LINGER_S = 2.0
-STOP_JOIN_S = 30.0  # how long `stop` waits for connection threads once their sockets are shut down
+STOP_JOIN_S = 30.0  # how long `stop` waits for connections once they are cut (a handler call cannot be cut)
+RETRY_AFTER_S = 1.0  # the hint a refused connection gets
+_SCRATCH_BYTES = 16 << 10  # bytes read when no buffer waits (discarded while lingering)
+_READ_AHEAD_BYTES = 16 << 10  # a preamble field is read with up to this much more; the rest waits in `_pending`
 
 Request = coordinator_pb2.SubmitPseudoGradientRequest
 Response = coordinator_pb2.SubmitPseudoGradientResponse
@@ -85,6 +101,7 @@ Response = coordinator_pb2.SubmitPseudoGradientResponse
 _U32 = struct.Struct(">I")
 _REPLY = struct.Struct(">BI")
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+_T = TypeVar("_T")
 log = structlog.get_logger()
 
 
@@ -106,7 +123,8 @@ class BulkSink(Protocol):
     """One upload being received. The server calls `feed` with the payload bytes in order (a view into a buffer it
     reuses: copy what must outlive the call), then exactly one of `finish` (all `expected_bytes` arrived),
     `interrupted` (the connection ended or stalled first; the bytes fed stay for a resume) or nothing (a `feed`
-    raised), and at last `close`, whatever happened. Errors are `DilocoError`s; they become error frames."""
+    raised), and at last `close`, whatever happened. The calls come one at a time, each on one of the server's
+    handler threads. Errors are `DilocoError`s; they become error frames."""
 
     @property
     def expected_bytes(self) -> int: ...
@@ -122,90 +140,236 @@ class BulkSink(Protocol):
 
 class BulkHandler(Protocol):
     """Checks the token and the header before any payload byte is read: returns the sink to feed, or a response to
-    answer at once (a duplicate of a submission already accepted). Raises `DilocoError`s."""
+    answer at once (a duplicate of a submission already accepted). Raises `DilocoError`s. Called on one of the
+    server's handler threads."""
 
     def open(self, token: bytes, request: Request, identity: str | None) -> BulkSink | Response:
         """`identity`: the common name of the client's verified certificate; None without TLS."""
         ...
 
 
-# --- the server ---------------------------------------------------------------------------------------------------
+# --- one connection -----------------------------------------------------------------------------------------------
 
 
-def peer_identity(sock: socket.socket) -> str | None:
-    """The common name of the certificate the client presented (the handshake verified it against the CA; ''
-    when it names none); None on a plaintext connection."""
-    if not isinstance(sock, ssl.SSLSocket):
-        return None
-    cert: dict[str, Any] = dict(sock.getpeercert() or {})
-    for rdn in cert.get("subject", ()):
+class _Stop(Enum):
+    """Why a read ended before its buffer was full."""
+
+    EOF = "eof"  # the client closed (or half-closed) the connection
+    FAILED = "failed"  # reset, TLS error, or cut by `stop`
+    IDLE = "idle"  # no byte for the idle timeout
+    DEADLINE = "deadline"  # the read's overall deadline passed
+
+
+def _common_name(cert: dict[str, Any] | None) -> str:
+    for rdn in (cert or {}).get("subject", ()):
         for key, value in rdn:
             if key == "commonName":
                 return str(value)
     return ""
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float, idle_timeout_s: float) -> bytes:
-    """`n` bytes, waiting at most `idle_timeout_s` per read and until `deadline` in all."""
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _PeerGone(f"the preamble did not arrive within {idle_timeout_s:g} s")
-        sock.settimeout(min(left, idle_timeout_s))
+class _Conn(asyncio.BufferedProtocol):
+    """One connection, read on demand: `fill` has the loop receive straight into the caller's buffer; reading is
+    paused whenever no `fill` waits, so the client is slowed by TCP, not buffered for. Loop-confined."""
+
+    def __init__(self, server: BulkServer, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.raw: asyncio.Transport | None = None  # the TCP transport
+        self.transport: asyncio.Transport | None = None  # what the upload is read from: raw, or TLS over it
+        self.peer = ""
+        self.ip = ""
+        self.identity: str | None = None  # the client certificate's common name (TLS only)
+        self.stop: _Stop | None = None  # set once the stream can give no more bytes
+        self.error = ""  # why, for FAILED
+        self.lost: asyncio.Future[None] = loop.create_future()
+        self._target: memoryview | None = None
+        self._pos = 0
+        self._need = 0  # wake the `fill` once this many bytes are in its buffer
+        self._waiter: asyncio.Future[_Stop | None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0  # loop time of the last bytes
+        self._scratch: memoryview | None = None
+        self._pending = bytearray()  # bytes that arrived while no `fill` waited (TLS: just after the handshake)
+
+    # asyncio callbacks
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.raw = transport
+        if self.server.ssl_context is None:
+            self.transport = transport  # with TLS: the TLS transport, once the handshake is done
+        transport.pause_reading()  # nothing is read before a `fill` (or the TLS handshake) asks
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and peer:
+            self.ip, self.peer = str(peer[0]), f"{peer[0]}:{peer[1]}"
+        else:
+            self.ip = self.peer = str(peer)
+        self.server._accepted(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        t = self._target
+        if t is not None and self._pos < len(t):
+            return t[self._pos :]
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(_SCRATCH_BYTES))
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last = self.loop.time()
+        t = self._target
+        if t is not None and self._pos < len(t):
+            self._pos += nbytes
+            if self._pos >= self._need:
+                self._wake(None)
+        elif self._scratch is not None:  # nobody asked: keep it for the next `fill`, and stop reading
+            self._pending += self._scratch[:nbytes]
+            if self.transport is not None:
+                self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._end(_Stop.EOF, "")
+        return self.server.ssl_context is None  # keep a plain connection open: the answer still goes out
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._end(_Stop.FAILED if exc is not None else _Stop.EOF, str(exc) if exc is not None else "")
+        if not self.lost.done():
+            self.lost.set_result(None)
+
+    # used by the server's coroutines
+    def _end(self, why: _Stop, error: str) -> None:
+        if self.stop is None:
+            self.stop, self.error = why, error
+        self._wake(self.stop)
+
+    def _wake(self, why: _Stop | None) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(why)
+
+    def _check_time(self, idle_s: float, deadline: float) -> None:
+        now = self.loop.time() + 1e-3  # timer callbacks may run a clock tick early
+        if now >= deadline:
+            self._wake(_Stop.DEADLINE)
+        elif now >= self._last + idle_s:
+            self._wake(_Stop.IDLE)
+        else:
+            self._timer = self.loop.call_at(min(deadline, self._last + idle_s), self._check_time, idle_s, deadline)
+
+    async def fill(
+        self, view: memoryview, idle_s: float, deadline: float = math.inf, need: int | None = None
+    ) -> tuple[int, _Stop | None]:
+        """Receive into `view` until it holds `need` bytes (default: until it is full; then None), or the stream
+        ends, stalls for `idle_s` or passes `deadline` (loop time) first. Returns (bytes received, why it ended
+        early). Bytes kept in `_pending` come first."""
+        need = len(view) if need is None else need
+        got = min(len(self._pending), len(view))
+        if got:
+            view[:got] = self._pending[:got]
+            del self._pending[:got]
+        if got >= need:
+            return got, None
+        transport = self.transport
+        if self.stop is not None or transport is None:
+            return got, self.stop or _Stop.FAILED
+        self._target, self._pos, self._need = view, got, need
+        self._waiter = waiter = self.loop.create_future()
+        self._last = self.loop.time()
+        self._timer = self.loop.call_at(min(deadline, self._last + idle_s), self._check_time, idle_s, deadline)
+        transport.resume_reading()
         try:
-            k = sock.recv_into(view[got:])
-        except TimeoutError:
-            raise _PeerGone(f"the preamble did not arrive within {idle_timeout_s:g} s") from None
-        except OSError as e:
-            raise _PeerGone(f"connection failed: {e}") from None
-        if k == 0:
-            raise _PeerGone(f"the stream ended inside the preamble ({got} of {n} bytes of a field)")
-        got += k
-    return bytes(buf)
+            why = await waiter
+        finally:
+            self._timer.cancel()
+            got = self._pos
+            self._target, self._waiter = None, None
+            if not transport.is_closing():
+                transport.pause_reading()
+        return got, why
 
+    async def read_exact(self, n: int, idle_s: float, deadline: float) -> tuple[bytes, _Stop | None]:
+        """`n` bytes (with the reason when fewer came), reading ahead: what arrived beyond them stays in `_pending`
+        for the next read, so a preamble that arrives in one piece costs one wake-up, not one per field."""
+        buf = memoryview(bytearray(max(n, _READ_AHEAD_BYTES)))
+        got, why = await self.fill(buf, idle_s, deadline, need=n)
+        if got > n:
+            self._pending[0:0] = buf[n:got]
+        return bytes(buf[: min(got, n)]), None if got >= n else why
 
-def _send_reply(sock: socket.socket, status: int, body: bytes) -> None:
-    """Best effort: the peer may be gone already."""
-    body = body[:MAX_REPLY_BYTES]
-    try:
-        sock.settimeout(LINGER_S)
-        sock.sendall(_REPLY.pack(status, len(body)) + body)
-    except (OSError, ValueError):
-        pass
-
-
-def _send_error(sock: socket.socket, code: grpc.StatusCode, message: str) -> None:
-    _send_reply(sock, code.value[0], message.encode("utf-8", "replace"))
-
-
-def _linger(sock: socket.socket, seconds: float) -> None:
-    """Read and discard what the client still sends until it closes (at most `seconds`), so that closing with
-    unread data (a TCP reset) does not destroy the answer before the client reads it."""
-    scratch = bytearray(1 << 16)
-    deadline = time.monotonic() + seconds
-    try:
-        while (left := deadline - time.monotonic()) > 0:
-            sock.settimeout(left)
-            if sock.recv_into(scratch) == 0:
+    async def linger(self, seconds: float) -> None:
+        """Read and discard what the client still sends until it closes (at most `seconds`), so that closing with
+        unread data (a TCP reset) does not destroy the answer before the client reads it."""
+        deadline = self.loop.time() + seconds
+        sink = memoryview(bytearray(1 << 16))
+        while self.stop is None and self.loop.time() < deadline:
+            _, why = await self.fill(sink, seconds, deadline)
+            if why is not None:
                 return
-    except (OSError, ValueError):
-        pass
+
+    def reply(self, status: int, body: bytes) -> None:
+        """Best effort: the peer may be gone already."""
+        body = body[:MAX_REPLY_BYTES]
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(_REPLY.pack(status, len(body)) + body)
+
+    def reply_error(self, code: grpc.StatusCode, message: str) -> None:
+        self.reply(code.value[0], message.encode("utf-8", "replace"))
+
+    def abort(self) -> None:
+        for t in (self.transport, self.raw):
+            if t is not None:
+                t.abort()
+
+    async def close(self) -> None:
+        """Close after the answer went out (at most LINGER_S, then abort)."""
+        if self.transport is None:  # the TLS handshake failed; start_tls closed the socket
+            if self.raw is not None:
+                self.raw.abort()
+            return
+        if not self.transport.is_closing():
+            self.transport.close()
+        if not self.lost.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.lost), LINGER_S)
+            except TimeoutError:
+                self.abort()
 
 
-@dataclass
-class _Conn:
-    sock: socket.socket
-    thread: threading.Thread
+# --- the server ---------------------------------------------------------------------------------------------------
+
+
+def _end(sink: BulkSink, last: memoryview, complete: bool) -> Response | None:
+    """Feed `last` (the last piece received), `finish` (None: `interrupted` instead), then `close`: one call on a
+    handler thread, not three. A `feed` that raises skips `finish` and `interrupted`."""
+    try:
+        if len(last):
+            sink.feed(last)
+        if complete:
+            return sink.finish()
+        sink.interrupted()
+        return None
+    finally:
+        sink.close()
+
+
+class _State(Enum):
+    NEW = "new"
+    SERVING = "serving"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
 
 
 class BulkServer:
-    """Accepts bulk uploads on `host:port` (0: a free port) and feeds them to `handler`: an accept thread and a
-    thread per connection (with a second one feeding the sink while the next buffer is received, when `overlap`).
-    `start()` and `stop()` are idempotent; `stop` gives running uploads `grace_s`, then cuts them (they are
-    interrupted, hence resumable) and joins every thread."""
+    """Accepts bulk uploads on `host:port` (0: a free port) and feeds them to `handler`.
+
+    One asyncio event loop serves every connection: `start()` runs it in one background thread, or, with `loop`
+    (an event loop running in another thread, e.g. the grpc.aio server's), on that loop; a coroutine on a running
+    loop can instead `await start_async()` (the server then lives on that loop) and `await stop_async(grace_s)`.
+    The handler's calls run on `handler_threads` threads of the server's own, or on `executor` (shared with other
+    work, e.g. the gRPC servicer's blocking calls, so one bound covers both; the server does not shut it down).
+    Admission: `max_connections` in all, `max_connections_per_client` from one client (its certificate's name
+    with TLS, else its IP address); a refusal is a RESOURCE_EXHAUSTED frame saying "retry after `retry_after_s`".
+    `start()` and `stop()` are idempotent; `stop` stops accepting, gives running uploads `grace_s`, then cuts them
+    (they are interrupted, hence resumable), waits for their handler calls, shuts its own thread pool down and,
+    when it owns the loop, ends the loop's thread."""
 
     def __init__(
         self,
@@ -214,36 +378,55 @@ class BulkServer:
         handler: BulkHandler,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        max_connections: int = 16,
+        max_connections: int = 32,
+        max_connections_per_client: int = 16,
         idle_timeout_s: float = 30.0,
         buffer_bytes: int = BUFFER_BYTES,
         overlap: bool = True,
+        handler_threads: int = 4,
+        executor: concurrent.futures.Executor | None = None,
+        retry_after_s: float = RETRY_AFTER_S,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         if max_connections < 1:
             raise ConfigError(f"bulk max_connections must be >= 1, got {max_connections}")
+        if max_connections_per_client < 1:
+            raise ConfigError(f"bulk max_connections_per_client must be >= 1, got {max_connections_per_client}")
         if not idle_timeout_s > 0 or not math.isfinite(idle_timeout_s):
             raise ConfigError(f"bulk idle_timeout_s must be a positive number of seconds, got {idle_timeout_s}")
         if buffer_bytes < 4096:
             raise ConfigError(f"bulk buffer_bytes must be >= 4096, got {buffer_bytes}")
+        if handler_threads < 1:
+            raise ConfigError(f"bulk handler_threads must be >= 1, got {handler_threads}")
+        if not 0 < retry_after_s <= 60:
+            raise ConfigError(f"bulk retry_after_s must be in (0, 60] seconds, got {retry_after_s}")
         if not 0 <= port <= 65535:
             raise ConfigError(f"bulk port must be in 0..65535, got {port}")
         self.host = host
         self.handler = handler
         self.ssl_context = ssl_context
         self.max_connections = max_connections
+        self.max_connections_per_client = max_connections_per_client
         self.idle_timeout_s = idle_timeout_s
         self.buffer_bytes = buffer_bytes
         self.overlap = overlap
+        self.handler_threads = handler_threads
+        self.retry_after_s = retry_after_s
         self._requested_port = port
         self._port = 0
-        self._listener: socket.socket | None = None
-        self._accept_thread: threading.Thread | None = None
-        self._cv = threading.Condition()
-        self._conns: dict[int, _Conn] = {}
+        self._lock = threading.Lock()  # guards _state and _loop across threads
+        self._state = _State.NEW
+        self._loop = loop
+        self._thread: threading.Thread | None = None  # the loop's, when the server owns it
+        self._server: asyncio.AbstractServer | None = None
+        self._executor: concurrent.futures.Executor | None = executor
+        self._own_executor = executor is None
+        # loop-confined:
+        self._tasks: dict[_Conn, asyncio.Task[None]] = {}  # every connection, served or refused
+        self._served: set[_Conn] = set()  # admitted: counted against max_connections
+        self._by_client: dict[str, int] = {}
         self._refusing = 0
-        self._next_id = 0
-        self._stopping = threading.Event()
-        self._stopped = False
+        self._stopped: asyncio.Event | None = None
 
     @property
     def port(self) -> int:
@@ -251,279 +434,363 @@ class BulkServer:
 
     @property
     def active_connections(self) -> int:
-        with self._cv:
-            return len(self._conns)
+        """Connections admitted and not yet closed (refused ones not counted)."""
+        return len(self._served)
 
+    # --- lifecycle ---------------------------------------------------------------------------------------------
     def start(self) -> int:
-        """Listen and accept (a second call does nothing). Returns the port."""
-        with self._cv:
-            if self._stopped:
-                raise RuntimeError("this BulkServer was stopped; make a new one")
-            if self._listener is not None:
+        """Listen and accept (a second call does nothing). Returns the port. Call it from any thread but the
+        loop's own (there, `await start_async()`)."""
+        with self._lock:
+            if self._state is _State.SERVING:
                 return self._port
+            if self._state is not _State.NEW:
+                raise RuntimeError("this BulkServer was stopped; make a new one")
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(target=self._run_loop, args=(loop,), name="bulk-loop", daemon=True)
+                self._thread.start()
+                self._loop = loop
+            loop = self._loop
+        try:
+            return self._on_loop(loop, self.start_async())
+        except BaseException:
+            if self._thread is not None:  # e.g. the port is taken: end the loop's thread
+                loop.call_soon_threadsafe(loop.stop)
+                self._thread.join()
+                self._thread = None
+                with self._lock:
+                    self._loop, self._state = None, _State.NEW
+            raise
+
+    async def start_async(self) -> int:
+        """`start` for a coroutine on a running loop: the server serves on this loop (the one given, if any)."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._loop is None:
+                self._loop = loop
+            elif self._loop is not loop:
+                raise RuntimeError("this BulkServer serves on another event loop; call start() from a thread")
+            if self._state is _State.SERVING:
+                return self._port
+            if self._state is not _State.NEW:
+                raise RuntimeError("this BulkServer was stopped; make a new one")
             family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
             listener = socket.create_server((self.host, self._requested_port), family=family, backlog=128)
-            listener.settimeout(0.5)  # the accept loop notices `stop` within this, even where close does not wake it
-            self._listener = listener
             self._port = listener.getsockname()[1]
-            self._accept_thread = threading.Thread(target=self._accept_loop, name="bulk-accept", daemon=True)
-            self._accept_thread.start()
-            log.info("bulk.listening", host=self.host, port=self._port, tls=self.ssl_context is not None)
-            return self._port
+            if self._own_executor:
+                self._executor = concurrent.futures.ThreadPoolExecutor(self.handler_threads, "bulk-handler")
+            self._stopped = asyncio.Event()
+            self._state = _State.SERVING
+        listener.setblocking(False)
+        self._server = await loop.create_server(lambda: _Conn(self, loop), sock=listener, backlog=128)
+        log.info(
+            "bulk.listening",
+            host=self.host,
+            port=self._port,
+            tls=self.ssl_context is not None,
+            max_connections=self.max_connections,
+            max_connections_per_client=self.max_connections_per_client,
+        )
+        return self._port
 
     def stop(self, grace_s: float = 0.0) -> None:
-        """Stop accepting, wait up to `grace_s` for running uploads, cut the rest, join every thread."""
-        with self._cv:
-            if self._stopped:
+        """Stop accepting, wait up to `grace_s` for running uploads, cut the rest, wait for them, shut the handler
+        threads down (and the loop's thread, when the server started it). Safe to call twice."""
+        with self._lock:
+            loop, state = self._loop, self._state
+            if state is _State.NEW:
+                self._state = _State.STOPPED
+        if state is not _State.NEW and loop is not None and not loop.is_closed():
+            self._on_loop(loop, self.stop_async(grace_s))
+        if self._thread is not None and loop is not None:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(loop.stop)
+            self._thread.join()
+
+    async def stop_async(self, grace_s: float = 0.0) -> None:
+        """`stop` for a coroutine on the server's loop (it leaves the loop running)."""
+        with self._lock:
+            state = self._state
+            if state is _State.NEW:
+                self._state = _State.STOPPED
                 return
-            self._stopped = True
-            listener, accept_thread = self._listener, self._accept_thread
-        self._stopping.set()
-        if listener is not None:
-            with contextlib.suppress(OSError):
-                listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept on Linux
-            listener.close()
-        if accept_thread is not None:
-            accept_thread.join()
-        deadline = time.monotonic() + grace_s
-        with self._cv:
-            while self._conns and (left := deadline - time.monotonic()) > 0:
-                self._cv.wait(left)
-            conns = list(self._conns.values())
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.sock.shutdown(socket.SHUT_RDWR)
-        join_deadline = time.monotonic() + STOP_JOIN_S
-        for c in conns:
-            c.thread.join(max(0.0, join_deadline - time.monotonic()))
-        with self._cv:
-            while self._refusing and (left := join_deadline - time.monotonic()) > 0:
-                self._cv.wait(left)
-            stuck = [c.thread.name for c in self._conns.values()] + ["bulk-refuse"] * self._refusing
-        if stuck:  # a handler blocked in its own code; the threads are daemons
-            log.warning("bulk.stop_timeout", threads=stuck)
+            if state is _State.SERVING:
+                self._state = _State.STOPPING
+        if state is not _State.SERVING:  # another stop runs or ran
+            if self._stopped is not None:
+                await self._stopped.wait()
+            return
+        assert self._stopped is not None
+        try:
+            await self._stop(grace_s)
+        finally:
+            with self._lock:
+                self._state = _State.STOPPED
+            self._stopped.set()
 
-    # --- accepting ---------------------------------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        listener = self._listener
-        assert listener is not None
-        while not self._stopping.is_set():
-            try:
-                sock, peer = listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                continue  # e.g. EMFILE, ECONNABORTED: keep serving
-            try:
-                self._dispatch(sock, peer)
-            except Exception as e:  # e.g. the peer reset already, or no thread could start: drop this one only
-                log.warning("bulk.accept_failed", peer=str(peer), error=str(e))
-                sock.close()
+    async def _stop(self, grace_s: float) -> None:
+        if self._server is not None:
+            self._server.close()  # no new connections
+        served = [self._tasks[c] for c in self._served if c in self._tasks]
+        if served and grace_s > 0:
+            await asyncio.wait(served, timeout=grace_s)
+        for conn in list(self._tasks):
+            conn.abort()  # their reads end: uploads are interrupted, refusals end
+        stuck: set[asyncio.Task[None]] = set()
+        if self._tasks:
+            _, stuck = await asyncio.wait(list(self._tasks.values()), timeout=STOP_JOIN_S)
+        if stuck:  # a handler call that did not return; its thread stays until it does
+            log.warning("bulk.stop_timeout", connections=len(stuck))
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._executor is not None and self._own_executor:
+            self._executor.shutdown(wait=not stuck, cancel_futures=True)
+        log.info("bulk.stopped", port=self._port)
 
-    def _dispatch(self, sock: socket.socket, peer: object) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._cv:
-            if len(self._conns) >= self.max_connections:
-                if self._refusing >= self.max_connections:
-                    sock.close()  # flooded: not even a frame
-                    return
-                conn_id = -1
-                target, name = self._refuse, "bulk-refuse"
-            else:
-                conn_id = self._next_id
-                self._next_id += 1
-                target, name = self._serve, f"bulk-conn-{conn_id}"
-            t = threading.Thread(target=target, args=(conn_id, sock, peer), name=name, daemon=True)
-            t.start()
-            if conn_id >= 0:
-                self._conns[conn_id] = _Conn(sock, t)
-            else:
-                self._refusing += 1
+    @staticmethod
+    def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
 
-    def _wrap(self, sock: socket.socket) -> socket.socket:
-        sock.settimeout(self.idle_timeout_s)
+    @staticmethod
+    def _on_loop(loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, _T]) -> _T:
+        """Run `coro` on `loop` (running in another thread) and wait for its result."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("BulkServer.start/stop called on its own event loop; await start_async/stop_async")
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+    # --- admission ---------------------------------------------------------------------------------------------
+    def _accepted(self, conn: _Conn) -> None:
+        """A new connection (on the loop, before any byte is read): serve it, refuse it, or drop it."""
+        if self._state is not _State.SERVING:
+            conn.abort()
+            return
+        if len(self._served) < self.max_connections:
+            self._served.add(conn)
+            self._spawn(conn, self._serve(conn))
+            return
+        self._refuse_later(
+            conn, f"the bulk server serves at most {self.max_connections} uploads at once", "max_connections"
+        )
+
+    def _refuse_later(self, conn: _Conn, what: str, limit: str) -> None:
+        if self._refusing >= self.max_connections or self._state is not _State.SERVING:  # flooded: not a frame
+            conn.abort()
+            return
+        self._refusing += 1
+        message = f"overloaded: {what}; retry after {self.retry_after_s:g} s, or upload over gRPC"
+        self._spawn(conn, self._refuse(conn, message, limit))
+
+    def _spawn(self, conn: _Conn, coro: Coroutine[Any, Any, None]) -> None:
+        assert self._loop is not None
+        task = self._loop.create_task(coro)
+        self._tasks[conn] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._tasks.get(conn) is t:  # a refusal may have taken the connection over
+                del self._tasks[conn]
+
+        task.add_done_callback(done)
+
+    async def _secure(self, conn: _Conn) -> bool:
+        """The TLS handshake (none without TLS). False: it failed (logged; the connection is closed)."""
         if self.ssl_context is None:
-            return sock
-        return self.ssl_context.wrap_socket(sock, server_side=True)  # the handshake, bounded by the timeout
-
-    def _refuse(self, conn_id: int, raw: socket.socket, peer: object) -> None:
-        sock = raw
+            return True
+        assert self._loop is not None and conn.raw is not None
         try:
-            sock = self._wrap(raw)
-            log.warning("bulk.refused", peer=str(peer), max_connections=self.max_connections)
-            _send_error(
-                sock,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the bulk server serves at most {self.max_connections} uploads at once; retry later or upload "
-                "over gRPC",
+            tls = await self._loop.start_tls(
+                conn.raw, conn, self.ssl_context, server_side=True, ssl_handshake_timeout=self.idle_timeout_s
             )
-            _linger(sock, min(LINGER_S, self.idle_timeout_s))
-        except (OSError, ValueError):
-            pass
-        finally:
-            sock.close()
-            raw.close()
-            with self._cv:
-                self._refusing -= 1
-                self._cv.notify_all()
+        except Exception as e:  # refused certificate, plaintext client, reset, timeout, cut by stop
+            log.info("bulk.connection_failed", peer=conn.peer, error=f"{type(e).__name__}: {e}")
+            return False
+        if tls is None or tls.is_closing():
+            return False
+        assert isinstance(tls, asyncio.Transport)
+        conn.transport = tls
+        tls.pause_reading()
+        conn.identity = _common_name(tls.get_extra_info("peercert"))
+        return True
 
-    def _serve(self, conn_id: int, raw: socket.socket, peer: object) -> None:
-        sock = raw
+    async def _refuse(self, conn: _Conn, message: str, limit: str) -> None:
         try:
-            sock = self._wrap(raw)
-            if self._stopping.is_set():
-                return
-            self._handle(sock, str(peer))
-        except (OSError, ValueError) as e:  # TLS handshake refused, reset, ...
-            log.info("bulk.connection_failed", peer=str(peer), error=str(e))
+            if conn.transport is not None or await self._secure(conn):
+                log.warning("bulk.refused", peer=conn.peer, identity=conn.identity, limit=limit)
+                conn.reply_error(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+                await conn.linger(min(LINGER_S, self.idle_timeout_s))
         finally:
-            sock.close()
-            raw.close()
-            with self._cv:
-                self._conns.pop(conn_id, None)
-                self._cv.notify_all()
+            await conn.close()
+            self._refusing -= 1
+
+    async def _serve(self, conn: _Conn) -> None:
+        handed_over = False  # to a refusal, which closes the connection
+        try:
+            if not await self._secure(conn):
+                return
+            client = f"ip:{conn.ip}" if conn.identity is None else f"cert:{conn.identity}"
+            if self._by_client.get(client, 0) >= self.max_connections_per_client:
+                self._served.discard(conn)
+                handed_over = True
+                who = conn.ip if conn.identity is None else f"certificate {conn.identity!r}"
+                self._refuse_later(
+                    conn,
+                    f"the bulk server serves at most {self.max_connections_per_client} uploads at once from one "
+                    f"client ({who})",
+                    "max_connections_per_client",
+                )
+                return
+            self._by_client[client] = self._by_client.get(client, 0) + 1
+            try:
+                await self._handle(conn)
+            finally:
+                left = self._by_client[client] - 1
+                if left:
+                    self._by_client[client] = left
+                else:
+                    del self._by_client[client]
+        except Exception as e:  # a bug here must not end the server
+            log.exception("bulk.connection_failed", peer=conn.peer, error=str(e))
+            conn.abort()
+        finally:
+            if not handed_over:
+                await conn.close()
+                self._served.discard(conn)
 
     # --- one upload ----------------------------------------------------------------------------------------------
-    def _handle(self, sock: socket.socket, peer: str) -> None:
+    def _submit(self, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+        """`fn(*args)` on a handler thread."""
+        assert self._loop is not None
+        return self._loop.run_in_executor(self._executor, fn, *args)
+
+    async def _call(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await self._submit(fn, *args)
+
+    async def _handle(self, conn: _Conn) -> None:
         try:
-            answered = self._upload(sock, peer)
+            answered = await self._upload(conn)
         except DilocoError as e:
-            _send_error(sock, status_of(e), str(e))
+            conn.reply_error(status_of(e), str(e))
         except _PeerGone as e:
-            _send_error(sock, grpc.StatusCode.UNAVAILABLE, str(e))
+            conn.reply_error(grpc.StatusCode.UNAVAILABLE, str(e))
             return
         except Exception as e:
-            log.exception("bulk.handler_failed", peer=peer)
-            _send_error(sock, grpc.StatusCode.INTERNAL, f"the bulk server failed: {type(e).__name__}: {e}")
+            log.exception("bulk.handler_failed", peer=conn.peer)
+            conn.reply_error(grpc.StatusCode.INTERNAL, f"the bulk server failed: {type(e).__name__}: {e}")
         else:
             if not answered:
                 return
-        _linger(sock, min(LINGER_S, self.idle_timeout_s))
+        await conn.linger(min(LINGER_S, self.idle_timeout_s))
 
-    def _upload(self, sock: socket.socket, peer: str) -> bool:
+    async def _read_exact(self, conn: _Conn, n: int, deadline: float) -> bytes:
+        data, why = await conn.read_exact(n, self.idle_timeout_s, deadline)
+        if why is None:
+            return data
+        got = len(data)
+        if why in (_Stop.IDLE, _Stop.DEADLINE):
+            raise _PeerGone(f"the preamble did not arrive within {self.idle_timeout_s:g} s")
+        if why is _Stop.FAILED and conn.error:
+            raise _PeerGone(f"connection failed: {conn.error}")
+        raise _PeerGone(f"the stream ended inside the preamble ({got} of {n} bytes of a field)")
+
+    async def _upload(self, conn: _Conn) -> bool:
         """Read the preamble, open the upload, receive its payload and answer. Returns False when the client left
         before the end (nothing to linger for)."""
-        deadline = time.monotonic() + self.idle_timeout_s
-
-        def recv(n: int) -> bytes:
-            return _recv_exact(sock, n, deadline, self.idle_timeout_s)
-
-        magic = recv(len(MAGIC))
+        assert self._loop is not None
+        deadline = self._loop.time() + self.idle_timeout_s
+        magic = await self._read_exact(conn, len(MAGIC), deadline)
         if magic != MAGIC:
             raise InvalidArgument(
                 f"not a diloco bulk upload (magic {magic!r}, expected {MAGIC!r}); upload over gRPC or update the client"
             )
-        (n,) = _U32.unpack(recv(_U32.size))
+        (n,) = _U32.unpack(await self._read_exact(conn, _U32.size, deadline))
         if n > MAX_TOKEN_BYTES:
             raise ResourceExhausted(f"token of {n} bytes exceeds the limit of {MAX_TOKEN_BYTES} bytes")
-        token = recv(n)
-        (n,) = _U32.unpack(recv(_U32.size))
+        token = await self._read_exact(conn, n, deadline)
+        (n,) = _U32.unpack(await self._read_exact(conn, _U32.size, deadline))
         if n > MAX_HEADER_BYTES:
             raise ResourceExhausted(f"request of {n} bytes exceeds the limit of {MAX_HEADER_BYTES} bytes")
         try:
-            request = Request.FromString(recv(n))
+            request = Request.FromString(await self._read_exact(conn, n, deadline))
         except DecodeError:
             raise InvalidArgument("the request is not a serialized SubmitPseudoGradientRequest") from None
         if request.WhichOneof("kind") != "header":
             raise InvalidArgument("the request must carry the upload's header (SubmissionHeader), not data")
-        opened = self.handler.open(token, request, peer_identity(sock))
+        if self._state is not _State.SERVING:
+            raise _PeerGone("the bulk server is stopping; upload again (over gRPC: the bulk port may change)")
+        opened = await self._call(self.handler.open, token, request, conn.identity)
         if isinstance(opened, Response):
-            _send_reply(sock, STATUS_OK, opened.SerializeToString())
+            conn.reply(STATUS_OK, opened.SerializeToString())
             return True
         sink = opened
+        ended = False  # `_end` ran: it called `close`
         try:
             expected = sink.expected_bytes
             if expected < 0:
                 raise InvalidArgument(f"the upload expects a negative byte count ({expected})")
-            got, why = self._receive(sock, sink, expected)
-            if got < expected:
-                sink.interrupted()
-                log.info("bulk.interrupted", peer=peer, received_bytes=got, expected_bytes=expected, reason=why)
-                _send_error(
-                    sock,
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"payload ended after {got} of {expected} bytes ({why}); resume from the offset GetUploadStatus "
-                    "reports",
-                )
-                return False
-            response = sink.finish()
+            got, why, last = await self._receive(conn, sink, expected)
+            ended = True
+            response = await self._call(_end, sink, last, got >= expected)
         finally:
-            sink.close()
-        _send_reply(sock, STATUS_OK, response.SerializeToString())
+            if not ended:
+                await self._call(sink.close)
+        if response is None:
+            log.info("bulk.interrupted", peer=conn.peer, received_bytes=got, expected_bytes=expected, reason=why)
+            conn.reply_error(
+                grpc.StatusCode.UNAVAILABLE,
+                f"payload ended after {got} of {expected} bytes ({why}); resume from the offset GetUploadStatus "
+                "reports",
+            )
+            return False
+        conn.reply(STATUS_OK, response.SerializeToString())
         return True
 
-    def _fill(self, sock: socket.socket, view: memoryview) -> tuple[int, str]:
-        """Receive into `view` until it is full, the peer ends, stalls or the server stops. Returns (bytes, why it
-        stopped early or "")."""
-        got = 0
-        try:
-            while got < len(view):
-                k = sock.recv_into(view[got:])
-                if k == 0:
-                    return got, "stopping" if self._stopping.is_set() else "the client closed the connection"
-                got += k
-        except TimeoutError:
-            return got, f"no data for {self.idle_timeout_s:g} s"
-        except (OSError, ValueError) as e:
-            return got, "stopping" if self._stopping.is_set() else f"connection failed: {e}"
-        return got, ""
+    def _why(self, conn: _Conn, stop: _Stop) -> str:
+        if self._state is not _State.SERVING and stop in (_Stop.EOF, _Stop.FAILED):
+            return "stopping"
+        if stop is _Stop.EOF:
+            return "the client closed the connection"
+        if stop is _Stop.FAILED:
+            return f"connection failed: {conn.error or 'aborted'}"
+        return f"no data for {self.idle_timeout_s:g} s"
 
-    def _receive(self, sock: socket.socket, sink: BulkSink, expected: int) -> tuple[int, str]:
-        """Receive `expected` bytes into reused buffers and feed them. Returns (bytes fed, why it stopped early)."""
-        sock.settimeout(self.idle_timeout_s)
+    async def _receive(self, conn: _Conn, sink: BulkSink, expected: int) -> tuple[int, str, memoryview]:
+        """Receive `expected` bytes into reused buffers and feed them in order, one `feed` at a time; with
+        `overlap`, the next buffer fills while the previous one is fed. Returns (bytes received, why it stopped
+        early or "", the last piece received): that piece is not fed yet; `_end` feeds it in the same handler
+        call as `finish` or `interrupted` (a payload of one buffer costs two handler calls in all, with `open`)."""
         size = min(self.buffer_bytes, max(expected, 1))
-        if not self.overlap or expected <= size:
-            return self._receive_serial(sock, sink, expected, size)
-        return self._receive_overlapped(sock, sink, expected, size)
-
-    def _receive_serial(self, sock: socket.socket, sink: BulkSink, expected: int, size: int) -> tuple[int, str]:
-        view = memoryview(bytearray(size))
-        got = 0
-        while got < expected:
-            k, why = self._fill(sock, view[: min(size, expected - got)])
-            if k:
-                sink.feed(view[:k])
-                got += k
-            if why:
-                return got, why
-        return got, ""
-
-    def _receive_overlapped(self, sock: socket.socket, sink: BulkSink, expected: int, size: int) -> tuple[int, str]:
-        free: queue.SimpleQueue[memoryview] = queue.SimpleQueue()
-        full: queue.SimpleQueue[tuple[memoryview, int] | None] = queue.SimpleQueue()
-        for _ in range(BUFFERS):
-            free.put(memoryview(bytearray(size)))
-        failure: list[BaseException] = []
-
-        def feeder() -> None:
-            while (item := full.get()) is not None:
-                view, k = item
-                if not failure:
-                    try:
-                        sink.feed(view[:k])
-                    except BaseException as e:  # re-raised by the receiving thread
-                        failure.append(e)
-                free.put(view)
-
-        t = threading.Thread(target=feeder, name="bulk-feed", daemon=True)
-        t.start()
-        got, why = 0, ""
+        overlap = self.overlap and expected > size
+        buffers = [memoryview(bytearray(size)) for _ in range(2 if overlap else 1)]
+        feeding: asyncio.Future[None] | None = None
+        got, turn = 0, 0
         try:
-            while got < expected and not failure:
-                view = free.get()
-                k, why = self._fill(sock, view[: min(size, expected - got)])
-                full.put((view, k))
+            while True:
+                view = buffers[turn % len(buffers)]
+                turn += 1
+                k, stop = await conn.fill(view[: min(size, expected - got)], self.idle_timeout_s)
+                if feeding is not None:  # the other buffer's feed: its errors end the upload here
+                    done, feeding = feeding, None
+                    await done
                 got += k
-                if why:
-                    break
+                if stop is not None or got >= expected:
+                    return got, "" if stop is None else self._why(conn, stop), view[:k]
+                feeding = self._submit(sink.feed, view[:k])
+                if not overlap:
+                    done, feeding = feeding, None
+                    await done
         finally:
-            full.put(None)
-            t.join()
-        if failure:
-            raise failure[0]
-        return got, why
+            if feeding is not None:  # leaving on an error: the feed in flight ends before `close` is called
+                await asyncio.wait([feeding])
 
 
 # --- the client ---------------------------------------------------------------------------------------------------
