@@ -81,6 +81,8 @@ class CoordinatorServiceConfig:
     outlier_window: int = 32  # accepted norms the median is taken over
     outlier_min_samples: int = 3  # accepted norms before any outlier judgement
     quarantine_strikes: int = 3  # refusals in a row after which a quarantined learner's shards move away
+    max_workers: int = 4096  # live learners at most; one more Register gets RESOURCE_EXHAUSTED
+    max_departed: int = 1024  # records of departed learners kept for ListWorkers (the most recent departures)
     shutdown_grace_s: float = 5.0
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -118,6 +120,8 @@ class CoordinatorServiceConfig:
         _int_in("outlier_window", self.outlier_window, 1)
         _int_in("outlier_min_samples", self.outlier_min_samples, 1, self.outlier_window)
         _int_in("quarantine_strikes", self.quarantine_strikes, 1)
+        _int_in("max_workers", self.max_workers, max(1, self.expected_workers))
+        _int_in("max_departed", self.max_departed, 0)
         _float_min("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         if not isinstance(self.healthd_address, str):
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
@@ -152,6 +156,8 @@ class CoordinatorServiceConfig:
             confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
             guard=self.guard_config(),
             tokens_per_step=self.task.inner.batch_size * self.task.model.seq_len,
+            max_workers=self.max_workers,
+            max_departed=self.max_departed,
         )
 
     def guard_config(self) -> GuardConfig:
@@ -245,6 +251,8 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--outlier-window", int, 32, "accepted norms the outlier median is taken over"),
     ("--outlier-min-samples", int, 3, "accepted norms before the outlier check judges"),
     ("--quarantine-strikes", int, 3, "refusals in a row after which a quarantined learner's shards move away"),
+    ("--max-workers", int, 4096, "live learners at most; one more Register gets RESOURCE_EXHAUSTED"),
+    ("--max-departed", int, 1024, "records of departed learners kept for ListWorkers (oldest dropped first)"),
     ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
 ]
