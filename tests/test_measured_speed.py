@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submissi
 from diloco.core.ledger import ShardRange
 from diloco.core.placement import CLAIM_SPREAD
 from diloco.core.rounds import RoundConfig
+from diloco.core.states import DEAD
 
 N = 4
 SHARD = 10**9  # tokens per shard: never exhausted here
@@ -186,3 +189,32 @@ def test_small_drifts_do_not_move_shards() -> None:
     deliver(c, a, "a2", 1100, now=20.0)  # a is 10% faster this round: its share moves by 2.4%
     deliver(c, b, "b2", 1000, now=20.0)
     assert c.version == 2 and c.plan_seq == seq and not c.staged
+
+
+@pytest.mark.parametrize("mode", ["sync", "decoupled", "async"])
+def test_cached_planning_speeds_match_a_fresh_computation(mode: str) -> None:
+    """The core caches the planning speeds (every plan reads them); whatever happens, they are what a fresh
+    computation gives."""
+    rng = random.Random(mode)
+    c = core(mode, 2, shards=12, k=1)
+    now, n = 0.0, 0
+    for i in range(300):
+        now += rng.choice([0.0, 0.5, 3.0])
+        live = c.live_ids()
+        op = rng.choice(["register", "claim", "deliver", "deliver", "remove", "poll"])
+        if op == "register" and len(live) < 6:
+            n += 1
+            c.register(f"w{n}", now, speed=rng.choice([0.0, 50.0, 1e308]))
+        elif op == "claim" and live:
+            c.report_throughput(rng.choice(live), rng.choice([0.0, 10.0, 1e308]), now=now)
+        elif op == "deliver" and live:
+            w = rng.choice(live)
+            if c.plan(w).shards:
+                deliver(c, w, f"s{i}", rng.randint(1, 500), now)
+        elif op == "remove" and len(live) > 1:
+            c.remove(rng.choice(live), DEAD, "test")
+        else:
+            c.poll(now)
+        cached = c._speeds()
+        c._speeds_changed()
+        assert c._speeds() == cached

@@ -113,14 +113,14 @@ def test_measured_speed_is_a_ratio_of_sums() -> None:
     assert measured_speed([]) == 0.0
 
 
-def test_planning_speeds_prefer_the_measurement_and_clamp_claims_to_the_measured_range() -> None:
+def test_planning_speeds_prefer_the_measurement_and_cap_claims_at_the_fastest_measured() -> None:
     claimed = {"a": 1e308, "b": 5.0, "new": 1e308, "slow_claim": 1.0, "no_claim": 0.0}
     measured = {"a": 100.0, "b": 50.0}
     assert planning_speeds(claimed, measured) == {
         "a": 100.0,  # measured: the claim is ignored
         "b": 50.0,
         "new": 100.0,  # a prior no higher than the fastest measured learner
-        "slow_claim": 50.0,  # nor lower than the slowest
+        "slow_claim": 1.0,  # a low claim is kept: it can only cost its own learner
         "no_claim": 0.0,  # unknown: the median rule (`effective_speeds`)
     }
     # measurements of learners that are not in the fleet (departed) do not set the range
@@ -128,14 +128,14 @@ def test_planning_speeds_prefer_the_measurement_and_clamp_claims_to_the_measured
     assert planning_speeds({"b": 100.0, "new": 1e308}, {"gone": 7.0}) == cold
 
 
-def test_planning_speeds_cold_start_caps_claims_around_the_lower_median() -> None:
+def test_planning_speeds_cold_start_caps_claims_at_a_multiple_of_the_lower_median() -> None:
     claimed = {"a": 100.0, "b": 100.0, "c": 100.0, "liar": 1e308, "tiny": 1e-9, "none": 0.0}
     assert planning_speeds(claimed, {}) == {
         "a": 100.0,
         "b": 100.0,
         "c": 100.0,
         "liar": 100.0 * CLAIM_SPREAD,
-        "tiny": 100.0 / CLAIM_SPREAD,
+        "tiny": 1e-9,
         "none": 0.0,
     }
     # two learners: the lower median, so the liar does not set the reference

@@ -269,6 +269,7 @@ class CoordinatorCore:
         self._published: dict[int, float] = {}  # version -> when it closed (recent versions)
         self._placed: dict[str, float] = {}  # the speeds shards were last placed with (`_rebalance`)
         self._now = -math.inf  # the latest time a call gave (for changes made by calls without a time)
+        self._speeds_cache: tuple[dict[str, float], float] | None = None  # `_speeds`
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -317,6 +318,7 @@ class CoordinatorCore:
             worker_id, name, speed=speed, device_kind=device_kind, registered_at=now, seen_at=now
         )
         self.registered_ever += 1
+        self._speeds_changed()
         self.policy.worker_joined(worker_id)
         self._membership_changed()
         return self.workers[worker_id]
@@ -330,8 +332,9 @@ class CoordinatorCore:
         rec = self.worker(worker_id)
         if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
             raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
-        if is_known_speed(tokens_per_s):  # a report without a figure keeps the last claim
+        if is_known_speed(tokens_per_s) and tokens_per_s != rec.speed:  # a report without a figure: no change
             rec.speed = tokens_per_s
+            self._speeds_changed()
         rec.confirmed = True
         if now is not None:
             self._now = max(self._now, now)
@@ -353,6 +356,7 @@ class CoordinatorCore:
             return []
         rec.state, rec.state_reason = state, reason
         self._departed.append(worker_id)
+        self._speeds_changed()
         self.policy.worker_left(worker_id)
         released = self.ledger.release(worker_id)
         for shard, (target, _) in list(self.staged.items()):
@@ -393,17 +397,25 @@ class CoordinatorCore:
     def _membership_changed(self) -> None:
         self._rebalance()  # the outer optimizer learns the number of live learners at each round's close
 
-    def _speeds(self) -> dict[str, float]:
+    def _speeds(self) -> tuple[dict[str, float], float]:
         """The speed every live learner plans with (`placement.planning_speeds`: measured, else a bounded
-        claim), an unknown one counting as the median (`placement.effective_speeds`)."""
-        live = [self.workers[w] for w in self.live_ids()]
-        claimed = {r.worker_id: r.speed for r in live}
-        return effective_speeds(planning_speeds(claimed, {r.worker_id: r.measured_speed for r in live}))
+        claim), an unknown one counting as the median (`placement.effective_speeds`), and the fastest of them.
+        Cached: every plan asks for it; `_speeds_changed` drops it."""
+        if self._speeds_cache is None:
+            live = [self.workers[w] for w in self.live_ids()]
+            claimed = {r.worker_id: r.speed for r in live}
+            speeds = effective_speeds(planning_speeds(claimed, {r.worker_id: r.measured_speed for r in live}))
+            self._speeds_cache = (speeds, max(speeds.values(), default=1.0))
+        return self._speeds_cache
+
+    def _speeds_changed(self) -> None:
+        """A claim, a measurement or the set of live learners changed."""
+        self._speeds_cache = None
 
     def _slots(self) -> dict[str, float]:
         """What shards are placed on: the active learners' planning speeds, and a placeholder per learner still
         expected (not a valid worker id: shards placed there stay unowned) counting as the median speed."""
-        speeds = self._speeds()
+        speeds, _ = self._speeds()
         slots = {w: v for w, v in speeds.items() if self.workers[w].state == ACTIVE}
         for i in range(max(0, self.cfg.expected_workers - self.registered_ever)):
             slots[f"\x00slot{i}"] = 0.0
@@ -471,8 +483,8 @@ class CoordinatorCore:
         learner, with the planning speeds (`_speeds`)."""
         if not self.cfg.dynamic_local_steps or rec.state not in LIVE_STATES:
             return self.cfg.local_steps
-        speeds = self._speeds()
-        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], max(speeds.values()), self.cfg.min_local_steps)
+        speeds, fastest = self._speeds()
+        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], fastest, self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> int:
@@ -554,6 +566,7 @@ class CoordinatorCore:
         )
         rec.speed_samples = (*rec.speed_samples, (sub.tokens, seconds))[-MEASURE_WINDOW:]
         rec.measured_speed = measured_speed(rec.speed_samples) or rec.measured_speed
+        self._speeds_changed()
 
     def fold(self, delta: torch.Tensor, tokens: int) -> None:
         """Tensor work: add a taken pseudo-gradient to the merge buffer (the caller may reuse `delta` after)."""
@@ -763,6 +776,7 @@ class CoordinatorCore:
         self.registered_ever = 0
         self.workers = {}
         self._departed.clear()
+        self._speeds_changed()
         self._published = {}
         self._placed = {}
         self.receipts = {}

@@ -27,20 +27,24 @@ or to a slow uplink lowers it, as it should, since placement is about the tokens
 are not taken on trust either: they must match the learner's ledger ranges (and steps x batch tokens), so
 `c_tok` is data it really consumed.
 
-*Planning* (`planning_speeds`): what placement and H_m use. A learner with a measured speed plans with it;
-its claimed figure (at registration, in ReportThroughput, in heartbeats forwarded by healthd) is then ignored.
-A learner with no measurement yet plans with its claim as a *bounded prior*: clamped to `[min, max]` of the
-fleet's measured speeds when any learner is measured; when none is (a cold start), clamped to
-`[m / CLAIM_SPREAD, m * CLAIM_SPREAD]` around `m`, the lower median of the fleet's known claims (the lower one,
-so that with two learners a single liar does not set it). A learner with neither is unknown (the median rule
-above). So a learner claiming 1e308 tokens/s gets at most the fastest measured learner's share when it joins a
-measured fleet, at most `CLAIM_SPREAD` times the typical claim at a cold start, and from its first accepted
-submission on exactly what it delivers. Shards are placed again at every membership change, and at a round's
-close when some learner's share of the total planning speed moved by more than `REPLACE_TOLERANCE` (relative)
-since the last placement (`shares_moved`): so the round that holds a liar's first submission (or any other
-learner's, which pulls the liar's prior down to the measured range) takes its excess shards out of its plan,
-and the ledger moves them after its next submission (the hand-off rule of `diloco.core.coordinator`). Smaller
-drifts wait for the next placement, so that measurement noise does not move shards back and forth.
+*Planning* (`planning_speeds`): what placement and H_m use. A learner with a measured speed plans with it; its
+claimed figure (at registration, in ReportThroughput, in heartbeats forwarded by healthd) is then ignored. A
+learner with no measurement yet plans with its claim as a *bounded prior*: at most the fastest measured speed in
+the fleet (its live learners) when any learner is measured; when none is (a cold start), at most `CLAIM_SPREAD`
+times `m`, the lower median of the fleet's known claims (the lower one, so that with two learners a single liar
+does not set it). A learner with neither is unknown (the median rule above). The prior is bounded from above only:
+a claim below the slowest measured speed is kept, since it can cost only its own learner shards and steps, and an
+honest slow newcomer raised to the slowest measured speed would plan with the H_m of faster hardware until its
+first submission (in the simulator that made plans swing in the first rounds of mixed-hardware runs; bounded from
+above only, the simulator's runs without failures, whose claims are true, place exactly as before). So a learner
+claiming 1e308 tokens/s gets at most the fastest measured learner's share when it joins a measured fleet, at most
+`CLAIM_SPREAD` times the typical claim at a cold start, and from its first accepted submission on exactly what it
+delivers. Shards are placed again at every membership change, and at a round's close when some learner's share of
+the total planning speed moved by more than `REPLACE_TOLERANCE` (relative) since the last placement
+(`shares_moved`): so the round that holds a liar's first submission (or any other learner's, which caps the liar's
+prior at the fastest measured speed) takes its excess shards out of its plan, and the ledger moves them after its
+next submission (the hand-off rule of `diloco.core.coordinator`). Smaller drifts wait for the next placement, so
+that measurement noise does not move shards back and forth.
 
 Pure functions. Quotas and local steps are computed exactly (`fractions.Fraction`), so they do not depend on
 float rounding, and ties are broken only by sorted worker id.
@@ -56,7 +60,7 @@ from fractions import Fraction
 from diloco.errors import InvalidArgument
 
 MEASURE_WINDOW = 4  # accepted submissions a measured speed is taken over
-CLAIM_SPREAD = 4.0  # cold start: a claim counts within [m / 4, 4 m] of the lower median m of the claims
+CLAIM_SPREAD = 4.0  # cold start: a claim counts as at most 4 x the lower median of the claims
 REPLACE_TOLERANCE = 0.25  # re-place shards when a learner's share of the planning speed moved by more than this
 
 
@@ -135,24 +139,23 @@ def measured_speed(samples: Sequence[tuple[int, float]]) -> float:
 
 def planning_speeds(claimed: Mapping[str, float], measured: Mapping[str, float]) -> dict[str, float]:
     """The speed each learner (`claimed`'s keys) plans with: its measured speed when known, else its claim
-    clamped to the measured fleet's range (or, with nobody measured, to `CLAIM_SPREAD` around the lower median
-    claim), else unknown (0.0, for `effective_speeds`)."""
+    capped at the fastest measured speed among them (or, with nobody measured, at `CLAIM_SPREAD` x the lower
+    median claim), else unknown (0.0, for `effective_speeds`)."""
     known = [v for w, v in measured.items() if w in claimed and is_known_speed(v)]
     if known:
-        lo, hi = min(known), max(known)
+        hi = max(known)
     else:
         claims = [c for c in claimed.values() if is_known_speed(c)]
         if not claims:
             return dict.fromkeys(claimed, 0.0)
-        m = statistics.median_low(claims)
-        lo, hi = m / CLAIM_SPREAD, m * CLAIM_SPREAD
+        hi = statistics.median_low(claims) * CLAIM_SPREAD
     out: dict[str, float] = {}
     for w, claim in claimed.items():
         v = measured.get(w, 0.0)
         if is_known_speed(v):
             out[w] = v
         elif is_known_speed(claim):
-            out[w] = min(max(claim, lo), hi)
+            out[w] = min(claim, hi)
         else:
             out[w] = 0.0
     return out
