@@ -218,3 +218,14 @@ def test_cached_planning_speeds_match_a_fresh_computation(mode: str) -> None:
         cached = c._speeds()
         c._speeds_changed()
         assert c._speeds() == cached
+
+
+def test_a_drain_or_a_quarantine_is_not_a_drift() -> None:
+    """Only speed changes re-place shards at a close; a drained learner keeps its shards as before this rule."""
+    c = core("decoupled", 2, shards=4, k=1)
+    a, b = c.register("a", 0.0).worker_id, c.register("b", 0.0).worker_id
+    c.drain(b)
+    seq, owners = c.plan_seq, [s.owner for s in c.ledger.states()]
+    deliver(c, a, "a1", 1000, now=10.0)
+    assert c.poll(11.0) is not None
+    assert c.plan_seq == seq and [s.owner for s in c.ledger.states()] == owners

@@ -149,7 +149,10 @@ def test_shares_moved_compares_shares_not_speeds() -> None:
     assert not shares_moved(placed, {"a": 110.0, "b": 100.0})  # a's share 0.5 -> 0.524
     lim = (1 + REPLACE_TOLERANCE) / (1 - REPLACE_TOLERANCE)  # a's share 0.5 -> just above 0.5 x (1 + tolerance)
     assert shares_moved(placed, {"a": 100.0 * lim * 1.01, "b": 100.0})
-    assert shares_moved(placed, {"a": 100.0, "b": 100.0, "c": 100.0})  # shares are of each one's total
+    # shares among the learners in both: a join or a departure is not a drift (membership is placed anyway)
+    assert not shares_moved(placed, {"a": 100.0})
+    assert not shares_moved(placed, {"a": 100.0, "b": 100.0, "c": 1e9})
+    assert shares_moved(placed, {"a": 100.0, "b": 300.0, "c": 1e9})
     assert not shares_moved({}, {"a": 1.0}) and not shares_moved(placed, {})
 
 

@@ -162,18 +162,17 @@ def planning_speeds(claimed: Mapping[str, float], measured: Mapping[str, float])
 
 
 def shares_moved(placed: Mapping[str, float], speeds: Mapping[str, float]) -> bool:
-    """Whether some learner present in both has a share of the total speed in `speeds` that differs from its
-    share in `placed` (the speeds shards were last placed with) by more than `REPLACE_TOLERANCE`, relative.
-    Every speed in both must be known (`effective_speeds`); a learner in only one of them is not compared, but
-    its speed counts in that one's total."""
-    before, now = math.fsum(placed.values()), math.fsum(speeds.values())
+    """Whether some learner's share of the total speed moved by more than `REPLACE_TOLERANCE` (relative)
+    between `placed` (the speeds shards were last placed with) and `speeds`. Shares are taken among the
+    learners present in both, so only changes of speed count: a learner that joined, left or stopped taking
+    shards (drained, quarantined) is a change of membership, placed by its own rule. Every speed must be known
+    (`effective_speeds`)."""
+    common = placed.keys() & speeds.keys()
+    before = math.fsum(placed[w] for w in common)
+    now = math.fsum(speeds[w] for w in common)
     if not (before > 0 and now > 0):
         return False
-    for w, old in placed.items():
-        v = speeds.get(w)
-        if v is not None and abs(v / now - old / before) > REPLACE_TOLERANCE * (old / before):
-            return True
-    return False
+    return any(abs(speeds[w] / now - placed[w] / before) > REPLACE_TOLERANCE * placed[w] / before for w in common)
 
 
 def plan_local_steps(speeds: Mapping[str, float], h: int, h_min: int) -> dict[str, int]:
