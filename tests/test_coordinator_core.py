@@ -8,8 +8,16 @@ import torch
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
 from diloco.core.rounds import RoundConfig
-from diloco.core.states import DEAD
-from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from diloco.core.states import DEAD, EVICTED, LEFT, LIVE_STATES
+from diloco.errors import (
+    AlreadyExists,
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+from services.coordinator.config import parse
 
 N = 8
 
@@ -254,3 +262,103 @@ def test_measure_refuses_a_wrong_size_without_touching_state() -> None:
     with pytest.raises(InvalidArgument, match="elements"):
         c.measure(submission(c, a, "s1"), torch.zeros(N + 1))
     assert frozen(c) == before
+
+
+# ---------------------------------------------------------------- a bounded registry
+
+
+def bounded(max_workers: int = 4096, max_departed: int = 1024, expected: int = 0) -> CoordinatorCore:
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="decoupled", min_quorum=min(2, max(1, expected)), grace_max_s=1.0),
+        local_steps=10,
+        min_local_steps=2,
+        expected_workers=expected,  # placeholders: each of the first learners gets its shards at once
+        max_workers=max_workers,
+        max_departed=max_departed,
+    )
+    return CoordinatorCore(cfg, torch.zeros(N), [1000] * 10)
+
+
+def registry(c: CoordinatorCore) -> tuple[object, ...]:
+    return (
+        {w: vars(r).copy() for w, r in c.workers.items()},
+        c.ledger.snapshot(),
+        dict(c.staged),
+        c.plan_seq,
+        c.registered_ever,
+        sorted(c.policy.live),
+        c.next_deadline(),
+    )
+
+
+def test_registration_beyond_max_workers_is_refused_and_changes_nothing() -> None:
+    c = bounded(max_workers=2)
+    a = c.register("a", 0.0).worker_id
+    c.register("b", 0.0)
+    before = registry(c)
+    with pytest.raises(ResourceExhausted, match=r"2 live learners.*--max-workers"):
+        c.register("c", 1.0, speed=1e308)
+    assert registry(c) == before
+    c.remove(a, LEFT, "deregistered")  # departed learners do not count
+    assert c.register("c", 2.0).worker_id == "c-3"  # the refused attempt used no incarnation
+    with pytest.raises(ResourceExhausted):
+        c.register("d", 3.0)
+
+
+def test_departed_records_are_bounded_oldest_first_without_touching_ledger_or_duplicates() -> None:
+    c = bounded(max_departed=2, expected=5)  # K = 2
+    keeper = c.register("keeper", 0.0).worker_id
+    gone: list[str] = []
+    for i in range(4):
+        w = c.register(f"w{i}", float(i)).worker_id
+        if i == 0:  # applied: its id is in applied_ids
+            c.accept(submission(c, w, "applied"), torch.ones(N), now=0.5)
+            c.accept(submission(c, keeper, "k1"), torch.ones(N), now=0.5)
+            assert c.version == 1
+        if i == 1:  # pending in the open round when it leaves
+            c.accept(submission(c, w, "pending"), torch.ones(N), now=1.5)
+            assert c.version == 1
+        c.remove(w, (LEFT, DEAD, EVICTED, LEFT)[i], "test")
+        gone.append(w)
+    # w3's registration dropped w0 (three departed, two kept); w3's own departure makes three again, until ...
+    assert set(c.workers) == {keeper, *gone[1:]}
+    newcomer = c.register("new", 10.0).worker_id
+    assert set(c.workers) == {keeper, newcomer, *gone[-2:]}  # ... the next registration: the two most recent
+    assert all(r.state in LIVE_STATES for w, r in c.workers.items() if w not in gone)
+    assert {s.owner for s in c.ledger.states()} <= {keeper, newcomer}  # nothing points at a forgotten learner
+    assert all(t in (keeper, newcomer) for t, _ in c.staged.values())
+    # a duplicate of a forgotten learner's submission is still a duplicate, applied or pending
+    for sid, w in (("applied", gone[0]), ("pending", gone[1])):
+        dup = Submission(w, sid, c.version, 10, 1, (), 0)
+        with pytest.raises(AlreadyExists):
+            c.admit(dup)
+    with pytest.raises(NotFound, match="register"):
+        c.plan(gone[0])
+    # the forgotten learner's pending submission still closes its round and commits its range
+    applied = c.accept(submission(c, keeper, "k2"), torch.ones(N), now=11.0).applied or c.poll(20.0)
+    assert applied is not None and {p.submission_id for p in applied.submissions} == {"pending", "k2"}
+    assert c.ledger.committed_tokens() == 40
+
+
+def test_max_departed_zero_forgets_at_the_next_registration() -> None:
+    c = bounded(max_departed=0)
+    a = c.register("a", 0.0).worker_id
+    c.remove(a, LEFT, "test")
+    assert a in c.workers  # a removal does not forget: the caller may still read the record
+    c.register("b", 1.0)
+    assert a not in c.workers
+
+
+def test_registry_limits_config_and_flags() -> None:
+    with pytest.raises(ConfigError, match="max_workers"):
+        CoordinatorConfig(max_workers=0)
+    with pytest.raises(ConfigError, match=r"max_workers .*expected_workers \(3\)"):
+        CoordinatorConfig(rounds=RoundConfig(min_quorum=1), expected_workers=3, max_workers=2)
+    with pytest.raises(ConfigError, match="max_departed"):
+        CoordinatorConfig(max_departed=-1)
+    assert (CoordinatorConfig().max_workers, CoordinatorConfig().max_departed) == (4096, 1024)
+    cfg = parse(["--insecure", "--max-workers", "7", "--max-departed", "3"], env={}).core_config()
+    assert (cfg.max_workers, cfg.max_departed) == (7, 3)
+    assert parse(["--insecure"], env={"DILOCO_MAX_WORKERS": "9"}).max_workers == 9
+    with pytest.raises(ConfigError, match="max_workers"):
+        parse(["--insecure", "--max-workers", "0"], env={})

@@ -11,11 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.core.placement import (
+    CLAIM_SPREAD,
+    REPLACE_TOLERANCE,
     effective_speeds,
     local_steps,
+    measured_speed,
     place_shards,
     plan_local_steps,
+    planning_speeds,
     shard_quotas,
+    shares_moved,
+    work_seconds,
 )
 from diloco.errors import InvalidArgument
 
@@ -78,6 +84,76 @@ def test_effective_speeds_rejects_bad_input() -> None:
         effective_speeds({"": 1.0})
     with pytest.raises(InvalidArgument, match="must be a number"):
         effective_speeds({"a": "fast"})  # type: ignore[dict-item]
+
+
+# ---------------------------------------------------------------- measured and planning speeds
+
+
+@pytest.mark.parametrize(
+    ("work_since", "previous", "published", "waits", "seconds"),
+    [
+        (0.0, None, None, False, 10.0),  # the first submission: from when it could start
+        (4.0, None, 2.0, True, 6.0),  # sync: a version closed before it could start changes nothing
+        (0.0, 3.0, 6.0, True, 4.0),  # sync: it waited 3..6 for the broadcast; work is 6..10
+        (0.0, 3.0, 6.0, False, 7.0),  # decoupled/async: the broadcast landed mid-training; work is 3..10
+        (0.0, 3.0, None, True, 7.0),  # sync, base version's close forgotten: from the previous submission
+        (12.0, None, None, False, 0.0),  # never negative
+    ],
+)
+def test_work_seconds(
+    work_since: float, previous: float | None, published: float | None, waits: bool, seconds: float
+) -> None:
+    assert work_seconds(10.0, work_since, previous, published, waits) == seconds
+
+
+def test_measured_speed_is_a_ratio_of_sums() -> None:
+    assert measured_speed([(100, 1.0), (300, 1.0)]) == 200.0
+    assert measured_speed([(1000, 0.0), (100, 1.0)]) == 1100.0  # a zero interval adds tokens, not a spike
+    assert measured_speed([(1000, 0.0)]) == 0.0  # no time measured yet: unknown
+    assert measured_speed([]) == 0.0
+
+
+def test_planning_speeds_prefer_the_measurement_and_cap_claims_at_the_fastest_measured() -> None:
+    claimed = {"a": 1e308, "b": 5.0, "new": 1e308, "slow_claim": 1.0, "no_claim": 0.0}
+    measured = {"a": 100.0, "b": 50.0}
+    assert planning_speeds(claimed, measured) == {
+        "a": 100.0,  # measured: the claim is ignored
+        "b": 50.0,
+        "new": 100.0,  # a prior no higher than the fastest measured learner
+        "slow_claim": 1.0,  # a low claim is kept: it can only cost its own learner
+        "no_claim": 0.0,  # unknown: the median rule (`effective_speeds`)
+    }
+    # measurements of learners that are not in the fleet (departed) do not set the range
+    cold = {"b": 100.0, "new": 100.0 * CLAIM_SPREAD}
+    assert planning_speeds({"b": 100.0, "new": 1e308}, {"gone": 7.0}) == cold
+
+
+def test_planning_speeds_cold_start_caps_claims_at_a_multiple_of_the_lower_median() -> None:
+    claimed = {"a": 100.0, "b": 100.0, "c": 100.0, "liar": 1e308, "tiny": 1e-9, "none": 0.0}
+    assert planning_speeds(claimed, {}) == {
+        "a": 100.0,
+        "b": 100.0,
+        "c": 100.0,
+        "liar": 100.0 * CLAIM_SPREAD,
+        "tiny": 1e-9,
+        "none": 0.0,
+    }
+    # two learners: the lower median, so the liar does not set the reference
+    assert planning_speeds({"a": 100.0, "liar": 1e308}, {}) == {"a": 100.0, "liar": 100.0 * CLAIM_SPREAD}
+    assert planning_speeds({"a": 0.0, "b": math.nan}, {}) == {"a": 0.0, "b": 0.0}
+
+
+def test_shares_moved_compares_shares_not_speeds() -> None:
+    placed = {"a": 100.0, "b": 100.0}
+    assert not shares_moved(placed, {"a": 200.0, "b": 200.0})  # everyone twice as fast: same shares
+    assert not shares_moved(placed, {"a": 110.0, "b": 100.0})  # a's share 0.5 -> 0.524
+    lim = (1 + REPLACE_TOLERANCE) / (1 - REPLACE_TOLERANCE)  # a's share 0.5 -> just above 0.5 x (1 + tolerance)
+    assert shares_moved(placed, {"a": 100.0 * lim * 1.01, "b": 100.0})
+    # shares among the learners in both: a join or a departure is not a drift (membership is placed anyway)
+    assert not shares_moved(placed, {"a": 100.0})
+    assert not shares_moved(placed, {"a": 100.0, "b": 100.0, "c": 1e9})
+    assert shares_moved(placed, {"a": 100.0, "b": 300.0, "c": 1e9})
+    assert not shares_moved({}, {"a": 1.0}) and not shares_moved(placed, {})
 
 
 # ---------------------------------------------------------------- quotas and placement

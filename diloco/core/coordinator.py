@@ -8,10 +8,22 @@ before the payload is read (membership, staleness, fencing); `accept` folds the 
 buffer, moves the ledger's accepted cursors and may close a round. A closed round applies the outer step,
 commits the round's ledger receipts and bumps the version.
 
-Shard placement follows speed (ALGORITHM.md section 6). A shard of a dead or departed learner moves at once. A
-shard moved away from a *live* learner (rebalancing after a join) is handed off: the learner's plan stops listing
-it, and the ledger moves it only after accepting a submission that learner made under that plan (`plan_seq`),
-so the learner never loses a submission to a move it could not know about.
+Shard placement and H_m follow speed (ALGORITHM.md section 6): the speed the coordinator *measures* from the
+submissions it accepts, a learner's claimed figure being only a bounded prior until its first accepted
+submission (the rules are written in `diloco.core.placement`; `WorkerRecord.measured_speed` holds the
+measurement, `WorkerRecord.speed` the last claim). Shards are placed again on a membership change and when a
+learner's share of the planning speed moved by more than `placement.REPLACE_TOLERANCE`. A shard of a dead or
+departed learner moves at once. A shard moved away from a *live* learner (rebalancing after a join, or a
+learner that delivers less than it was placed for) is handed off: the learner's plan stops listing it, and the
+ledger moves it only after accepting a submission that learner made under that plan (`plan_seq`), so the
+learner never loses a submission to a move it could not know about.
+
+The registry is bounded: at most `max_workers` live learners (one more is refused with `ResourceExhausted`,
+nothing changed), and the records of departed ones (left, dead, evicted) are kept for operators only for the
+`max_departed` most recent departures: older ones are dropped, oldest departure first, when a learner
+registers, so the registry never holds more than `max_workers + max_departed` records. A departed learner owns
+no shard (its shards moved when it departed), and accepted submission ids are remembered apart from the
+records (`applied_ids`, `receipts`), so dropping a record changes neither the ledger nor duplicate detection.
 
 Robust merge (`diloco.core.guard`): a pseudo-gradient with a non-finite norm, a norm above what AdamW can
 produce (the ceiling) or an outlier norm against the recent median is refused and its learner is
@@ -38,7 +50,17 @@ from diloco.core.guard import CEILING, NON_FINITE, GuardConfig, NormGuard, Verdi
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
-from diloco.core.placement import effective_speeds, is_known_speed, local_steps, place_shards
+from diloco.core.placement import (
+    MEASURE_WINDOW,
+    effective_speeds,
+    is_known_speed,
+    local_steps,
+    measured_speed,
+    place_shards,
+    planning_speeds,
+    shares_moved,
+    work_seconds,
+)
 from diloco.core.rounds import CloseReason, Pending, RoundClose, RoundConfig, RoundPolicy
 from diloco.core.states import (
     ACTIVE,
@@ -49,7 +71,16 @@ from diloco.core.states import (
     QUARANTINED,
     WorkerState,
 )
-from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, NotFound
+from diloco.errors import (
+    AlreadyExists,
+    ConfigError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
+
+_PUBLISHED_VERSIONS = 64  # versions whose close time is remembered (the measured rule's `sync` term)
 
 
 class SubmissionRejected(FailedPrecondition):
@@ -91,6 +122,8 @@ class CoordinatorConfig:
     # The guard judges norms per step; a learner claiming more steps than it trained would shrink its own norm
     # and, once accepted, drag the median down until honest learners look like outliers.
     tokens_per_step: int = 0
+    max_workers: int = 4096  # live learners at most; one more is refused (RESOURCE_EXHAUSTED)
+    max_departed: int = 1024  # records of departed learners kept for operators (the most recent departures)
 
     def __post_init__(self) -> None:
         if self.merge not in MERGE_NAMES:
@@ -103,6 +136,12 @@ class CoordinatorConfig:
             raise ConfigError(f"expected_workers must be >= 0, got {self.expected_workers}")
         if self.tokens_per_step < 0:
             raise ConfigError(f"tokens_per_step must be >= 0 (0: unchecked), got {self.tokens_per_step}")
+        if self.max_workers < max(1, self.expected_workers):
+            raise ConfigError(
+                f"max_workers must be >= 1 and >= expected_workers ({self.expected_workers}), got {self.max_workers}"
+            )
+        if self.max_departed < 0:
+            raise ConfigError(f"max_departed must be >= 0, got {self.max_departed}")
         if self.target_outer_steps < 0:
             raise ConfigError(f"target_outer_steps must be >= 0, got {self.target_outer_steps}")
         if not self.confirm_timeout_s >= 0:
@@ -133,7 +172,7 @@ class WorkerRecord:
     worker_id: str
     name: str
     state: WorkerState = WorkerState.ACTIVE
-    speed: float = 0.0  # tokens/s; 0 = not measured yet
+    speed: float = 0.0  # tokens/s the learner claims (Register, ReportThroughput, heartbeats); 0 = no claim
     device_kind: str = ""
     registered_at: float = 0.0
     last_submit_at: float = 0.0
@@ -144,6 +183,9 @@ class WorkerRecord:
     confirmed: bool = False  # healthd has forwarded its throughput, or it has submitted
     seen_at: float = 0.0  # last sign of life: registration, throughput forwarded by healthd, or a submission
     strikes: int = 0  # refused in a row (reset by an accepted submission or a release)
+    measured_speed: float = 0.0  # tokens/s the coordinator measured from accepted submissions; 0 = not yet
+    working_since: float | None = None  # when its plan first listed a shard (None: not yet)
+    speed_samples: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) of the last accepted submissions
 
 
 @dataclass(frozen=True)
@@ -223,6 +265,11 @@ class CoordinatorCore:
         self._param_norm: tuple[int, float] | None = None  # (version, ‖Θ‖) for the guard's ceiling
         self.paused = False
         self._incarnation = 0
+        self._departed: deque[str] = deque()  # departed learners' ids, oldest departure first
+        self._published: dict[int, float] = {}  # version -> when it closed (recent versions)
+        self._placed: dict[str, float] = {}  # the speeds shards were last placed with (`_rebalance`)
+        self._now = -math.inf  # the latest time a call gave (for changes made by calls without a time)
+        self._speeds_cache: tuple[dict[str, float], float] | None = None  # `_speeds`
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -256,12 +303,22 @@ class CoordinatorCore:
             raise InvalidArgument("worker_name must be 1-128 printable characters")
         if not math.isfinite(speed) or speed < 0:
             raise InvalidArgument(f"throughput.tokens_per_s must be a finite number >= 0, got {speed}")
+        live = sum(r.state in LIVE_STATES for r in self.workers.values())
+        if live >= self.cfg.max_workers:
+            raise ResourceExhausted(
+                f"the coordinator holds {live} live learners, its limit (max_workers, flag --max-workers); "
+                "retry once a learner has left, or restart the coordinator with a larger --max-workers"
+            )
+        while len(self._departed) > self.cfg.max_departed:
+            self.workers.pop(self._departed.popleft(), None)
+        self._now = max(self._now, now)
         self._incarnation += 1
         worker_id = f"{name}-{self._incarnation}"
         self.workers[worker_id] = WorkerRecord(
             worker_id, name, speed=speed, device_kind=device_kind, registered_at=now, seen_at=now
         )
         self.registered_ever += 1
+        self._speeds_changed()
         self.policy.worker_joined(worker_id)
         self._membership_changed()
         return self.workers[worker_id]
@@ -269,14 +326,18 @@ class CoordinatorCore:
     def report_throughput(
         self, worker_id: str, tokens_per_s: float, device_kind: str = "", now: float | None = None
     ) -> None:
-        """healthd forwards a learner's throughput (it heartbeats, so it is alive). `now`: when, for the leases."""
+        """healthd forwards a learner's throughput (it heartbeats, so it is alive). `now`: when, for the leases.
+        The figure is a claim: it is recorded, and counts only as a prior until the learner is measured; it
+        moves no shard by itself (the next placement reads it)."""
         rec = self.worker(worker_id)
         if not math.isfinite(tokens_per_s) or tokens_per_s < 0:
             raise InvalidArgument(f"tokens_per_s must be a finite number >= 0, got {tokens_per_s}")
-        if is_known_speed(tokens_per_s):  # a report without a figure keeps the last measured speed
+        if is_known_speed(tokens_per_s) and tokens_per_s != rec.speed:  # a report without a figure: no change
             rec.speed = tokens_per_s
+            self._speeds_changed()
         rec.confirmed = True
         if now is not None:
+            self._now = max(self._now, now)
             rec.seen_at = max(rec.seen_at, now)
             gap = self.cfg.confirm_timeout_s / 2
             if self._healthd_seen_at is None or now - self._healthd_seen_at > gap:
@@ -294,6 +355,8 @@ class CoordinatorCore:
         if rec.state not in LIVE_STATES:
             return []
         rec.state, rec.state_reason = state, reason
+        self._departed.append(worker_id)
+        self._speeds_changed()
         self.policy.worker_left(worker_id)
         released = self.ledger.release(worker_id)
         for shard, (target, _) in list(self.staged.items()):
@@ -334,16 +397,38 @@ class CoordinatorCore:
     def _membership_changed(self) -> None:
         self._rebalance()  # the outer optimizer learns the number of live learners at each round's close
 
+    def _speeds(self) -> tuple[dict[str, float], float]:
+        """The speed every live learner plans with (`placement.planning_speeds`: measured, else a bounded
+        claim), an unknown one counting as the median (`placement.effective_speeds`), and the fastest of them.
+        Cached: every plan asks for it; `_speeds_changed` drops it."""
+        if self._speeds_cache is None:
+            live = [self.workers[w] for w in self.live_ids()]
+            claimed = {r.worker_id: r.speed for r in live}
+            speeds = effective_speeds(planning_speeds(claimed, {r.worker_id: r.measured_speed for r in live}))
+            self._speeds_cache = (speeds, max(speeds.values(), default=1.0))
+        return self._speeds_cache
+
+    def _speeds_changed(self) -> None:
+        """A claim, a measurement or the set of live learners changed."""
+        self._speeds_cache = None
+
+    def _slots(self) -> dict[str, float]:
+        """What shards are placed on: the active learners' planning speeds, and a placeholder per learner still
+        expected (not a valid worker id: shards placed there stay unowned) counting as the median speed."""
+        speeds, _ = self._speeds()
+        slots = {w: v for w, v in speeds.items() if self.workers[w].state == ACTIVE}
+        for i in range(max(0, self.cfg.expected_workers - self.registered_ever)):
+            slots[f"\x00slot{i}"] = 0.0
+        return effective_speeds(slots)
+
     def _rebalance(self) -> None:
         """Place shards on the live learners in proportion to speed; moves off a live learner are staged."""
-        speeds = {w: self.workers[w].speed for w in self.live_ids() if self.workers[w].state == ACTIVE}
+        slots = self._slots()
+        speeds = {w for w in slots if not w.startswith("\x00")}
         kept = {w for w in self.live_ids() if self.workers[w].state == QUARANTINED}  # keep shards, get no new ones
-        phantoms = max(0, self.cfg.expected_workers - self.registered_ever)
-        slots = dict(speeds)
-        for i in range(phantoms):  # not a valid worker id: shards placed there stay unowned
-            slots[f"\x00slot{i}"] = 0.0  # unknown speed: counts as the median (`placement.effective_speeds`)
         current = {s.shard_id: self._effective_owner(s.shard_id, s.owner) for s in self.ledger.states()}
         target = place_shards(self.ledger.num_shards, slots, current)
+        self._placed = slots
         changed = False
         for shard_id, owner in target.items():
             if owner is not None and owner.startswith("\x00"):
@@ -372,6 +457,10 @@ class CoordinatorCore:
         has_work = {s.owner for s in self.ledger.states() if s.owner is not None and s.shard_id not in self.staged}
         quarantined = {w for w, r in self.workers.items() if r.state == QUARANTINED}
         self.policy.idle = {w for w in self.policy.live if w not in has_work or w in quarantined}
+        for w in has_work:  # its work can start: the measured rule counts its first submission's time from here
+            rec = self.workers[w]
+            if rec.working_since is None:
+                rec.working_since = self._now
 
     def _effective_owner(self, shard_id: int, owner: str | None) -> str | None:
         staged = self.staged.get(shard_id)
@@ -391,11 +480,11 @@ class CoordinatorCore:
 
     def _local_steps(self, rec: WorkerRecord) -> int:
         """H_m: the inner steps the learner's plan asks for (ALGORITHM.md section 6), against the fastest live
-        learner; an unknown speed counts as the median of the known ones (`placement.effective_speeds`)."""
+        learner, with the planning speeds (`_speeds`)."""
         if not self.cfg.dynamic_local_steps or rec.state not in LIVE_STATES:
             return self.cfg.local_steps
-        speeds = effective_speeds({w: self.workers[w].speed for w in self.live_ids()})
-        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], max(speeds.values()), self.cfg.min_local_steps)
+        speeds, fastest = self._speeds()
+        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], fastest, self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> int:
@@ -454,6 +543,8 @@ class CoordinatorCore:
         if released:
             rec.state, rec.state_reason = WorkerState.ACTIVE, "released after a clean submission"
             self._rebalance()
+        self._now = max(self._now, now)
+        self._measure(rec, sub, now)
         rec.submissions += 1
         rec.tokens += sub.tokens
         rec.last_base_version = sub.base_version
@@ -463,6 +554,19 @@ class CoordinatorCore:
         self._complete_handoffs(sub.worker_id, sub.plan_seq)
         self.policy.submitted(Pending(sub.submission_id, sub.worker_id, sub.base_version, sub.tokens, now, sub.steps))
         return AcceptResult(staleness, self.version + 1, None, released, verdict.ratio)
+
+    def _measure(self, rec: WorkerRecord, sub: Submission, now: float) -> None:
+        """Fold an accepted submission into its learner's measured speed (the rule: `diloco.core.placement`)."""
+        seconds = work_seconds(
+            now,
+            rec.registered_at if rec.working_since is None else max(rec.registered_at, rec.working_since),
+            rec.last_submit_at if rec.submissions else None,
+            self._published.get(sub.base_version),
+            self.cfg.rounds.mode == "sync",
+        )
+        rec.speed_samples = (*rec.speed_samples, (sub.tokens, seconds))[-MEASURE_WINDOW:]
+        rec.measured_speed = measured_speed(rec.speed_samples) or rec.measured_speed
+        self._speeds_changed()
 
     def fold(self, delta: torch.Tensor, tokens: int) -> None:
         """Tensor work: add a taken pseudo-gradient to the merge buffer (the caller may reuse `delta` after)."""
@@ -530,11 +634,16 @@ class CoordinatorCore:
         close = self.policy.poll(now)
         if close is None:
             return None
+        self._now = max(self._now, now)
         scale = self._round_fraction(close)
         for p in close.submissions:
             self.ledger.commit(self.receipts.pop(p.submission_id))
             self.applied_ids.append(p.submission_id)
         self.tokens_applied += sum(p.tokens for p in close.submissions)
+        self._published[close.version] = now
+        self._published.pop(close.version - _PUBLISHED_VERSIONS, None)
+        if shares_moved(self._placed, self._slots()):  # measurements moved a share: place shards again
+            self._rebalance()
         return ClosedRound(close, scale, max(1, len(self.live_ids())))
 
     def step(self, closed: ClosedRound) -> RoundApplied:
@@ -595,6 +704,7 @@ class CoordinatorCore:
         `confirm_timeout_s` (they died before healthd heard of them), or silent while healthd reports the others
         (`_silent`). Returns (worker, moved shards)."""
         t = self.cfg.confirm_timeout_s
+        self._now = max(self._now, now)
         never = [r for r in self._unconfirmed() if now >= r.registered_at + t]
         reason = f"no heartbeat within {t:g} s of registering"
         out = [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in never]
@@ -665,6 +775,10 @@ class CoordinatorCore:
         self.guard.restore(snap.get("guard_norms", ()))
         self.registered_ever = 0
         self.workers = {}
+        self._departed.clear()
+        self._speeds_changed()
+        self._published = {}
+        self._placed = {}
         self.receipts = {}
         self.staged = {}
         self.acc.reset()

@@ -82,6 +82,8 @@ class CoordinatorServiceConfig:
     outlier_window: int = 32  # accepted norms the median is taken over
     outlier_min_samples: int = 3  # accepted norms before any outlier judgement
     quarantine_strikes: int = 3  # refusals in a row after which a quarantined learner's shards move away
+    max_workers: int = 4096  # live learners at most; one more Register gets RESOURCE_EXHAUSTED
+    max_departed: int = 1024  # records of departed learners kept for ListWorkers (the most recent departures)
     shutdown_grace_s: float = 5.0
     max_calls: int = 8192  # gRPC calls running at once (open streams included); more: RESOURCE_EXHAUSTED
     max_calls_per_client: int = 64  # the same for one connection
@@ -122,6 +124,8 @@ class CoordinatorServiceConfig:
         _int_in("outlier_window", self.outlier_window, 1)
         _int_in("outlier_min_samples", self.outlier_min_samples, 1, self.outlier_window)
         _int_in("quarantine_strikes", self.quarantine_strikes, 1)
+        _int_in("max_workers", self.max_workers, max(1, self.expected_workers))
+        _int_in("max_departed", self.max_departed, 0)
         _float_min("shutdown_grace_s", self.shutdown_grace_s, 0.0)
         _int_in("max_calls", self.max_calls, 16, 1_000_000)
         _int_in("max_calls_per_client", self.max_calls_per_client, 4, self.max_calls)
@@ -159,6 +163,8 @@ class CoordinatorServiceConfig:
             confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
             guard=self.guard_config(),
             tokens_per_step=self.task.inner.batch_size * self.task.model.seq_len,
+            max_workers=self.max_workers,
+            max_departed=self.max_departed,
         )
 
     def admission(self) -> AdmissionLimits:
@@ -255,6 +261,8 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--outlier-window", int, 32, "accepted norms the outlier median is taken over"),
     ("--outlier-min-samples", int, 3, "accepted norms before the outlier check judges"),
     ("--quarantine-strikes", int, 3, "refusals in a row after which a quarantined learner's shards move away"),
+    ("--max-workers", int, 4096, "live learners at most; one more Register gets RESOURCE_EXHAUSTED"),
+    ("--max-departed", int, 1024, "records of departed learners kept for ListWorkers (oldest dropped first)"),
     ("--shutdown-grace-s", float, 5.0, "how long SIGTERM waits for in-flight calls"),
     ("--max-calls", int, 8192, "gRPC calls running at once, open streams included (more: RESOURCE_EXHAUSTED)"),
     ("--max-calls-per-client", int, 64, "gRPC calls one connection may run at once"),
