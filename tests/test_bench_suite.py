@@ -40,7 +40,13 @@ def rows_of(readme: str, first_cells: str) -> list[str]:
 def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict[str, Any]]) -> None:
     out, results = quick
     readme = (out / "README.md").read_text()
-    titles = ("1. Time to target", "2. Scale sweep", "3. Compression sweep", "4. Real cluster", "5. Outer-opt")
+    titles: tuple[str, ...] = (
+        "1. Time to target",
+        "2. Scale sweep",
+        "3. Compression sweep",
+        "4. Real cluster",
+        "5. Outer-opt",
+    )
     titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Kill storm")
     titles += ("10. Batch layout", "11. Control calls", "12. Load")
     for title in titles:

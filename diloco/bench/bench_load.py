@@ -864,8 +864,13 @@ def checks(s: LoadSettings, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "name": f"every watcher receives every version, {at}",
             "target": f"each of the {r['learners']:,} learners holds every version published in the window (or a "
             f"newer one) within {s.deliver_within_s:g} s",
-            "measured": f"{d['within']:,} of {d['pairs']:,} (watcher, version) pairs in time, {d['late']:,} late, "
-            f"{d['missing']:,} missing; {r['registered']:,} learners registered",
+            "measured": (
+                f"{d['within']:,} of {d['pairs']:,} (watcher, version) pairs in time, {d['late']:,} late, "
+                f"{d['missing']:,} missing"
+                if d["pairs"]
+                else "no version was published in the window"
+            )
+            + f"; {r['registered']:,} of {r['learners']:,} learners registered",
             "pass": r["every_version"] and r["registered"] == r["learners"],
         },
         {
@@ -912,10 +917,12 @@ def _pp(lat: dict[str, Any]) -> str:
 
 
 def _command(s: dict[str, Any]) -> str:
-    return (
-        f"python -m diloco.bench.bench_load --learners {','.join(map(str, s['learners']))} "
-        f"--active-s {s['active_s']:g} --submit-interval-s {s['submit_interval_s']:g}"
-    )
+    """The standalone command that runs these settings: the flags of every setting that differs from FULL."""
+    args = [f"--learners {','.join(map(str, s['learners']))}"]
+    for name, default in asdict(FULL).items():
+        if name not in ("learners", "seed") and name in s and s[name] != default:
+            args.append(f"--{name.replace('_', '-')} {s[name]:g}")
+    return "python -m diloco.bench.bench_load " + " ".join(args)
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -1052,6 +1059,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ready_timeout_s",
     ):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
+    for name in ("learners_per_channel", "learners_per_process", "register_concurrency"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of Markdown")
     a = p.parse_args(argv)
     base = QUICK if a.quick else FULL
