@@ -636,6 +636,8 @@ def run_one(n: int, s: LoadSettings, log: Log, budget_s: float) -> dict[str, Any
     out: dict[str, Any] = {"learners": n, "quorum": s.quorum(n), "error": ""}
     ctx = mp.get_context("spawn")
     gens: list[tuple[Any, Connection]] = []
+    prober: _Prober | None = None
+    sampler: _Sampler | None = None
     with tempfile.TemporaryDirectory(prefix="diloco-bench-load-") as tmp:
         cluster = LocalCluster(_cluster_config(n, s, Path(tmp)))
         try:
@@ -670,7 +672,7 @@ def run_one(n: int, s: LoadSettings, log: Log, budget_s: float) -> dict[str, Any
             log(f"  N={n}: {out['registered']} registered, {out['ready']} ready in {out['connect_s']:.1f} s")
             probe_id = next((r["probe_worker_id"] for r in ready_info if r["probe_worker_id"]), "")
             prober = _Prober(cluster.coordinator_address, probe_id, s.probe_interval_ms / 1e3, s.call_timeout_s)
-            idle0 = _snapshot(watched)
+            idle0, t_idle = _snapshot(watched), time.time()
             time.sleep(s.settle_s)  # the idle measurement window
             idle = _snapshot(watched)
             t_go = time.time()
@@ -684,17 +686,22 @@ def run_one(n: int, s: LoadSettings, log: Log, budget_s: float) -> dict[str, Any
             time.sleep(s.deliver_within_s)  # the drain: what was published reaches every watcher
             t_stop = time.time()
             calls = prober.close()
+            prober = None
             for _, c in gens:
                 c.send("stop")
             results = [_recv(c, 60)[1] for _, c in gens]
             sampler.close()
             published = _published(cluster)
             out.update(_analyse(n, s, results, calls, published, (t_ready, t_go, t_drain, t_stop)))
-            out.update(_resources(out["ready"], base, (idle0, idle, active), sampler, (t_ready, t_go, t_drain)))
+            out.update(_resources(out["ready"], base, (idle0, idle, active), sampler, (t_idle, t_go, t_drain)))
         except Exception as e:  # a run that broke is a result too: say what broke
             out["error"] = f"{type(e).__name__}: {e}"[:2000]
             log(f"  N={n}: {out['error']}")
         finally:
+            if prober is not None:
+                prober.close()
+            if sampler is not None:
+                sampler.close()
             for proc, c in gens:
                 with contextlib.suppress(OSError, ValueError):
                     c.send("stop")
@@ -805,11 +812,11 @@ def _resources(
     times: tuple[float, float, float],
 ) -> dict[str, Any]:
     idle0, idle, active = snaps
-    t_ready, t_go, t_drain = times
+    t_idle, t_go, t_drain = times
     out: dict[str, Any] = {}
     for name in idle:
         cpu = {
-            "idle_pct": 100 * (idle[name]["cpu_s"] - idle0[name]["cpu_s"]) / max(1e-9, t_go - t_ready),
+            "idle_pct": 100 * (idle[name]["cpu_s"] - idle0[name]["cpu_s"]) / max(1e-9, t_go - t_idle),
             "active_pct": 100 * (active[name]["cpu_s"] - idle[name]["cpu_s"]) / max(1e-9, t_drain - t_go),
             "active_s": active[name]["cpu_s"] - idle[name]["cpu_s"],
         }
