@@ -40,9 +40,15 @@ def rows_of(readme: str, first_cells: str) -> list[str]:
 def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict[str, Any]]) -> None:
     out, results = quick
     readme = (out / "README.md").read_text()
-    titles = ("1. Time to target", "2. Scale sweep", "3. Compression sweep", "4. Real cluster", "5. Outer-opt")
+    titles: tuple[str, ...] = (
+        "1. Time to target",
+        "2. Scale sweep",
+        "3. Compression sweep",
+        "4. Real cluster",
+        "5. Outer-opt",
+    )
     titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Kill storm")
-    titles += ("10. Batch layout", "11. Control calls")
+    titles += ("10. Batch layout", "11. Control calls", "12. Load")
     for title in titles:
         assert f"## {title}" in readme, f"section {title!r} missing"
     headings = [line for line in readme.splitlines() if line.startswith("## ") and line[3].isdigit()]
@@ -65,6 +71,9 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert rows_of(readme, "accept + round close: CoordinatorCore.accept"), "upload: no breakdown"
     assert rows_of(readme, "`spread`") and rows_of(readme, "`contiguous`"), "layout: a row per batch layout"
     assert "| model | calls | over 50 ms | p50 (ms) | p99 (ms) |" in readme, "control: no latency table"
+    assert "| N | registered / ready | GetStatus p50 / p99 (ms) |" in readme, "load: no latency table"
+    for n in results["sections"]["load"]["settings"]["learners"]:
+        assert f"\n| {n} | {n} / {n} in " in readme, f"load: no row for N={n} with every learner ready"
     assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
     for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed
         for run in results["sections"][name]["runs"]:

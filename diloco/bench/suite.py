@@ -23,6 +23,7 @@ import torch
 from diloco.bench import (
     bench_control,
     bench_core,
+    bench_load,
     bench_upload,
     cluster_bench,
     report,
@@ -106,6 +107,9 @@ SECTIONS: tuple[Section, ...] = (
         "Control calls while a round closes (GetStatus latency)",
         bench_control.section,
         bench_control.markdown,
+    ),
+    Section(
+        "load", "Load: N fake learners against one coordinator and healthd", bench_load.section, bench_load.markdown
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)
