@@ -23,6 +23,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -92,6 +93,7 @@ class _Coordinator:
             metrics=CoordinatorMetrics(),
         )
         self.specs = [ParamSpec("flat", (numel,), 0)]
+        self.work = ThreadPoolExecutor(max_workers=4, thread_name_prefix="bench-work")
         servicer = CoordinatorServicer(
             self.state,
             task=TaskConfig(),
@@ -99,11 +101,12 @@ class _Coordinator:
             mode="sync",
             healthd_address="",
             checkpoint=lambda: None,
+            work=self.work,
             chunk_bytes=CHUNK,
         )
         self.poller = threading.Thread(target=self.state.run_poller, name="bench-rounds", daemon=True)
         self.poller.start()
-        self.grpc = GrpcService("127.0.0.1", 0, ["diloco.v1.Coordinator"], max_workers=16)
+        self.grpc = GrpcService("127.0.0.1", 0, ["diloco.v1.Coordinator"])
         self.grpc.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
         self.grpc.start()
         self.address = self.grpc.address
@@ -112,6 +115,7 @@ class _Coordinator:
         self.state.stop()
         self.grpc.stop(0)
         self.poller.join()
+        self.work.shutdown()
 
 
 def _serve(numel: int, conn: Connection) -> None:

@@ -553,7 +553,7 @@ def serve_sink() -> int:
             )
         },
     )
-    service = GrpcService("127.0.0.1", 0, ["diloco.v1.Coordinator"], max_workers=8)
+    service = GrpcService("127.0.0.1", 0, ["diloco.v1.Coordinator"], sync_threads=8)
     service.add(lambda server: server.add_generic_rpc_handlers((handler,)))
     port = service.start()
     print(port, flush=True)

@@ -95,12 +95,15 @@ def render(console: Console, action: str, msg: Any) -> None:
         console.print(t)
     elif action == "workers":
         t = Table(title="workers")
-        for col in ("id", "state", "tokens/s", "H_m", "shards", "submissions", "tokens", "reason"):
+        cols = ("id", "state", "device", "tokens/s measured", "claimed", "H_m", "shards", "submissions", "tokens")
+        for col in (*cols, "reason"):
             t.add_column(col)
         for w in msg.workers:
             t.add_row(
                 w.worker_id,
                 state_name(w.state),
+                w.throughput.device_kind,
+                f"{w.measured_tokens_per_s:,.0f}",
                 f"{w.throughput.tokens_per_s:,.0f}",
                 str(w.local_steps),
                 ",".join(str(s.shard_id) for s in w.shards),

@@ -97,7 +97,7 @@ def view(
         "[yellow]paused[/yellow]" if status.paused else "",
     )
     t = Table()
-    for col in ("worker", "state", "tokens/s", "H_m", "shards", "submissions", "tokens"):
+    for col in ("worker", "state", "tokens/s (measured)", "H_m", "shards", "submissions", "tokens"):
         t.add_column(col)
     for w in workers.workers:
         if state_name(w.state) in ("left", "dead", "evicted") and any(
@@ -107,7 +107,7 @@ def view(
         t.add_row(
             w.worker_id,
             state_name(w.state),
-            f"{w.throughput.tokens_per_s:,.0f}",
+            f"{w.measured_tokens_per_s:,.0f}",
             str(w.local_steps),
             str(len(w.shards)),
             str(w.submissions),
@@ -132,7 +132,7 @@ def summary(cluster: LocalCluster, started: float) -> dict[str, Any]:
         "bytes_sent": status.bytes_sent,
         "rejected_submissions": status.rejected_submissions,
         "workers": {
-            w.worker_id: {"tokens": w.tokens, "tokens_per_s": round(w.throughput.tokens_per_s, 1)}
+            w.worker_id: {"tokens": w.tokens, "tokens_per_s": round(w.measured_tokens_per_s, 1)}
             for w in workers.workers
         },
         "run_dir": str(cluster.run_dir),

@@ -102,7 +102,7 @@ class Admission:
             return self._total, len(self._by_client)
 
 
-class AdmissionInterceptor(grpc.aio.ServerInterceptor):
+class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Applies `Admission` to every call of a `grpc.aio` server whose handler is a coroutine (or async generator)
     function; handlers run in the server's thread pool (sync servicers) pass unchecked."""
 
@@ -175,7 +175,7 @@ def wrap_handler(
             continue
         if only_async and not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
             return handler
-        return make(  # type: ignore[no-any-return, operator]
+        return make(
             wrap(behavior),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,

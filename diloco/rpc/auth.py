@@ -99,7 +99,7 @@ def required_role(method: str) -> Role | None:
     return METHOD_ROLES[service][name]
 
 
-def peer_identity(context: grpc.ServicerContext) -> str | None:
+def peer_identity(context: grpc.ServicerContext | grpc.aio.ServicerContext[Any, Any]) -> str | None:
     """The common name of the client certificate the TLS handshake verified ('' when it has none); None on a
     plaintext channel."""
     props: Mapping[str, Any] = context.auth_context()
@@ -175,7 +175,7 @@ def check(tokens: Tokens, method: str, presented: str | None) -> Denied | None:
     return None
 
 
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Checks the bearer token of every call against `METHOD_ROLES` before the servicer sees it (a `grpc.aio`
     server's interceptor)."""
 

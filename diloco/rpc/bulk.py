@@ -77,8 +77,9 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from diloco.errors import ConfigError, DilocoError, InvalidArgument, ResourceExhausted
+from diloco.rpc.limits import clip_details
 from diloco.rpc.retry import StatusError
-from diloco.rpc.status import status_of
+from diloco.rpc.status import details_of, status_of
 from diloco.rpc.tls import TlsFiles
 from diloco.v1 import coordinator_pb2
 
@@ -679,13 +680,13 @@ class BulkServer:
         try:
             answered = await self._upload(conn)
         except DilocoError as e:
-            conn.reply_error(status_of(e), str(e))
+            conn.reply_error(status_of(e), details_of(e))
         except _PeerGone as e:
             conn.reply_error(grpc.StatusCode.UNAVAILABLE, str(e))
             return
         except Exception as e:
             log.exception("bulk.handler_failed", peer=conn.peer)
-            conn.reply_error(grpc.StatusCode.INTERNAL, f"the bulk server failed: {type(e).__name__}: {e}")
+            conn.reply_error(grpc.StatusCode.INTERNAL, clip_details(f"the bulk server failed: {type(e).__name__}: {e}"))
         else:
             if not answered:
                 return

@@ -3,10 +3,9 @@ and a receiver that decodes chunk by chunk, checking order, size and checksum.""
 
 from __future__ import annotations
 
-import queue
 import threading
 import zlib
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -120,46 +119,3 @@ class BufferPool:
         with self._lock:
             if len(self._free) < self.size:
                 self._free.append(buf)
-
-
-_END = object()
-
-
-def prefetch(items: Iterator[T], depth: int = 4) -> Generator[T, None, None]:
-    """Iterate `items` from a background thread, up to `depth` ahead, so that receiving the next message (the
-    gRPC transport) overlaps with handling this one (decoding, which releases the GIL in torch and zlib).
-    An exception raised by `items` is re-raised here, in order, after the items before it. If the consumer
-    stops early, the reader thread stops at its next item."""
-    q: queue.Queue[object] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(x: object) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def read() -> None:
-        try:
-            for item in items:
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            put(e)
-
-    reader = threading.Thread(target=read, name="prefetch", daemon=True)
-    reader.start()
-    try:
-        while True:
-            x = q.get()
-            if x is _END:
-                return
-            if isinstance(x, BaseException):
-                raise x
-            yield x  # type: ignore[misc]
-    finally:
-        stop.set()

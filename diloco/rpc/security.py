@@ -17,7 +17,6 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 
@@ -112,7 +111,7 @@ class SecurityConfig:
     def server_credentials(self) -> grpc.ServerCredentials | None:
         return server_credentials(TlsFiles.from_dir(self.tls_dir, self.tls_name)) if self.tls else None
 
-    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
         if not self.join_token:
             return []
         return [TokenAuthInterceptor(Tokens(self.join_token, self.admin_token))]

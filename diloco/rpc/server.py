@@ -5,6 +5,7 @@ client channel with the same options."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent import futures
@@ -56,7 +57,7 @@ class GrpcService:
         service_names: Sequence[str],
         *,
         credentials: grpc.ServerCredentials | None = None,
-        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),  # type: ignore[type-arg]
         admission: AdmissionLimits = AdmissionLimits(),
         sync_threads: int = 4,
     ) -> None:
@@ -71,7 +72,7 @@ class GrpcService:
         self._interceptors = [*interceptors, AdmissionInterceptor(self.admission)]
         self._sync_threads = sync_threads
         self._registrations: list[Callable[[grpc.aio.Server], None]] = []
-        self.health = health.aio.HealthServicer()
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
@@ -120,9 +121,7 @@ class GrpcService:
             migration_thread_pool=self._pool, options=SERVER_OPTIONS, interceptors=self._interceptors
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-        )
+        reflection.enable_server_reflection([*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         for register in self._registrations:
             register(server)
         target = f"{self.host}:{self.requested_port}"
@@ -206,10 +205,8 @@ class LoopSignal:
     def notify(self) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed in between
                 loop.call_soon_threadsafe(self._fire)
-            except RuntimeError:  # the loop closed in between
-                pass
 
 
 def channel(

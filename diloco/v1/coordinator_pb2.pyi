@@ -257,7 +257,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason")
+    __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason", "measured_tokens_per_s")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +270,7 @@ class WorkerInfo(_message.Message):
     LAST_SUBMIT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     REGISTERED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_name: str
     state: _common_pb2.WorkerState
@@ -282,7 +283,8 @@ class WorkerInfo(_message.Message):
     last_submit_unix_s: float
     registered_unix_s: float
     state_reason: str
-    def __init__(self, worker_id: _Optional[str] = ..., worker_name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., local_steps: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.ShardAssignment, _Mapping]]] = ..., submissions: _Optional[int] = ..., tokens: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_submit_unix_s: _Optional[float] = ..., registered_unix_s: _Optional[float] = ..., state_reason: _Optional[str] = ...) -> None: ...
+    measured_tokens_per_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., worker_name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., local_steps: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.ShardAssignment, _Mapping]]] = ..., submissions: _Optional[int] = ..., tokens: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_submit_unix_s: _Optional[float] = ..., registered_unix_s: _Optional[float] = ..., state_reason: _Optional[str] = ..., measured_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

@@ -21,9 +21,9 @@ from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
 from diloco.flags import Flag, config_from_flags, parse_bool
-from diloco.rpc.admission import AdmissionLimits
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
+from diloco.rpc.admission import AdmissionLimits
 from diloco.rpc.security import SecurityConfig
 from diloco.task.data import DataConfig, check_eval_tokens
 from diloco.task.factory import TaskConfig, task_from_flags

@@ -185,6 +185,7 @@ class CoordinatorServer:
                 cfg.bulk_port,
                 BulkUploads(state, specs, tokens),
                 ssl_context=server_ssl_context_from_dir(sec.tls_dir, sec.tls_name) if sec.tls else None,
+                executor=self._work,  # one bound on upload decoding over both paths
             )
             servicer.bulk_port = self._bulk.start()
         self._metrics_server, self.metrics_port = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)

@@ -11,6 +11,7 @@ Domain errors (`diloco.errors`) become status codes in `diloco.rpc.status`; noth
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from pathlib import Path
@@ -24,6 +25,7 @@ from diloco.core.states import WorkerState
 from diloco.core.uploads import Outcome, UploadHeader
 from diloco.errors import DilocoError, FailedPrecondition, InvalidArgument, PermissionDenied
 from diloco.rpc import auth, status
+from diloco.rpc.limits import MAX_ID_CHARS, check_request
 from diloco.rpc.payload import (
     CHUNK_BYTES,
     check_layout,
@@ -31,12 +33,11 @@ from diloco.rpc.payload import (
     meta_from_proto,
     meta_to_proto,
 )
+from diloco.rpc.server import LoopSignal
 from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from diloco.rpc.limits import MAX_ID_CHARS, check_request
-from diloco.rpc.server import LoopSignal
 from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadStream
 
 T = TypeVar("T")
@@ -89,6 +90,7 @@ def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2
         last_submit_unix_s=rec.last_submit_at,
         registered_unix_s=rec.registered_at,
         state_reason=rec.state_reason,
+        measured_tokens_per_s=rec.measured_speed,
     )
 
 
@@ -164,7 +166,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     # --- learners -------------------------------------------------------------------------------------------------
     @status.unary
-    async def Register(self, request: coordinator_pb2.RegisterRequest, context: Context) -> coordinator_pb2.RegisterResponse:
+    async def Register(
+        self, request: coordinator_pb2.RegisterRequest, context: Context
+    ) -> coordinator_pb2.RegisterResponse:
         auth.act_as(auth.peer_identity(context), request.worker_name)
         tp = request.throughput
         rec, plan = self.state.register(request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind)
@@ -211,7 +215,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The data messages of `snap`, built once per version and shared by every watcher."""
         cached = self._chunks
         if cached is None or cached[0] is not snap:
-            cached = (snap, [coordinator_pb2.ParametersChunk(data=bytes(c)) for c in chunks(snap.data, chunk_bytes=self.chunk_bytes)])
+            cached = (
+                snap,
+                [
+                    coordinator_pb2.ParametersChunk(data=bytes(c))
+                    for c in chunks(snap.data, chunk_bytes=self.chunk_bytes)
+                ],
+            )
             self._chunks = cached
         return cached[1]
 
@@ -412,7 +422,5 @@ async def _settle(pending: asyncio.Future[None] | None) -> None:
     """Wait for a chunk still decoding (the decoder must be idle before the upload is interrupted or closed);
     its own error, if any, is not the one to report."""
     if pending is not None:
-        try:
+        with contextlib.suppress(BaseException):
             await asyncio.shield(pending)
-        except BaseException:
-            pass

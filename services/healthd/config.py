@@ -121,7 +121,12 @@ _FLAGS: list[Flag] = [
     ),
     ("--report-timeout-s", float, _d.report_timeout_s, "deadline of each call to the coordinator"),
     ("--shutdown-grace-s", float, _d.shutdown_grace_s, "how long SIGTERM waits for in-flight calls"),
-    ("--max-calls", int, _d.max_calls, "gRPC calls at once: heartbeat streams plus watchers (more: RESOURCE_EXHAUSTED)"),
+    (
+        "--max-calls",
+        int,
+        _d.max_calls,
+        "gRPC calls at once: heartbeat streams plus watchers (more: RESOURCE_EXHAUSTED)",
+    ),
     ("--max-calls-per-client", int, _d.max_calls_per_client, "gRPC calls one connection may run at once"),
     ("--heartbeat-rate-factor", float, _d.heartbeat_rate_factor, "a stream may send this x the expected rate"),
     ("--heartbeat-burst", int, _d.heartbeat_burst, "heartbeats a stream may send at once above that rate"),
