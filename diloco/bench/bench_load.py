@@ -12,7 +12,8 @@ fake learner does what a worker does on the wire, without training:
   the round-trip time of each is taken from its acknowledgement (matched by sequence number);
 - once every ~`submit_interval_s` (the first at a random offset in [0, S), then every S x U(2/3, 4/3)) calls
   `GetWorkPlan` and submits a small pseudo-gradient (a constant 1e-5 vector in the coordinator's codec, one batch
-  of tokens on its first shard) over `SubmitPseudoGradient`.
+  of tokens on its first shard) over `SubmitPseudoGradient`; a learner whose plan holds no shard yet (a shard
+  moving to it waits for its owner's next submission) asks again every `SHARDLESS_POLL_S`, as a real learner polls.
 
 The run per N: (1) services start, settle, baseline RSS/threads; (2) the learners register and connect; they are
 *ready* when registered, holding version 0 and acknowledged by healthd; (3) idle for `settle_s`: RSS and threads
@@ -200,6 +201,9 @@ class _Learner:
     declared_dead: int = 0
     watching: asyncio.Event = field(default_factory=asyncio.Event)
     beating: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+SHARDLESS_POLL_S = 1.0  # a learner without a shard asks for its plan this often
 
 
 class _Generator:
@@ -428,11 +432,14 @@ class _Generator:
         go = await self._pause(self.rng.uniform(0, S))
         n = 0
         while go and ln.worker_id and not ln.lost and self.payload is not None:
-            await self._submit(ln, f"{ln.name}-s{n}")
-            n += 1
-            go = await self._pause(S * self.rng.uniform(2 / 3, 4 / 3))
+            if await self._submit(ln, f"{ln.name}-s{n}"):
+                n += 1
+                go = await self._pause(S * self.rng.uniform(2 / 3, 4 / 3))
+            else:  # no shard yet (a hand-off waits for the owner's next submission): poll, as a real learner does
+                go = await self._pause(min(S, SHARDLESS_POLL_S))
 
-    async def _submit(self, ln: _Learner, sid: str) -> None:
+    async def _submit(self, ln: _Learner, sid: str) -> bool:
+        """One submission (GetWorkPlan, then the upload); False when the plan holds no shard."""
         assert self.payload is not None
         stub = self._cstub(ln)
         t0 = time.perf_counter()
@@ -443,11 +450,11 @@ class _Generator:
             ln.errors[f"GetWorkPlan {e.code().name}"] += 1
             if e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
                 ln.lost = f"plan: {e.code().name}"
-            return
+            return True
         ln.plans.append((time.time(), time.perf_counter() - t0, "OK"))
         if not got.plan.shards:
             ln.submits.append((time.time(), 0.0, "no shard", sid))
-            return
+            return False
         lease = got.plan.shards[0]
         spec, data = self.payload
         header = pb.SubmissionHeader(
@@ -475,6 +482,7 @@ class _Generator:
             outcome = e.code().name
             ln.errors[f"SubmitPseudoGradient {outcome}"] += 1
         ln.submits.append((time.time(), time.perf_counter() - t1, outcome, sid))
+        return True
 
     def _results(self) -> dict[str, Any]:
         errors: Counter[str] = Counter()

@@ -156,19 +156,26 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg
         return call
 
 
+_KEEP: Any = object()
+
+
 def wrap_handler(
     handler: grpc.RpcMethodHandler[Any, Any],
     wrap: Callable[[Callable[..., Any]], Callable[..., Any]],
     only_async: bool = True,
+    request_deserializer: Any = _KEEP,
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """`handler` with its behavior replaced by `wrap(behavior)` (which must return an async behavior). With
-    `only_async`, a sync behavior (run by the server's thread pool) is returned unchanged."""
+    """`handler` with its behavior replaced by `wrap(behavior)` (which must return an async behavior) and, when
+    given, its request deserializer replaced (None: the behavior gets the raw bytes). With `only_async`, a sync
+    behavior (run by the server's thread pool) is returned unchanged."""
     kinds = (
         ("unary_unary", grpc.unary_unary_rpc_method_handler),
         ("unary_stream", grpc.unary_stream_rpc_method_handler),
         ("stream_unary", grpc.stream_unary_rpc_method_handler),
         ("stream_stream", grpc.stream_stream_rpc_method_handler),
     )
+    if request_deserializer is _KEEP:
+        request_deserializer = handler.request_deserializer
     for attr, make in kinds:
         behavior = getattr(handler, attr)
         if behavior is None:
@@ -177,7 +184,9 @@ def wrap_handler(
             return handler
         return make(
             wrap(behavior),
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=handler.request_deserializer
+            if request_deserializer is _KEEP
+            else request_deserializer,
             response_serializer=handler.response_serializer,
         )
     return handler

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from diloco.rpc.admission import Admission, AdmissionInterceptor, AdmissionLimits
 from diloco.rpc.auth import BearerTokenInterceptor
+from diloco.rpc.status import ParseRequests
 
 T = TypeVar("T")
 MiB = 1 << 20
@@ -69,7 +70,7 @@ class GrpcService:
         self.service_names = list(service_names)
         self.credentials = credentials
         self.admission = Admission(admission)
-        self._interceptors = [*interceptors, AdmissionInterceptor(self.admission)]
+        self._interceptors = [*interceptors, AdmissionInterceptor(self.admission), ParseRequests()]
         self._sync_threads = sync_threads
         self._registrations: list[Callable[[grpc.aio.Server], None]] = []
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]

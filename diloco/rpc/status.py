@@ -6,12 +6,15 @@ capped so no reply echoes a caller's input at length."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from diloco.errors import DilocoError
+from diloco.errors import DilocoError, InvalidArgument
+from diloco.rpc.admission import wrap_handler
 from diloco.rpc.limits import check_request, clip_details
 
 CODES: dict[str, grpc.StatusCode] = {
@@ -81,3 +84,57 @@ def streaming(fn: F) -> F:
             await context.abort(status_of(e), details_of(e))
 
     return wrapper  # type: ignore[return-value]
+
+
+class ParseRequests(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Request bodies that are not the method's protobuf message get INVALID_ARGUMENT with a message saying so
+    (gRPC's own deserializer would answer UNKNOWN with the parser's exception): the behavior receives raw bytes
+    and parses them here, each message of a stream as it arrives."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any]]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        streaming_requests = handler.request_streaming
+        method = handler_call_details.method
+
+        def one(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except (DecodeError, ValueError, TypeError):
+                raise InvalidArgument(
+                    f"the request body is not a valid message for {method}; build it from protos/diloco/v1"
+                ) from None
+
+        async def many(raws: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+            async for raw in raws:
+                yield one(raw)
+
+        def guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
+            async def parsed(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                if streaming_requests:
+                    return many(raw)
+                try:
+                    return one(raw)
+                except InvalidArgument as e:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+            if inspect.isasyncgenfunction(behavior):
+
+                async def stream(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+                    async for item in behavior(await parsed(raw, context), context):
+                        yield item
+
+                return stream
+
+            async def call(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+                return await behavior(await parsed(raw, context), context)
+
+            return call
+
+        return wrap_handler(handler, guard, request_deserializer=None)
