@@ -122,7 +122,9 @@ class DataConfig:
         if not isinstance(self.tokenizer, str):
             raise ConfigError(f"data.tokenizer must be '' (bytes) or a tokenizers JSON file, got {self.tokenizer!r}")
         if not isinstance(self.text_field, str) or not self.text_field:
-            raise ConfigError(f"data.text_field must name the text column of JSONL/Parquet records, got {self.text_field!r}")
+            raise ConfigError(
+                f"data.text_field must name the text column of JSONL/Parquet records, got {self.text_field!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,14 @@ from diloco.task.data import Corpus
 from diloco.task.factory import HF_PREFIX, TaskConfig
 
 DEFAULT_PRESET = "llama-tiny"
+_BOOKKEEPING = (
+    "transformers_version",
+    "_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "architectures",
+    "_attn_implementation",
+)
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -99,7 +107,7 @@ class CausalLM(nn.Module):
     def __init__(self, lm: nn.Module, *, seq_len: int) -> None:
         super().__init__()
         self.lm = lm
-        config = lm.config
+        config: Any = lm.config
         self.seq_len = seq_len
         self.vocab_size = int(config.vocab_size)
         self.fingerprint_extra = json.dumps(_config_dict(config), sort_keys=True)
@@ -116,7 +124,7 @@ class CausalLM(nn.Module):
 def _config_dict(config: Any) -> dict[str, Any]:
     """The config fields that define the model (library version and dtype bookkeeping left out)."""
     d = config.to_dict()
-    for key in ("transformers_version", "_name_or_path", "dtype", "torch_dtype", "architectures", "_attn_implementation"):
+    for key in _BOOKKEEPING:
         d.pop(key, None)
     out: dict[str, Any] = json.loads(json.dumps(d, default=str))
     return out
