@@ -225,6 +225,15 @@ def test_tokenizer_larger_than_the_model_vocab(text_file: Path, tmp_path: Path) 
         build_task(task(text_file, tokenizer=str(tmp_path / "nope.json")))
 
 
+def test_local_cluster_passes_the_model_to_the_coordinator() -> None:
+    from diloco.cli.local import config_from_args
+    from diloco.cli.main import build_parser
+
+    a = build_parser("local").parse_args(["local", "--model", "hf:llama-tiny", "--workers", "2"])
+    assert config_from_args(a).task_args == ("--model", "hf:llama-tiny")
+    assert config_from_args(build_parser("local").parse_args(["local"])).task_args == ()
+
+
 def test_coordinator_process_exits_2_on_an_unknown_model() -> None:
     argv = [sys.executable, "-m", "services.coordinator", "--insecure", "--model", "hf:does-not-exist"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
