@@ -22,6 +22,7 @@ from diloco.task.factory import HF_FACTORY, TaskConfig, build_task
 from diloco.task.inner import InnerConfig, InnerTrainer
 from diloco.task.model import ModelConfig, model_fingerprint
 from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
+from diloco.task.tokenizer import write_tokens
 from tests.support import cluster_config, running, wait_for
 
 pytest.importorskip("transformers")
@@ -158,7 +159,7 @@ def test_tokenize_command_writes_files_the_data_layer_reads(text_file: Path, tmp
 
 def test_npy_token_files_keep_uint32(tmp_path: Path) -> None:
     ids = (np.arange(20_000, dtype=np.uint32) * 7919) % 70_000
-    np.save(tmp_path / "tokens.npy", ids)
+    assert write_tokens(ids, tmp_path, vocab=70_000) == tmp_path / "tokens.npy"  # over 16 bits: uint32 .npy
     corpus = Corpus.load(DataConfig(source=str(tmp_path / "tokens.npy"), num_shards=2))
     assert corpus.train.dtype == np.uint32 and corpus.max_token == int(ids.max()) and corpus.num_tokens == 20_000
     assert corpus.max_token > 65_535
