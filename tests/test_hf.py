@@ -19,6 +19,7 @@ from diloco.cluster import TINY_TASK_ARGS
 from diloco.errors import ConfigError
 from diloco.task.data import Corpus, DataConfig, evaluate
 from diloco.task.factory import HF_FACTORY, TaskConfig, build_task
+from diloco.task.hf import CausalLM
 from diloco.task.inner import InnerConfig, InnerTrainer
 from diloco.task.model import ModelConfig, model_fingerprint
 from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
@@ -77,7 +78,7 @@ def _failing_factory(cfg: TaskConfig) -> object:
 def test_llama_tiny_trains_with_the_inner_loop(text_file: Path) -> None:
     t = build_task(task(text_file))
     model = t.model_fn(0)
-    assert type(model).__name__ == "CausalLM" and model.vocab_size == 256  # type: ignore[attr-defined]
+    assert isinstance(model, CausalLM) and model.vocab_size == 256
     assert len({s.name for s in param_specs(model)}) == len(merge_segments(model)) > 20
     assert torch.equal(flatten_params(t.model_fn(3)), flatten_params(t.model_fn(3)))
     assert not torch.equal(flatten_params(t.model_fn(3)), flatten_params(t.model_fn(4)))
@@ -105,7 +106,8 @@ def test_save_pretrained_folder_loads_its_weights(text_file: Path, tmp_path: Pat
     t = build_task(task(text_file))
     saved = t.model_fn(7)
     folder = tmp_path / "ckpt"
-    saved.lm.save_pretrained(folder)  # type: ignore[operator]
+    assert isinstance(saved, CausalLM)
+    saved.lm.save_pretrained(folder)  # type: ignore[operator]  # transformers' PreTrainedModel, untyped here
     loaded = build_task(task(text_file, f"hf:{folder}"))
     assert torch.equal(flatten_params(loaded.model_fn(0)), flatten_params(saved))
     assert param_specs(loaded.model_fn(0)) == param_specs(saved)
@@ -150,7 +152,7 @@ def test_tokenize_command_writes_files_the_data_layer_reads(text_file: Path, tmp
     assert text.num_tokens == stream.shape[0]
     # an HF preset takes the tokenizer's vocabulary; the fingerprint covers the tokenizer
     t = build_task(task(tokens, tokenizer=str(tokenizer)))
-    assert t.model_fn(0).vocab_size == 300  # type: ignore[attr-defined]
+    assert t.model_fn(0).vocab_size == 300
     out2 = tmp_path / "tok2"
     assert main(["data", "tokenize", "--corpus", str(text_file), "--vocab-size", "280", "--out", str(out2)]) == 0
     by_text = build_task(task(text_file, tokenizer=str(tokenizer)))
