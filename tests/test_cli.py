@@ -64,6 +64,7 @@ MINIMAL_ARGS = {
     "ctl": ["--coordinator", "h:1", "status"],
     "bench": [],
     "certs": ["--out", "x"],
+    "data": ["tokenize", "--corpus", "c", "--vocab-size", "300", "--out", "x"],
 }
 
 

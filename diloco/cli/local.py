@@ -42,6 +42,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--run-dir", type=Path, default=None, help="logs and checkpoints (default runs/local-TIME)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
+    p.add_argument("--model", default="", help="hf:<preset-or-path>: a Hugging Face causal LM (default: the GPT)")
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -80,6 +81,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         dead_after_s=a.dead_after_s,
         run_dir=run_dir,
         insecure=a.insecure,
+        task_args=("--model", a.model) if a.model else (),
     )
 
 

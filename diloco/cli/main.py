@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ctl": ("diloco.cli.ctl", "operate a running coordinator"),
     "bench": ("diloco.cli.bench", "run the benchmark suite; writes a Markdown report and plots"),
     "certs": ("diloco.cli.certs", "write a CA, certificates and tokens for mutual TLS"),
+    "data": ("diloco.cli.data", "prepare training data (train a tokenizer, write token files)"),
 }
 SERVICES = {
     "coordinator": "run the coordinator service (what docker-compose runs)",

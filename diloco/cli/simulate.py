@@ -36,6 +36,8 @@ def add_task_args(p: argparse.ArgumentParser, *, d_model: int = 64, seq_len: int
     g.add_argument("--warmup-steps", type=int, default=20)
     g.add_argument("--total-steps", type=int, default=2000, help="inner steps of the cosine schedule")
     g.add_argument("--factory", default="", help="your own model/data: 'package.module:function'")
+    g.add_argument("--model", default="", help="'' (the built-in GPT) or hf:<preset-or-path> (diloco.task.hf)")
+    g.add_argument("--tokenizer", default="", help="'' (bytes) or a local tokenizers JSON file")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

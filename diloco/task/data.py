@@ -6,12 +6,18 @@ Sources (`DataConfig.source`):
 - a path to a folder of text files (read recursively, hidden and binary files skipped): one document per file.
 - a path to one text file: its bytes, cut into blocks (pseudo-documents, see below).
 - a path ending in `.bin`: little-endian uint16 token ids, cut into blocks (read into memory).
+- a path ending in `.npy`: a 1-D numpy array of uint16 or uint32 token ids (vocabularies over 65536), in blocks.
+- a path ending in `.jsonl`/`.json` or `.parquet`: local text records read through `datasets` (the `hf` extra,
+  offline), one document per record, from the column named by `DataConfig.text_field` (default `"text"`).
+Tokenizer (`DataConfig.tokenizer`): empty for bytes (ids 0..255); or a local `tokenizers` JSON file
+(`diloco.task.tokenizer`), which encodes every text source after it is read and cut to `max_bytes` (so the cap
+still counts bytes). Token files (`.bin`, `.npy`) are already tokenized and read as they are.
 A token array given to `Corpus(tokens, cfg)` directly (a user factory) is cut into blocks too: block `i` of a
 stream of `n` tokens covers tokens `[i·b, (i+1)·b)` with `b = min(4096, max(64, n // 256))`.
 
 Selection (`max_bytes`): documents are taken in a fixed pseudo-random order (a hash of their id, the path
 relative to the source) until `max_bytes` bytes are read; the last one is cut. For `.bin` sources the cap keeps
-the first `max_bytes // 2` tokens. Every document ends with a blank line.
+the first `max_bytes // 2` tokens (`.npy`: `max_bytes // itemsize`). Every document ends with a blank line.
 
 Split (by document, independent of the seed): documents are held out for validation in the order of a stable
 hash of their id until they hold at least `val_fraction` of the tokens, so no document sits on both sides and
@@ -48,6 +54,7 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -57,11 +64,15 @@ from torch import Tensor, nn
 from diloco.errors import ConfigError, InvalidArgument, NotFound
 from diloco.task._validate import check_float, check_int
 
-Tokens = npt.NDArray[np.uint16]
+Tokens = npt.NDArray[np.unsignedinteger[Any]]  # uint16, or uint32 for vocabularies over 65536
 Document = tuple[str, Tokens]  # (stable id, tokens)
 
 STDLIB = "stdlib"
-_SOURCES = '"stdlib", a text file, a folder of text files, or a .bin file of little-endian uint16 tokens'
+_SOURCES = (
+    '"stdlib", a text file, a folder of text files, a .bin file of little-endian uint16 tokens, a .npy token '
+    "array, or a .jsonl/.parquet file of text records"
+)
+_RECORD_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SKIP_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__", "lib-dynload"})
 _DOC_SEPARATOR = b"\n\n"
 _BLOCK_MIN, _BLOCK_MAX, _BLOCKS = 64, 4096, 256
@@ -86,7 +97,8 @@ class DataConfig:
 
     `max_bytes` caps every source (for a `.bin` file: `max_bytes // 2` tokens); 0 means no cap. `seed` orders
     the training documents (not the split). `layout` is the batch layout (module docstring): `"spread"`, or
-    `"contiguous"` (the layout before issue #17, kept for the benchmark that compares the two).
+    `"contiguous"` (the layout before issue #17, kept for the benchmark that compares the two). `tokenizer` is
+    empty (bytes) or a local `tokenizers` JSON file; `text_field` the column read from JSONL/Parquet records.
     """
 
     source: str = STDLIB
@@ -95,6 +107,8 @@ class DataConfig:
     max_bytes: int = 8_000_000
     seed: int = 0
     layout: str = "spread"
+    tokenizer: str = ""
+    text_field: str = "text"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -105,6 +119,12 @@ class DataConfig:
         check_float("data", "val_fraction", self.val_fraction, lo=0.0, hi=0.5, lo_open=True)
         check_int("data", "max_bytes", self.max_bytes, minimum=0)
         check_int("data", "seed", self.seed, minimum=0)
+        if not isinstance(self.tokenizer, str):
+            raise ConfigError(f"data.tokenizer must be '' (bytes) or a tokenizers JSON file, got {self.tokenizer!r}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise ConfigError(
+                f"data.text_field must name the text column of JSONL/Parquet records, got {self.text_field!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -169,10 +189,10 @@ def _blocks(tokens: Tokens) -> list[Document]:
 
 def load_documents(cfg: DataConfig) -> Tokens | list[Document]:
     """The documents named by `cfg.source`, or a token stream for sources without documents (see the module
-    docstring); `Corpus` splits either."""
+    docstring), encoded with `cfg.tokenizer` when it names one; `Corpus` splits either."""
     if cfg.source == STDLIB:
         root = Path(sysconfig.get_paths()["stdlib"])
-        return _read_documents(root, stdlib_files(), cfg.max_bytes, skip_binary=False)
+        return _tokenize(cfg, _read_documents(root, stdlib_files(), cfg.max_bytes, skip_binary=False))
     path = Path(cfg.source).expanduser()
     if not path.exists():
         raise ConfigError(f"data.source {cfg.source!r} does not exist; expected {_SOURCES}")
@@ -184,16 +204,75 @@ def load_documents(cfg: DataConfig) -> Tokens | list[Document]:
             return np.zeros(0, dtype=np.uint16)
         tokens: Tokens = np.memmap(path, dtype="<u2", mode="r")
         return tokens[: cfg.max_bytes // 2] if cfg.max_bytes else tokens
+    if path.is_file() and path.suffix == ".npy":
+        return _read_npy(cfg, path)
+    if path.is_file() and path.suffix in _RECORD_FORMATS:
+        return _tokenize(cfg, _read_records(cfg, path))
     if path.is_file():
         blob = path.read_bytes()
-        return np.frombuffer(blob[: cfg.max_bytes] if cfg.max_bytes else blob, dtype=np.uint8).astype(np.uint16)
-    return _read_documents(path, _walk(path), cfg.max_bytes, skip_binary=True)
+        stream = np.frombuffer(blob[: cfg.max_bytes] if cfg.max_bytes else blob, dtype=np.uint8).astype(np.uint16)
+        return _tokenize(cfg, [("stream", stream)])[0][1] if cfg.tokenizer else stream
+    return _tokenize(cfg, _read_documents(path, _walk(path), cfg.max_bytes, skip_binary=True))
+
+
+def _read_npy(cfg: DataConfig, path: Path) -> Tokens:
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError) as e:
+        raise ConfigError(f"data.source {cfg.source!r} is not a readable .npy array: {e}") from e
+    if arr.ndim != 1 or arr.dtype.kind != "u" or arr.dtype.itemsize not in (2, 4):
+        raise ConfigError(
+            f"data.source {cfg.source!r} holds a {arr.dtype} array of shape {arr.shape}; expected a 1-D uint16 "
+            "or uint32 array of token ids"
+        )
+    tokens: Tokens = arr.astype(arr.dtype.newbyteorder("="), copy=False)
+    return tokens[: cfg.max_bytes // arr.dtype.itemsize] if cfg.max_bytes else tokens
+
+
+def _read_records(cfg: DataConfig, path: Path) -> list[Document]:
+    """JSONL/Parquet text records through `datasets` (offline), one document per record, as bytes."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only; never reach the hub
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import datasets
+    except ImportError as e:  # pragma: no cover - the extra is installed in the development environment
+        raise ConfigError(f"data.source {cfg.source!r} needs the `datasets` package (the hf extra)") from e
+    try:
+        table = datasets.load_dataset(_RECORD_FORMATS[path.suffix], data_files=str(path), split="train")
+    except Exception as e:  # datasets raises many kinds for a malformed file
+        raise ConfigError(f"data.source {cfg.source!r} could not be read as {path.suffix} records: {e}") from e
+    if cfg.text_field not in table.column_names:
+        raise ConfigError(
+            f"data.text_field {cfg.text_field!r} is not a column of {cfg.source!r}; columns: {table.column_names}"
+        )
+    docs: list[Document] = []
+    total = 0
+    for i, text in enumerate(table[cfg.text_field]):
+        if cfg.max_bytes and total >= cfg.max_bytes:
+            break
+        blob = str(text).encode("utf-8") + _DOC_SEPARATOR
+        if cfg.max_bytes:
+            blob = blob[: cfg.max_bytes - total]
+        docs.append((f"record:{i:09d}", np.frombuffer(blob, dtype=np.uint8).astype(np.uint16)))
+        total += len(blob)
+    return docs
+
+
+def _tokenize(cfg: DataConfig, docs: list[Document]) -> list[Document]:
+    """Byte documents re-encoded with `cfg.tokenizer` (unchanged when it is empty)."""
+    if not cfg.tokenizer:
+        return docs
+    from diloco.task import tokenizer  # the optional `tokenizers` package, only when a tokenizer is named
+
+    texts = [bytes(d.astype(np.uint8)).decode("utf-8", errors="replace") for _, d in docs]
+    return list(zip((doc_id for doc_id, _ in docs), tokenizer.encode_texts(cfg.tokenizer, texts), strict=True))
 
 
 def _concat(docs: Sequence[Document]) -> Tokens:
     if not docs:
         return np.zeros(0, dtype=np.uint16)
-    return np.ascontiguousarray(np.concatenate([d for _, d in docs]), dtype=np.uint16)
+    dtype = np.result_type(np.uint16, *(d.dtype for _, d in docs))
+    return np.ascontiguousarray(np.concatenate([d for _, d in docs]), dtype=dtype)
 
 
 class Corpus:

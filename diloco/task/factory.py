@@ -10,8 +10,14 @@ It returns `(model_fn, corpus)`: `model_fn(seed)` builds a fresh model (determin
 that defines `loss(x, y) -> Tensor` for int64 token batches `x`, `y` of shape (batch, cfg.model.seq_len);
 `corpus` is the data (e.g. `Corpus(tokens, cfg.data)` over your own uint16 token array, or over a list of
 `(document_id, tokens)` pairs so the validation split keeps documents whole), or None to load
-`cfg.data` as usual. Token ids must stay below `cfg.model.vocab_size`. The fingerprint then hashes the factory
-path, the model config and the parameter layout, so learners with a different model are refused.
+`cfg.data` as usual. Token ids must stay below the model's `vocab_size` attribute when it has one, else
+`cfg.model.vocab_size`. A factory that raises is reported as a `ConfigError` naming it. The fingerprint then hashes
+the factory path, the model config, the model's `fingerprint_extra` string when it has one (the
+Hugging Face adapter puts its full config there), the tokenizer file, the corpus and the parameter layout, so
+learners with a different model, tokenizer or data are refused.
+
+Hugging Face models: `TaskConfig.model_name = "hf:<preset-or-path>"` (flag `--model`) selects the built-in
+factory `diloco.task.hf:causal_lm` (see that module) without naming it in `factory`.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from diloco.task.model import GPT, ModelConfig, model_fingerprint
 from diloco.task.params import param_specs, specs_fingerprint
 
 C = TypeVar("C")
+HF_FACTORY = "diloco.task.hf:causal_lm"
+HF_PREFIX = "hf:"
 ModelFn = Callable[[int], nn.Module]
 
 
@@ -59,12 +67,14 @@ def config_from_dict(cls: type[C], data: object, section: str) -> C:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Model, data and inner optimizer; `factory` optionally names a user `"package.module:function"`."""
+    """Model, data and inner optimizer; `factory` optionally names a user `"package.module:function"`;
+    `model_name` is empty (the built-in GPT) or `"hf:<preset-or-path>"` (a Hugging Face causal LM)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     inner: InnerConfig = field(default_factory=InnerConfig)
     factory: str = ""
+    model_name: str = ""
 
     def __post_init__(self) -> None:
         for name, cls in (("model", ModelConfig), ("data", DataConfig), ("inner", InnerConfig)):
@@ -74,6 +84,17 @@ class TaskConfig:
             raise ConfigError(f"task.factory must be a string 'package.module:function', not {self.factory!r}")
         if self.factory:
             _split_factory(self.factory)
+        if not isinstance(self.model_name, str) or (
+            self.model_name and not (self.model_name.startswith(HF_PREFIX) and len(self.model_name) > len(HF_PREFIX))
+        ):
+            raise ConfigError(
+                f"task.model_name (--model) must be '' (the built-in GPT) or 'hf:<preset-or-path>', "
+                f"got {self.model_name!r}"
+            )
+
+    def factory_path(self) -> str:
+        """The factory `build_task` calls: `factory`, else the Hugging Face one for an `hf:` model, else ''."""
+        return self.factory or (HF_FACTORY if self.model_name else "")
 
     def to_json(self) -> str:
         """Stable JSON (sorted keys)."""
@@ -88,14 +109,16 @@ class TaskConfig:
             raise ConfigError(f"task config is not valid JSON: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"task config must be a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"model", "data", "inner", "factory"})
+        allowed = ["data", "factory", "inner", "model", "model_name"]
+        unknown = sorted(set(data) - set(allowed))
         if unknown:
-            raise ConfigError(f"task: unknown keys {unknown}; allowed: ['data', 'factory', 'inner', 'model']")
+            raise ConfigError(f"task: unknown keys {unknown}; allowed: {allowed}")
         return cls(
             model=config_from_dict(ModelConfig, data.get("model", {}), "model"),
             data=config_from_dict(DataConfig, data.get("data", {}), "data"),
             inner=config_from_dict(InnerConfig, data.get("inner", {}), "inner"),
             factory=data.get("factory", ""),
+            model_name=data.get("model_name", ""),
         )
 
 
@@ -140,46 +163,108 @@ def _gpt_builder(model_cfg: ModelConfig) -> ModelFn:
     return build
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """Load the corpus and set up the model constructor; checks vocab and shard sizes against the config."""
-    corpus: Corpus | None
-    if cfg.factory:
-        out = load_factory(cfg.factory)(cfg)
-        if not (isinstance(out, tuple) and len(out) == 2 and callable(out[0])):
-            raise ConfigError(f"task.factory {cfg.factory!r} must return (model_fn, corpus_or_None)")
-        build: ModelFn = out[0]
-        corpus = out[1]
-        if corpus is not None and not isinstance(corpus, Corpus):
-            raise ConfigError(f"task.factory {cfg.factory!r} returned {type(corpus).__name__}, not a Corpus")
+def _call_factory(cfg: TaskConfig, path: str) -> tuple[ModelFn, Corpus | None, nn.Module]:
+    """Run the factory and build one model to check it; any failure is a `ConfigError` naming the factory."""
+    try:
+        out = load_factory(path)(cfg)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"task.factory {path!r} failed: {type(e).__name__}: {e}") from e
+    if not (isinstance(out, tuple) and len(out) == 2 and callable(out[0])):
+        raise ConfigError(f"task.factory {path!r} must return (model_fn, corpus_or_None)")
+    build: ModelFn = out[0]
+    corpus = out[1]
+    if corpus is not None and not isinstance(corpus, Corpus):
+        raise ConfigError(f"task.factory {path!r} returned {type(corpus).__name__}, not a Corpus")
+    try:
         probe = build(0)
-        if not isinstance(probe, nn.Module):
-            raise ConfigError(f"task.factory {cfg.factory!r}: model_fn(seed) must return an nn.Module")
-        model_loss(probe)
-        blob = f"{cfg.factory}|{config_to_dict(cfg.model)}|{specs_fingerprint(param_specs(probe))}"
-        fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"task.factory {path!r}: model_fn(0) failed: {type(e).__name__}: {e}") from e
+    if not isinstance(probe, nn.Module):
+        raise ConfigError(f"task.factory {path!r}: model_fn(seed) must return an nn.Module")
+    model_loss(probe)
+    return build, corpus, probe
+
+
+def _tokenizer_digest(cfg: TaskConfig) -> str:
+    if not cfg.data.tokenizer:
+        return "bytes"
+    from diloco.task.tokenizer import file_digest, load_tokenizer
+
+    load_tokenizer(cfg.data.tokenizer)  # a missing or malformed file is a ConfigError naming data.tokenizer
+    return file_digest(cfg.data.tokenizer)
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """Load the corpus and set up the model constructor; checks vocab and shard sizes against the config.
+
+    Fingerprint: the built-in GPT on bytes keeps `model_fingerprint(cfg.model)`; with a tokenizer it also hashes
+    the tokenizer file and the corpus; a factory (or `model_name`) hashes everything listed in the module
+    docstring."""
+    corpus: Corpus | None
+    factory = cfg.factory_path()
+    if factory:
+        build, corpus, probe = _call_factory(cfg, factory)
+        if corpus is None:
+            corpus = Corpus.load(cfg.data)
+        extra = getattr(probe, "fingerprint_extra", "")
+        parts = [  # contents, not file paths: the same config in another folder is the same model
+            factory,
+            json.dumps(config_to_dict(cfg.model), sort_keys=True),
+            extra if isinstance(extra, str) else "",
+            _tokenizer_digest(cfg),
+            corpus.fingerprint,
+            specs_fingerprint(param_specs(probe)),
+        ]
+        fingerprint = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+        vocab = getattr(probe, "vocab_size", cfg.model.vocab_size)
+        vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else cfg.model.vocab_size
     else:
         build = _gpt_builder(cfg.model)
-        corpus = None
-        fingerprint = model_fingerprint(cfg.model)
-    if corpus is None:
         corpus = Corpus.load(cfg.data)
-    corpus.check_vocab(cfg.model.vocab_size)
+        fingerprint = model_fingerprint(cfg.model)
+        if cfg.data.tokenizer:
+            blob = f"{fingerprint}|{_tokenizer_digest(cfg)}|{corpus.fingerprint}"
+            fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        vocab_size = cfg.model.vocab_size
+    if cfg.data.tokenizer:
+        from diloco.task.tokenizer import vocab_size as tokenizer_vocab
+
+        n = tokenizer_vocab(cfg.data.tokenizer)
+        if n > vocab_size:
+            raise ConfigError(
+                f"data.tokenizer {cfg.data.tokenizer!r} has {n} tokens, more than the model's vocab_size "
+                f"{vocab_size}: use a model with a vocabulary of at least {n} (model.vocab_size, or the "
+                "vocab_size of the Hugging Face config) or a smaller tokenizer"
+            )
+    corpus.check_vocab(vocab_size)
     corpus.check_batch(cfg.inner.batch_size, cfg.model.seq_len)
     return Task(config=cfg, corpus=corpus, fingerprint=fingerprint, build_model=build)
 
 
 def task_from_flags(a: Any) -> TaskConfig:
     """The task from parsed command-line flags (`--task-json`, or `--data --max-bytes --shards --d-model --layers
-    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`). A `--seed` flag, where the
+    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`, and `--model --tokenizer`
+    where the command has them). A `--seed` flag, where the
     command has one, also orders the training data (`DataConfig.seed`), so a run's seed changes the data order as
     well as the initial parameters."""
     if getattr(a, "task_json", ""):
         return TaskConfig.from_json(a.task_json)
     return TaskConfig(
         model=ModelConfig(seq_len=a.seq_len, d_model=a.d_model, n_layers=a.layers, n_heads=a.heads),
-        data=DataConfig(source=a.data, num_shards=a.shards, max_bytes=a.max_bytes, seed=getattr(a, "seed", 0)),
+        data=DataConfig(
+            source=a.data,
+            num_shards=a.shards,
+            max_bytes=a.max_bytes,
+            seed=getattr(a, "seed", 0),
+            tokenizer=getattr(a, "tokenizer", ""),
+        ),
         inner=InnerConfig(
             lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
         ),
         factory=a.factory,
+        model_name=getattr(a, "model", ""),
     )

@@ -271,7 +271,7 @@ _SERVICE_FLAGS: list[Flag] = [
 ]
 _TASK_FLAGS: list[Flag] = [
     ("--task-json", str, "", "the whole task as JSON (TaskConfig.to_json); overrides the task flags below"),
-    ("--data", str, "stdlib", "'stdlib', a text file or folder, or a uint16 .bin file"),
+    ("--data", str, "stdlib", "'stdlib', a text file or folder, a uint16 .bin or .npy token file, or .jsonl/.parquet"),
     ("--max-bytes", int, 2_000_000, "cap on corpus size in bytes (0: none)"),
     ("--shards", int, 16, "number of data shards"),
     ("--d-model", int, 64, "model width"),
@@ -283,6 +283,14 @@ _TASK_FLAGS: list[Flag] = [
     ("--warmup-steps", int, 20, "inner warmup steps"),
     ("--total-steps", int, 2000, "inner steps of the cosine schedule"),
     ("--factory", str, "", "your own model/data: 'package.module:function'"),
+    (
+        "--model",
+        str,
+        "",
+        "'' (the built-in GPT) or hf:<preset-or-path>: a Hugging Face causal LM from a preset (llama-tiny, ...), "
+        "a folder with config.json (weights loaded when present) or a JSON config file",
+    ),
+    ("--tokenizer", str, "", "'' (bytes) or a local tokenizers JSON file (see `diloco data tokenize`)"),
 ]
 
 
