@@ -5,6 +5,8 @@ of the island's global batch under DistributedDataParallel; rebase and resync ar
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,14 @@ import torch
 from diloco.cluster import LocalCluster
 from services.worker.__main__ import main as worker_main
 from services.worker.island import Rank
-from tests.support import assert_exactly_once, assert_finished_and_learned, cluster_config, running, wait_for
+from tests.support import (
+    assert_exactly_once,
+    assert_finished_and_learned,
+    cluster_config,
+    running,
+    wait_for,
+    worker_state,
+)
 
 
 def events(c: LocalCluster, name: str, event: str) -> list[dict[str, Any]]:
@@ -122,3 +131,41 @@ def test_two_rank_island_reaches_the_loss_of_one_rank_on_the_same_tokens(tmp_pat
     print(f"island figures: 1 rank loss {loss1:.4f} tokens {tokens1}; 2 ranks loss {loss2:.4f} tokens {tokens2}")
     assert tokens1 == tokens2
     assert abs(loss2 - loss1) / loss1 < 0.02, (loss1, loss2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigkill_of_one_rank_restarts_the_island_which_reregisters(tmp_path: Path) -> None:
+    cfg = cluster_config(
+        tmp_path,
+        workers=2,
+        outer_steps=16,
+        slowdowns=(4.0, 4.0),
+        nproc_per_worker=2,
+        worker_args={0: ("--max-restarts", "3")},
+    )
+    with running(cfg) as c:
+        wait_for("a first round", lambda: c.status().version >= 2, timeout_s=60)
+        victim = next(e["pid"] for e in events(c, "worker0", "island.joined") if e["rank"] == 1)
+        os.kill(victim, signal.SIGKILL)
+        wait_for("the island to be started again", lambda: len(events(c, "worker0", "island.joined")) >= 4, 60)
+        wait_for("worker0 to register again", lambda: len(events(c, "worker0", "worker.registered")) >= 2, 60)
+        assert c.procs["worker0"].alive  # torchrun itself lives on
+        assert_finished_and_learned(c)
+        ids = {w.worker_id for w in c.workers().workers if w.worker_name == "worker0"}
+        assert len(ids) >= 2, "the restarted island is a new incarnation"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_island_whose_ranks_do_not_divide_the_batch_leaves_no_registration(tmp_path: Path) -> None:
+    # the tiny task's global batch is 8 rows: 3 ranks cannot split it evenly
+    cfg = cluster_config(tmp_path, workers=1, min_quorum=1, nproc_per_worker=3)
+    with running(cfg) as c:
+        proc = c.procs["worker0"]
+        wait_for("the island to give up", lambda: not proc.alive, timeout_s=60)
+        assert proc.popen.returncode != 0
+        refused = events(c, "worker0", "worker.task_refused")
+        assert refused and "--nproc-per-node" in refused[0]["detail"], c.tail("worker0")
+        assert {e["rank"] for e in events(c, "worker0", "island.session_refused")} == {1, 2}
+        assert worker_state(c, "worker0") == "left"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -41,6 +41,12 @@ def torchrun_argv(cfg: WorkerConfig, argv: Sequence[str]) -> list[str]:
     ]
 
 
+def torchrun_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's environment: its rendezvous store is not shared with the ranks' process group, so a group
+    started again (`--max-restarts`) never reads the addresses of the ranks before it (pytorch/pytorch#135712)."""
+    return {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def check_devices(cfg: WorkerConfig) -> None:
     """An island places one rank per GPU: refuse more ranks than GPUs (naming the flag)."""
     wants_cuda = cfg.device.startswith("cuda") or (cfg.device in ("", "auto") and torch.cuda.is_available())
@@ -63,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rank is None and cfg.nproc_per_node > 1:
             check_devices(cfg)
             launch = torchrun_argv(cfg, argv)
-            os.execv(launch[0], launch)  # torchrun takes this process's place (and its signals)
+            os.execve(launch[0], launch, torchrun_env(os.environ))  # torchrun takes this process's place (and signals)
         device = resolve_device(cfg.device, rank.local_rank if rank else None) if rank else None
         if device is not None and cfg.precision == "bf16" and device.type != "cuda":
             raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 on CPU")

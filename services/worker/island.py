@@ -129,7 +129,7 @@ class Island:
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
-        self.log.info("island.joined", backend=backend, device=str(device))
+        self.log.info("island.joined", backend=backend, device=str(device), pid=os.getpid())
 
     @property
     def leader(self) -> bool:

@@ -88,7 +88,7 @@ class Worker:
         server, port = serve_metrics(self.metrics.registry, "0.0.0.0", self.cfg.metrics_port)
         if port > 0:
             self.log.info("worker.metrics", port=port)
-        code = 1  # what the island's other ranks are told when this loop ends by an exception
+        code: int | None = None  # the exit status, once the loop ended without an exception
         try:
             try:
                 while not isinstance(action := self._next(), core.Exit):
@@ -100,7 +100,7 @@ class Worker:
                 return code
             code = action.code
         finally:
-            if self.island is not None:
+            if self.island is not None and code is not None:  # else the other ranks see this one die
                 self.island.stop(code)
             self.close()
             if server is not None:
