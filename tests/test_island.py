@@ -52,6 +52,15 @@ def params_by_rank(c: LocalCluster, name: str) -> dict[int, list[tuple[str, str,
     return by_rank
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 # --- without processes ------------------------------------------------------------------------------------------
 
 
@@ -161,6 +170,11 @@ def test_sigkill_of_one_rank_restarts_the_island_which_reregisters(tmp_path: Pat
         wait_for("the island to be started again", lambda: len(events(c, "worker0", "island.joined")) >= 4, 60)
         wait_for("worker0 to register again", lambda: len(events(c, "worker0", "worker.registered")) >= 2, 60)
         assert c.procs["worker0"].alive  # torchrun itself lives on
+        # SIGKILL of worker1's torchrun ends its ranks too (they die with it), and worker1 is declared dead
+        ranks = [e["pid"] for e in events(c, "worker1", "island.joined")]
+        c.kill("worker1")
+        wait_for("worker1's ranks to end", lambda: not any(alive(pid) for pid in ranks), timeout_s=10)
+        wait_for("worker1 declared dead", lambda: worker_state(c, "worker1") == "dead", timeout_s=10)
         assert_finished_and_learned(c)
         ids = {w.worker_id for w in c.workers().workers if w.worker_name == "worker0"}
         assert len(ids) >= 2, "the restarted island is a new incarnation"

@@ -23,10 +23,12 @@ ends (or restarts, `--max-restarts`) the group.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import hashlib
 import os
 import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import IntEnum
@@ -44,6 +46,7 @@ from diloco.task.params import flatten_params, load_flat_
 # long as it takes) while the followers wait for its next command, so the wait is long; a dead rank is noticed at
 # once anyway (its sockets close).
 COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 class Op(IntEnum):
@@ -74,6 +77,19 @@ class Rank:
         if not (world >= 1 and 0 <= rank < world and local >= 0):
             raise ConfigError(f"RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local}: expected 0 <= RANK < WORLD_SIZE")
         return cls(rank, world, local)
+
+
+def die_with_parent() -> None:
+    """End this rank when torchrun ends: torchrun starts each rank in a session of its own, so when it is killed
+    (SIGKILL) nothing else would end the ranks; a killed island must not train on (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        return  # best effort
+    if os.getppid() != parent:  # torchrun ended before the request took effect
+        os._exit(1)
 
 
 def resolve_device(setting: str, local_rank: int | None) -> torch.device:
@@ -124,6 +140,7 @@ class Island:
         self.device = device
         self.log = log.bind(rank=rank.rank, world=rank.world)
         self.checksums = False  # log the parameters' digest on every rank at each PARAMS (tests, debugging)
+        die_with_parent()
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
