@@ -1,9 +1,9 @@
 """`python -m services.worker` / `diloco worker`: run one learner until training finishes or SIGTERM.
 
 Under torchrun (`RANK`/`WORLD_SIZE` set) this process is one rank of an island (`island.py`): rank 0 runs the
-worker loop, the others follow it. With `--nproc-per-node N > 1` and no torchrun around it, it becomes torchrun
+worker loop, the others follow it. With `--nproc-per-node N > 1` and no torchrun around it, it runs torchrun
 (`python -m torch.distributed.run --standalone --nproc-per-node N -m services.worker ...`), which starts the N
-ranks with the same flags.
+ranks with the same flags, and passes SIGTERM/SIGINT on to the ranks (`island.launch`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from diloco import log as logging
 from diloco.errors import ConfigError
 from services.worker.config import WorkerConfig, parse
-from services.worker.island import Island, Rank, resolve_device
+from services.worker.island import Island, Rank, launch, resolve_device
 from services.worker.metrics import Metrics
 from services.worker.replica import Replica
 from services.worker.worker import Worker
@@ -68,8 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank = Rank.from_env(os.environ)
         if rank is None and cfg.nproc_per_node > 1:
             check_devices(cfg)
-            launch = torchrun_argv(cfg, argv)
-            os.execve(launch[0], launch, torchrun_env(os.environ))  # torchrun takes this process's place (and signals)
+            return launch(torchrun_argv(cfg, argv), torchrun_env(os.environ))
         device = resolve_device(cfg.device, rank.local_rank if rank else None) if rank else None
         if device is not None and cfg.precision == "bf16" and device.type != "cuda":
             raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 on CPU")

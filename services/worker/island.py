@@ -23,15 +23,18 @@ ends (or restarts, `--max-restarts`) the group.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import hashlib
 import os
 import signal
+import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from pathlib import Path
 from typing import Protocol
 
 import structlog
@@ -80,16 +83,42 @@ class Rank:
 
 
 def die_with_parent() -> None:
-    """End this rank when torchrun ends: torchrun starts each rank in a session of its own, so when it is killed
-    (SIGKILL) nothing else would end the ranks; a killed island must not train on (Linux only)."""
+    """End this process when its parent ends: torchrun starts each rank in a session of its own, so when it is
+    killed (SIGKILL) nothing else would end the ranks, and a killed island must not train on (Linux only)."""
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return  # best effort
-    if os.getppid() != parent:  # torchrun ended before the request took effect
+    if os.getppid() != parent:  # the parent ended before the request took effect
         os._exit(1)
+
+
+def launch(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run torchrun (`argv`) as a child and return its exit status. SIGTERM and SIGINT go to the ranks, not to
+    torchrun: rank 0 drains (hands its work back, deregisters), every rank exits 0, and so does torchrun (a
+    signalled torchrun exits 1 however its ranks ended). torchrun dies with this process (SIGKILL included)."""
+    proc = subprocess.Popen(list(argv), env=dict(env), preexec_fn=die_with_parent)  # no threads here yet
+
+    def forward(sig: int, _frame: object) -> None:
+        for pid in children(proc.pid) or [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    return proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of `pid` (Linux: /proc; elsewhere none)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found.extend(int(c) for c in (task / "children").read_text().split())
+    return found
 
 
 def resolve_device(setting: str, local_rank: int | None) -> torch.device:
