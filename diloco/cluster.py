@@ -208,6 +208,7 @@ class ClusterConfig:
     worker_env: dict[str, str] = field(default_factory=dict)
     worker_args: dict[int, tuple[str, ...]] = field(default_factory=dict)  # extra flags of one worker (fault tests)
     insecure: bool = False  # False: mutual TLS and tokens, generated into a temporary folder
+    nproc_per_worker: int = 1  # > 1: every worker is an island of this many ranks (torchrun, DDP)
 
 
 @dataclass
@@ -339,6 +340,7 @@ class LocalCluster:
                 "--seed",
                 str(i),
                 *self.security_args(f"worker{i}", tokens=("join",)),
+                *(("--nproc-per-node", str(c.nproc_per_worker)) if c.nproc_per_worker > 1 else ()),
                 *c.worker_args.get(i, ()),
             ],
             env=c.worker_env,

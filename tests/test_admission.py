@@ -270,3 +270,18 @@ def test_the_readme_lists_every_bound_of_the_table() -> None:
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     block = readme.split("<!-- limits:begin", 1)[1].split("-->", 1)[1].split("<!-- limits:end -->", 1)[0]
     assert block.strip() == limits_markdown().strip(), "README limits table is stale: paste limits_markdown()"
+
+
+def test_registrations_beyond_max_workers_are_refused_and_change_nothing(start: Callable[..., Env]) -> None:
+    env = start(max_workers=2)
+    a = register(env, "a")
+    register(env, "b")
+    before = frozen(env)
+    code, details = code_of(lambda: register(env, "c"))
+    assert code == EXHAUSTED and "--max-workers" in details
+    names = sorted(w.worker_name for w in env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers)
+    assert names == ["a", "b"]
+    params, ledger, version = frozen(env)
+    assert (params.equal(before[0]), ledger, version) == (True, before[1], before[2])
+    env.stub.Deregister(pb.DeregisterRequest(worker_id=a.worker_id), timeout=T)
+    assert register(env, "c").worker_id  # a slot freed by a departure is taken at once

@@ -40,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
     p.add_argument("--dead-after-s", type=float, default=2.0)
     p.add_argument("--run-dir", type=Path, default=None, help="logs and checkpoints (default runs/local-TIME)")
+    p.add_argument(
+        "--nproc-per-worker",
+        type=int,
+        default=1,
+        help="run every worker as an island of N ranks (torchrun, DistributedDataParallel; one GPU each on CUDA)",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
     p.add_argument("--model", default="", help="hf:<preset-or-path>: a Hugging Face causal LM (default: the GPT)")
@@ -66,6 +72,8 @@ def parse_slowdowns(text: str, workers: int) -> tuple[float, ...]:
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     if a.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
+    if a.nproc_per_worker < 1:
+        raise ConfigError(f"--nproc-per-worker must be >= 1, got {a.nproc_per_worker}")
     if a.mode == "decoupled" and not 1 <= a.min_quorum <= a.workers:
         raise ConfigError(f"min_quorum (-K {a.min_quorum}) must be between 1 and --workers ({a.workers})")
     run_dir = a.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
@@ -82,6 +90,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         run_dir=run_dir,
         insecure=a.insecure,
         task_args=("--model", a.model) if a.model else (),
+        nproc_per_worker=a.nproc_per_worker,
     )
 
 

@@ -110,7 +110,7 @@ class InnerTrainer:
     """One learner's model replica, AdamW state and base parameters.
 
     `slowdown > 1` sleeps `(slowdown - 1)·step_time` after each step, to emulate older hardware. `sleep` and
-    `clock` are injectable for tests.
+    `clock` are injectable for tests; `loss_fn` replaces `model.loss` (an island's DistributedDataParallel).
     """
 
     _EMA = 0.2
@@ -126,6 +126,7 @@ class InnerTrainer:
         slowdown: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> None:
         check_int("model", "seq_len", seq_len, minimum=1)
         check_float("trainer", "slowdown", slowdown, lo=1.0)
@@ -135,7 +136,9 @@ class InnerTrainer:
         self.device = device if device is not None else pick_device()
         self.model = model.to(self.device)
         self.slowdown = float(slowdown)
-        self._loss = model_loss(self.model)
+        # `loss_fn` (a hook for the worker's islands): what computes the loss of a batch instead of `model.loss`,
+        # e.g. a DistributedDataParallel wrapper of the model on its device; the parameters stay `model`'s
+        self._loss: Callable[[Tensor, Tensor], Tensor] = loss_fn if loss_fn is not None else model_loss(self.model)
         self._sleep = sleep
         self._clock = clock
         decay = [p for p in self.model.parameters() if p.ndim >= 2]

@@ -1,28 +1,95 @@
-"""`python -m services.worker` / `diloco worker`: run one learner until training finishes or SIGTERM."""
+"""`python -m services.worker` / `diloco worker`: run one learner until training finishes or SIGTERM.
+
+Under torchrun (`RANK`/`WORLD_SIZE` set) this process is one rank of an island (`island.py`): rank 0 runs the
+worker loop, the others follow it. With `--nproc-per-node N > 1` and no torchrun around it, it runs torchrun
+(`python -m torch.distributed.run --standalone --nproc-per-node N -m services.worker ...`), which starts the N
+ranks with the same flags, and passes SIGTERM/SIGINT on to the ranks (`island.launch`).
+"""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
-from services.worker.config import parse
+from services.worker.config import WorkerConfig, parse
+from services.worker.island import Island, Rank, launch, resolve_device
+from services.worker.metrics import Metrics
+from services.worker.replica import Replica
 from services.worker.worker import Worker
 
 
+def torchrun_argv(cfg: WorkerConfig, argv: Sequence[str]) -> list[str]:
+    """The torchrun command line that runs this learner as an island of `cfg.nproc_per_node` ranks."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(cfg.nproc_per_node),
+        "--max-restarts",
+        str(cfg.max_restarts),
+        "-m",
+        "services.worker",
+        *argv,
+    ]
+
+
+def torchrun_env(env: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's environment: its rendezvous store is not shared with the ranks' process group, so a group
+    started again (`--max-restarts`) never reads the addresses of the ranks before it (pytorch/pytorch#135712)."""
+    return {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def check_devices(cfg: WorkerConfig) -> None:
+    """An island places one rank per GPU: refuse more ranks than GPUs (naming the flag)."""
+    wants_cuda = cfg.device.startswith("cuda") or (cfg.device in ("", "auto") and torch.cuda.is_available())
+    if wants_cuda:
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {cfg.device}: CUDA is not available on this machine (use --device cpu)")
+        count = torch.cuda.device_count()
+        if cfg.nproc_per_node > count:
+            raise ConfigError(
+                f"--nproc-per-node {cfg.nproc_per_node} is larger than the {count} CUDA device(s) present "
+                "(one rank per GPU; use --device cpu for CPU ranks)"
+            )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse(argv)
+        rank = Rank.from_env(os.environ)
+        if rank is None and cfg.nproc_per_node > 1:
+            check_devices(cfg)
+            return launch(torchrun_argv(cfg, argv), torchrun_env(os.environ))
+        device = resolve_device(cfg.device, rank.local_rank if rank else None) if rank else None
+        if device is not None and cfg.precision == "bf16" and device.type != "cuda":
+            raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 on CPU")
     except ConfigError as e:
         print(f"diloco worker: configuration error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     logging.configure("worker")
-    worker = Worker(cfg)
+    if rank is None or device is None:
+        return run_worker(Worker(cfg))
+    island = Island(rank, device, logging.get("worker", worker=cfg.display_name))
+    island.checksums = cfg.island_checksums
+    try:
+        if island.leader:
+            return run_worker(Worker(cfg, island))
+        return island.follow(Replica(cfg, device, Metrics(), island))
+    finally:
+        island.close()
+
+
+def run_worker(worker: Worker) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: worker.stop())
     return worker.run()

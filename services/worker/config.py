@@ -10,12 +10,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.errors import ConfigError
-from diloco.flags import Flag, config_from_flags
+from diloco.flags import Flag, config_from_flags, parse_bool
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import auth, security
 from diloco.rpc.security import SecurityConfig
 
 UPLOAD_PATHS = ("auto", "grpc")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,11 @@ class WorkerConfig:
     give_up_after_s: float = 0.0  # exit 1 when no coordinator call succeeded for this long (0: never)
     metrics_port: int = -1
     seed: int = 0
-    device: str = ""  # "" = CUDA when present, else CPU
+    device: str = ""  # "" or auto = CUDA when present (an island rank: LOCAL_RANK's GPU), else CPU
+    precision: str = "fp32"  # bf16: bf16 autocast of the forward pass (CUDA only)
+    nproc_per_node: int = 1  # > 1: `diloco worker` starts torchrun with this many ranks (one island)
+    max_restarts: int = 0  # torchrun's --max-restarts for the island `diloco worker` starts
+    island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     # FAULT INJECTION, for tests and chaos runs only: multiply every pseudo-gradient sent by this (1: off)
     fault_scale_updates: float = 1.0
@@ -61,8 +66,18 @@ class WorkerConfig:
             raise ConfigError(f"fault_scale_updates must be finite and > 0 (1: off), got {self.fault_scale_updates}")
         if self.upload_path not in UPLOAD_PATHS:
             raise ConfigError(f"upload_path: allowed {', '.join(UPLOAD_PATHS)}; got {self.upload_path!r}")
-        if self.device not in ("", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device: allowed '', cpu, cuda, cuda:N; got {self.device!r}")
+        if self.device not in ("", "auto", "cpu", "cuda") and not (
+            self.device.startswith("cuda:") and self.device[5:].isdigit()
+        ):
+            raise ConfigError(f"--device: allowed auto, cpu, cuda, cuda:N; got {self.device!r}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision: allowed {', '.join(PRECISIONS)}; got {self.precision!r}")
+        if self.precision == "bf16" and self.device == "cpu":
+            raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 with --device cpu")
+        if not 1 <= self.nproc_per_node <= 1024:
+            raise ConfigError(f"--nproc-per-node must be in [1, 1024], got {self.nproc_per_node}")
+        if not 0 <= self.max_restarts <= 1000:
+            raise ConfigError(f"--max-restarts must be in [0, 1000], got {self.max_restarts}")
         for address in (self.coordinator, self.healthd):
             if address:
                 self.security.check_client(address)
@@ -112,7 +127,22 @@ _FLAGS: list[Flag] = [
     ),
     ("--metrics-port", int, -1, "Prometheus metrics port (0: any free port, -1: off)"),
     ("--seed", int, 0, "seed of the model replica (its parameters come from the coordinator)"),
-    ("--device", str, "", "cpu, cuda or cuda:N (default: CUDA when present, else CPU)"),
+    (
+        "--device",
+        str,
+        "",
+        "auto, cpu, cuda or cuda:N (default auto: CUDA when present, in an island LOCAL_RANK's GPU; else CPU)",
+    ),
+    ("--precision", str, "fp32", "fp32, or bf16: bf16 autocast of the forward pass (CUDA only)"),
+    (
+        "--nproc-per-node",
+        int,
+        1,
+        "run this learner as an island of N ranks (one per GPU, or N CPU processes): starts torchrun, which runs "
+        "DistributedDataParallel over the ranks; rank 0 alone talks to the coordinator",
+    ),
+    ("--max-restarts", int, 0, "with --nproc-per-node: how often torchrun restarts the island when a rank dies"),
+    ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (
         "--upload-path",
         str,

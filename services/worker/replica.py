@@ -4,23 +4,45 @@ when, is the core's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from diloco.core import learner as core
 from diloco.core.codecs import ErrorFeedback, get_codec
+from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task
 from diloco.task.inner import InnerTrainer, Throughput
 from diloco.task.params import param_specs
 from services.worker.config import WorkerConfig
+from services.worker.island import Island
 from services.worker.metrics import Metrics
 from services.worker.session import header_of
 from services.worker.uploader import UploadJob
 
 
+class _Loss(nn.Module):
+    """`model.loss` as a module's forward, for DistributedDataParallel (which syncs gradients through forward) and
+    bf16 autocast."""
+
+    def __init__(self, model: nn.Module, bf16: bool) -> None:
+        super().__init__()
+        self.model, self.bf16 = model, bf16
+        self._loss = model_loss(model)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tensor:
+        if self.bf16:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return self._loss(x, y).float()
+        return self._loss(x, y)
+
+
 class Replica:
-    def __init__(self, cfg: WorkerConfig, device: torch.device, metrics: Metrics) -> None:
-        self.cfg, self.device, self.metrics = cfg, device, metrics
+    def __init__(self, cfg: WorkerConfig, device: torch.device, metrics: Metrics, island: Island | None = None) -> None:
+        self.cfg, self.device, self.metrics, self.island = cfg, device, metrics, island
         self.trainer: InnerTrainer | None = None
         self.ef: ErrorFeedback | None = None
         self.task_json = ""
@@ -30,20 +52,36 @@ class Replica:
         """A new registration: (re)build the task when it changed, fresh error feedback, no parameters yet."""
         if task_json != self.task_json:
             cfg = TaskConfig.from_json(task_json)
+            if self.island is not None:
+                self.island.check_batch(cfg.inner.batch_size)
             task = build_task(cfg)
+            model = task.model_fn(self.cfg.seed)
             self.trainer = InnerTrainer(
-                task.model_fn(self.cfg.seed),
+                model,
                 task.corpus,
                 cfg.inner,
                 seq_len=cfg.model.seq_len,
                 device=self.device,
                 slowdown=self.cfg.slowdown,
+                loss_fn=self._loss_fn(model.to(self.device)),
             )
             self.specs = param_specs(self.trainer.model)
             self.task_json = task_json
         assert self.trainer is not None
         self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel)
         self.params = None
+
+    def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
+        """None (the model's own loss) for a one-process fp32 learner; else the loss through bf16 autocast and, in an
+        island, DistributedDataParallel (whose constructor broadcasts rank 0's parameters to every rank)."""
+        bf16 = self.cfg.precision == "bf16" and self.device.type == "cuda"
+        if self.island is None and not bf16:
+            return None
+        module: nn.Module = _Loss(model, bf16)
+        if self.island is not None:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            module = DistributedDataParallel(module, device_ids=ids)
+        return module
 
     @property
     def numel(self) -> int:
@@ -71,12 +109,20 @@ class Replica:
 
     def train(self, a: core.Train) -> int:
         """One inner step on the batch at `a.cursor`; returns the cursor after it."""
+        return self.step_at(a.shard_id, a.cursor)
+
+    def step_at(self, shard_id: int, cursor: int) -> int:
+        """One inner step on the batch at `cursor` of the shard (in an island: this rank's rows of it, every rank
+        stepping together); returns the cursor after it."""
         t = self.trainer
         assert t is not None
-        x, y, nxt = t.corpus.batch(a.shard_id, a.cursor, t.cfg.batch_size, t.seq_len)
+        x, y, nxt = t.corpus.batch(shard_id, cursor, t.cfg.batch_size, t.seq_len)
+        if self.island is not None:
+            rows = self.island.rows(t.cfg.batch_size)
+            x, y = x[rows], y[rows]
         t.step(x, y)
         self.metrics.steps.inc()
-        self.metrics.tokens.inc(nxt - a.cursor)
+        self.metrics.tokens.inc(nxt - cursor)
         return nxt
 
     def upload_job(self, a: core.Submit, bulk_port: int) -> UploadJob:

@@ -20,12 +20,14 @@ import torch
 
 from diloco import log as logging
 from diloco.core import learner as core
+from diloco.errors import ConfigError
 from diloco.rpc.metrics import serve_metrics
 from diloco.task.model import pick_device
 from diloco.v1 import coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.control import Control
 from services.worker.heartbeats import Beat, Heartbeats
+from services.worker.island import Island, device_kind
 from services.worker.metrics import Metrics
 from services.worker.replica import Replica
 from services.worker.session import Registration, SessionLost
@@ -36,8 +38,12 @@ IDLE_WAIT_S = 0.1  # the longest the loop sleeps without looking at `stop()`
 
 
 class Worker:
-    def __init__(self, cfg: WorkerConfig) -> None:
+    """A one-process learner, or rank 0 (the leader) of an island (`island.py`): then every torch action is sent
+    to the other ranks first, and they carry it out together with this one."""
+
+    def __init__(self, cfg: WorkerConfig, island: Island | None = None) -> None:
         self.cfg = cfg
+        self.island = island
         self.name = cfg.display_name
         self.log = logging.get("worker", worker=self.name)
         self.core = core.LearnerCore(
@@ -47,8 +53,13 @@ class Worker:
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metrics = Metrics()
         self.inbox: queue.Queue[object] = queue.Queue()
-        self.device = torch.device(cfg.device) if cfg.device else pick_device()
-        self.replica = Replica(cfg, self.device, self.metrics)
+        if island is None:
+            self.device = torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
+            self.device_kind = self.device.type
+        else:
+            self.device = island.device
+            self.device_kind = device_kind(island.device, island.world)
+        self.replica = Replica(cfg, self.device, self.metrics, island)
         self.reg: Registration | None = None
         self.watcher: Watcher | None = None
         self.exit_reason = ""
@@ -77,10 +88,20 @@ class Worker:
         server, port = serve_metrics(self.metrics.registry, "0.0.0.0", self.cfg.metrics_port)
         if port > 0:
             self.log.info("worker.metrics", port=port)
+        code: int | None = None  # the exit status, once the loop ended without an exception
         try:
-            while not isinstance(action := self._next(), core.Exit):
-                self._do(action)
+            try:
+                while not isinstance(action := self._next(), core.Exit):
+                    self._do(action)
+            except ConfigError as e:
+                if self.island is None:
+                    raise
+                code = self._refuse(str(e))
+                return code
+            code = action.code
         finally:
+            if self.island is not None and code is not None:  # else the other ranks see this one die
+                self.island.stop(code)
             self.close()
             if server is not None:
                 server.shutdown()
@@ -89,6 +110,15 @@ class Worker:
             self.log.error("worker.coordinator_unreachable", detail=action.detail)
         self.log.info("worker.exited", reason=self.exit_reason, detail=action.detail)
         return action.code
+
+    def _refuse(self, detail: str) -> int:
+        """The coordinator's task does not fit this island (exit status 2): leave no registration behind."""
+        self.log.error("worker.task_refused", detail=detail)
+        self.exit_reason = "config"
+        worker_id = self.reg.worker_id if self.reg is not None else self.core.worker_id
+        if worker_id:
+            self._deregister(worker_id)
+        return 2
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def _next(self) -> core.Action:
@@ -142,9 +172,18 @@ class Worker:
         elif isinstance(a, core.FetchPlan):
             self._fetch_plan()
         elif isinstance(a, core.Train):
+            if self.island is not None:
+                self.island.train(a.shard_id, a.cursor)
             self.core.stepped(a.shard_id, a.epoch, a.cursor, self.replica.train(a))
         elif isinstance(a, (core.Load, core.Rebase)):
-            self.replica.adopt(a, self.log, self.core.detail)
+            if self.island is None:
+                self.replica.adopt(a, self.log, self.core.detail)
+            else:
+                t = self.replica.trainer
+                assert t is not None
+                before = self.island.digest(t.model)
+                self.replica.adopt(a, self.log, self.core.detail)
+                self.island.params(t.model, t.steps_done, before)
         elif isinstance(a, core.Submit):
             self.uploader.put(self._upload_job(a))
         elif isinstance(a, core.Deregister):
@@ -152,10 +191,12 @@ class Worker:
 
     # --- carrying the actions out -----------------------------------------------------------------------------
     def _register(self) -> None:
-        reg = self.control.register(self.name, self.replica.throughput(), self.device.type)
+        reg = self.control.register(self.name, self.replica.throughput(), self.device_kind)
         if reg is None:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg = reg
+        if self.island is not None:
+            self.island.session(reg.task_json, reg.codec)
         self.replica.start_session(reg.task_json, reg.codec)
         if not self.cfg.healthd and reg.healthd_address:
             self.heartbeats.address = reg.healthd_address
@@ -194,5 +235,5 @@ class Worker:
             t.steps_done if t else 0,
             tp.tokens_per_s if tp else 0.0,
             tp.step_time_s if tp else 0.0,
-            self.device.type,
+            self.device_kind,
         )
