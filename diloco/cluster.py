@@ -474,6 +474,18 @@ class LocalCluster:
     def status(self, timeout_s: float = 3.0) -> coordinator_pb2.GetStatusResponse:
         return self.stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=timeout_s)
 
+    def final_status(self, timeout_s: float = 120.0) -> coordinator_pb2.GetStatusResponse:
+        """The status once the version it names has been evaluated (evaluation runs after a round, in the
+        background, so right after the last round `validation_loss` may still be an earlier version's)."""
+        evals, evaluated = self.follow("coordinator"), set[int]()
+
+        def evaluated_now() -> bool:
+            evaluated.update(int(x.fields["version"]) for x in evals.read() if x.event == "eval.done")
+            return self.status().version in evaluated
+
+        wait_until("the evaluation of the newest version", evaluated_now, timeout_s=timeout_s, interval_s=0.2)
+        return self.status()
+
     def workers(self, timeout_s: float = 3.0) -> coordinator_pb2.ListWorkersResponse:
         return self.stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=timeout_s)
 

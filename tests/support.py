@@ -433,6 +433,6 @@ def assert_exactly_once(c: LocalCluster) -> None:
 
 def assert_finished_and_learned(c: LocalCluster) -> None:
     wait_for("training to finish", lambda: c.status().finished, timeout_s=150, interval_s=0.2)
-    status = c.status()
+    status = c.final_status()
     assert status.validation_loss < UNTRAINED_LOSS - 1.0, f"loss {status.validation_loss} did not drop"
     assert_exactly_once(c)

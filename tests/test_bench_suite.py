@@ -48,7 +48,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         "5. Outer-opt",
     )
     titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Kill storm")
-    titles += ("10. Batch layout", "11. Control calls", "12. Load")
+    titles += ("10. Batch layout", "11. Control calls", "12. Load", "13. Islands")
     for title in titles:
         assert f"## {title}" in readme, f"section {title!r} missing"
     headings = [line for line in readme.splitlines() if line.startswith("## ") and line[3].isdigit()]
@@ -74,6 +74,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert "| N | registered / ready | GetStatus p50 / p99 (ms) |" in readme, "load: no latency table"
     for n in results["sections"]["load"]["settings"]["learners"]:
         assert f"\n| {n} | {n} / {n} in " in readme, f"load: no row for N={n} with every learner ready"
+    assert "| ranks | val loss | tokens |" in readme and rows_of(readme, "2"), "island: no row for the 2-rank island"
     assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
     for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed
         for run in results["sections"][name]["runs"]:

@@ -134,7 +134,7 @@ def _single_learner_run(tmp_path: Path, nproc: int) -> tuple[float, int]:
     with running(cfg) as c:
         assert_finished_and_learned(c)
         assert_exactly_once(c)
-        s = c.status()
+        s = c.final_status()
         return s.validation_loss, s.tokens_applied
 
 

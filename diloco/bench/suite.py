@@ -23,6 +23,7 @@ import torch
 from diloco.bench import (
     bench_control,
     bench_core,
+    bench_island,
     bench_load,
     bench_upload,
     cluster_bench,
@@ -111,6 +112,7 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "load", "Load: N fake learners against one coordinator and healthd", bench_load.section, bench_load.markdown
     ),
+    Section("island", "Islands: a 2-rank torchrun learner vs one process", bench_island.section, bench_island.markdown),
 )
 NAMES = tuple(s.name for s in SECTIONS)
 CHECKOUT = Path(__file__).resolve().parents[2]

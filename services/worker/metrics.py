@@ -16,4 +16,10 @@ class Metrics:
         self.rebases = Counter("diloco_worker_rebases", "Rebases onto new global parameters", registry=r)
         self.resyncs = Counter("diloco_worker_resyncs", "Resyncs after a refused submission", registry=r)
         self.version = Gauge("diloco_worker_version", "Global version trained on", registry=r)
+        self.seconds = Counter(
+            "diloco_worker_seconds",
+            "Time spent, by phase of the round (services.worker.worker.PHASES)",
+            ["phase"],
+            registry=r,
+        )
         self.tokens_per_s = Gauge("diloco_worker_tokens_per_second", "Measured throughput", registry=r)

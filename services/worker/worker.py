@@ -35,6 +35,16 @@ from services.worker.uploader import Uploader, UploadJob, UploadResult
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 
 IDLE_WAIT_S = 0.1  # the longest the loop sleeps without looking at `stop()`
+# Where a round's time goes, by the action that spent it (the `worker.round` log line, `diloco_worker_seconds`):
+# inner steps, the pseudo-gradient and its encoding (handed to the uploader, which uploads meanwhile), adopting new
+# parameters, waiting (for a broadcast, a plan, a backoff), and the control calls.
+PHASES: dict[type, str] = {
+    core.Train: "inner",
+    core.Submit: "encode",
+    core.Load: "rebase",
+    core.Rebase: "rebase",
+    core.Wait: "wait",
+}
 
 
 class Worker:
@@ -52,6 +62,7 @@ class Worker:
         self.channel = cfg.security.channel(cfg.coordinator)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metrics = Metrics()
+        self.round_phases: dict[str, float] = {}  # seconds per phase since the last submission
         self.inbox: queue.Queue[object] = queue.Queue()
         if island is None:
             self.device = torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
@@ -163,6 +174,20 @@ class Worker:
             self.watcher = Watcher(self.stub, wid, epoch, numel, self.inbox.put, self.log)
 
     def _do(self, a: core.Action) -> None:
+        """Carry out `a`, timing it into its phase of the round (`PHASES`); a submission logs the round's phases."""
+        started = time.monotonic()
+        try:
+            self._carry_out(a)
+        finally:
+            phase = PHASES.get(type(a), "control")
+            seconds = time.monotonic() - started
+            self.round_phases[phase] = self.round_phases.get(phase, 0.0) + seconds
+            self.metrics.seconds.labels(phase=phase).inc(seconds)
+        if isinstance(a, core.Submit):
+            self.log.info("worker.round", **{f"{k}_s": round(v, 4) for k, v in sorted(self.round_phases.items())})
+            self.round_phases = {}
+
+    def _carry_out(self, a: core.Action) -> None:
         if isinstance(a, core.Register):
             self._register()
         elif isinstance(a, core.Wait):
