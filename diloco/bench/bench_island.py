@@ -132,7 +132,7 @@ def markdown(r: dict[str, Any]) -> str:
     )
     rows = [
         [
-            str(x["ranks"]),
+            f"{x['ranks']} rank" + ("s (torchrun)" if x["ranks"] > 1 else ""),
             f"{x['validation_loss']:.4f}",
             f"{x['tokens_applied']:,}",
             f"{x['tokens_per_s']:,.0f}",
@@ -142,7 +142,7 @@ def markdown(r: dict[str, Any]) -> str:
         ]
         for x in r["runs"]
     ]
-    cols = ["ranks", "val loss", "tokens", "tokens/s (measured)", "wall s", *(f"{p} s" for p in PHASES), "upload s"]
+    cols = ["learner", "val loss", "tokens", "tokens/s (measured)", "wall s", *(f"{p} s" for p in PHASES), "upload s"]
     return head + "\n\n" + table(cols, rows)
 
 
