@@ -242,8 +242,13 @@ class RecordingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def ReportThroughput(
         self, request: coordinator_pb2.ReportThroughputRequest, context: grpc.ServicerContext
     ) -> coordinator_pb2.ReportThroughputResponse:
+        singles = [request] if request.worker_id else []
+        singles += [  # healthd's batch, recorded as single reports
+            coordinator_pb2.ReportThroughputRequest(worker_id=r.worker_id, throughput=r.throughput)
+            for r in request.reports
+        ]
         with self.cond:
-            self.throughput.append(Received(request, time.time()))
+            self.throughput += [Received(r, time.time()) for r in singles]
             self.cond.notify_all()
         return coordinator_pb2.ReportThroughputResponse()
 

@@ -447,6 +447,17 @@ def test_status_workers_and_ledger(start: Callable[..., Env]) -> None:
         timeout=T,
     )
     assert env.server.core.worker(a.worker_id).speed == 100.0
+    # healthd's batch: one call for many learners; one that is gone meanwhile is skipped, not an error
+    env.stub.EvictWorker(pb.EvictWorkerRequest(worker_id=b.worker_id), timeout=T)
+    batch = [
+        pb.ThroughputReport(worker_id=wid, throughput=common_pb2.Throughput(tokens_per_s=tps))
+        for wid, tps in ((a.worker_id, 250.0), (b.worker_id, 7.0), ("never-registered-9", 1.0))
+    ]
+    env.stub.ReportThroughput(pb.ReportThroughputRequest(reports=batch), timeout=T)
+    assert env.server.core.worker(a.worker_id).speed == 250.0
+    too_many = pb.ReportThroughputRequest(reports=[batch[0]] * 10_001)
+    code, details = code_of(lambda: env.stub.ReportThroughput(too_many, timeout=T))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "reports" in details
 
 
 def test_node_failure_reassigns_shards_once(start: Callable[..., Env]) -> None:

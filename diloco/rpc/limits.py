@@ -42,6 +42,7 @@ MAX_DTYPE_CHARS = 32
 MAX_TENSORS = 10_000  # Llama-2-70B has 723 parameter tensors
 MAX_DIMS = 64  # torch's own limit on tensor dimensions
 MAX_RANGES = 100_000
+MAX_REPORTS = 10_000  # throughput reports in one ReportThroughput call (healthd batches; see its reporter)
 MAX_TOKENS_PER_S = 1e9  # per learner
 MAX_STEP_TIME_S = 86_400.0
 MAX_UNIX_S = 1e10  # the year 2286
@@ -188,6 +189,12 @@ LIMITS: Mapping[str, Bound] = {
     _P + "ReportNodeFailureRequest.last_seen_unix_s": _UNIX_S,
     _P + "ReportNodeFailureRequest.declared_dead_unix_s": _UNIX_S,
     _P + "ReportThroughputRequest.worker_id": _WORKER_ID,
+    _P + "ReportThroughputRequest.reports": Bound(
+        "healthd's batch: one report per learner it heard since its last call",
+        "send at most 10,000 reports per call",
+        max_items=MAX_REPORTS,
+    ),
+    _P + "ThroughputReport.worker_id": _WORKER_ID,
     # --- Coordinator: operators -----------------------------------------------------------------------------------
     _P + "DrainWorkerRequest.worker_id": _WORKER_ID,
     _P + "EvictWorkerRequest.worker_id": _WORKER_ID,

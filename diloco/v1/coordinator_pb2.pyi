@@ -201,6 +201,16 @@ class ReportNodeFailureResponse(_message.Message):
     def __init__(self, reassigned_shards: _Optional[_Iterable[int]] = ..., known: _Optional[bool] = ...) -> None: ...
 
 class ReportThroughputRequest(_message.Message):
+    __slots__ = ("worker_id", "throughput", "reports")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
+    REPORTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    throughput: _common_pb2.Throughput
+    reports: _containers.RepeatedCompositeFieldContainer[ThroughputReport]
+    def __init__(self, worker_id: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., reports: _Optional[_Iterable[_Union[ThroughputReport, _Mapping]]] = ...) -> None: ...
+
+class ThroughputReport(_message.Message):
     __slots__ = ("worker_id", "throughput")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]

@@ -42,6 +42,7 @@ from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadS
 
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
+_Encoded = tuple[coordinator_pb2.ParametersHeader, list[coordinator_pb2.ParametersChunk]]
 
 
 def plan_to_proto(plan: WorkPlan) -> common_pb2.WorkPlan:
@@ -159,7 +160,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
         self.params_changed = LoopSignal()
         state.add_listener(self.params_changed.notify)
-        self._chunks: tuple[ParamsSnapshot, list[coordinator_pb2.ParametersChunk]] | None = None
+        self._encoded_cache: tuple[ParamsSnapshot, asyncio.Future[_Encoded]] | None = None
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
@@ -203,36 +204,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return
                 await changed.wait()
                 continue
-            yield coordinator_pb2.ParametersChunk(header=self._params_header(snap, worker_id))
-            for chunk in self._encoded_chunks(snap):
+            base, data = await self._encoded(snap)
+            header = coordinator_pb2.ParametersHeader()
+            header.CopyFrom(base)
+            if worker_id:
+                header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+            yield coordinator_pb2.ParametersChunk(header=header)
+            for chunk in data:
                 yield chunk
                 self.state.count_sent(len(chunk.data))
             after = snap.version
             if not request.follow:
                 return
 
-    def _encoded_chunks(self, snap: ParamsSnapshot) -> list[coordinator_pb2.ParametersChunk]:
-        """The data messages of `snap`, built once per version and shared by every watcher."""
-        cached = self._chunks
+    async def _encoded(self, snap: ParamsSnapshot) -> _Encoded:
+        """`snap`'s header (without a plan) and data messages, built once per version off the event loop (a large
+        model's chunks are a copy of hundreds of MB) and shared by every watcher."""
+        cached = self._encoded_cache
         if cached is None or cached[0] is not snap:
-            cached = (
-                snap,
-                [
-                    coordinator_pb2.ParametersChunk(data=bytes(c))
-                    for c in chunks(snap.data, chunk_bytes=self.chunk_bytes)
-                ],
-            )
-            self._chunks = cached
-        return cached[1]
+            cached = (snap, asyncio.ensure_future(self._blocking(self._encode, snap)))
+            self._encoded_cache = cached
+        return await asyncio.shield(cached[1])
 
-    def _act_as(self, context: Context, worker_id: str) -> str:
-        """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`); returns it."""
-        identity = auth.peer_identity(context)
-        if identity is not None:
-            auth.act_as(identity, self.state.worker_name(worker_id))
-        return worker_id
-
-    def _params_header(self, snap: ParamsSnapshot, worker_id: str) -> coordinator_pb2.ParametersHeader:
+    def _encode(self, snap: ParamsSnapshot) -> _Encoded:
         header = coordinator_pb2.ParametersHeader(
             version=snap.version,
             coordinator_epoch=snap.coordinator_epoch,
@@ -240,10 +234,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             applied_submission_ids=list(snap.applied_ids),
             finished=snap.finished,
         )
-        if worker_id:
-            plan, _ = self.state.plan(worker_id)
-            header.plan.CopyFrom(plan_to_proto(plan))
-        return header
+        parts = chunks(snap.data, chunk_bytes=self.chunk_bytes)
+        return header, [coordinator_pb2.ParametersChunk(data=bytes(c)) for c in parts]
+
+    def _act_as(self, context: Context, worker_id: str) -> str:
+        """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`); returns it."""
+        identity = auth.peer_identity(context)
+        if identity is not None:
+            auth.act_as(identity, self.state.worker_name(worker_id))
+        return worker_id
 
     @status.unary
     async def SubmitPseudoGradient(
@@ -314,8 +313,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportThroughput(
         self, request: coordinator_pb2.ReportThroughputRequest, context: Context
     ) -> coordinator_pb2.ReportThroughputResponse:
-        tp = request.throughput
-        self.state.report_throughput(_require_id(request.worker_id, "worker_id"), tp.tokens_per_s, tp.device_kind)
+        if request.worker_id or not request.reports:  # one learner's report: an unknown learner is NOT_FOUND
+            tp = request.throughput
+            self.state.report_throughput(_require_id(request.worker_id, "worker_id"), tp.tokens_per_s, tp.device_kind)
+        if request.reports:  # healthd's batch: learners that are gone meanwhile are skipped
+            reports = [(_require_id(r.worker_id, "reports.worker_id"), r.throughput) for r in request.reports]
+            self.state.report_throughputs([(w, t.tokens_per_s, t.device_kind) for w, t in reports])
         return coordinator_pb2.ReportThroughputResponse()
 
     # --- operators ------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ its bytes are ready (`_publish`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -49,7 +50,7 @@ from diloco.core.uploads import (
     UploadRefused,
     Uploads,
 )
-from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition
+from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
 from diloco.rpc.payload import BufferPool, PayloadReceiver, encode_params
 from services.coordinator.metrics import CoordinatorMetrics
 
@@ -218,6 +219,16 @@ class CoordinatorState:
         with self.lock:
             self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=self.clock())
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
+
+    def report_throughputs(self, reports: list[tuple[str, float, str]]) -> None:
+        """healthd's batch of (worker id, tokens/s, device kind), under one lock; learners gone meanwhile (NOT_FOUND,
+        FAILED_PRECONDITION) are skipped."""
+        with self.lock:
+            now = self.clock()
+            for worker_id, tokens_per_s, device_kind in reports:
+                with contextlib.suppress(NotFound, FailedPrecondition):
+                    self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=now)
+            self._expire_locked()
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).

@@ -5,12 +5,14 @@ heartbeats.
   round of retries fails, put back and tried again after `retry_pause_s` until delivered or healthd stops. A
   non-retryable status drops the report with an error log. The call is idempotent: the coordinator answers
   `known=false` for a worker it already dropped.
-- Throughput (`ReportThroughput`): at most once per `throughput_interval_s` per node, one attempt, dropped when
-  the coordinator does not answer (the next heartbeat brings a fresher value anyway).
+- Throughput (`ReportThroughput`): at most once per `throughput_interval_s` per node, sent in batches (every node
+  queued since the last call goes in the next one, so the fleet costs one call per interval, not one per node),
+  one attempt, dropped when the coordinator does not answer (the next heartbeat brings a fresher value anyway).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import deque
@@ -21,6 +23,7 @@ from typing import Any
 import grpc
 
 from diloco.core.failure import Throughput
+from diloco.rpc.limits import MAX_REPORTS
 from diloco.rpc.retry import RetryConfig, call_with_retry, is_retryable
 from diloco.rpc.server import channel
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -148,8 +151,9 @@ class CoordinatorReporter:
             self.log.warning("node.report_dropped", node_ids=dropped, reason="healthd stopping")
 
     # --- the reporter thread ----------------------------------------------------------------------------------
-    def _next_job(self) -> _Pending | tuple[str, Throughput] | None:
-        """Wait for work: a due failure report first, else a throughput report. None: stopping."""
+    def _next_job(self) -> _Pending | list[tuple[str, Throughput]] | None:
+        """Wait for work: a due failure report first, else every queued throughput report (one batch, at most
+        `MAX_REPORTS`). None: stopping."""
         with self._cond:
             while True:
                 self._busy = False
@@ -162,9 +166,11 @@ class CoordinatorReporter:
                     self._busy = True
                     return due[0]
                 if self._throughput:
-                    node_id = next(iter(self._throughput))
+                    batch = list(itertools.islice(self._throughput.items(), MAX_REPORTS))
+                    for node_id, _ in batch:
+                        del self._throughput[node_id]
                     self._busy = True
-                    return node_id, self._throughput.pop(node_id)
+                    return batch
                 wake = min((p.not_before for p in self._failures), default=None)
                 self._cond.wait(None if wake is None else max(0.0, wake - now))
 
@@ -177,7 +183,7 @@ class CoordinatorReporter:
                 if isinstance(job, _Pending):
                     self._send_failure(job)
                 else:
-                    self._send_throughput(*job)
+                    self._send_throughput(job)
             except Exception as e:  # never let the thread die; a closed channel during stop lands here
                 if not self._stopping:
                     self.log.error("reporter.error", error=repr(e))
@@ -228,20 +234,26 @@ class CoordinatorReporter:
             attempts=pending.attempts,
         )
 
-    def _send_throughput(self, node_id: str, tp: Throughput) -> None:
+    def _send_throughput(self, batch: list[tuple[str, Throughput]]) -> None:
+        """One call for every learner heard since the last one (the coordinator skips those it no longer knows)."""
         stub = self._stub
         if stub is None:
             return
         req = coordinator_pb2.ReportThroughputRequest(
-            worker_id=node_id,
-            throughput=common_pb2.Throughput(
-                tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind
-            ),
+            reports=[
+                coordinator_pb2.ThroughputReport(
+                    worker_id=node_id,
+                    throughput=common_pb2.Throughput(
+                        tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind
+                    ),
+                )
+                for node_id, tp in batch
+            ]
         )
         try:
             stub.ReportThroughput(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
-            self.metrics.throughput_dropped.inc()
-            self.log.debug("throughput.dropped", node_id=node_id, code=e.code().name)
+            self.metrics.throughput_dropped.inc(len(batch))
+            self.log.debug("throughput.dropped", nodes=len(batch), code=e.code().name)
             return
-        self.metrics.throughput_forwarded.inc()
+        self.metrics.throughput_forwarded.inc(len(batch))
