@@ -3,9 +3,28 @@ allowed, so a bad flag or JSON file is reported at start, not deep inside traini
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
+from types import ModuleType
 
 from diloco.errors import ConfigError
+
+# Hugging Face libraries never reach the hub from here: models, tokenizers and data come from local files only.
+_OFFLINE = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_DISABLE_TELEMETRY")
+
+
+def hf_extra(package: str, needed_by: str) -> ModuleType:
+    """Import `package` of the `hf` extra (transformers, tokenizers, datasets) with the hub switched off; a
+    `ConfigError` naming the setting `needed_by` when it is not installed."""
+    for key in _OFFLINE:
+        os.environ.setdefault(key, "1")
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:  # pragma: no cover - the extra is installed in the development environment
+        raise ConfigError(
+            f"{needed_by} needs the `{package}` package: install the hf extra (pip install 'decoupled-diloco[hf]')"
+        ) from e
 
 
 def check_int(section: str, name: str, value: object, *, minimum: int) -> None:

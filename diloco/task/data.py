@@ -62,7 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from diloco.errors import ConfigError, InvalidArgument, NotFound
-from diloco.task._validate import check_float, check_int
+from diloco.task._validate import check_float, check_int, hf_extra
 
 Tokens = npt.NDArray[np.unsignedinteger[Any]]  # uint16, or uint32 for vocabularies over 65536
 Document = tuple[str, Tokens]  # (stable id, tokens)
@@ -231,12 +231,7 @@ def _read_npy(cfg: DataConfig, path: Path) -> Tokens:
 
 def _read_records(cfg: DataConfig, path: Path) -> list[Document]:
     """JSONL/Parquet text records through `datasets` (offline), one document per record, as bytes."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only; never reach the hub
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        import datasets
-    except ImportError as e:  # pragma: no cover - the extra is installed in the development environment
-        raise ConfigError(f"data.source {cfg.source!r} needs the `datasets` package (the hf extra)") from e
+    datasets = hf_extra("datasets", f"data.source {cfg.source!r}")
     try:
         table = datasets.load_dataset(_RECORD_FORMATS[path.suffix], data_files=str(path), split="train")
     except Exception as e:  # datasets raises many kinds for a malformed file

@@ -23,7 +23,6 @@ tokenizer larger than the model's vocabulary) is a `ConfigError` naming the sett
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from diloco.errors import ConfigError
+from diloco.task._validate import hf_extra
 from diloco.task.data import Corpus
 from diloco.task.factory import HF_PREFIX, TaskConfig
 
@@ -87,17 +87,7 @@ _PRESET_COMMON: dict[str, Any] = {
 
 
 def _transformers() -> Any:
-    """`transformers`, imported with the hub switched off."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    try:
-        import transformers
-    except ImportError as e:  # pragma: no cover - the extra is installed in the development environment
-        raise ConfigError(
-            "--model hf:... needs the `transformers` package: install the hf extra (pip install 'decoupled-diloco[hf]')"
-        ) from e
-    return transformers
+    return hf_extra("transformers", "--model hf:...")
 
 
 class CausalLM(nn.Module):

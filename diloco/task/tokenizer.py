@@ -21,19 +21,14 @@ import numpy as np
 import numpy.typing as npt
 
 from diloco.errors import ConfigError
+from diloco.task._validate import hf_extra
 
 _UINT16_VOCAB = 1 << 16
 MIN_BPE_VOCAB = 256  # the byte-level alphabet: every byte is a token, so any text encodes
 
 
 def _library() -> Any:
-    try:
-        import tokenizers
-    except ImportError as e:  # pragma: no cover - the extra is installed in the development environment
-        raise ConfigError(
-            "data.tokenizer needs the `tokenizers` package: install the hf extra (pip install 'decoupled-diloco[hf]')"
-        ) from e
-    return tokenizers
+    return hf_extra("tokenizers", "data.tokenizer")
 
 
 def file_digest(path: str | Path) -> str:
