@@ -123,7 +123,7 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg
     def _guard(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
         admission = self.admission
 
-        async def admitted(context: grpc.aio.ServicerContext[Any, Any]) -> str:
+        async def admitted(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[Any, Leave]:
             client = context.peer()
             refusal = admission.admit(method, client)
             if refusal is not None:
@@ -132,28 +132,40 @@ class AdmissionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg
                     refusal.message,
                     trailing_metadata=((RETRY_AFTER_METADATA, str(refusal.retry_after_ms)),),
                 )
-            return client
+            return request, lambda: admission.release(method, client)
 
-        if inspect.isasyncgenfunction(behavior):
+        return around(behavior, admitted)
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                client = await admitted(context)
-                try:
-                    async for item in behavior(request, context):
-                        yield item
-                finally:
-                    admission.release(method, client)
 
-            return stream
+Leave = Callable[[], None] | None
+Enter = Callable[[Any, "grpc.aio.ServicerContext[Any, Any]"], Awaitable[tuple[Any, Leave]]]
 
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            client = await admitted(context)
+
+def around(behavior: Callable[..., Any], enter: Enter) -> Callable[..., Any]:
+    """`behavior` (a coroutine or async generator function) run after `enter(request, context)`, which may abort
+    and returns the request to pass on and what to call once the behavior has ended (or None)."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
+            request, leave = await enter(request, context)
             try:
-                return await behavior(request, context)
+                async for item in behavior(request, context):
+                    yield item
             finally:
-                admission.release(method, client)
+                if leave is not None:
+                    leave()
 
-        return call
+        return stream
+
+    async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        request, leave = await enter(request, context)
+        try:
+            return await behavior(request, context)
+        finally:
+            if leave is not None:
+                leave()
+
+    return call
 
 
 _KEEP: Any = object()

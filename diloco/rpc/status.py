@@ -6,7 +6,6 @@ capped so no reply echoes a caller's input at length."""
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,7 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from diloco.errors import DilocoError, InvalidArgument
-from diloco.rpc.admission import wrap_handler
+from diloco.rpc.admission import around, wrap_handler
 from diloco.rpc.limits import check_request, clip_details
 
 CODES: dict[str, grpc.StatusCode] = {
@@ -115,26 +114,12 @@ class ParseRequests(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             async for raw in raws:
                 yield one(raw)
 
-        def guard(behavior: Callable[..., Any]) -> Callable[..., Any]:
-            async def parsed(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                if streaming_requests:
-                    return many(raw)
-                try:
-                    return one(raw)
-                except InvalidArgument as e:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        async def parsed(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> tuple[Any, None]:
+            if streaming_requests:
+                return many(raw), None
+            try:
+                return one(raw), None
+            except InvalidArgument as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-            if inspect.isasyncgenfunction(behavior):
-
-                async def stream(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
-                    async for item in behavior(await parsed(raw, context), context):
-                        yield item
-
-                return stream
-
-            async def call(raw: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-                return await behavior(await parsed(raw, context), context)
-
-            return call
-
-        return wrap_handler(handler, guard, request_deserializer=None)
+        return wrap_handler(handler, lambda behavior: around(behavior, parsed), request_deserializer=None)
