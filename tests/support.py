@@ -147,10 +147,9 @@ def gauge(env: Env, name: str) -> float | None:
     return value
 
 
-def register(env: Env, name: str = "w") -> pb.RegisterResponse:
-    resp: pb.RegisterResponse = env.stub.Register(
-        pb.RegisterRequest(worker_name=name, model_fingerprint=env.server.task.fingerprint), timeout=T
-    )
+def register(env: Env, name: str = "w", throughput: common_pb2.Throughput | None = None) -> pb.RegisterResponse:
+    request = pb.RegisterRequest(worker_name=name, model_fingerprint=env.server.task.fingerprint, throughput=throughput)
+    resp: pb.RegisterResponse = env.stub.Register(request, timeout=T)
     return resp
 
 

@@ -166,16 +166,7 @@ def test_a_megabyte_device_kind_is_refused_and_lists_stay_readable(start: Callab
     before = frozen(env)
     huge = "x" * (1 << 20)
     for _ in range(9):  # nine such learners once made ListWorkers fail for everyone
-        code, details = code_of(
-            lambda: env.stub.Register(
-                pb.RegisterRequest(
-                    worker_name="big",
-                    model_fingerprint=env.server.task.fingerprint,
-                    throughput=common_pb2.Throughput(device_kind=huge),
-                ),
-                timeout=T,
-            )
-        )
+        code, details = code_of(lambda: register(env, "big", common_pb2.Throughput(device_kind=huge)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert "device_kind" in details and "the limit is 128" in details and len(details) < 300
     assert list(env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers) == []
@@ -186,16 +177,7 @@ def test_a_megabyte_device_kind_is_refused_and_lists_stay_readable(start: Callab
 @pytest.mark.parametrize("claim", [1e308, float("inf"), float("nan"), -5.0])
 def test_an_absurd_throughput_claim_is_refused(start: Callable[..., Env], claim: float) -> None:
     env = start()
-    code, details = code_of(
-        lambda: env.stub.Register(
-            pb.RegisterRequest(
-                worker_name="liar",
-                model_fingerprint=env.server.task.fingerprint,
-                throughput=common_pb2.Throughput(tokens_per_s=claim),
-            ),
-            timeout=T,
-        )
-    )
+    code, details = code_of(lambda: register(env, "liar", common_pb2.Throughput(tokens_per_s=claim)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "tokens_per_s" in details
     assert list(env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers) == []
 
