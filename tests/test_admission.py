@@ -15,7 +15,7 @@ import pytest
 
 from diloco.rpc.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits
 from diloco.rpc.limits import limits_markdown
-from diloco.rpc.server import MAX_MESSAGE_BYTES
+from diloco.rpc.server import MAX_MESSAGE_BYTES, SendSlots
 from diloco.v1 import common_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 from services.healthd.server import HealthdServer
 from tests.support import Env, T, code_of, frozen, healthd_config, pb, register
@@ -85,6 +85,44 @@ async def _open_watches(address: str, n: int, channels: int) -> tuple[list[grpc.
         first = await asyncio.wait_for(call.read(), 30)  # type: ignore[attr-defined]
         assert first.WhichOneof("kind") == "header"
     return chans, calls
+
+
+def test_send_slots_bound_the_writes_in_progress_and_a_stalled_write_frees_its_slot_after_the_lease() -> None:
+    async def scenario() -> tuple[float, list[str]]:
+        slots = SendSlots(2, lease_s=0.2)
+        busy, peak, order = 0, 0, []
+        stalled = asyncio.Event()  # never set until the end: a write the network holds up
+
+        async def write(name: str, stall: bool) -> None:
+            nonlocal busy, peak
+            async with slots.slot():
+                busy += 1
+                peak = max(peak, busy)
+                await (stalled.wait() if stall else asyncio.sleep(0.01))
+                busy -= 1
+                order.append(name)
+
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        quick = [asyncio.ensure_future(write(f"w{i}", False)) for i in range(6)]
+        await asyncio.gather(*quick)
+        assert peak == 2  # never more than the slots at once
+        peak, busy = 0, 0
+        stuck = [asyncio.ensure_future(write(f"s{i}", True)) for i in range(2)]  # both slots taken by stalls
+        await asyncio.sleep(0)
+        t1 = loop.time()
+        await write("after", False)  # gets a slot once a stalled write's lease runs out
+        waited = loop.time() - t1
+        stalled.set()
+        await asyncio.gather(*stuck)
+        assert loop.time() - t0 < 5
+        return waited, order
+
+    waited, order = asyncio.run(scenario())
+    assert 0.15 <= waited < 2.0
+    assert order[:6] == [f"w{i}" for i in range(6)] and "after" in order
+    with pytest.raises(ValueError, match="slots"):
+        SendSlots(0, 0.1)
 
 
 async def _close(chans: list[grpc.aio.Channel], calls: list[object]) -> None:

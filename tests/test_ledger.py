@@ -711,6 +711,13 @@ class LedgerMachine(RuleBasedStateMachine):
             if self.live and self.core.registered_ever >= self.cfg.expected_workers:
                 assert s.owner is not None  # placement keeps every shard owned while anyone is alive
         assert set(self.core.live_ids()) == set(self.live)
+        by_scan: dict[str, set[int]] = {}
+        for s in self.core.ledger.states():
+            if s.owner is not None:
+                by_scan.setdefault(s.owner, set()).add(s.shard_id)
+        assert self.core.ledger.owners() == by_scan  # the owner index agrees with the shards, also after restore
+        for owner, ids in by_scan.items():
+            assert [s.shard_id for s in self.core.ledger.owned_by(owner)] == sorted(ids)
 
     @invariant()
     def plans_match_the_ledger(self) -> None:

@@ -426,14 +426,15 @@ class CoordinatorCore:
         slots = self._slots()
         speeds = {w for w in slots if not w.startswith("\x00")}
         kept = {w for w in self.live_ids() if self.workers[w].state == QUARANTINED}  # keep shards, get no new ones
-        current = {s.shard_id: self._effective_owner(s.shard_id, s.owner) for s in self.ledger.states()}
+        owners = self.ledger.owner_of()
+        current = {i: self._effective_owner(i, owner) for i, owner in enumerate(owners)}
         target = place_shards(self.ledger.num_shards, slots, current)
         self._placed = slots
         changed = False
         for shard_id, owner in target.items():
             if owner is not None and owner.startswith("\x00"):
                 owner = None
-            now_owner = self.ledger.state(shard_id).owner
+            now_owner = owners[shard_id]  # assign below changes only this shard's owner
             if now_owner in kept:
                 continue
             if owner == now_owner:
@@ -454,7 +455,7 @@ class CoordinatorCore:
 
     def _refresh_idle(self) -> None:
         """Tell the round policy which live learners have no shards to train (a round must not wait for them)."""
-        has_work = {s.owner for s in self.ledger.states() if s.owner is not None and s.shard_id not in self.staged}
+        has_work = {w for w, ids in self.ledger.owners().items() if any(i not in self.staged for i in ids)}
         quarantined = {w for w, r in self.workers.items() if r.state == QUARANTINED}
         self.policy.idle = {w for w in self.policy.live if w not in has_work or w in quarantined}
         for w in has_work:  # its work can start: the measured rule counts its first submission's time from here

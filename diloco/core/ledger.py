@@ -130,6 +130,7 @@ class ShardLedger:
         if max_range_tokens is not None and (not _is_int(max_range_tokens) or max_range_tokens < 1):
             raise InvalidArgument(f"max_range_tokens must be a positive integer or None, got {max_range_tokens!r}")
         self._shards = [_Shard(length=n) for n in lengths]
+        self._owned: dict[str, set[int]] = {}  # owner -> its shard ids: the index behind `owned_by` and `owners`
         self._max_range_tokens = max_range_tokens
         self._pending: dict[int, AcceptReceipt] = {}
         self._next_receipt_id = 1
@@ -149,8 +150,28 @@ class ShardLedger:
         return [self._view(i, s) for i, s in enumerate(self._shards)]
 
     def owned_by(self, worker_id: str) -> list[ShardState]:
-        """The shards `worker_id` owns now, by id (empty for a worker that owns none)."""
-        return [self._view(i, s) for i, s in enumerate(self._shards) if s.owner == worker_id]
+        """The shards `worker_id` owns now, by id (empty for a worker that owns none). O(its shards)."""
+        return [self._view(i, self._shards[i]) for i in sorted(self._owned.get(worker_id, ()))]
+
+    def owners(self) -> dict[str, frozenset[int]]:
+        """Every owner and the ids of the shards it owns (no unowned shard, no owner without a shard)."""
+        return {w: frozenset(ids) for w, ids in self._owned.items()}
+
+    def owner_of(self) -> list[str | None]:
+        """Every shard's owner (None: unowned), by id; cheaper than `states()` when only owners matter."""
+        return [s.owner for s in self._shards]
+
+    def _set_owner(self, shard_id: int, owner: str | None) -> None:
+        """The one place a shard's owner changes (keeps `_owned` in step)."""
+        shard = self._shards[shard_id]
+        if shard.owner is not None:
+            ids = self._owned[shard.owner]
+            ids.discard(shard_id)
+            if not ids:
+                del self._owned[shard.owner]
+        shard.owner = owner
+        if owner is not None:
+            self._owned.setdefault(owner, set()).add(shard_id)
 
     def committed_tokens(self) -> int:
         """Tokens applied to the global parameters, over all shards."""
@@ -166,7 +187,7 @@ class ShardLedger:
         shard = self._get(shard_id)
         worker_id = _check_worker_id(worker_id)
         if shard.owner != worker_id:
-            shard.owner = worker_id
+            self._set_owner(shard_id, worker_id)
             shard.epoch += 1
         return self._view(shard_id, shard)
 
@@ -176,11 +197,10 @@ class ShardLedger:
         Its accepted-but-uncommitted submissions stay accepted (they are pending and will be applied).
         Returns the released shard ids.
         """
-        released = [i for i, s in enumerate(self._shards) if s.owner == worker_id]
+        released = sorted(self._owned.get(worker_id, ()))
         for i in released:
-            shard = self._shards[i]
-            shard.owner = None
-            shard.epoch += 1
+            self._set_owner(i, None)
+            self._shards[i].epoch += 1
         return released
 
     # ------------------------------------------------------------------ phase 1: accept
@@ -369,7 +389,10 @@ class ShardLedger:
         ledger = cls(len(shards_raw), [1] * len(shards_raw), max_range_tokens=max_range)
         ledger._next_receipt_id = next_id
         for i, raw in enumerate(shards_raw):
-            ledger._shards[i] = _restore_shard(i, raw)
+            shard = _restore_shard(i, raw)
+            owner, shard.owner = shard.owner, None
+            ledger._shards[i] = shard
+            ledger._set_owner(i, owner)
         pending_raw = snap.get("pending")
         if not isinstance(pending_raw, list):
             raise _Corrupt("pending must be a list")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent import futures
 from typing import Any, TypeVar
 
@@ -208,6 +208,44 @@ class LoopSignal:
         if loop is not None and not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed in between
                 loop.call_soon_threadsafe(self._fire)
+
+
+class SendSlots:
+    """Paces many streams' writes on one event loop: at most `slots` writes in progress at once, each holding its
+    slot for at most `lease_s`.
+
+    Without it, a new version wakes every parameter watch together and their writes fill the loop's ready queue;
+    a control call (`GetStatus`) then waits behind all of them at each of its steps. With it, the queue holds at
+    most `slots` writes, so control calls interleave, while a write the network holds up (a slow or stalled peer)
+    gives its slot back after `lease_s` and cannot starve the others."""
+
+    def __init__(self, slots: int, lease_s: float) -> None:
+        if slots < 1 or not lease_s > 0:
+            raise ValueError(f"slots must be >= 1 and lease_s > 0, got {slots} and {lease_s}")
+        self.slots, self.lease_s = slots, lease_s
+        self._sem: asyncio.Semaphore | None = None  # made on the loop, at first use
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """Hold a slot for the body (a write), or for `lease_s` when the body takes longer."""
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.slots)
+        sem = self._sem
+        await sem.acquire()
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                sem.release()
+
+        lease = asyncio.get_running_loop().call_later(self.lease_s, release)
+        try:
+            yield
+        finally:
+            lease.cancel()
+            release()
 
 
 def channel(

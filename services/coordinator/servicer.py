@@ -33,7 +33,7 @@ from diloco.rpc.payload import (
     meta_from_proto,
     meta_to_proto,
 )
-from diloco.rpc.server import LoopSignal
+from diloco.rpc.server import LoopSignal, SendSlots
 from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
@@ -41,6 +41,11 @@ from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadStream
 
 T = TypeVar("T")
+# Parameter-watch writes in progress at once (`SendSlots`): enough to keep a fast network busy, few enough that a
+# control call waits behind at most this many writes; a write the network holds up longer than the lease (a slow
+# peer) frees its slot.
+SEND_SLOTS = 32
+SEND_SLOT_LEASE_S = 0.05
 Context = grpc.aio.ServicerContext[Any, Any]
 _Encoded = tuple[coordinator_pb2.ParametersHeader, list[coordinator_pb2.ParametersChunk]]
 
@@ -161,6 +166,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.params_changed = LoopSignal()
         state.add_listener(self.params_changed.notify)
         self._encoded_cache: tuple[ParamsSnapshot, asyncio.Future[_Encoded]] | None = None
+        self._send = SendSlots(SEND_SLOTS, SEND_SLOT_LEASE_S)
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
@@ -204,14 +210,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     return
                 await changed.wait()
                 continue
-            base, data = await self._encoded(snap)
-            header = coordinator_pb2.ParametersHeader()
-            header.CopyFrom(base)
-            if worker_id:
-                header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
-            yield coordinator_pb2.ParametersChunk(header=header)
+            async with self._send.slot():  # the header is built in the slot too: it is the loop's work
+                base, data = await self._encoded(snap)
+                first = coordinator_pb2.ParametersChunk()
+                first.header.CopyFrom(base)
+                if worker_id:
+                    first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+                yield first
             for chunk in data:
-                yield chunk
+                async with self._send.slot():
+                    yield chunk
                 self.state.count_sent(len(chunk.data))
             after = snap.version
             if not request.follow:
