@@ -15,6 +15,7 @@ import pytest
 
 from diloco.rpc.admission import RETRY_AFTER_METADATA, Admission, AdmissionLimits
 from diloco.rpc.limits import limits_markdown
+from diloco.rpc.retry import Backoff, BackoffConfig, retry_hint_s
 from diloco.rpc.server import MAX_MESSAGE_BYTES, SendSlots
 from diloco.v1 import common_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 from services.healthd.server import HealthdServer
@@ -125,6 +126,27 @@ def test_send_slots_bound_the_writes_in_progress_and_a_stalled_write_frees_its_s
         SendSlots(0, 0.1)
 
 
+@pytest.mark.parametrize(
+    ("trailers", "expected"),
+    [
+        ((), 0.0),
+        (((RETRY_AFTER_METADATA, "250"),), 0.25),
+        (((RETRY_AFTER_METADATA, "x"),), 0.0),
+        (((RETRY_AFTER_METADATA, "-5"),), 0.0),
+        (((RETRY_AFTER_METADATA, str(10**12)),), 60.0),
+    ],
+)
+def test_retry_hints_are_read_bounded_and_a_malformed_one_is_ignored(
+    trailers: tuple[tuple[str, str], ...], expected: float
+) -> None:
+    class Refused(grpc.RpcError):
+        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+            return trailers
+
+    assert retry_hint_s(Refused()) == expected
+    assert retry_hint_s(None) == 0.0 and retry_hint_s(ValueError()) == 0.0
+
+
 async def _close(chans: list[grpc.aio.Channel], calls: list[object]) -> None:
     for call in calls:
         call.cancel()  # type: ignore[attr-defined]
@@ -163,6 +185,9 @@ def test_streams_beyond_the_per_connection_limit_are_refused_with_a_retry_hint(
                 await call.read()
             except grpc.aio.AioRpcError as e:
                 trailers = {k: str(v) for k, v in (e.trailing_metadata() or ())}
+                # a learner's backoff waits at least what the server asked for (with up to +50% jitter)
+                waits = [Backoff(BackoffConfig(initial_s=0.01, max_s=0.01)).next_s(e) for _ in range(20)]
+                assert all(1.0 <= w <= 1.5 for w in waits) and len(set(waits)) > 1
                 return e.code(), e.details() or "", trailers
             raise AssertionError("the fifth stream on one connection was admitted")
 

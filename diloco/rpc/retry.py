@@ -23,7 +23,9 @@ from tenacity import (
 )
 
 from diloco.errors import ConfigError
+from diloco.rpc.admission import RETRY_AFTER_METADATA
 
+MAX_RETRY_HINT_S = 60.0  # a server's hint is obeyed up to this; a larger (or malformed) one is capped (ignored)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -101,6 +103,22 @@ class BackoffConfig:
             raise ConfigError("backoff: 0 < initial_s <= max_s, multiplier >= 1 and 0 <= jitter <= 1 are required")
 
 
+def retry_hint_s(error: BaseException | None) -> float:
+    """The wait a refusing server asked for (its `RETRY_AFTER_METADATA` trailer, in ms), capped at
+    `MAX_RETRY_HINT_S`; 0.0 when the error carries none or a malformed one."""
+    trailers = getattr(error, "trailing_metadata", None)
+    if not callable(trailers):
+        return 0.0
+    try:
+        for key, value in trailers() or ():
+            if key == RETRY_AFTER_METADATA:
+                ms = int(value)
+                return min(ms / 1000, MAX_RETRY_HINT_S) if ms > 0 else 0.0
+    except (TypeError, ValueError):
+        pass
+    return 0.0
+
+
 class Backoff:
     """The delays of one retry sequence: `next_s()` for the next sleep, `reset()` after a success."""
 
@@ -109,10 +127,14 @@ class Backoff:
         self.rng = rng or random.Random()
         self._d = 0.0
 
-    def next_s(self) -> float:
+    def next_s(self, error: BaseException | None = None) -> float:
+        """The next delay; at least the retry hint `error` carries (`retry_hint_s`), stretched by up to the jitter
+        fraction so that the many clients one overload refused do not all come back at the same instant."""
         c = self.cfg
         self._d = c.initial_s if self._d == 0 else min(c.max_s, self._d * c.multiplier)
-        return self._d * (1 - c.jitter * self.rng.random())
+        delay = self._d * (1 - c.jitter * self.rng.random())
+        hint = retry_hint_s(error)
+        return max(delay, hint * (1 + c.jitter * self.rng.random())) if hint else delay
 
     def reset(self) -> None:
         self._d = 0.0
@@ -139,7 +161,7 @@ def retry_while(
         except grpc.RpcError as e:
             if not retry(e):
                 raise
-            sleep_s = backoff.next_s()
+            sleep_s = backoff.next_s(e)
             log.warning("rpc.retry", call=what, attempt=attempt, code=e.code().name, sleep_s=round(sleep_s, 3))
             if wait(sleep_s):
                 raise

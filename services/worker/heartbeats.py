@@ -96,7 +96,7 @@ class Heartbeats:
             except grpc.RpcError as e:
                 if not self._closed.is_set():
                     self.log().debug("worker.heartbeat_retry", code=e.code().name)
-                self._closed.wait(backoff.next_s())
+                self._closed.wait(backoff.next_s(e))
         if chan is not None:
             chan.close()
 

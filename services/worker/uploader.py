@@ -93,7 +93,7 @@ class Uploader:
                 reaction = react(Rpc.SUBMIT, code)
                 if reaction is Reaction.RETRY and not self._closed.is_set():
                     if time.monotonic() - started < self.cfg.retry_total_s:
-                        sleep_s = backoff.next_s()
+                        sleep_s = backoff.next_s(e)
                         self.log().warning("worker.upload_retry", submission_id=sid, code=code, sleep_s=sleep_s)
                         if self._closed.wait(sleep_s):
                             return UploadResult(wid, sid, Reaction.DROP_UPLOAD, detail="the worker is exiting")

@@ -69,6 +69,7 @@ class Watcher:
         after = 0
         while not self._closed.is_set():
             req = coordinator_pb2.WatchParametersRequest(worker_id=self.worker_id, after_version=after, follow=True)
+            refusal: grpc.RpcError | None = None  # its retry hint, if any, sets the least wait before the next try
             try:
                 call = self.stub.WatchParameters(req)
                 self._call = call
@@ -92,6 +93,7 @@ class Watcher:
                         after, receiver = header.version, None
                         backoff.reset()
             except grpc.RpcError as e:
+                refusal = e
                 if self._closed.is_set():
                     return
                 reaction = react(Rpc.WATCH_PARAMETERS, e.code().name)
@@ -105,5 +107,5 @@ class Watcher:
                 self.log.error("worker.watch_unreadable", error=str(e))
                 self.post(WatchFailed(self.worker_id, "UNIMPLEMENTED"))
                 after = 0
-            if self._closed.wait(backoff.next_s()):
+            if self._closed.wait(backoff.next_s(refusal)):
                 return
