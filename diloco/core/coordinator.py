@@ -613,8 +613,9 @@ class CoordinatorCore:
         return self.cfg.guard.ceiling(self.params.numel(), self._param_norm[1])
 
     def _complete_handoffs(self, worker_id: str, plan_seq: int) -> None:
-        for shard_id, (target, staged_at) in list(self.staged.items()):
-            if self.ledger.state(shard_id).owner == worker_id and plan_seq >= staged_at:
+        for shard_id in sorted(self.ledger.shard_ids_of(worker_id) & self.staged.keys()):
+            target, staged_at = self.staged[shard_id]
+            if plan_seq >= staged_at:
                 del self.staged[shard_id]
                 if self.workers[target].state == ACTIVE:
                     self.ledger.assign(shard_id, target)

@@ -153,6 +153,10 @@ class ShardLedger:
         """The shards `worker_id` owns now, by id (empty for a worker that owns none). O(its shards)."""
         return [self._view(i, self._shards[i]) for i in sorted(self._owned.get(worker_id, ()))]
 
+    def shard_ids_of(self, worker_id: str) -> frozenset[int]:
+        """The ids of the shards `worker_id` owns now (empty when none)."""
+        return frozenset(self._owned.get(worker_id, ()))
+
     def owners(self) -> dict[str, frozenset[int]]:
         """Every owner and the ids of the shards it owns (no unowned shard, no owner without a shard)."""
         return {w: frozenset(ids) for w, ids in self._owned.items()}
