@@ -261,10 +261,10 @@ def test_shard_model_without_an_island_exits_2_naming_the_flag(capsys: pytest.Ca
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_sharded_island_trains_and_its_submissions_count_exactly_once(tmp_path: Path) -> None:
+    # decoupled: the island trains on while its submission is merged, then rebases (a gather and a scatter)
     cfg = cluster_config(
         tmp_path,
         workers=1,
-        mode="sync",
         min_quorum=1,
         outer_steps=4,
         nproc_per_worker=2,

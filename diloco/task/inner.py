@@ -230,8 +230,8 @@ class InnerTrainer:
     def submit(self) -> Tensor:
         """For a submission: Δ = Θ_base - θ, and θ_at_submit ← θ (`mark_submitted`), reading θ once. Δ is computed
         where the parameters are (the model's device) and handed to the host through the trainer's reusable
-        pinned buffer on CUDA: the result is valid until the next `submit` (encode it before). On the CPU it is a
-        new tensor, as `pseudo_gradient`'s."""
+        pinned buffer on CUDA: there the result is valid until the trainer's next `submit`, `load_global` or
+        `rebase` (encode it first). On the CPU it is a new tensor, as `pseudo_gradient`'s."""
         theta = self.io.read()
         delta = self._host.to_host(self._base - theta)
         self._at_submit = theta

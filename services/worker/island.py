@@ -192,10 +192,12 @@ def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> Non
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList):
-            for block in module:
-                fully_shard(block, mesh=mesh)
+    blocks: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():  # parents before children: the outermost lists' elements
+        if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(f"{b}.") for b, _ in blocks):
+            blocks.extend((f"{name}.{i}", block) for i, block in enumerate(module))
+    for _, block in blocks:
+        fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
 
 
