@@ -20,10 +20,11 @@ Sharded mode (`--shard-model true`, for models that do not fit one device): ever
 FSDP2 (`fully_shard`: each transformer block, i.e. each element of a `ModuleList`, then the whole model) instead
 of DDP, so each rank holds 1/N of the parameters, gradients and AdamW state; `TRAIN` is unchanged (the step is one
 step over the global batch, FSDP averaging the gradients). The flat vectors of the outer loop (Θ_base,
-θ_at_submit, the pseudo-gradient, error feedback) live on rank 0's host memory only. The trainer reads and writes
-its parameters through `ShardedParams`, whose every read is a gather of the full parameters onto rank 0's host
-and every write a broadcast from rank 0 into every rank's shards (torch's state-dict helpers): collectives, so
-the leader announces each one first and the followers join it:
+θ_at_submit, the pseudo-gradient, error feedback) are used on rank 0 alone, in its host memory (each rank builds
+the whole model in host memory before sharding it, so host memory must hold the model once per rank). The
+trainer reads and writes its parameters through `ShardedParams`, whose every read is a gather of the full
+parameters onto rank 0's host and every write a broadcast from rank 0 into every rank's shards (torch's
+state-dict helpers): collectives, so the leader announces each one first and the followers join it:
 
 - `GATHER`: every rank takes part in gathering the parameters onto rank 0 (before a pseudo-gradient, a rebase);
 - `SCATTER`: rank 0's new parameters into every rank's shards (a load, a rebase);
@@ -31,7 +32,8 @@ the leader announces each one first and the followers join it:
 
 A session builds the trainer on every rank at once, and its first read of the parameters is a gather all ranks
 make unannounced. Digests (`--island-checksums`) are then of each rank's own shards. `--shard-model` needs an
-island: with `--nproc-per-node 1` and no torchrun around it the worker refuses it (exit status 2).
+island: with `--nproc-per-node 1` and no torchrun around it the worker refuses it (exit status 2); under
+torchrun a group of one rank is allowed (FSDP over one rank: correct, and no smaller than the model).
 
 Followers never open a channel. A follower ignores SIGTERM/SIGINT (torchrun sends them to every rank): the
 leader drains and then sends `STOP`. When the leader dies, the followers' next collective fails and torchrun

@@ -79,9 +79,9 @@ class Replica:
     def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
         """Puts `model` on the device. None (the model's own loss) for a one-process fp32 learner; else the loss
         through bf16 autocast and, in an island, DistributedDataParallel (whose constructor broadcasts rank 0's
-        parameters to every rank) or, in a sharded island, FSDP2 (`shard_model`: the whole model never goes to one
-        device; the trainer's first read and the coordinator's parameters, written by rank 0, make the replicas
-        one)."""
+        parameters to every rank) or, in a sharded island, FSDP2 (`shard_model`: only each rank's shards go to its
+        device; every rank built the model from the same seed, and the coordinator's parameters, which rank 0
+        writes into every rank's shards at the first `Load`, replace them anyway)."""
         bf16 = self.cfg.precision == "bf16" and self.device.type == "cuda"
         if self.island is not None and self.island.sharded:
             shard_model(model, self.device, self.island.world)
