@@ -114,8 +114,11 @@ def scatter_flat_(model: nn.Module, flat: Tensor) -> None:
         # every name of a parameter, tied ones (an output head sharing the embedding) included
         for name, p in model.named_parameters(remove_duplicate=False):
             state[name] = by_param[id(p)]
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-    set_model_state_dict(model, state, options=options)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)  # buffers: not ours
+    result = set_model_state_dict(model, state, options=options)
+    missing = set(result.missing_keys) & set(state)
+    if missing:  # a name the state-dict helpers spell differently: never load only part of the parameters
+        raise InvalidArgument(f"the sharded model did not take the parameters {sorted(missing)}")
 
 
 def local_shards(model: nn.Module) -> list[Tensor]:
