@@ -1,6 +1,7 @@
 """Islands (issue #12): a learner run as a torchrun group of ranks (gloo, CPU, 2 ranks), with real healthd,
 coordinator and worker processes on loopback. Rank 0 alone talks to the coordinator; every rank trains its slice
-of the island's global batch under DistributedDataParallel; rebase and resync are broadcast from rank 0."""
+of the island's global batch under DistributedDataParallel (or FSDP2 with `--shard-model`); rebase and resync are
+broadcast from rank 0."""
 
 from __future__ import annotations
 
