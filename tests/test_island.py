@@ -1,6 +1,7 @@
 """Islands (issue #12): a learner run as a torchrun group of ranks (gloo, CPU, 2 ranks), with real healthd,
 coordinator and worker processes on loopback. Rank 0 alone talks to the coordinator; every rank trains its slice
-of the island's global batch under DistributedDataParallel; rebase and resync are broadcast from rank 0."""
+of the island's global batch under DistributedDataParallel (or FSDP2 with `--shard-model`); rebase and resync are
+broadcast from rank 0."""
 
 from __future__ import annotations
 
@@ -14,10 +15,15 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
+from diloco.cli.main import main as cli_main
 from diloco.cluster import LocalCluster
+from diloco.task.model import GPT, ModelConfig
+from diloco.task.params import flatten_params, gather_flat, load_flat_, scatter_flat_
 from services.worker.__main__ import main as worker_main
-from services.worker.island import Rank
+from services.worker.island import Rank, shard_model
 from tests.support import (
     assert_exactly_once,
     assert_finished_and_learned,
@@ -204,3 +210,80 @@ def test_sigterm_drains_an_island_which_exits_0_and_leaves(tmp_path: Path) -> No
         wait_for("worker0 to have left", lambda: worker_state(c, "worker0") == "left", timeout_s=5)
         assert {e["rank"] for e in events(c, "worker0", "island.stopped")} == {1}
         assert_finished_and_learned(c)
+
+
+# --- sharded islands (FSDP2, `--shard-model`) -------------------------------------------------------------------
+
+
+def _gather_matches_an_unsharded_replica(rank: int, store: str) -> None:
+    """One rank of a 2-rank group (gloo, a file store: no port): a sharded model loaded from a flat vector and
+    stepped on its half of a batch holds, gathered onto rank 0, what an unsharded replica holds after the same
+    load and a step on the whole batch."""
+    torch.set_num_threads(1)  # a forked child: stay out of the parent's OpenMP thread pool
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        cfg = ModelConfig(seq_len=16, d_model=16, n_layers=2, n_heads=2)
+        ref, model = GPT(cfg, seed=0), GPT(cfg, seed=1)
+        shard_model(model, torch.device("cpu"), 2)
+        assert all(p.to_local().numel() < p.numel() for p in model.parameters() if p.ndim == 2)
+        theta = flatten_params(GPT(cfg, seed=2))
+        load_flat_(ref, theta)
+        scatter_flat_(model, theta if rank == 0 else torch.zeros(0))
+        gathered = gather_flat(model)
+        assert torch.equal(gathered, theta) if rank == 0 else gathered.numel() == 0
+        x, y = torch.randint(0, cfg.vocab_size, (2, 4, cfg.seq_len))
+        for m, rows in ((ref, slice(0, 4)), (model, slice(2 * rank, 2 * rank + 2))):
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            m.loss(x[rows], y[rows]).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+            opt.step()
+        gathered = gather_flat(model)
+        if rank == 0:
+            assert not torch.equal(gathered, theta)
+            torch.testing.assert_close(gathered, flatten_params(ref), rtol=0, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_sharded_gather_gives_rank_0_the_parameters_of_an_unsharded_replica(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    mp.start_processes(_gather_matches_an_unsharded_replica, args=(store,), nprocs=2, start_method="fork")
+
+
+def test_shard_model_without_an_island_exits_2_naming_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert worker_main(["--coordinator", "127.0.0.1:1", "--insecure", "--shard-model", "true"]) == 2
+    assert "--shard-model" in capsys.readouterr().err
+    assert cli_main(["local", "--insecure", "--shard-model", "--nproc-per-worker", "1"]) == 2
+    assert "--shard-model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sharded_island_trains_and_its_submissions_count_exactly_once(tmp_path: Path) -> None:
+    # decoupled: the island trains on while its submission is merged, then rebases (a gather and a scatter)
+    cfg = cluster_config(
+        tmp_path,
+        workers=1,
+        min_quorum=1,
+        outer_steps=4,
+        nproc_per_worker=2,
+        worker_args={0: ("--shard-model", "true", "--island-checksums", "true")},
+    )
+    with running(cfg) as c:
+        assert_finished_and_learned(c)
+        proc = c.procs["worker0"]
+        wait_for("worker0 to exit", lambda: not proc.alive, timeout_s=30)
+        assert proc.popen.returncode == 0, c.tail("worker0")
+        joined = events(c, "worker0", "island.joined")
+        assert {e["rank"] for e in joined} == {0, 1} and all(e["sharded"] for e in joined)
+        # each rank holds its own shards: the ranks' digests differ, and every broadcast only carried the steps
+        by_rank = params_by_rank(c, "worker0")
+        assert set(by_rank) == {0, 1} and [p[2] for p in by_rank[0]] == [p[2] for p in by_rank[1]]
+        assert by_rank[0][-1][1] != by_rank[1][-1][1]
+        # every version is a round of this island's accepted submissions, each token of them counted once
+        (island,) = [w for w in c.workers().workers if w.worker_name == "worker0"]
+        status = c.final_status()
+        assert status.version == 4 and island.submissions >= 4 and status.rejected_submissions == 0
+        assert island.tokens == status.tokens_applied > 0

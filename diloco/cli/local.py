@@ -46,6 +46,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=1,
         help="run every worker as an island of N ranks (torchrun, DistributedDataParallel; one GPU each on CUDA)",
     )
+    p.add_argument(
+        "--shard-model",
+        action="store_true",
+        help="with --nproc-per-worker N >= 2: every island shards its model over its ranks (FSDP2) instead of DDP",
+    )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
     p.add_argument("--model", default="", help="hf:<preset-or-path>: a Hugging Face causal LM (default: the GPT)")
@@ -74,6 +79,11 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
     if a.nproc_per_worker < 1:
         raise ConfigError(f"--nproc-per-worker must be >= 1, got {a.nproc_per_worker}")
+    if a.shard_model and a.nproc_per_worker < 2:
+        raise ConfigError(
+            f"--shard-model shards each island's model over its ranks: it needs --nproc-per-worker >= 2, "
+            f"got {a.nproc_per_worker}"
+        )
     if a.mode == "decoupled" and not 1 <= a.min_quorum <= a.workers:
         raise ConfigError(f"min_quorum (-K {a.min_quorum}) must be between 1 and --workers ({a.workers})")
     run_dir = a.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
@@ -91,6 +101,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         insecure=a.insecure,
         task_args=("--model", a.model) if a.model else (),
         nproc_per_worker=a.nproc_per_worker,
+        worker_args={i: ("--shard-model", "true") for i in range(a.workers)} if a.shard_model else {},
     )
 
 

@@ -6,7 +6,10 @@ pseudo-gradient `Δ = Θ_base - θ` with the tokens, steps and per-shard token r
 decoupled flow it keeps training after a submission and later `rebase`s onto the new global parameters,
 keeping the steps made meanwhile.
 
-Every flat vector crossing this API is a contiguous fp32 CPU tensor in `param_specs` order.
+Every flat vector crossing this API is a contiguous fp32 CPU tensor in `param_specs` order. Inside, the trainer
+reads and writes its parameters through a `ParamIO`: by default `LocalParams` (the flat vectors live on the model's
+device, so the pseudo-gradient is computed there and crosses to the host once, through a reusable pinned buffer on
+CUDA); a sharded island passes its own, whose reads and writes are collectives of the island.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,7 +27,7 @@ from diloco.errors import ConfigError, InvalidArgument
 from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
 from diloco.task.model import pick_device
-from diloco.task.params import flatten_params, load_flat_, num_params
+from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params
 
 
 @dataclass(frozen=True)
@@ -106,11 +109,46 @@ class Throughput:
     device_kind: str
 
 
+class ParamIO(Protocol):
+    """How a trainer reads and writes its model's parameters as one flat fp32 vector (`param_specs` order)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the vectors `read` returns and `write` takes live (the base and θ_at_submit are kept there)."""
+        ...
+
+    def read(self) -> Tensor:
+        """θ, a new vector."""
+        ...
+
+    def write(self, flat: Tensor) -> None:
+        """θ ← `flat`, in place (the optimizer keeps its references to the parameters)."""
+        ...
+
+
+class LocalParams:
+    """The parameters of a model held whole by this process, read and written on the model's device."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.model, self._device = model, device
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def read(self) -> Tensor:
+        return flatten_params(self.model)
+
+    def write(self, flat: Tensor) -> None:
+        load_flat_(self.model, flat)
+
+
 class InnerTrainer:
     """One learner's model replica, AdamW state and base parameters.
 
     `slowdown > 1` sleeps `(slowdown - 1)·step_time` after each step, to emulate older hardware. `sleep` and
-    `clock` are injectable for tests; `loss_fn` replaces `model.loss` (an island's DistributedDataParallel).
+    `clock` are injectable for tests; `loss_fn` replaces `model.loss` (an island's DistributedDataParallel) and
+    `params` how the parameters are read and written (default `LocalParams`; a sharded island's gathers them).
     """
 
     _EMA = 0.2
@@ -127,6 +165,7 @@ class InnerTrainer:
         sleep: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.perf_counter,
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
+        params: ParamIO | None = None,
     ) -> None:
         check_int("model", "seq_len", seq_len, minimum=1)
         check_float("trainer", "slowdown", slowdown, lo=1.0)
@@ -153,7 +192,9 @@ class InnerTrainer:
         )
         self.steps_done = 0
         self.numel = num_params(self.model)
-        self._base = flatten_params(self.model)
+        self.io: ParamIO = params if params is not None else LocalParams(self.model, self.device)
+        self._host = HostBuffer()  # device <-> host copies of flat vectors (pinned on CUDA)
+        self._base = self.io.read()
         self._at_submit: Tensor | None = None
         self._step_time_s = 0.0
 
@@ -161,7 +202,7 @@ class InnerTrainer:
 
     def params_flat(self) -> Tensor:
         """Current parameters θ (flat fp32, CPU)."""
-        return flatten_params(self.model).cpu()
+        return self.io.read().cpu()
 
     @property
     def base(self) -> Tensor:
@@ -173,18 +214,28 @@ class InnerTrainer:
             raise InvalidArgument(
                 f"{what} must be a flat float vector of {self.numel} values, got {flat.dtype} {tuple(flat.shape)}"
             )
-        return flat.to(self.device, torch.float32)
+        return self._host.to_device(flat, self.io.device)
 
     def load_global(self, flat: Tensor) -> None:
         """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped)."""
         flat = self._check_flat(flat, "global parameters")
-        load_flat_(self.model, flat)
+        self.io.write(flat)
         self._base = flat.clone()
         self._at_submit = None
 
     def pseudo_gradient(self) -> Tensor:
         """Δ = Θ_base - θ (flat fp32, CPU)."""
-        return (self._base - flatten_params(self.model)).cpu()
+        return (self._base - self.io.read()).cpu()
+
+    def submit(self) -> Tensor:
+        """For a submission: Δ = Θ_base - θ, and θ_at_submit ← θ (`mark_submitted`), reading θ once. Δ is computed
+        where the parameters are (the model's device) and handed to the host through the trainer's reusable
+        pinned buffer on CUDA: there the result is valid until the trainer's next `submit`, `load_global` or
+        `rebase` (encode it first). On the CPU it is a new tensor, as `pseudo_gradient`'s."""
+        theta = self.io.read()
+        delta = self._host.to_host(self._base - theta)
+        self._at_submit = theta
+        return delta
 
     def catch_up(self, step: int) -> None:
         """Start the learning-rate schedule no earlier than `step`: a learner that joins (or comes back) late
@@ -193,7 +244,7 @@ class InnerTrainer:
 
     def mark_submitted(self) -> None:
         """Remember θ_at_submit, the parameters whose pseudo-gradient was just sent."""
-        self._at_submit = flatten_params(self.model)
+        self._at_submit = self.io.read()
 
     def rebase(self, new_global: Tensor) -> None:
         """Adopt Θ_new, keeping the steps not yet submitted.
@@ -203,9 +254,9 @@ class InnerTrainer:
         way base ← Θ_new, so those steps count, once, in the next pseudo-gradient.
         """
         new = self._check_flat(new_global, "global parameters")
-        theta = flatten_params(self.model)
+        theta = self.io.read()
         reference = self._at_submit if self._at_submit is not None else self._base
-        load_flat_(self.model, new + (theta - reference))
+        self.io.write(new + (theta - reference))
         self._base = new.clone()
         self._at_submit = None
 

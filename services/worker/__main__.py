@@ -66,6 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = parse(argv)
         rank = Rank.from_env(os.environ)
+        if rank is None and cfg.shard_model and cfg.nproc_per_node == 1:
+            raise ConfigError(
+                "--shard-model shards the model over the ranks of an island: add --nproc-per-node N (N >= 2), "
+                "or run the worker under torchrun; a one-process learner holds the whole model"
+            )
         if rank is None and cfg.nproc_per_node > 1:
             check_devices(cfg)
             return launch(torchrun_argv(cfg, argv), torchrun_env(os.environ))
@@ -79,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.configure("worker")
     if rank is None or device is None:
         return run_worker(Worker(cfg))
-    island = Island(rank, device, logging.get("worker", worker=cfg.display_name))
+    island = Island(rank, device, logging.get("worker", worker=cfg.display_name), sharded=cfg.shard_model)
     island.checksums = cfg.island_checksums
     try:
         if island.leader:

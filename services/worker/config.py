@@ -36,6 +36,7 @@ class WorkerConfig:
     precision: str = "fp32"  # bf16: bf16 autocast of the forward pass (CUDA only)
     nproc_per_node: int = 1  # > 1: `diloco worker` starts torchrun with this many ranks (one island)
     max_restarts: int = 0  # torchrun's --max-restarts for the island `diloco worker` starts
+    shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     # FAULT INJECTION, for tests and chaos runs only: multiply every pseudo-gradient sent by this (1: off)
@@ -139,9 +140,17 @@ _FLAGS: list[Flag] = [
         int,
         1,
         "run this learner as an island of N ranks (one per GPU, or N CPU processes): starts torchrun, which runs "
-        "DistributedDataParallel over the ranks; rank 0 alone talks to the coordinator",
+        "DistributedDataParallel (or FSDP2, --shard-model) over the ranks; rank 0 alone talks to the coordinator",
     ),
     ("--max-restarts", int, 0, "with --nproc-per-node: how often torchrun restarts the island when a rank dies"),
+    (
+        "--shard-model",
+        parse_bool,
+        False,
+        "true: the island shards the model, its gradients and optimizer state over its ranks (FSDP2 fully_shard) "
+        "instead of replicating it (DistributedDataParallel), for models that do not fit one device; needs an "
+        "island (--nproc-per-node >= 2, or torchrun)",
+    ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (
         "--upload-path",

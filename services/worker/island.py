@@ -16,6 +16,25 @@ other ranks (followers) first, inside the group, so every rank does it together:
   the same parameters after each DDP step, so rank 0's replica is the island's);
 - `STOP`: the leader's exit status; followers return it.
 
+Sharded mode (`--shard-model true`, for models that do not fit one device): every rank wraps its replica with
+FSDP2 (`fully_shard`: each transformer block, i.e. each element of a `ModuleList`, then the whole model) instead
+of DDP, so each rank holds 1/N of the parameters, gradients and AdamW state; `TRAIN` is unchanged (the step is one
+step over the global batch, FSDP averaging the gradients). The flat vectors of the outer loop (Θ_base,
+θ_at_submit, the pseudo-gradient, error feedback) are used on rank 0 alone, in its host memory (each rank builds
+the whole model in host memory before sharding it, so host memory must hold the model once per rank). The
+trainer reads and writes its parameters through `ShardedParams`, whose every read is a gather of the full
+parameters onto rank 0's host and every write a broadcast from rank 0 into every rank's shards (torch's
+state-dict helpers): collectives, so the leader announces each one first and the followers join it:
+
+- `GATHER`: every rank takes part in gathering the parameters onto rank 0 (before a pseudo-gradient, a rebase);
+- `SCATTER`: rank 0's new parameters into every rank's shards (a load, a rebase);
+- `PARAMS` then carries only the step count.
+
+A session builds the trainer on every rank at once, and its first read of the parameters is a gather all ranks
+make unannounced. Digests (`--island-checksums`) are then of each rank's own shards. `--shard-model` needs an
+island: with `--nproc-per-node 1` and no torchrun around it the worker refuses it (exit status 2); under
+torchrun a group of one rank is allowed (FSDP over one rank: correct, and no smaller than the model).
+
 Followers never open a channel. A follower ignores SIGTERM/SIGINT (torchrun sends them to every rank): the
 leader drains and then sends `STOP`. When the leader dies, the followers' next collective fails and torchrun
 ends (or restarts, `--max-restarts`) the group.
@@ -43,7 +62,7 @@ import torch.distributed as dist
 
 from diloco.errors import ConfigError
 from diloco.task.inner import InnerTrainer
-from diloco.task.params import flatten_params, load_flat_
+from diloco.task.params import flatten_params, gather_flat, load_flat_, local_shards, scatter_flat_
 
 # A collective waits this long for the other ranks: the leader may sit in a coordinator outage (retrying for as
 # long as it takes) while the followers wait for its next command, so the wait is long; a dead rank is noticed at
@@ -57,6 +76,8 @@ class Op(IntEnum):
     TRAIN = 2
     PARAMS = 3
     STOP = 4
+    GATHER = 5  # sharded islands: every rank gathers the parameters onto rank 0
+    SCATTER = 6  # sharded islands: rank 0's parameters into every rank's shards
 
 
 @dataclass(frozen=True)
@@ -157,16 +178,65 @@ def device_kind(device: torch.device, world: int) -> str:
 
 
 def checksum(model: torch.nn.Module) -> str:
-    """A short digest of the model's parameters (the island's consistency check in the logs)."""
-    return hashlib.sha256(flatten_params(model).detach().cpu().numpy().tobytes()).hexdigest()[:16]
+    """A short digest of the model's parameters held by this rank (all of them, or its shards in a sharded island):
+    the island's consistency check in the logs."""
+    digest = hashlib.sha256()
+    for p in local_shards(model):
+        digest.update(p.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, world: int) -> None:
+    """Shard `model` across the island with FSDP2, in place: each element of every `ModuleList` (a transformer's
+    blocks) is a unit of its own, gathered for its forward and backward only, and the rest (embeddings, tied
+    output head, final norm) is the root unit. The parameters move to `device` as shards (1/`world` each)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    blocks: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():  # parents before children: the outermost lists' elements
+        if isinstance(module, torch.nn.ModuleList) and not any(name.startswith(f"{b}.") for b, _ in blocks):
+            blocks.extend((f"{name}.{i}", block) for i, block in enumerate(module))
+    for _, block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class ShardedParams:
+    """A sharded island's parameters as the trainer's flat vectors (`diloco.task.inner.ParamIO`): `read` gathers
+    them onto rank 0's host (the other ranks get an empty vector), `write` loads rank 0's vector into every rank's
+    shards. Both are collectives: once `live`, the leader announces each (`GATHER`, `SCATTER`) so the followers
+    join it in `Island.follow`; before that (while every rank builds its trainer in a session) they are not."""
+
+    def __init__(self, island: Island, model: torch.nn.Module) -> None:
+        self.island, self.model = island, model
+        self.live = False
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def read(self) -> torch.Tensor:
+        if self.live and self.island.leader:
+            self.island._header(Op.GATHER)
+        return gather_flat(self.model)
+
+    def write(self, flat: torch.Tensor) -> None:
+        if self.live and self.island.leader:
+            self.island._header(Op.SCATTER)
+        scatter_flat_(self.model, flat)
 
 
 class Island:
     """This process's membership of its island. Construct on every rank (joins the process group)."""
 
-    def __init__(self, rank: Rank, device: torch.device, log: structlog.stdlib.BoundLogger) -> None:
+    def __init__(
+        self, rank: Rank, device: torch.device, log: structlog.stdlib.BoundLogger, *, sharded: bool = False
+    ) -> None:
         self.rank, self.world = rank.rank, rank.world
         self.device = device
+        self.sharded = sharded  # FSDP2 instead of DDP (`--shard-model`)
         self.log = log.bind(rank=rank.rank, world=rank.world)
         self.checksums = False  # log the parameters' digest on every rank at each PARAMS (tests, debugging)
         die_with_parent()
@@ -175,7 +245,7 @@ class Island:
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
-        self.log.info("island.joined", backend=backend, device=str(device), pid=os.getpid())
+        self.log.info("island.joined", backend=backend, device=str(device), pid=os.getpid(), sharded=sharded)
 
     @property
     def leader(self) -> bool:
@@ -206,13 +276,15 @@ class Island:
 
     def _params(self, model: torch.nn.Module, steps_done: int, before: str = "") -> int:
         """Rank 0's parameters onto every rank; returns rank 0's step count. `before`: the digest of the
-        parameters before the leader adopted new ones (the followers' own, unchanged until this broadcast)."""
+        parameters before the leader adopted new ones (the followers' own, unchanged until this broadcast). A
+        sharded island wrote them already (`SCATTER`): nothing is broadcast."""
         if self.checksums and not self.leader:
             before = checksum(model)
-        flat = flatten_params(model).detach().to(self.device).contiguous()
-        dist.broadcast(flat, src=0)
-        if not self.leader:
-            load_flat_(model, flat)
+        if not self.sharded:
+            flat = flatten_params(model).detach().to(self.device).contiguous()
+            dist.broadcast(flat, src=0)
+            if not self.leader:
+                load_flat_(model, flat)
         if self.checksums:
             self.log.info("island.params", before=before, after=checksum(model), steps_done=steps_done)
         return steps_done
@@ -256,6 +328,12 @@ class Island:
                 trainer = replica.trainer
                 assert trainer is not None
                 trainer.steps_done = self._params(trainer.model, a)
+            elif op is Op.GATHER:
+                assert replica.trainer is not None
+                replica.trainer.io.read()  # rank 0 gets them
+            elif op is Op.SCATTER:
+                assert replica.trainer is not None
+                replica.trainer.io.write(torch.zeros(0))  # rank 0's are loaded
             else:
                 self.log.info("island.stopped", code=a, pid=os.getpid())
                 return a

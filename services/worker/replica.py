@@ -18,7 +18,7 @@ from diloco.task.factory import TaskConfig, build_task
 from diloco.task.inner import InnerTrainer, Throughput
 from diloco.task.params import param_specs
 from services.worker.config import WorkerConfig
-from services.worker.island import Island
+from services.worker.island import Island, ShardedParams, shard_model
 from services.worker.metrics import Metrics
 from services.worker.session import header_of
 from services.worker.uploader import UploadJob
@@ -56,6 +56,8 @@ class Replica:
                 self.island.check_batch(cfg.inner.batch_size)
             task = build_task(cfg)
             model = task.model_fn(self.cfg.seed)
+            loss_fn = self._loss_fn(model)  # a sharded island's model is sharded here
+            sharded = ShardedParams(self.island, model) if self.island is not None and self.island.sharded else None
             self.trainer = InnerTrainer(
                 model,
                 task.corpus,
@@ -63,8 +65,11 @@ class Replica:
                 seq_len=cfg.model.seq_len,
                 device=self.device,
                 slowdown=self.cfg.slowdown,
-                loss_fn=self._loss_fn(model.to(self.device)),
+                loss_fn=loss_fn,
+                params=sharded,
             )
+            if sharded is not None:
+                sharded.live = True  # every rank built its trainer: from now on the leader announces collectives
             self.specs = param_specs(self.trainer.model)
             self.task_json = task_json
         assert self.trainer is not None
@@ -72,9 +77,16 @@ class Replica:
         self.params = None
 
     def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
-        """None (the model's own loss) for a one-process fp32 learner; else the loss through bf16 autocast and, in an
-        island, DistributedDataParallel (whose constructor broadcasts rank 0's parameters to every rank)."""
+        """Puts `model` on the device. None (the model's own loss) for a one-process fp32 learner; else the loss
+        through bf16 autocast and, in an island, DistributedDataParallel (whose constructor broadcasts rank 0's
+        parameters to every rank) or, in a sharded island, FSDP2 (`shard_model`: only each rank's shards go to its
+        device; every rank built the model from the same seed, and the coordinator's parameters, which rank 0
+        writes into every rank's shards at the first `Load`, replace them anyway)."""
         bf16 = self.cfg.precision == "bf16" and self.device.type == "cuda"
+        if self.island is not None and self.island.sharded:
+            shard_model(model, self.device, self.island.world)
+            return _Loss(model, bf16)
+        model.to(self.device)
         if self.island is None and not bf16:
             return None
         module: nn.Module = _Loss(model, bf16)
@@ -128,10 +140,9 @@ class Replica:
     def upload_job(self, a: core.Submit, bulk_port: int) -> UploadJob:
         """Compress the pseudo-gradient of everything trained since the last submission."""
         assert self.trainer is not None and self.ef is not None
-        delta = self.trainer.pseudo_gradient()
+        delta = self.trainer.submit()  # in a sharded island: after the leader's GATHER, on rank 0's host
         if self.cfg.fault_scale_updates != 1.0:  # fault injection (tests, chaos runs): a learner gone wrong
             delta = delta * self.cfg.fault_scale_updates
         payload, meta = self.ef.compress(delta)
-        self.trainer.mark_submitted()
         self.metrics.tokens_per_s.set(self.trainer.throughput().tokens_per_s)
         return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)
