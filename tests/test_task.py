@@ -456,6 +456,22 @@ def test_rebase_keeps_local_progress_exactly(corpus: Corpus) -> None:
     assert torch.equal(tr.base, newer)
 
 
+def test_submit_is_pseudo_gradient_and_mark_submitted_in_one_read(corpus: Corpus) -> None:
+    """`submit` (the worker's path) = `pseudo_gradient` + `mark_submitted`: a rebase after it keeps exactly the
+    steps made since, as `test_rebase_keeps_local_progress_exactly` does with the two calls."""
+    tr = make_trainer(corpus)
+    tr.train([(0, 0, 0)], 3)
+    expected = tr.pseudo_gradient()
+    at_submit = tr.params_flat()
+    delta = tr.submit()
+    assert torch.equal(delta, expected) and delta.device.type == "cpu" and delta.dtype == torch.float32
+    tr.train([(0, 0, 3 * 64)], 2)
+    theta = tr.params_flat()
+    new_global = flatten_params(GPT(TINY, seed=42))
+    tr.rebase(new_global)
+    assert torch.equal(tr.params_flat(), new_global + (theta - at_submit))
+
+
 def test_optimizer_state_persists_across_rounds(corpus: Corpus) -> None:
     tr = make_trainer(corpus)
     tr.train([(0, 0, 0)], 4)
