@@ -323,7 +323,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.ReportThroughputResponse:
         if request.worker_id or not request.reports:  # one learner's report: an unknown learner is NOT_FOUND
             tp = request.throughput
-            self.state.report_throughput(_require_id(request.worker_id, "worker_id"), tp.tokens_per_s, tp.device_kind)
+            worker_id = _require_id(request.worker_id, "worker_id")
+            self.state.report_throughputs([(worker_id, tp.tokens_per_s, tp.device_kind)], strict=True)
         if request.reports:  # healthd's batch: learners that are gone meanwhile are skipped
             reports = [(_require_id(r.worker_id, "reports.worker_id"), r.throughput) for r in request.reports]
             self.state.report_throughputs([(w, t.tokens_per_s, t.device_kind) for w, t in reports])

@@ -18,7 +18,6 @@ its bytes are ready (`_publish`).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import time
@@ -215,20 +214,18 @@ class CoordinatorState:
         with self.lock:
             return self.core.plan(worker_id), self.core.version
 
-    def report_throughput(self, worker_id: str, tokens_per_s: float, device_kind: str) -> None:
-        with self.lock:
-            self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=self.clock())
-            self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
-
-    def report_throughputs(self, reports: list[tuple[str, float, str]]) -> None:
-        """healthd's batch of (worker id, tokens/s, device kind), under one lock; learners gone meanwhile (NOT_FOUND,
-        FAILED_PRECONDITION) are skipped."""
+    def report_throughputs(self, reports: list[tuple[str, float, str]], *, strict: bool = False) -> None:
+        """(worker id, tokens/s, device kind) reports under one lock. healthd's batch skips learners gone meanwhile
+        (NOT_FOUND, FAILED_PRECONDITION); `strict` (one learner reporting for itself) raises them instead."""
         with self.lock:
             now = self.clock()
             for worker_id, tokens_per_s, device_kind in reports:
-                with contextlib.suppress(NotFound, FailedPrecondition):
+                try:
                     self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=now)
-            self._expire_locked()
+                except (NotFound, FailedPrecondition):
+                    if strict:
+                        raise
+            self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
