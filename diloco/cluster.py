@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -87,21 +88,65 @@ def wait_serving(
     raise TimeoutError(f"{address} did not become healthy within {timeout_s} s")
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout_s: float, interval_s: float = 0.05) -> float:
-    """Poll `predicate` until it is true; returns the seconds that took. A `grpc.RpcError` inside the predicate (a
-    service restarting answers UNAVAILABLE) counts as "not yet". Raises TimeoutError naming `what` after
-    `timeout_s`, with the last RPC error if there was one."""
-    start = time.monotonic()
-    last_error = ""
+V = TypeVar("V")
+
+# What a call to a live service can fail with for a while and then succeed: the server is (re)starting or busy,
+# a TLS handshake failed under load ("UNAVAILABLE: Handshake read failed"), a call ran past its deadline.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+def transient(error: Exception) -> bool:
+    """A transient RPC failure: the condition is not known yet, ask again."""
+    return isinstance(error, grpc.RpcError) and error.code() in TRANSIENT
+
+
+def wait_for(
+    what: str,
+    probe: Callable[[], V],
+    timeout_s: float = 10.0,
+    interval_s: float = 0.02,
+    retry_on: Callable[[Exception], bool] = transient,
+) -> V:
+    """Poll `probe` until it returns something truthy and return that. An exception `retry_on` accepts (by default
+    a transient RPC failure, `TRANSIENT`) counts as "not yet"; any other ends the wait. On timeout, fails with
+    `what` and the last error the wait let pass, if any."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    tick = threading.Event()  # never set: waits `interval_s` between polls
     while True:
         try:
-            if predicate():
-                return time.monotonic() - start
-        except grpc.RpcError as e:
-            last_error = f" (last RPC error: {e.code().name} {e.details()})"
-        if time.monotonic() - start >= timeout_s:
-            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}{last_error}")
-        time.sleep(interval_s)
+            value = probe()
+            if value:
+                return value
+        except Exception as e:
+            if not retry_on(e):
+                raise
+            last = e
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}" + describe(last))
+        tick.wait(interval_s)
+
+
+def describe(error: Exception | None) -> str:
+    """`; last error: ...` for a timeout message, or nothing."""
+    if error is None:
+        return ""
+    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
+        return f"; last error: {error.code().name}: {error.details()}"
+    return f"; last error: {error!r}"
+
+
+def seconds_until(
+    what: str,
+    probe: Callable[[], object],
+    timeout_s: float,
+    interval_s: float = 0.05,
+    retry_on: Callable[[Exception], bool] = transient,
+) -> float:
+    """`wait_for`, returning the seconds the wait took."""
+    start = time.monotonic()
+    wait_for(what, probe, timeout_s, interval_s, retry_on)
+    return time.monotonic() - start
 
 
 @dataclass(frozen=True)
@@ -483,7 +528,7 @@ class LocalCluster:
             evaluated.update(int(x.fields["version"]) for x in evals.read() if x.event == "eval.done")
             return self.status().version in evaluated
 
-        wait_until("the evaluation of the newest version", evaluated_now, timeout_s=timeout_s, interval_s=0.2)
+        seconds_until("the evaluation of the newest version", evaluated_now, timeout_s=timeout_s, interval_s=0.2)
         return self.status()
 
     def workers(self, timeout_s: float = 3.0) -> coordinator_pb2.ListWorkersResponse:

@@ -1,7 +1,8 @@
 """What the test modules share, in one place (a test module imports helpers from here or gets fixtures from
 conftest.py, never from another test module):
 
-- `wait_for`: poll a condition until a deadline, transient RPC failures counting as "not yet";
+- `wait_for` / `seconds_until` (from `diloco.cluster`, the one wait rule of tests and benchmarks): poll a
+  condition until a deadline, transient RPC failures counting as "not yet";
 - the tiny task that trains in milliseconds;
 - an in-process coordinator on port 0 (`Env`, `config`) and what a learner sends it (`register`, `make_upload`,
   `requests`, `submit`), with the checks that a refused call changed nothing (`frozen`, `code_of`, `gauge`);
@@ -27,7 +28,18 @@ import pytest
 import torch
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster, ledger_problems, ledger_shards
+from diloco.cluster import (  # noqa: F401  (wait_for and the rest are re-exported for the tests)
+    TINY_TASK_ARGS,
+    TRANSIENT,
+    ClusterConfig,
+    LocalCluster,
+    describe,
+    ledger_problems,
+    ledger_shards,
+    seconds_until,
+    transient,
+    wait_for,
+)
 from diloco.core.codecs import get_codec
 from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.server import channel
@@ -43,66 +55,6 @@ from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
 
 V = TypeVar("V")
-
-# --- waiting on a condition ------------------------------------------------------------------------------------
-
-# What a call to a live service can fail with for a while and then succeed: the server is (re)starting or busy,
-# a TLS handshake failed under load ("UNAVAILABLE: Handshake read failed"), a call ran past its deadline.
-TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
-
-
-def transient(error: Exception) -> bool:
-    """A transient RPC failure: the condition is not known yet, ask again."""
-    return isinstance(error, grpc.RpcError) and error.code() in TRANSIENT
-
-
-def wait_for(
-    what: str,
-    probe: Callable[[], V],
-    timeout_s: float = 10.0,
-    interval_s: float = 0.02,
-    retry_on: Callable[[Exception], bool] = transient,
-) -> V:
-    """Poll `probe` until it returns something truthy and return that. An exception `retry_on` accepts (by default
-    a transient RPC failure, `TRANSIENT`) counts as "not yet"; any other ends the wait. On timeout, fails with
-    `what` and the last error the wait let pass, if any."""
-    deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
-    tick = threading.Event()  # never set: waits `interval_s` between polls
-    while True:
-        try:
-            value = probe()
-            if value:
-                return value
-        except Exception as e:
-            if not retry_on(e):
-                raise
-            last = e
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}" + describe(last))
-        tick.wait(interval_s)
-
-
-def describe(error: Exception | None) -> str:
-    if error is None:
-        return ""
-    if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call):
-        return f"; last error: {error.code().name}: {error.details()}"
-    return f"; last error: {error!r}"
-
-
-def seconds_until(
-    what: str,
-    probe: Callable[[], object],
-    timeout_s: float,
-    interval_s: float = 0.05,
-    retry_on: Callable[[Exception], bool] = transient,
-) -> float:
-    """`wait_for`, returning the seconds the wait took."""
-    start = time.monotonic()
-    wait_for(what, probe, timeout_s, interval_s, retry_on)
-    return time.monotonic() - start
-
 
 # --- the tiny task ---------------------------------------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from diloco.bench.section import Context, Log, table
-from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, wait_until
+from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, seconds_until
 
 LOSS_TOLERANCE = 0.01  # the island's loss within 1% of the single process's (issue #12)
 PHASES = ("inner", "encode", "rebase", "wait", "control")
@@ -65,7 +65,7 @@ def run_one(ranks: int, s: IslandSettings, log: Log) -> dict[str, Any]:
         started = time.monotonic()
         with LocalCluster(cfg) as cluster:
             cluster.start(timeout_s=120)
-            wait_until("the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=0.5)
+            seconds_until("the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=0.5)
             wall = time.monotonic() - started
             status = cluster.final_status()
             (worker,) = [w for w in cluster.workers().workers]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from diloco.cluster import ClusterConfig, LocalCluster, wait_until
+from diloco.cluster import ClusterConfig, LocalCluster, seconds_until
 
 # dense bf16 peak FLOP/s by device name fragment (vendor data sheets, without sparsity)
 PEAK_BF16 = {
@@ -97,7 +97,7 @@ def run(outer_steps: int, local_steps: int, seq_len: int, batch_size: int, model
                         memory[name] = max(memory.get(name, 0), used[proc.popen.pid])
                 return cluster.status().finished
 
-            wait_until("the job to finish", finished, timeout_s=1800, interval_s=2.0)
+            seconds_until("the job to finish", finished, timeout_s=1800, interval_s=2.0)
             status = cluster.status()
             workers = cluster.workers().workers
         wall = time.monotonic() - started

@@ -57,7 +57,7 @@ from diloco.cluster import (
     LogLine,
     ledger_problems,
     ledger_shards,
-    wait_until,
+    seconds_until,
 )
 from diloco.core.states import LIVE_STATES
 from diloco.errors import ConfigError
@@ -400,7 +400,7 @@ class _Storm:
             return predicate()
 
         try:
-            return wait_until(what, check, self.s.step_timeout_s, interval_s=0.02)
+            return seconds_until(what, check, self.s.step_timeout_s, interval_s=0.02)
         except TimeoutError as e:
             raise StormError(f"{e}{self._finished_note()}") from e
 
@@ -465,7 +465,7 @@ def run_storm(s: StormSettings, run_dir: Path, log: Log = lambda line: None) -> 
         alive = {name: cluster.procs[name].alive for name in storm.learners}
         storm._check_learners()
         try:
-            wait_until("the job to finish", lambda: bool(cluster.status(timeout_s=2.0).finished), s.finish_timeout_s)
+            seconds_until("the job to finish", lambda: bool(cluster.status(timeout_s=2.0).finished), s.finish_timeout_s)
         except TimeoutError as e:
             log(f"  {e}")
         final: list[Any] = []
@@ -474,7 +474,7 @@ def run_storm(s: StormSettings, run_dir: Path, log: Log = lambda line: None) -> 
             final[:] = [cluster.status(), cluster.ledger()]
             return True
 
-        wait_until("the final status and ledger", read_final, timeout_s=30.0)
+        seconds_until("the final status and ledger", read_final, timeout_s=30.0)
         status, ledger = final
         finished_exits = storm.classify_exits(status.finished)
         result = StormResult(

@@ -412,7 +412,7 @@ class DockerCluster:
 
         try:
             seconds_until(f"{worker_id} declared dead and its shards reassigned", gone, timeout_s, 0.05)
-        except AssertionError as e:
+        except TimeoutError as e:
             raise AssertionError(f"{e}; it is {seen[0][0]} with {seen[0][1]} shards, status: {self.status()}") from e
         return time.monotonic() - since
 
