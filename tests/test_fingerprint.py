@@ -121,7 +121,8 @@ def test_the_same_files_in_another_folder_give_the_same_fingerprint_and_other_da
     tmp_path: Path,
 ) -> None:
     here, there = tmp_path / "here", tmp_path / "there"
-    here.mkdir(), there.mkdir()
+    for folder in (here, there):
+        folder.mkdir()
     a = build_task(text_task(write_text(here / "corpus.txt", "a")))
     assert a.fingerprint == build_task(text_task(write_text(there / "corpus.txt", "a"))).fingerprint
     assert a.parts.model == model_fingerprint(tiny_task().model)[:PART_HEX]
