@@ -18,7 +18,7 @@ from diloco.cli.main import main
 from diloco.cluster import TINY_TASK_ARGS
 from diloco.errors import ConfigError
 from diloco.task.data import Corpus, DataConfig, evaluate
-from diloco.task.factory import HF_FACTORY, TaskConfig, build_task
+from diloco.task.factory import HF_FACTORY, TaskConfig, build_task, fingerprint_differences
 from diloco.task.hf import CausalLM
 from diloco.task.inner import InnerConfig, InnerTrainer
 from diloco.task.model import ModelConfig, model_fingerprint
@@ -125,14 +125,18 @@ def test_json_config_file_and_fingerprints(text_file: Path, tmp_path: Path) -> N
     assert sum(p.numel() for p in a.model_fn(0).parameters()) < 50_000
     b = build_task(task(text_file, f"hf:{llama_config(tmp_path, 'b.json', intermediate_size=96)}"))
     same = build_task(task(text_file, f"hf:{llama_config(tmp_path, 'c.json')}"))  # same config, another file
-    assert a.fingerprint != b.fingerprint
+    assert fingerprint_differences(a.fingerprint, b.fingerprint) == ("model",)
     assert a.fingerprint == same.fingerprint
     other_data = tmp_path / "other.txt"
     other_data.write_text(TEXT.replace("return", "yield"))
-    assert build_task(task(other_data, f"hf:{llama_config(tmp_path, 'a.json')}")).fingerprint != a.fingerprint
-    # the built-in GPT on bytes keeps the fingerprint it always had
+    on_other = build_task(task(other_data, f"hf:{llama_config(tmp_path, 'a.json')}"))
+    assert fingerprint_differences(a.fingerprint, on_other.fingerprint) == ("data",)
+    # the built-in GPT on bytes: its model part is its architecture hash, and the data part tells corpora apart
     gpt = TaskConfig(model=MODEL, data=DataConfig(source=str(text_file), num_shards=2), inner=INNER)
-    assert build_task(gpt).fingerprint == model_fingerprint(MODEL)
+    built = build_task(gpt)
+    assert built.parts.model == model_fingerprint(MODEL)[:12]
+    other = build_task(dataclasses.replace(gpt, data=DataConfig(source=str(other_data), num_shards=2)))
+    assert fingerprint_differences(built.fingerprint, other.fingerprint) == ("data",)
 
 
 # --- tokenizers and token files ----------------------------------------------------------------------------------
@@ -156,7 +160,8 @@ def test_tokenize_command_writes_files_the_data_layer_reads(text_file: Path, tmp
     out2 = tmp_path / "tok2"
     assert main(["data", "tokenize", "--corpus", str(text_file), "--vocab-size", "280", "--out", str(out2)]) == 0
     by_text = build_task(task(text_file, tokenizer=str(tokenizer)))
-    assert by_text.fingerprint != build_task(task(text_file, tokenizer=str(out2 / "tokenizer.json"))).fingerprint
+    by_other = build_task(task(text_file, tokenizer=str(out2 / "tokenizer.json")))
+    assert "tokenizer" in fingerprint_differences(by_text.fingerprint, by_other.fingerprint)
 
 
 def test_npy_token_files_keep_uint32(tmp_path: Path) -> None:

@@ -603,8 +603,8 @@ def test_task_config_rejects_bad_json(doc: object, match: str) -> None:
 def test_build_default_task(corpus: Corpus) -> None:
     cfg = TaskConfig(model=TINY, data=DataConfig(num_shards=4, max_bytes=200_000), inner=TINY_INNER)
     task = build_task(cfg)
-    assert task.fingerprint == model_fingerprint(TINY)
-    assert task.corpus.fingerprint == corpus.fingerprint
+    assert task.parts.model == model_fingerprint(TINY)[:12]  # the built-in GPT's part is its architecture hash
+    assert task.corpus.fingerprint == corpus.fingerprint and task.parts.data == corpus.fingerprint[:12]
     assert torch.equal(flatten_params(task.model_fn()), flatten_params(GPT(TINY)))
 
 
@@ -614,7 +614,7 @@ def test_factory_hook_loads_a_user_function() -> None:
     model = task.model_fn(3)
     assert isinstance(model, Bigram)
     assert task.corpus.description == "user" and task.corpus.num_shards == 2
-    assert task.fingerprint != model_fingerprint(TINY)
+    assert task.parts.model != model_fingerprint(TINY)[:12]
     tr = InnerTrainer(model, task.corpus, cfg.inner, seq_len=TINY.seq_len, device=CPU)
     result = tr.train([(0, 0, 0), (1, 0, 0)], 4)
     assert result.tokens == 4 * 64 and result.pseudo_grad.shape == (256 * 256,)

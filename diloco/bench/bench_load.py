@@ -6,7 +6,7 @@ quorum K = max(1, round(N x `quorum_fraction`))) and one or more load-generator 
 fake learners as `grpc.aio` coroutines over a few shared channels (one per `learners_per_channel` learners). A
 fake learner does what a worker does on the wire, without training:
 
-- `Register` with the model fingerprint of the task the coordinator announces (`task_json` of the first reply);
+- `Register` with the task fingerprint the coordinator announces (`task_fingerprint` of the first reply);
 - holds a `WatchParameters(worker_id, follow)` stream and reads every chunk of every version;
 - holds a `Heartbeat` stream to healthd, one heartbeat (with a throughput figure) every `heartbeat_interval_s`;
   the round-trip time of each is taken from its acknowledgement (matched by sequence number);
@@ -320,10 +320,9 @@ class _Generator:
     def _adopt(self, reply: pb.RegisterResponse) -> None:
         from diloco.rpc.vocab import CODECS
         from diloco.task.factory import TaskConfig
-        from diloco.task.model import model_fingerprint
 
         task = TaskConfig.from_json(reply.task_json)
-        self.fingerprint = model_fingerprint(task.model)
+        self.fingerprint = reply.task_fingerprint
         self.tokens = task.inner.batch_size * task.model.seq_len
         self.codec = CODECS.from_proto(reply.codec)
         self.epoch = reply.coordinator_epoch

@@ -35,7 +35,7 @@ from diloco.errors import InvalidArgument
 MAX_ID_CHARS = 256  # worker, node and submission ids (the coordinator's `_MAX_ID`, healthd's MAX_NODE_ID_CHARS)
 MAX_WORKER_NAME_CHARS = 128  # the worker id is "<name>-<incarnation>" and must stay within MAX_ID_CHARS
 MAX_DEVICE_KIND_CHARS = 128
-MAX_FINGERPRINT_CHARS = 64  # a fingerprint is 16 hex digits of a sha256; 64 holds a whole sha256 in hex
+MAX_FINGERPRINT_CHARS = 64  # a task fingerprint 'm=<12 hex>.t=<12 hex>.d=<12 hex>' is 44 characters
 MAX_REASON_CHARS = 1024
 MAX_TENSOR_NAME_CHARS = 512
 MAX_DTYPE_CHARS = 32
@@ -118,7 +118,7 @@ LIMITS: Mapping[str, Bound] = {
     ),
     _P + "RegisterRequest.model_fingerprint": _text(
         MAX_FINGERPRINT_CHARS,
-        "16 hex digits of a sha256 (diloco.task); 64 holds a whole sha256 in hex",
+        "the task fingerprint 'm=<hex>.t=<hex>.d=<hex>' (44 characters, diloco/task/factory.py)",
         "send the task's fingerprint, or leave it empty",
     ),
     _P + "Throughput.device_kind": _text(

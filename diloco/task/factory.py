@@ -11,10 +11,27 @@ that defines `loss(x, y) -> Tensor` for int64 token batches `x`, `y` of shape (b
 `corpus` is the data (e.g. `Corpus(tokens, cfg.data)` over your own uint16 token array, or over a list of
 `(document_id, tokens)` pairs so the validation split keeps documents whole), or None to load
 `cfg.data` as usual. Token ids must stay below the model's `vocab_size` attribute when it has one, else
-`cfg.model.vocab_size`. A factory that raises is reported as a `ConfigError` naming it. The fingerprint then hashes
-the factory path, the model config, the model's `fingerprint_extra` string when it has one (the
-Hugging Face adapter puts its full config there), the tokenizer file, the corpus and the parameter layout, so
-learners with a different model, tokenizer or data are refused.
+`cfg.model.vocab_size`. A factory that raises is reported as a `ConfigError` naming it.
+
+The fingerprint
+---------------
+`Task.fingerprint` tells whether two processes built the same task from their own files. It has three named parts,
+each the first 12 hex digits of a sha256 of contents, never of file paths (the same config in another folder gives
+the same fingerprint), rendered as one 44-character string::
+
+    m=<model>.t=<tokenizer>.d=<data>        e.g. m=3f2a9c0d1b7e.t=9a4e0b1c2d3f.d=07c1d2e3f4a5
+
+- `model` (m): the built-in GPT's architecture (`model_fingerprint(cfg.model)`); for a factory (or `model_name`)
+  the factory path, the model config, the model's `fingerprint_extra` string when it has one (the Hugging Face
+  adapter puts its full config there) and the parameter layout;
+- `tokenizer` (t): the tokenizer file's bytes (`data.tokenizer`), or the fixed word "bytes" without one;
+- `data` (d): the corpus as built, its tokens and split (`Corpus.fingerprint`).
+
+`fingerprint_differences(a, b)` names the parts in which two fingerprints differ (every part when either is not
+of this form, e.g. the 16 hex digits of older builds), and `fingerprint_mismatch` says it in a sentence with what
+to do. The coordinator refuses a Register whose non-empty fingerprint differs (FAILED_PRECONDITION); a learner
+that adopts the coordinator's task (task_json) compares the task it built with `RegisterResponse.task_fingerprint`
+and leaves (exit status 2) when they differ, so no learner trains on other data.
 
 Hugging Face models: `TaskConfig.model_name = "hf:<preset-or-path>"` (flag `--model`) selects the built-in
 factory `diloco.task.hf:causal_lm` (see that module) without naming it in `factory`.
@@ -122,14 +139,107 @@ class TaskConfig:
         )
 
 
+FINGERPRINT_PARTS = ("model", "tokenizer", "data")  # in the order of the rendered string
+_PART_KEYS = dict(zip(FINGERPRINT_PARTS, "mtd", strict=True))
+PART_HEX = 12  # hex digits of a sha256 kept per part
+_ADVICE = {
+    "model": "the same model (--model/--factory, the model flags, model files and factory code; or the coordinator's "
+    "task_json)",
+    "tokenizer": "the same tokenizer file (--tokenizer, data.tokenizer)",
+    "data": "the same data (--data, data.source: the same file contents, not only the same path)",
+}
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:PART_HEX]
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """The task's fingerprint by part (module docstring): each part `PART_HEX` lowercase hex digits."""
+
+    model: str
+    tokenizer: str
+    data: str
+
+    def __post_init__(self) -> None:
+        for name in FINGERPRINT_PARTS:
+            value = getattr(self, name)
+            if len(value) != PART_HEX or value.strip("0123456789abcdef"):
+                raise ValueError(f"fingerprint part {name} must be {PART_HEX} lowercase hex digits, got {value!r}")
+
+    def __str__(self) -> str:
+        return ".".join(f"{_PART_KEYS[name]}={getattr(self, name)}" for name in FINGERPRINT_PARTS)
+
+    @classmethod
+    def parse(cls, text: str) -> Fingerprint | None:
+        """The parts of a rendered fingerprint; None when `text` is not of the form `m=<hex>.t=<hex>.d=<hex>`."""
+        pieces = text.split(".")
+        if len(pieces) != len(FINGERPRINT_PARTS):
+            return None
+        values: dict[str, str] = {}
+        for name, piece in zip(FINGERPRINT_PARTS, pieces, strict=True):
+            key, sep, value = piece.partition("=")
+            if key != _PART_KEYS[name] or not sep:
+                return None
+            values[name] = value
+        try:
+            return cls(**values)
+        except ValueError:
+            return None
+
+
+def fingerprint_differences(a: str, b: str) -> tuple[str, ...]:
+    """The names of the parts (`FINGERPRINT_PARTS`) in which fingerprints `a` and `b` differ; every part when they
+    differ and either is not of the form `m=<hex>.t=<hex>.d=<hex>` (e.g. an older build's 16 hex digits)."""
+    if a == b:
+        return ()
+    pa, pb = Fingerprint.parse(a), Fingerprint.parse(b)
+    if pa is None or pb is None:
+        return FINGERPRINT_PARTS
+    return tuple(name for name in FINGERPRINT_PARTS if getattr(pa, name) != getattr(pb, name))
+
+
+def _and(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def fingerprint_mismatch(learner: str, coordinator: str) -> str:
+    """Empty when the learner's task fingerprint matches the coordinator's; else a sentence naming the parts that
+    differ, both values of each, and what to do. Either may be caller input: bound and check it first (the
+    coordinator's limits allow 64 printable characters)."""
+    differ = fingerprint_differences(learner, coordinator)
+    if not differ:
+        return ""
+    pl, pc = Fingerprint.parse(learner), Fingerprint.parse(coordinator)
+    if pl is None or pc is None:
+        odd = "learner's" if pl is None else "coordinator's"
+        return (
+            f"the {odd} task fingerprint is not of the form m=<hex>.t=<hex>.d=<hex> (learner {learner!r}, "
+            f"coordinator {coordinator!r}), so model, tokenizer and data may all differ: run the learner with "
+            "the coordinator's diloco version and task (task_json), or leave its fingerprint empty to adopt that task"
+        )
+    verb = "differs" if len(differ) == 1 else "differ"
+    values = ", ".join(f"{name} {getattr(pl, name)} vs {getattr(pc, name)}" for name in differ)
+    return (
+        f"the learner's {_and(list(differ))} {verb} from the coordinator's ({values}): give the learner "
+        f"{_and([_ADVICE[name] for name in differ])} as the coordinator"
+    )
+
+
 @dataclass(frozen=True)
 class Task:
-    """A built task: the corpus, a model constructor and the fingerprint learners must match."""
+    """A built task: the corpus, a model constructor and the fingerprint learners must match (by part)."""
 
     config: TaskConfig
     corpus: Corpus
-    fingerprint: str
+    parts: Fingerprint
     build_model: ModelFn
+
+    @property
+    def fingerprint(self) -> str:
+        """The rendered fingerprint `m=<hex>.t=<hex>.d=<hex>` (module docstring)."""
+        return str(self.parts)
 
     def model_fn(self, seed: int = 0) -> nn.Module:
         """A fresh model with deterministic initial parameters for `seed`."""
@@ -191,19 +301,16 @@ def _call_factory(cfg: TaskConfig, path: str) -> tuple[ModelFn, Corpus | None, n
 
 def _tokenizer_digest(cfg: TaskConfig) -> str:
     if not cfg.data.tokenizer:
-        return "bytes"
+        return _digest("bytes")
     from diloco.task.tokenizer import file_digest, load_tokenizer
 
     load_tokenizer(cfg.data.tokenizer)  # a missing or malformed file is a ConfigError naming data.tokenizer
-    return file_digest(cfg.data.tokenizer)
+    return file_digest(cfg.data.tokenizer)[:PART_HEX]
 
 
 def build_task(cfg: TaskConfig) -> Task:
-    """Load the corpus and set up the model constructor; checks vocab and shard sizes against the config.
-
-    Fingerprint: the built-in GPT on bytes keeps `model_fingerprint(cfg.model)`; with a tokenizer it also hashes
-    the tokenizer file and the corpus; a factory (or `model_name`) hashes everything listed in the module
-    docstring."""
+    """Load the corpus and set up the model constructor; checks vocab and shard sizes against the config, and
+    fingerprints model, tokenizer and data (module docstring)."""
     corpus: Corpus | None
     factory = cfg.factory_path()
     if factory:
@@ -211,24 +318,22 @@ def build_task(cfg: TaskConfig) -> Task:
         if corpus is None:
             corpus = Corpus.load(cfg.data)
         extra = getattr(probe, "fingerprint_extra", "")
-        parts = [  # contents, not file paths: the same config in another folder is the same model
-            factory,
-            json.dumps(config_to_dict(cfg.model), sort_keys=True),
-            extra if isinstance(extra, str) else "",
-            _tokenizer_digest(cfg),
-            corpus.fingerprint,
-            specs_fingerprint(param_specs(probe)),
-        ]
-        fingerprint = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+        model_part = _digest(
+            "|".join(  # contents, not file paths: the same config in another folder is the same model
+                [
+                    factory,
+                    json.dumps(config_to_dict(cfg.model), sort_keys=True),
+                    extra if isinstance(extra, str) else "",
+                    specs_fingerprint(param_specs(probe)),
+                ]
+            )
+        )
         vocab = getattr(probe, "vocab_size", cfg.model.vocab_size)
         vocab_size = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else cfg.model.vocab_size
     else:
         build = _gpt_builder(cfg.model)
         corpus = Corpus.load(cfg.data)
-        fingerprint = model_fingerprint(cfg.model)
-        if cfg.data.tokenizer:
-            blob = f"{fingerprint}|{_tokenizer_digest(cfg)}|{corpus.fingerprint}"
-            fingerprint = hashlib.sha256(blob.encode()).hexdigest()[:16]
+        model_part = model_fingerprint(cfg.model)[:PART_HEX]
         vocab_size = cfg.model.vocab_size
     if cfg.data.tokenizer:
         from diloco.task.tokenizer import vocab_size as tokenizer_vocab
@@ -242,7 +347,8 @@ def build_task(cfg: TaskConfig) -> Task:
             )
     corpus.check_vocab(vocab_size)
     corpus.check_batch(cfg.inner.batch_size, cfg.model.seq_len)
-    return Task(config=cfg, corpus=corpus, fingerprint=fingerprint, build_model=build)
+    parts = Fingerprint(model=model_part, tokenizer=_tokenizer_digest(cfg), data=corpus.fingerprint[:PART_HEX])
+    return Task(config=cfg, corpus=corpus, parts=parts, build_model=build)
 
 
 def task_from_flags(a: Any) -> TaskConfig:

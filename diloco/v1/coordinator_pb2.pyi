@@ -39,7 +39,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port")
+    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port", "task_fingerprint")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class RegisterResponse(_message.Message):
     HEALTHD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TASK_JSON_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    TASK_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     coordinator_epoch: int
     version: int
@@ -58,7 +59,8 @@ class RegisterResponse(_message.Message):
     healthd_address: str
     task_json: str
     bulk_port: int
-    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    task_fingerprint: str
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ..., task_fingerprint: _Optional[str] = ...) -> None: ...
 
 class WatchParametersRequest(_message.Message):
     __slots__ = ("worker_id", "after_version", "follow")

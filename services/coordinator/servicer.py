@@ -189,6 +189,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             healthd_address=self.healthd_address,
             task_json=self.task_json,
             bulk_port=self.bulk_port,
+            task_fingerprint=self.state.fingerprint,
         )
 
     @status.streaming

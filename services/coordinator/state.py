@@ -51,6 +51,7 @@ from diloco.core.uploads import (
 )
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
 from diloco.rpc.payload import BufferPool, PayloadReceiver, encode_params
+from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.metrics import CoordinatorMetrics
 
 __all__ = ["CoordinatorState", "ParamsSnapshot", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
@@ -183,12 +184,11 @@ class CoordinatorState:
 
     # --- membership ---------------------------------------------------------------------------------------------
     def register(self, name: str, fingerprint: str, speed: float, device_kind: str) -> tuple[WorkerRecord, WorkPlan]:
-        """A learner joins. An empty fingerprint means the learner adopts the task this coordinator sends."""
-        if fingerprint and fingerprint != self.fingerprint:
-            raise FailedPrecondition(
-                f"model fingerprint {fingerprint!r} differs from the coordinator's {self.fingerprint!r}: the learner "
-                "trains another model; start it with the coordinator's task (task_json) or leave the fingerprint empty"
-            )
+        """A learner joins. An empty fingerprint means the learner adopts the task this coordinator sends (and
+        compares the fingerprint of the task it builds itself); another is refused naming the parts that differ."""
+        mismatch = fingerprint_mismatch(fingerprint, self.fingerprint) if fingerprint else ""
+        if mismatch:
+            raise FailedPrecondition(mismatch)
         with self.lock:
             rec = self.core.register(name, self.clock(), speed=speed, device_kind=device_kind)
             plan = self.core.plan(rec.worker_id)

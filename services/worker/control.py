@@ -61,9 +61,9 @@ class Control:
         resp = self.call(core.Rpc.GET_WORK_PLAN, lambda: self.stub.GetWorkPlan(req, timeout=self.cfg.rpc_timeout_s))
         return None if resp is None else plan_from_proto(resp.plan, resp.version)
 
-    def deregister(self, worker_id: str) -> bool:
+    def deregister(self, worker_id: str, reason: str = "drained") -> bool:
         """Best effort, retried until the drain deadline; True when the coordinator took it."""
-        req = coordinator_pb2.DeregisterRequest(worker_id=worker_id, reason="drained")
+        req = coordinator_pb2.DeregisterRequest(worker_id=worker_id, reason=reason)
         return (
             self.call(core.Rpc.DEREGISTER, lambda: self.stub.Deregister(req, timeout=self.cfg.rpc_timeout_s))
             is not None

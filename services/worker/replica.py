@@ -13,8 +13,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.core import learner as core
 from diloco.core.codecs import ErrorFeedback, get_codec
+from diloco.errors import ConfigError
 from diloco.task.data import model_loss
-from diloco.task.factory import TaskConfig, build_task
+from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
 from diloco.task.inner import InnerTrainer, Throughput
 from diloco.task.params import param_specs
 from services.worker.config import WorkerConfig
@@ -46,10 +47,13 @@ class Replica:
         self.trainer: InnerTrainer | None = None
         self.ef: ErrorFeedback | None = None
         self.task_json = ""
+        self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
         self.params: tuple[int, torch.Tensor] | None = None  # the newest version the core adopted, and its tensor
 
-    def start_session(self, task_json: str, codec: str) -> None:
-        """A new registration: (re)build the task when it changed, fresh error feedback, no parameters yet."""
+    def start_session(self, task_json: str, codec: str, fingerprint: str = "") -> None:
+        """A new registration: (re)build the task when it changed, fresh error feedback, no parameters yet. Raises
+        `ConfigError` naming the parts when the task built here differs from the coordinator's `fingerprint`
+        ("": not checked), e.g. this learner's data files hold other data."""
         if task_json != self.task_json:
             cfg = TaskConfig.from_json(task_json)
             if self.island is not None:
@@ -71,8 +75,11 @@ class Replica:
             if sharded is not None:
                 sharded.live = True  # every rank built its trainer: from now on the leader announces collectives
             self.specs = param_specs(self.trainer.model)
-            self.task_json = task_json
+            self.task_json, self.fingerprint = task_json, task.fingerprint
         assert self.trainer is not None
+        mismatch = fingerprint_mismatch(self.fingerprint, fingerprint) if fingerprint else ""
+        if mismatch:
+            raise ConfigError(mismatch)
         self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel)
         self.params = None
 

@@ -32,6 +32,7 @@ class Registration:
     task_json: str
     healthd_address: str
     bulk_port: int  # 0: upload over gRPC
+    task_fingerprint: str  # the coordinator's (diloco.task.factory); "": an older coordinator, not checked
 
     @classmethod
     def from_proto(cls, r: coordinator_pb2.RegisterResponse) -> Registration:
@@ -46,6 +47,7 @@ class Registration:
             task_json=r.task_json,
             healthd_address=r.healthd_address,
             bulk_port=r.bulk_port,
+            task_fingerprint=r.task_fingerprint,
         )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import time
 import uuid
 
@@ -21,6 +22,7 @@ import torch
 from diloco import log as logging
 from diloco.core import learner as core
 from diloco.errors import ConfigError
+from diloco.rpc.limits import MAX_REASON_CHARS
 from diloco.rpc.metrics import serve_metrics
 from diloco.task.model import pick_device
 from diloco.v1 import coordinator_pb2_grpc
@@ -95,7 +97,7 @@ class Worker:
 
     def run(self) -> int:
         """Train until the job finishes or `stop()`; returns the exit status (0 finished or stopped, 1 gave up or
-        met something no retry fixes)."""
+        met something no retry fixes, 2 the coordinator's task does not build or fit here: `_refuse`)."""
         server, port = serve_metrics(self.metrics.registry, "0.0.0.0", self.cfg.metrics_port)
         if port > 0:
             self.log.info("worker.metrics", port=port)
@@ -104,9 +106,7 @@ class Worker:
             try:
                 while not isinstance(action := self._next(), core.Exit):
                     self._do(action)
-            except ConfigError as e:
-                if self.island is None:
-                    raise
+            except ConfigError as e:  # the coordinator's task does not build or fit here
                 code = self._refuse(str(e))
                 return code
             code = action.code
@@ -123,12 +123,16 @@ class Worker:
         return action.code
 
     def _refuse(self, detail: str) -> int:
-        """The coordinator's task does not fit this island (exit status 2): leave no registration behind."""
+        """The coordinator's task does not build or fit here (a file missing, the island's ranks, a fingerprint
+        part that differs): exit status 2, the reason in the log and on stderr, and no registration left behind
+        (Deregister with the reason, which ListWorkers shows)."""
         self.log.error("worker.task_refused", detail=detail)
+        print(f"diloco worker: configuration error: {detail}", file=sys.stderr)  # as for a bad flag (__main__)
         self.exit_reason = "config"
         worker_id = self.reg.worker_id if self.reg is not None else self.core.worker_id
         if worker_id:
-            self._deregister(worker_id)
+            reason = "".join(c if c.isprintable() else " " for c in f"task refused: {detail}")
+            self._deregister(worker_id, reason[:MAX_REASON_CHARS])
         return 2
 
     # --- the loop ---------------------------------------------------------------------------------------------
@@ -221,8 +225,8 @@ class Worker:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg = reg
         if self.island is not None:
-            self.island.session(reg.task_json, reg.codec)
-        self.replica.start_session(reg.task_json, reg.codec)
+            self.island.session(reg.task_json, reg.codec, reg.task_fingerprint)
+        self.replica.start_session(reg.task_json, reg.codec, reg.task_fingerprint)
         if not self.cfg.healthd and reg.healthd_address:
             self.heartbeats.address = reg.healthd_address
         self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
@@ -239,9 +243,9 @@ class Worker:
         assert self.reg is not None
         return self.replica.upload_job(a, self.reg.bulk_port if self.cfg.upload_path == "auto" else 0)
 
-    def _deregister(self, worker_id: str) -> None:
+    def _deregister(self, worker_id: str, reason: str = "drained") -> None:
         """Best effort; then the leaving heartbeat, so healthd reports this learner LEFT, not DEAD."""
-        if self.control.deregister(worker_id):
+        if self.control.deregister(worker_id, reason):
             self.log.info("worker.deregistered")
         else:
             self.log.warning("worker.deregister_failed")
