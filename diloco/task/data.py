@@ -336,8 +336,8 @@ class Corpus:
     def fingerprint(self) -> str:
         """Short hash of the tokens and the split, to check that learners read the same data."""
         h = hashlib.sha256(f"{self.num_shards}:{self.train_tokens}:{self.num_tokens}".encode())
-        h.update(self.train.tobytes())
-        h.update(self.val.tobytes())
+        for tokens in (self.train, self.val):  # hashed in place (a memory-mapped file is not copied)
+            h.update(memoryview(np.ascontiguousarray(tokens)).cast("B"))
         return h.hexdigest()[:16]
 
     def shard_bounds(self, shard_id: int) -> tuple[int, int]:
