@@ -68,7 +68,7 @@ class Replica:
             self.specs = param_specs(self.trainer.model)
             self.task_json = task_json
         assert self.trainer is not None
-        self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel)
+        self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel, decay=self.cfg.ef_decay or None)
         self.params = None
 
     def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
