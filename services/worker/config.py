@@ -161,7 +161,7 @@ _FLAGS: list[Flag] = [
         float,
         0.0,
         "error feedback's residual decay beta in (0, 1] (1: exact; lower forgets what was not sent faster); "
-        "0: the codec's default (topk 0.5, sparse SPARSE_BETA, others 1)",
+        "0: the codec's default (topk and sparse 0.5, the others 1)",
     ),
     (
         "--fault-scale-updates",
