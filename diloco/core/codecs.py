@@ -860,9 +860,9 @@ class SparseCodec(Codec):
         offsets = torch.topk(magnitude, k, dim=1, sorted=False).indices.sort(dim=1).values
         kept = rows.gather(1, offsets)
         kept_mag = magnitude.gather(1, offsets)
+        levels = (1 << (self.BITS - 1)) - 1  # highest magnitude level (1 with 2-bit values)
         low = kept_mag.amin(dim=1)
-        step = kept_mag.amax(dim=1).sub_(low)
-        levels = (1 << (self.BITS - 1)) - 1  # highest magnitude level
+        step = kept_mag.amax(dim=1).sub_(low).div_(levels)
         m = kept_mag.sub_(low[:, None]).div_(step[:, None]).nan_to_num_(nan=0.0).round_().clamp_(0, levels)
         codes = m.to(torch.uint8).add_((kept < 0).to(torch.uint8) << (self.BITS - 1))
         if subtract:
