@@ -143,9 +143,9 @@ def section(ctx: Context) -> Result:
 def markdown(result: Result) -> str:
     s = result["settings"]
     head = (
-        f"{s['numel']:,}-parameter GPT (d_model {s['d_model']}, {s['n_layers']} layers), {s['learners']} equal "
+        f"{s['numel']:,}-parameter GPT (d_model {s['d_model']}, layers: {s['n_layers']}), {s['learners']} equal "
         f"learners, `sync`, H = {s['local_steps']}, {s['outer_steps']} outer steps (Nesterov 0.7/0.9), batch "
-        f"{s['batch_size']} x {s['seq_len']} tokens; {len(s['seeds'])} seed(s) {tuple(s['seeds'])}, each codec on the "
+        f"{s['batch_size']} x {s['seq_len']} tokens; seeds {', '.join(map(str, s['seeds']))}, each codec on the "
         f"same seeds; loss on {s['eval_tokens']:,} validation tokens after the last round. `sparse` and `topk` send "
         f"{s['fraction']:.2%} of the entries; β is the error feedback's residual decay per round."
     )
