@@ -48,7 +48,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         "5. Outer-opt",
     )
     titles += ("6. Start-up time", "7. Core operations", "8. Upload of a pseudo-gradient", "9. Kill storm")
-    titles += ("10. Batch layout", "11. Control calls", "12. Load", "13. Islands")
+    titles += ("10. Batch layout", "11. Control calls", "12. Load", "13. Islands", "14. SparseLoCo-class uploads")
     for title in titles:
         assert f"## {title}" in readme, f"section {title!r} missing"
     headings = [line for line in readme.splitlines() if line.startswith("## ") and line[3].isdigit()]
@@ -75,6 +75,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     for n in results["sections"]["load"]["settings"]["learners"]:
         assert f"\n| {n} | {n} / {n} in " in readme, f"load: no row for N={n} with every learner ready"
     assert rows_of(readme, "1 rank") and rows_of(readme, "2 ranks (torchrun)"), "island: a row per learner"
+    assert all(rows_of(readme, f"`{c}`") for c in ("fp32", "sparse", "topk")), "sparse: a row per codec"
     assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
     for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed
         for run in results["sections"][name]["runs"]:

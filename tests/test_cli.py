@@ -100,6 +100,9 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["--coordinator", "h:1", "--metrics-port", "70000"], {}, "metrics_port"),
         (["--coordinator", "h:1", "--seed", "-3"], {}, "seed"),
         (["--coordinator", "h:1", "--name", "bad\nname"], {}, "name"),
+        (["--coordinator", "h:1", "--ef-decay", "1.5"], {}, r"--ef-decay must be in \(0, 1\]"),
+        (["--coordinator", "h:1", "--ef-decay", "-0.5"], {}, "--ef-decay"),
+        (["--coordinator", "h:1"], {"DILOCO_EF_DECAY": "nan"}, "--ef-decay"),
     ],
 )
 def test_worker_config_errors_name_the_field(argv: list[str], env: dict[str, str], field: str) -> None:

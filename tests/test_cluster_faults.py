@@ -31,6 +31,8 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[LocalClu
         yield c
 
 
+# and once with the SparseLoCo-class upload codec, end to end: chunked top-k with 2-bit values and error feedback
+@pytest.mark.parametrize("cluster", [{}, {"codec": "sparse"}], indirect=True, ids=["int8", "sparse"])
 def test_sigkill_worker_is_reassigned_within_the_window(cluster: LocalCluster) -> None:
     wait_for("a first round", lambda: cluster.status().version >= 2, timeout_s=60)
     victim = "worker2"

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,29 @@ def _nan(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | Non
     return h, nan_data
 
 
+def _sparse(corrupt: Callable[[bytearray], None]) -> Mutation:
+    """The same delta as a `sparse` payload whose first chunk record `corrupt` spoils (with a matching crc)."""
+
+    def mutate(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
+        values = torch.frombuffer(bytearray(data), dtype=torch.float32).clone()
+        sparse, meta = get_codec("sparse").encode(values)
+        bad = bytearray(sparse)
+        corrupt(bad)
+        h.payload.codec, h.payload.block_size, h.payload.topk_count = common_pb2.CODEC_SPARSE, 4096, meta.topk_count
+        h.payload.encoded_bytes, h.payload.crc32 = meta.encoded_bytes, zlib.crc32(bad)
+        return h, bytes(bad)
+
+    return mutate
+
+
+def _repeat_offset(record: bytearray) -> None:
+    record[10:12] = record[8:10]  # offset 1 = offset 0
+
+
+def _nan_low(record: bytearray) -> None:
+    record[0:4] = b"\x00\x00\xc0\x7f"  # float32 NaN
+
+
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 BAD_INPUTS: dict[str, tuple[Mutation, grpc.StatusCode]] = {
     "no-header-first": (_no_header, INVALID),
@@ -227,6 +251,8 @@ BAD_INPUTS: dict[str, tuple[Mutation, grpc.StatusCode]] = {
     "truncated": (_truncated, INVALID),
     "checksum-mismatch": (_flipped, INVALID),
     "extra-bytes": (_extra, INVALID),
+    "sparse-offsets-not-increasing": (_sparse(_repeat_offset), INVALID),
+    "sparse-nan-scale": (_sparse(_nan_low), INVALID),
     "oversized": (_oversized, grpc.StatusCode.RESOURCE_EXHAUSTED),
     "empty-submission-id": (_set(submission_id=""), INVALID),
     "tokens-disagree-with-ranges": (_set(tokens=127), INVALID),

@@ -264,7 +264,7 @@ def test_coordinator_mutated_requests(coord_mut: Coordinator, rpc: Rpc) -> None:
 
 # --- submissions: mutations of a valid upload ---------------------------------------------------------------------
 Stream = list[pb.SubmitPseudoGradientRequest]
-CODECS = ["fp32", "bf16", "int8", "int4", "topk"]
+CODECS = ["fp32", "bf16", "int8", "int4", "topk", "sparse"]
 
 
 def _swap(msgs: Stream, i: int, j: int) -> Stream:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diloco.cli.main import main
+from diloco.core.codecs import SparseCodec
 from diloco.errors import ConfigError
 from diloco.sim.config import FailureEvent, SimConfig, parse_failures, parse_speeds
 from diloco.sim.engine import Simulator, simulate
@@ -102,6 +103,9 @@ def test_timing_only_sweep_runs_many_learners() -> None:
         ({"min_quorum": 5, "speeds": (1.0,) * 4}, "min_quorum"),
         ({"local_steps": -1}, "local_steps"),
         ({"codec": "int3"}, "codec"),
+        ({"ef_decay": 0.0}, r"ef_decay: error feedback decay \(beta\) must be in \(0, 1\]"),
+        ({"ef_decay": 1.5}, "ef_decay"),
+        ({"codec": "sparse", "topk_fraction": 1.5}, r"topk_fraction: sparse fraction must be in \(0, 1\]"),
         ({"mode": "eager"}, "mode"),
         ({"num_shards": 2, "speeds": (1.0,) * 4}, "num_shards"),
         ({"failures": (FailureEvent(1.0, 9, "kill"),)}, "failures"),
@@ -113,6 +117,14 @@ def test_timing_only_sweep_runs_many_learners() -> None:
 def test_bad_config_names_the_field(change: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         cfg(**change)
+
+
+def test_codec_settings_reach_the_learners() -> None:
+    settings = {"codec": "sparse", "topk_fraction": 0.25, "ef_decay": 0.7}
+    sim = Simulator(cfg(mode="sync", speeds=(1.0, 1.0), outer_steps=1, **settings))
+    assert isinstance(sim.codec, SparseCodec) and sim.codec.per_chunk == 1024
+    r = sim.run()
+    assert r.rounds == 1 and all(learner.ef is not None and learner.ef.decay == 0.7 for learner in sim.learners)
 
 
 def test_history_reports_the_tokens_scored_and_the_seed_orders_the_data() -> None:

@@ -25,6 +25,7 @@ from diloco.bench import (
     bench_core,
     bench_island,
     bench_load,
+    bench_sparse,
     bench_upload,
     cluster_bench,
     report,
@@ -113,6 +114,12 @@ SECTIONS: tuple[Section, ...] = (
         "load", "Load: N fake learners against one coordinator and healthd", bench_load.section, bench_load.markdown
     ),
     Section("island", "Islands: a 2-rank torchrun learner vs one process", bench_island.section, bench_island.markdown),
+    Section(
+        "sparse",
+        "SparseLoCo-class uploads: chunked top-k, 2-bit values (simulator)",
+        bench_sparse.section,
+        bench_sparse.markdown,
+    ),
 )
 NAMES = tuple(s.name for s in SECTIONS)
 CHECKOUT = Path(__file__).resolve().parents[2]

@@ -63,6 +63,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
     p.add_argument("--no-error-feedback", action="store_true")
+    p.add_argument(
+        "--ef-decay",
+        type=float,
+        default=None,
+        help="error feedback's residual decay beta, in (0, 1] (1: exact; default: the codec's, see ErrorFeedback)",
+    )
+    p.add_argument(
+        "--topk-fraction", type=float, default=None, help="topk/sparse: fraction of entries sent (default: the codec's)"
+    )
     p.add_argument("--outer", choices=OUTER_NAMES, default="nesterov")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
@@ -104,6 +113,8 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         max_staleness=a.max_staleness,
         codec=a.codec,
         error_feedback=not a.no_error_feedback,
+        ef_decay=a.ef_decay,
+        topk_fraction=a.topk_fraction,
         outer=OuterConfig(a.outer, a.outer_lr, a.outer_momentum),
         merge=a.merge,
         num_shards=a.shards,

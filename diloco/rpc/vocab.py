@@ -68,6 +68,7 @@ CODECS: Vocabulary[str, common_pb2.Codec] = Vocabulary(
         "int8": common_pb2.CODEC_INT8,
         "int4": common_pb2.CODEC_INT4,
         "topk": common_pb2.CODEC_TOPK,
+        "sparse": common_pb2.CODEC_SPARSE,
     },
 )
 

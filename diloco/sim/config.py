@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from diloco.core.codecs import CODEC_NAMES
+from diloco.core.codecs import CODEC_NAMES, CodecError, check_ef_decay, get_codec
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
 from diloco.errors import ConfigError
@@ -73,6 +73,8 @@ class SimConfig:
     max_staleness: int = 4
     codec: str = "int8"
     error_feedback: bool = True
+    ef_decay: float | None = None  # error feedback's β (0 < β <= 1); None: the codec's default (`ErrorFeedback`)
+    topk_fraction: float | None = None  # topk/sparse: fraction of entries sent; None: the codec's default
     outer: OuterConfig = field(default_factory=OuterConfig)
     merge: str = "mean"
     num_shards: int = 16
@@ -94,6 +96,15 @@ class SimConfig:
             raise ConfigError(f"speeds: every learner needs a finite speed > 0, got {self.speeds}")
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"codec: unknown {self.codec!r}; allowed: {', '.join(CODEC_NAMES)}")
+        try:
+            if self.ef_decay is not None:
+                check_ef_decay(self.ef_decay)
+        except CodecError as err:
+            raise ConfigError(f"ef_decay: {err}") from None
+        try:
+            get_codec(self.codec, topk_fraction=self.topk_fraction)
+        except CodecError as err:
+            raise ConfigError(f"topk_fraction: {err}") from None
         for name in ("step_time_s", "bandwidth_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

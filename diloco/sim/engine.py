@@ -89,7 +89,7 @@ class Simulator(EventLoop):
         self.progress = progress
         self.rng = random.Random(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.codec = get_codec(cfg.codec)
+        self.codec = get_codec(cfg.codec, topk_fraction=cfg.topk_fraction)
         self.task: Task | None = None
         self.corpus: Corpus | None = None
         segments: list[Segment] | None = None
@@ -314,7 +314,9 @@ class Simulator(EventLoop):
             learner.trainer = InnerTrainer(
                 model, self.corpus, self.cfg.task.inner, seq_len=self.cfg.task.model.seq_len, device=torch.device("cpu")
             )
-        learner.ef = ErrorFeedback(self.codec, self.core.params.numel(), enabled=self.cfg.error_feedback)
+        learner.ef = ErrorFeedback(
+            self.codec, self.core.params.numel(), enabled=self.cfg.error_feedback, decay=self.cfg.ef_decay
+        )
         self.touch(learner)
         if self.cfg.mtbf_s > 0:
             self.at(self.now + self.rng.expovariate(1 / self.cfg.mtbf_s), "kill", learner.idx, learner.incarnation)

@@ -15,6 +15,7 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_INT8: _ClassVar[Codec]
     CODEC_INT4: _ClassVar[Codec]
     CODEC_TOPK: _ClassVar[Codec]
+    CODEC_SPARSE: _ClassVar[Codec]
 
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -31,6 +32,7 @@ CODEC_BF16: Codec
 CODEC_INT8: Codec
 CODEC_INT4: Codec
 CODEC_TOPK: Codec
+CODEC_SPARSE: Codec
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_ACTIVE: WorkerState
 WORKER_STATE_DRAINING: WorkerState

@@ -172,7 +172,8 @@ class CoordinatorServiceConfig:
 
     def guard_config(self) -> GuardConfig:
         """The robust merge. With it on (`outlier_factor > 0`), the ceiling comes from the task's AdamW settings;
-        not for `topk`, whose error feedback holds back most of every update and may send it rounds later."""
+        not for the sparse codecs (`topk`, `sparse`), whose error feedback holds back most of every update and may
+        send it rounds later."""
         inner = self.task.inner
         ceiling = self.outlier_factor > 0 and not codec_class(self.codec).sparse
         return GuardConfig(

@@ -39,6 +39,7 @@ class WorkerConfig:
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
+    ef_decay: float = 0.0  # error feedback's residual decay β in (0, 1]; 0: the codec's default (`ErrorFeedback`)
     # FAULT INJECTION, for tests and chaos runs only: multiply every pseudo-gradient sent by this (1: off)
     fault_scale_updates: float = 1.0
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -51,6 +52,11 @@ class WorkerConfig:
             )
         if len(self.name) > 128 or not self.name.isprintable():
             raise ConfigError(f"name must be at most 128 printable characters, got {self.name!r}")
+        if self.ef_decay != 0.0 and not (math.isfinite(self.ef_decay) and 0.0 < self.ef_decay <= 1.0):
+            raise ConfigError(
+                f"--ef-decay must be in (0, 1] (1: exact error feedback; lower forgets the residual faster) or 0 "
+                f"for the codec's default, got {self.ef_decay}"
+            )
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
             raise ConfigError(f"slowdown must be a finite number >= 1.0 (1 = full speed), got {self.slowdown}")
         for name in ("heartbeat_interval_s", "rpc_timeout_s", "upload_timeout_s", "retry_total_s"):
@@ -158,6 +164,13 @@ _FLAGS: list[Flag] = [
         "auto",
         "auto: pseudo-gradients over the coordinator's bulk upload port when it offers one, else gRPC; "
         "grpc: always SubmitPseudoGradient",
+    ),
+    (
+        "--ef-decay",
+        float,
+        0.0,
+        "error feedback's residual decay beta in (0, 1] (1: exact; lower forgets what was not sent faster); "
+        "0: the codec's default (topk and sparse 0.5, the others 1)",
     ),
     (
         "--fault-scale-updates",

@@ -80,7 +80,7 @@ class Replica:
         mismatch = fingerprint_mismatch(self.fingerprint, fingerprint) if fingerprint else ""
         if mismatch:
             raise ConfigError(mismatch)
-        self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel)
+        self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel, decay=self.cfg.ef_decay or None)
         self.params = None
 
     def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
