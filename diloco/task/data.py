@@ -337,7 +337,7 @@ class Corpus:
         """Short hash of the tokens and the split, to check that learners read the same data."""
         h = hashlib.sha256(f"{self.num_shards}:{self.train_tokens}:{self.num_tokens}".encode())
         for tokens in (self.train, self.val):  # hashed in place (a memory-mapped file is not copied)
-            h.update(memoryview(np.ascontiguousarray(tokens)).cast("B"))
+            h.update(np.ascontiguousarray(tokens).data)
         return h.hexdigest()[:16]
 
     def shard_bounds(self, shard_id: int) -> tuple[int, int]:
