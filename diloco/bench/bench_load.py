@@ -34,6 +34,9 @@ Definitions:
 - *delivery time*: from publication to a watcher holding v (or newer), over every (watcher, version) pair.
 - RSS (`VmRSS`), thread count (`Threads`) and CPU seconds (utime + stime) come from /proc/<pid> of each service.
 
+The services collect garbage with `diloco.rpc.server.tune_gc` (as they always do); the load generators and this
+process (the prober) do the same, so that their own collector pauses do not show up as the services' latency.
+
 Every call has a deadline (`call_timeout_s`; the streams the run's budget), every wait a bound, and the whole run
 `budget_s`: a service that stops answering shows up as errors and late calls, never as a hang.
 
@@ -49,6 +52,7 @@ import asyncio
 import bisect
 import contextlib
 import datetime
+import gc
 import itertools
 import json
 import math
@@ -61,7 +65,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -72,7 +76,7 @@ import grpc
 from diloco.bench.section import Context, Log, table
 from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster, LogFollower
 from diloco.errors import ConfigError
-from diloco.rpc.server import channel
+from diloco.rpc.server import channel, tune_gc
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 
 pb = coordinator_pb2
@@ -508,6 +512,7 @@ class _Generator:
 
 def _generate(job: GenJob, conn: Connection) -> None:
     """Child process: run `job`'s learners until the parent says stop (or goes away)."""
+    tune_gc()  # the services' collector settings: the harness's own pauses must not read as service latency
     with contextlib.suppress(EOFError, BrokenPipeError, KeyboardInterrupt):
         asyncio.run(_Generator(job, conn).run())
 
@@ -857,8 +862,21 @@ def run(s: LoadSettings, log: Log) -> dict[str, Any]:
             log(f"  N={n}: skipped, {left:.0f} s of the budget left")
             continue
         log(f"  N={n}: {s.quorum(n)} submissions close a round; one per learner every ~{s.submit_interval_s:g} s")
-        runs.append(run_one(n, s, log, left))
+        with _service_gc():  # the prober's thread lives in this process
+            runs.append(run_one(n, s, log, left))
     return {"settings": asdict(s), "runs": runs, "checks": checks(s, runs)}
+
+
+@contextlib.contextmanager
+def _service_gc() -> Iterator[None]:
+    """This process collects garbage as the services do (`tune_gc`) for the duration, then as before."""
+    before = gc.get_threshold()
+    tune_gc()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 def _fmt(x: float | None, spec: str = ".1f") -> str:
@@ -961,7 +979,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{s['active_s']:g} s of submissions, during which another thread calls GetStatus and GetWorkPlan every "
         f"{s['probe_interval_ms']:g} ms each (latency from when a call was due); then {s['deliver_within_s']:g} s "
         "of drain. Every call has a deadline of "
-        f"{s['call_timeout_s']:g} s; a failed call counts with the time it took. A version is *published* at its "
+        f"{s['call_timeout_s']:g} s; a failed call counts with the time it took. The generators and the prober "
+        "collect garbage with the services' settings (`tune_gc`). A version is *published* at its "
         "`round.closed` log line; *every watcher receives every version* means each of the N learners holds it "
         f"(or a newer one) within {s['deliver_within_s']:g} s. *Round close*: from the reply to the last submission "
         "a round applied to its publication (grace window, merge, outer step, encoding)."

@@ -12,6 +12,7 @@ import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
+from diloco.rpc.server import tune_gc
 from services.coordinator.config import parse
 from services.coordinator.server import CoordinatorServer
 
@@ -30,6 +31,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except ConfigError as e:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2
+    tune_gc()
     log.info("coordinator.started", port=port, address=server.address, metrics_port=server.metrics_port)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

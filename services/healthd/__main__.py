@@ -10,6 +10,7 @@ from types import FrameType
 
 from diloco import log as dlog
 from diloco.errors import ConfigError
+from diloco.rpc.server import tune_gc
 from services.healthd.config import parse
 from services.healthd.server import HealthdServer
 
@@ -35,6 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as e:
         log.error("healthd.start_failed", error=str(e))
         return 1
+    tune_gc()
     log.info(
         "healthd.started",
         port=port,
