@@ -41,14 +41,15 @@ class IslandSettings:
     outer_steps: int = 8
     local_steps: int = 20
     ranks: tuple[int, ...] = (1, 2)
+    sharded: bool = True  # also a 2-rank island with --shard-model (FSDP2)
     timeout_s: float = 600.0
 
 
 FULL = IslandSettings()
-QUICK = IslandSettings(outer_steps=3, local_steps=5)
+QUICK = IslandSettings(outer_steps=3, local_steps=5, sharded=False)
 
 
-def run_one(ranks: int, s: IslandSettings, log: Log) -> dict[str, Any]:
+def run_one(ranks: int, s: IslandSettings, log: Log, sharded: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="diloco-bench-island-") as tmp:
         cfg = ClusterConfig(
             workers=1,
@@ -60,6 +61,7 @@ def run_one(ranks: int, s: IslandSettings, log: Log) -> dict[str, Any]:
             run_dir=Path(tmp),
             insecure=True,
             nproc_per_worker=ranks,
+            worker_args={0: ("--shard-model", "true")} if sharded else {},
             coordinator_args=("--eval-tokens", "16384"),
         )
         started = time.monotonic()
@@ -78,6 +80,7 @@ def run_one(ranks: int, s: IslandSettings, log: Log) -> dict[str, Any]:
             phases[p].append(float(f.get(f"{p}_s", 0.0)))
     result = {
         "ranks": ranks,
+        "sharded": sharded,
         "validation_loss": status.validation_loss,
         "tokens_applied": status.tokens_applied,
         "outer_steps": status.version,
@@ -89,7 +92,7 @@ def run_one(ranks: int, s: IslandSettings, log: Log) -> dict[str, Any]:
         "rounds_timed": max(0, len(rounds) - 1),
     }
     log(
-        f"  {ranks} rank(s): loss {result['validation_loss']:.4f} at {result['tokens_applied']:,} tokens, "
+        f"  {_label(result)}: loss {result['validation_loss']:.4f} at {result['tokens_applied']:,} tokens, "
         f"{result['tokens_per_s']:,.0f} tokens/s, {wall:.1f} s"
     )
     return result
@@ -97,13 +100,15 @@ def run_one(ranks: int, s: IslandSettings, log: Log) -> dict[str, Any]:
 
 def run(s: IslandSettings, log: Log) -> dict[str, Any]:
     runs = [run_one(n, s, log) for n in s.ranks]
+    if s.sharded:
+        runs.append(run_one(2, s, log, sharded=True))
     base = runs[0]
     out: dict[str, Any] = {"settings": asdict(s), "runs": runs, "checks": []}
     for r in runs[1:]:
         gap = abs(r["validation_loss"] - base["validation_loss"]) / base["validation_loss"]
         out["checks"].append(
             {
-                "name": f"{r['ranks']}-rank island vs 1 rank: validation loss at equal tokens",
+                "name": f"{_label(r)} vs 1 rank: validation loss at equal tokens",
                 "target": f"within {LOSS_TOLERANCE:.0%}",
                 "measured": f"{r['validation_loss']:.4f} vs {base['validation_loss']:.4f} ({gap:.3%}); "
                 f"tokens {r['tokens_applied']:,} vs {base['tokens_applied']:,}",
@@ -117,6 +122,12 @@ def section(ctx: Context) -> dict[str, Any]:
     return run(QUICK if ctx.quick else FULL, ctx.log)
 
 
+def _label(x: dict[str, Any]) -> str:
+    if x["ranks"] == 1:
+        return "1 rank"
+    return f"{x['ranks']} ranks (torchrun" + (", FSDP2 --shard-model)" if x.get("sharded") else ", DDP)")
+
+
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -127,12 +138,14 @@ def markdown(r: dict[str, Any]) -> str:
         f"Command: `python -m diloco.bench.bench_island --outer-steps {s['outer_steps']} --local-steps "
         f"{s['local_steps']}`. One learner, `sync` rounds of H = {s['local_steps']} inner steps, "
         f"{s['outer_steps']} outer steps, the embedded task; the learner as one process, then as a torchrun group "
-        "of 2 ranks (gloo on CPU; each rank trains half of every global batch). Round phases are means over the "
+        "of 2 ranks (gloo on CPU; each rank trains half of every global batch) with DistributedDataParallel, and with "
+        "the model sharded over the ranks (FSDP2, `--shard-model`: rank 0 gathers the parameters for each "
+        "pseudo-gradient and scatters each new version). Round phases are means over the "
         "rounds after the first, in seconds, from the learner's `worker.round` and `worker.submitted` log lines."
     )
     rows = [
         [
-            f"{x['ranks']} rank" + ("s (torchrun)" if x["ranks"] > 1 else ""),
+            _label(x),
             f"{x['validation_loss']:.4f}",
             f"{x['tokens_applied']:,}",
             f"{x['tokens_per_s']:,.0f}",
