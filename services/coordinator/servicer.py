@@ -210,6 +210,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 if not request.follow:
                     return
                 await changed.wait()
+                await self._send.turn()  # a new version wakes every watcher at once: they go on a few at a time
                 continue
             async with self._send.slot():  # the header is built in the slot too: it is the loop's work
                 base, data = await self._encoded(snap)

@@ -414,8 +414,7 @@ class CoordinatorState:
 
     # --- parameters -----------------------------------------------------------------------------------------------
     def params_snapshot(self) -> ParamsSnapshot:
-        with self.lock:
-            return self._params
+        return self._params  # one reference, replaced whole under the lock: reading it needs no lock
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` is called (from the thread that published) after every new version and when stopping; it
