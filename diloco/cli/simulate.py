@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from diloco.core.broadcast import BROADCAST_CODECS
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.sim.config import SIM_MODES, SimConfig, parse_failures, parse_speeds
@@ -62,6 +63,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--grace-max-s", type=float, default=5.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
+    p.add_argument(
+        "--broadcast-codec",
+        choices=BROADCAST_CODECS,
+        default="fp32",
+        help="parameter broadcasts: fp32 snapshots, or deltas with downlink error feedback (bytes_down counts them)",
+    )
     p.add_argument("--no-error-feedback", action="store_true")
     p.add_argument("--outer", choices=OUTER_NAMES, default="nesterov")
     p.add_argument("--outer-lr", type=float, default=0.7)
@@ -103,6 +110,7 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         grace_max_s=a.grace_max_s,
         max_staleness=a.max_staleness,
         codec=a.codec,
+        broadcast_codec=a.broadcast_codec,
         error_feedback=not a.no_error_feedback,
         outer=OuterConfig(a.outer, a.outer_lr, a.outer_momentum),
         merge=a.merge,

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from diloco.core.broadcast import BROADCAST_CODECS
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
@@ -72,6 +73,7 @@ class SimConfig:
     grace_gamma: float = 0.5
     max_staleness: int = 4
     codec: str = "int8"
+    broadcast_codec: str = "fp32"  # parameters to learners (ALGORITHM.md section 10): fp32 snapshots or deltas
     error_feedback: bool = True
     outer: OuterConfig = field(default_factory=OuterConfig)
     merge: str = "mean"
@@ -94,6 +96,10 @@ class SimConfig:
             raise ConfigError(f"speeds: every learner needs a finite speed > 0, got {self.speeds}")
         if self.codec not in CODEC_NAMES:
             raise ConfigError(f"codec: unknown {self.codec!r}; allowed: {', '.join(CODEC_NAMES)}")
+        if self.broadcast_codec not in BROADCAST_CODECS:
+            raise ConfigError(
+                f"broadcast_codec: unknown {self.broadcast_codec!r}; allowed: {', '.join(BROADCAST_CODECS)}"
+            )
         for name in ("step_time_s", "bandwidth_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
