@@ -8,6 +8,7 @@ the loss history is kept as `[virtual time, tokens, loss]` points for the plots.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -38,6 +39,8 @@ CODEC_RUNS: tuple[tuple[str, bool], ...] = (
     ("topk", True),
     ("topk", False),
 )
+# compressed broadcasts (ALGORITHM.md section 10): int8 + EF uploads with each lossy broadcast codec
+BROADCAST_RUNS: tuple[str, ...] = ("bf16", "int8", "int4")
 OUTER_RUNS: tuple[tuple[str, str, OuterConfig], ...] = (
     ("Nesterov", "sync", OuterConfig("nesterov", 0.7, 0.9)),
     ("FedAvg", "sync", OuterConfig("fedavg", 1.0, 0.0)),
@@ -304,6 +307,21 @@ def compression(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
 
         runs.append(
             {"codec": codec, "error_feedback": ef, "label": label, **runner.seeds(make, label, s.token_budget, s.seeds)}
+        )
+    for bcast in BROADCAST_RUNS:
+        label = f"int8 + EF, {bcast} broadcast"
+
+        def make_b(seed: int, bcast: str = bcast) -> SimConfig:
+            return dataclasses.replace(sim_config(s, mode="sync", codec="int8", seed=seed), broadcast_codec=bcast)
+
+        runs.append(
+            {
+                "codec": "int8",
+                "error_feedback": True,
+                "broadcast_codec": bcast,
+                "label": label,
+                **runner.seeds(make_b, label, s.token_budget, s.seeds),
+            }
         )
     fp32 = runs[0]
     for r in runs:
