@@ -15,8 +15,9 @@ when the version is published (the behaviour before compressed broadcasts).
 holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
 scratch (`after_version` 0: a full snapshot). A refused delta changes nothing, so nothing is applied twice.
 
-Threads: neither class locks. The coordinator calls `advance` and `snapshot` under its tensor lock, `record` and
-`updates_since` under its bookkeeping lock (`advance` returns what `record` then makes visible).
+Threads: neither class locks. The coordinator calls `advance` under its tensor lock, then `record` (which makes
+the new version visible) and `updates_since` under its bookkeeping lock; `snapshot` under the tensor lock when
+the codec is lossy (it may encode `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed).
 """
 
 from __future__ import annotations
@@ -97,9 +98,11 @@ class BroadcastShadow:
         self.history = history
         self._deltas: deque[Delta] = deque(maxlen=history)
         self._snapshot: Snapshot | None = None
+        self._pending: Snapshot | None = None  # fp32: the snapshot `advance` made, installed by `record`
         self._shadow: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._reset(params, version)
+        self.record(None)
 
     @property
     def lossy(self) -> bool:
@@ -111,7 +114,7 @@ class BroadcastShadow:
         self.version = version
         if self.codec is None:
             data, meta = _fp32_bytes(params)
-            self._snapshot = Snapshot(version, data, meta, meta.crc32)
+            self._pending = Snapshot(version, data, meta, meta.crc32)
             self.checksum = meta.crc32
             return
         self._shadow = params.detach().to("cpu", torch.float32).contiguous().clone()
@@ -144,7 +147,10 @@ class BroadcastShadow:
         return Delta(version, version - 1, data, meta, self.checksum)
 
     def record(self, delta: Delta | None) -> None:
-        """Make `advance`'s result visible to `updates_since` (None: the history restarts at this version)."""
+        """Make `advance`'s result visible to `updates_since` and, for fp32, `snapshot` (None: the history restarts
+        at this version)."""
+        if self._pending is not None:
+            self._snapshot, self._pending = self._pending, None
         if delta is None:
             self._deltas.clear()
         else:
@@ -163,7 +169,8 @@ class BroadcastShadow:
         return chain
 
     def snapshot(self) -> Snapshot:
-        """`Θ̂` in full at the newest version `advance` reached, encoded once per version."""
+        """`Θ̂` in full: the newest version `advance` reached (lossy codecs: encoded once per version, on the first
+        call), or for fp32 the newest `record`ed."""
         if self._snapshot is None:
             assert self._shadow is not None
             data, meta = _fp32_bytes(self._shadow)

@@ -453,12 +453,19 @@ class CoordinatorState:
         return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
 
     def snapshot_broadcast(self) -> Broadcast:
-        """The shadow of the newest version in full (encoded once per version, under `work`: heavy)."""
-        with self.work:
-            snap: Snapshot = self.shadow.snapshot()
-            with self.lock:
-                ids = self._applied_by_version.get(snap.version, ())
-                finished = self._published.finished and self._published.version == snap.version
+        """The shadow of the newest version in full. Lossy broadcasts encode it once per version, under `work`
+        (heavy: it waits behind a round or an upload being folded in); fp32 ones made it with the version."""
+        if self.shadow.lossy:
+            with self.work:
+                snap = self.shadow.snapshot()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
+                with self.lock:
+                    return self._snapshot_locked(snap)
+        with self.lock:
+            return self._snapshot_locked(self.shadow.snapshot())
+
+    def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
+        ids = self._applied_by_version.get(snap.version, ())
+        finished = self._published.finished and self._published.version == snap.version
         return Broadcast(snap.version, self.epoch, None, snap.checksum, snap.data, snap.meta, ids, finished)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
