@@ -302,8 +302,9 @@ def compression(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
     for codec, ef in CODEC_RUNS:
         label = codec if codec == "fp32" else f"{codec} {'+ EF' if ef else 'no EF'}"
 
-        def make(seed: int, codec: str = codec, ef: bool = ef) -> SimConfig:
-            return sim_config(s, mode="sync", codec=codec, error_feedback=ef, seed=seed)
+        def make(seed: int, codec: str = codec, ef: bool = ef) -> SimConfig:  # only the upload codec changes
+            cfg = sim_config(s, mode="sync", codec=codec, error_feedback=ef, seed=seed)
+            return dataclasses.replace(cfg, broadcast_codec="fp32")
 
         runs.append(
             {"codec": codec, "error_feedback": ef, "label": label, **runner.seeds(make, label, s.token_budget, s.seeds)}

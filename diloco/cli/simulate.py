@@ -11,7 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from diloco.core.broadcast import BROADCAST_CODECS
+from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.sim.config import SIM_MODES, SimConfig, parse_failures, parse_speeds
@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument(
         "--broadcast-codec",
         choices=BROADCAST_CODECS,
-        default="fp32",
+        default=DEFAULT_BROADCAST_CODEC,
         help="parameter broadcasts: fp32 snapshots, or deltas with downlink error feedback (bytes_down counts them)",
     )
     p.add_argument("--no-error-feedback", action="store_true")

@@ -33,6 +33,8 @@ from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_
 
 __all__ = [
     "BROADCAST_CODECS",
+    "DEFAULT_BROADCAST_CODEC",
+    "DEFAULT_HISTORY",
     "BroadcastFollower",
     "BroadcastShadow",
     "Delta",
@@ -43,6 +45,10 @@ __all__ = [
 
 BROADCAST_CODECS: tuple[str, ...] = tuple(c for c in ("fp32", "bf16", "int8", "int4") if c in CODEC_NAMES)
 DEFAULT_HISTORY = 8
+# The cheapest codec whose loss stayed within 1% of fp32 broadcasts: `diloco simulate --codec int8 --outer-steps 30`
+# (the default model, decoupled, 4 learners), seeds 0 and 1, final loss against fp32 broadcasts: bf16 +0.22%/-0.47%,
+# int8 -0.26%/-0.40%, int4 -0.35%/-0.06%; bytes down 57.9 MB (fp32), 29.9 (bf16), 16.4 (int8), 9.4 (int4).
+DEFAULT_BROADCAST_CODEC = "int4"
 
 
 def params_checksum(flat: torch.Tensor) -> int:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from diloco.core.broadcast import BROADCAST_CODECS
+from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
@@ -73,7 +73,7 @@ class SimConfig:
     grace_gamma: float = 0.5
     max_staleness: int = 4
     codec: str = "int8"
-    broadcast_codec: str = "fp32"  # parameters to learners (ALGORITHM.md section 10): fp32 snapshots or deltas
+    broadcast_codec: str = DEFAULT_BROADCAST_CODEC  # parameters to learners (ALGORITHM.md section 10)
     error_feedback: bool = True
     outer: OuterConfig = field(default_factory=OuterConfig)
     merge: str = "mean"

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco.core.broadcast import BROADCAST_CODECS
+from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, codec_class
 from diloco.core.coordinator import CoordinatorConfig
 from diloco.core.guard import GuardConfig, adamw_move_bound
@@ -63,7 +63,7 @@ class CoordinatorServiceConfig:
     fixed_local_steps: bool = False  # True: every learner runs `local_steps` (no dynamic H_m)
     scale_partial_rounds: bool = True  # a decoupled round without every learner takes a partial step
     codec: str = "int8"
-    broadcast_codec: str = "fp32"  # parameters to learners: fp32 snapshots, or deltas with downlink error feedback
+    broadcast_codec: str = DEFAULT_BROADCAST_CODEC  # to learners: fp32 snapshots, or deltas with error feedback
     broadcast_history: int = 8  # encoded broadcast deltas kept; a learner further behind gets a full snapshot
     outer: str = "nesterov"
     outer_lr: float = 0.7
@@ -239,7 +239,7 @@ _SERVICE_FLAGS: list[Flag] = [
     (
         "--broadcast-codec",
         str,
-        "fp32",
+        DEFAULT_BROADCAST_CODEC,
         f"parameter broadcasts: {', '.join(BROADCAST_CODECS)} (fp32: full snapshots; else deltas of a shadow "
         "with error feedback, bit-identical on every learner)",
     ),

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from diloco import log as logging
-from diloco.core.broadcast import DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
+from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
 from diloco.core.codecs import EncodedMeta
 from diloco.core.coordinator import (
     CoordinatorCore,
@@ -156,7 +156,7 @@ class CoordinatorState:
         fingerprint: str,
         codec: str,
         max_upload_bytes: int,
-        broadcast_codec: str = "fp32",
+        broadcast_codec: str = DEFAULT_BROADCAST_CODEC,
         broadcast_history: int = DEFAULT_HISTORY,
         upload_ttl_s: float,
         max_partial_uploads: int,
