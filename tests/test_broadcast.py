@@ -5,6 +5,7 @@ gRPC proxy that corrupts one message), and a real multi-process cluster with int
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -19,6 +20,10 @@ from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, p
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
+from diloco.sim.config import SimConfig
+from diloco.sim.engine import simulate
+from diloco.sim.result import SimResult
+from diloco.sim.result import encoded_size as timing_size
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import parse
 from services.worker.session import SessionLost
@@ -148,6 +153,21 @@ def test_bad_broadcast_settings_are_refused() -> None:
     with pytest.raises(ConfigError, match="broadcast_history"):
         parse(["--insecure", "--broadcast-history", "0"], env={})
     assert parse(["--insecure", "--broadcast-codec", "int4"], env={}).broadcast_codec == "int4"
+
+
+# --- the simulator --------------------------------------------------------------------------------------------------
+def test_simulated_bytes_down_follow_the_broadcast_codec() -> None:
+    def run(bcast: str) -> SimResult:
+        cfg = SimConfig(mode="sync", speeds=(1.0, 1.0), train=False, model_numel=100_000, outer_steps=5)
+        return simulate(dataclasses.replace(cfg, broadcast_codec=bcast))
+
+    fp32, int4 = run("fp32"), run("int4")
+    assert fp32.rounds == int4.rounds == 5 and fp32.bytes_up == int4.bytes_up
+    snapshots = 2 * 4 * 100_000  # each learner's first version; the last round's version is not broadcast
+    assert fp32.bytes_down == snapshots + 4 * 2 * 4 * 100_000
+    assert int4.bytes_down == snapshots + 4 * 2 * timing_size(get_codec("int4"), 100_000)  # the --no-train estimate
+    with pytest.raises(ConfigError, match="broadcast_codec"):
+        SimConfig(broadcast_codec="topk")
 
 
 # --- the coordinator through a real channel ------------------------------------------------------------------------
