@@ -1,12 +1,12 @@
 """The distributed loop against a plain DiLoCo loop written here with torch alone (ALGORITHM.md sections 1, 3, 4).
 
-The simulator (mode `sync`, codec fp32, no failures, equal learners) drives the real coordinator core, ledger,
-codecs and learner trainers. The reference below shares only the model, the data batches and the learning-rate
-schedule with it: M replicas, each with its own `torch.optim.AdamW` (decay on matrices and embeddings, not on
-biases and gains; grad-clip; the task's warmup + cosine schedule, counted over the replica's lifetime and kept with
-its optimizer state across rounds), adopt Θ, run H steps on their shard, and the outer `torch.optim.SGD(nesterov=
-True)` steps Θ with the token-weighted mean of the pseudo-gradients Θ − θ_m. If a change to any part of the
-system alters the training, the two part ways.
+The simulator (mode `sync`, fp32 uploads and broadcasts, no failures, equal learners) drives the real coordinator
+core, ledger, codecs and learner trainers. The reference below shares only the model, the data batches and the
+learning-rate schedule with it: M replicas, each with its own `torch.optim.AdamW` (decay on matrices and
+embeddings, not on biases and gains; grad-clip; the task's warmup + cosine schedule, counted over the replica's
+lifetime and kept with its optimizer state across rounds), adopt Θ, run H steps on their shard, and the outer
+`torch.optim.SGD(nesterov=True)` steps Θ with the token-weighted mean of the pseudo-gradients Θ − θ_m. If a
+change to any part of the system alters the training, the two part ways.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def sim_config() -> SimConfig:
         mode="sync",
         speeds=(1.0,) * LEARNERS,
         codec="fp32",
+        broadcast_codec="fp32",  # learners adopt Θ exactly, as the reference's replicas do
         outer=OuterConfig("nesterov", OUTER_LR, OUTER_MOMENTUM),
         merge="mean",
         num_shards=LEARNERS,  # one shard per learner

@@ -340,7 +340,9 @@ def compression_md(r: dict[str, Any]) -> str:
             f"{s['token_budget']:,} tokens, H = {s['local_steps']}); only the upload codec and error feedback (EF) "
             "change. topk keeps 1% of the entries; its error feedback carries half of the residual to the next round "
             "(exact feedback diverged at this density, see `diloco.core.codecs.ErrorFeedback`), the other codecs' "
-            "all of it. Broadcasts stay fp32, so total bytes shrink less than uploads. `vs fp32` compares each seed "
+            "all of it. Broadcasts are fp32 snapshots (so total bytes shrink less than uploads) except in the rows "
+            "that name a broadcast codec: deltas of a shadow with downlink error feedback (ALGORITHM.md section 10). "
+            "`vs fp32` compares each seed "
             "with the fp32 run of the same seed. " + seeds_note(s),
             *([changed_sim(s)] if "seeds" in s else []),
             table(

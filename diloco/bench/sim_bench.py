@@ -8,6 +8,7 @@ the loss history is kept as `[virtual time, tokens, loss]` points for the plots.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -38,6 +39,8 @@ CODEC_RUNS: tuple[tuple[str, bool], ...] = (
     ("topk", True),
     ("topk", False),
 )
+# compressed broadcasts (ALGORITHM.md section 10): int8 + EF uploads with each lossy broadcast codec
+BROADCAST_RUNS: tuple[str, ...] = ("bf16", "int8", "int4")
 OUTER_RUNS: tuple[tuple[str, str, OuterConfig], ...] = (
     ("Nesterov", "sync", OuterConfig("nesterov", 0.7, 0.9)),
     ("FedAvg", "sync", OuterConfig("fedavg", 1.0, 0.0)),
@@ -299,11 +302,27 @@ def compression(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
     for codec, ef in CODEC_RUNS:
         label = codec if codec == "fp32" else f"{codec} {'+ EF' if ef else 'no EF'}"
 
-        def make(seed: int, codec: str = codec, ef: bool = ef) -> SimConfig:
-            return sim_config(s, mode="sync", codec=codec, error_feedback=ef, seed=seed)
+        def make(seed: int, codec: str = codec, ef: bool = ef) -> SimConfig:  # only the upload codec changes
+            cfg = sim_config(s, mode="sync", codec=codec, error_feedback=ef, seed=seed)
+            return dataclasses.replace(cfg, broadcast_codec="fp32")
 
         runs.append(
             {"codec": codec, "error_feedback": ef, "label": label, **runner.seeds(make, label, s.token_budget, s.seeds)}
+        )
+    for bcast in BROADCAST_RUNS:
+        label = f"int8 + EF, {bcast} broadcast"
+
+        def make_b(seed: int, bcast: str = bcast) -> SimConfig:
+            return dataclasses.replace(sim_config(s, mode="sync", codec="int8", seed=seed), broadcast_codec=bcast)
+
+        runs.append(
+            {
+                "codec": "int8",
+                "error_feedback": True,
+                "broadcast_codec": bcast,
+                "label": label,
+                **runner.seeds(make_b, label, s.token_budget, s.seeds),
+            }
         )
     fp32 = runs[0]
     for r in runs:

@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.sim.config import SIM_MODES, SimConfig, parse_failures, parse_speeds
@@ -62,6 +63,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--grace-max-s", type=float, default=5.0)
     p.add_argument("--max-staleness", type=int, default=4)
     p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
+    p.add_argument(
+        "--broadcast-codec",
+        choices=BROADCAST_CODECS,
+        default=DEFAULT_BROADCAST_CODEC,
+        help="parameter broadcasts: fp32 snapshots, or deltas with downlink error feedback (bytes_down counts them)",
+    )
     p.add_argument("--no-error-feedback", action="store_true")
     p.add_argument(
         "--ef-decay",
@@ -112,6 +119,7 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         grace_max_s=a.grace_max_s,
         max_staleness=a.max_staleness,
         codec=a.codec,
+        broadcast_codec=a.broadcast_codec,
         error_feedback=not a.no_error_feedback,
         ef_decay=a.ef_decay,
         topk_fraction=a.topk_fraction,

@@ -6,6 +6,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, CodecError, check_ef_decay, get_codec
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
@@ -72,6 +73,7 @@ class SimConfig:
     grace_gamma: float = 0.5
     max_staleness: int = 4
     codec: str = "int8"
+    broadcast_codec: str = DEFAULT_BROADCAST_CODEC  # parameters to learners (ALGORITHM.md section 10)
     error_feedback: bool = True
     ef_decay: float | None = None  # error feedback's β (0 < β <= 1); None: the codec's default (`ErrorFeedback`)
     topk_fraction: float | None = None  # topk/sparse: fraction of entries sent; None: the codec's default
@@ -105,6 +107,10 @@ class SimConfig:
             get_codec(self.codec, topk_fraction=self.topk_fraction)
         except CodecError as err:
             raise ConfigError(f"topk_fraction: {err}") from None
+        if self.broadcast_codec not in BROADCAST_CODECS:
+            raise ConfigError(
+                f"broadcast_codec: unknown {self.broadcast_codec!r}; allowed: {', '.join(BROADCAST_CODECS)}"
+            )
         for name in ("step_time_s", "bandwidth_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

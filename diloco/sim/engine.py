@@ -9,7 +9,9 @@ clock, and keeps only time, links, failures and measurements:
 - an inner step (`Train`) of a learner with relative speed `v` takes `step_time_s / v`; a `Submit` of `n` bytes
   reaches the coordinator after `latency_s + n / bandwidth`; so do the parameters, towards each learner: once
   after it registers (the watch's first message) and after every round (the broadcast, with the applied
-  submission ids). The learner's plan rides along, read when the parameters arrive.
+  submission ids). The learner's plan rides along, read when the parameters arrive. Learners get the real
+  broadcast shadow `Θ̂` (`BroadcastShadow`, ALGORITHM.md section 10): a full fp32 snapshot on registering, then
+  each version's delta in `broadcast_codec` (its encoded size is what `bytes_down` counts).
 - control calls (`Register`, `FetchPlan`, `Deregister`) take no time; `Load` and `Rebase` run on the learner's
   `InnerTrainer`; `Wait(until)` wakes the learner at `until`.
 - training is lazy: when an event touches a learner, the whole steps that end by the event's time run first, then
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.core import learner as lc
+from diloco.core.broadcast import BroadcastShadow
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission, WorkPlan
 from diloco.core.merge import Segment
@@ -122,6 +125,8 @@ class Simulator(EventLoop):
             target_outer_steps=cfg.outer_steps,
         )
         self.core = CoordinatorCore(core_cfg, params, shard_lengths, segments)
+        self.broadcast = BroadcastShadow(self.core.params, self.core.version, cfg.broadcast_codec)
+        self.delta_bytes = encoded_size(get_codec(cfg.broadcast_codec), self.model_numel)  # for --no-train
         self.learners = [
             Learner(i, v, cfg.step_time_s / v, lc.LearnerCore(lc.LearnerConfig(id_prefix=f"l{i}-")))
             for i, v in enumerate(cfg.speeds)
@@ -325,14 +330,15 @@ class Simulator(EventLoop):
         """Register, then the watch sends the current parameters."""
         rec = self.core.register(f"learner{learner.idx}", t, speed=learner.speed * self.tokens_per_step)
         learner.core.registered(t, rec.worker_id, 0, self.cfg.mode, self.core.plan(rec.worker_id))
-        self.send_params(learner, t, self.core.version, self.core.params.clone(), ())
+        self.send_params(learner, t, self.core.version, self.broadcast.shadow.clone(), (), self.param_bytes)
 
     def send_params(
-        self, learner: Learner, t: float, version: int, params: torch.Tensor, applied: Iterable[str]
+        self, learner: Learner, t: float, version: int, params: torch.Tensor, applied: Iterable[str], nbytes: int
     ) -> None:
-        """Stream `version` to the learner's current registration (a watch ends with its registration)."""
-        self.bytes_down += self.param_bytes
-        arrive = t + self.transfer_s(self.param_bytes)
+        """Stream `version` (`nbytes` on the wire) to the learner's current registration (a watch ends with its
+        registration)."""
+        self.bytes_down += nbytes
+        arrive = t + self.transfer_s(nbytes)
         self.at(arrive, "params", learner.idx, learner.core.worker_id, version, params, frozenset(applied))
 
     def on_params(self, idx: int, worker_id: str, version: int, params: torch.Tensor, applied: frozenset[str]) -> None:
@@ -388,11 +394,16 @@ class Simulator(EventLoop):
         if self.stop_reached():
             self.done = True
             return
-        params = self.core.params.clone()
+        delta = self.broadcast.advance(self.core.params, applied.version)
+        self.broadcast.record(delta)
+        params = self.broadcast.shadow.clone()
+        nbytes = (
+            self.param_bytes if delta is None else self.delta_bytes if self.task is None else delta.meta.encoded_bytes
+        )
         ids = [p.submission_id for p in applied.submissions]
         for learner in self.learners:
             if learner.alive:
-                self.send_params(learner, self.now, applied.version, params, ids)
+                self.send_params(learner, self.now, applied.version, params, ids, nbytes)
 
     # --- failures ---------------------------------------------------------------------------------------------
     def on_kill(self, idx: int, inc: int | None = None) -> None:

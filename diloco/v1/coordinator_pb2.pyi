@@ -73,20 +73,24 @@ class WatchParametersRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     APPLIED_SUBMISSION_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
     version: int
     coordinator_epoch: int
     payload: _common_pb2.PayloadSpec
     plan: _common_pb2.WorkPlan
     applied_submission_ids: _containers.RepeatedScalarFieldContainer[str]
     finished: bool
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ...) -> None: ...
+    delta_from: int
+    params_crc32: int
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, codec_class
 from diloco.core.coordinator import CoordinatorConfig
 from diloco.core.guard import GuardConfig, adamw_move_bound
@@ -62,6 +63,8 @@ class CoordinatorServiceConfig:
     fixed_local_steps: bool = False  # True: every learner runs `local_steps` (no dynamic H_m)
     scale_partial_rounds: bool = True  # a decoupled round without every learner takes a partial step
     codec: str = "int8"
+    broadcast_codec: str = DEFAULT_BROADCAST_CODEC  # to learners: fp32 snapshots, or deltas with error feedback
+    broadcast_history: int = 8  # encoded broadcast deltas kept; a learner further behind gets a full snapshot
     outer: str = "nesterov"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -102,6 +105,8 @@ class CoordinatorServiceConfig:
         _int_in("keep_checkpoints", self.keep_checkpoints, 1)
         _choice("mode", self.mode, MODES)
         _choice("codec", self.codec, CODEC_NAMES)
+        _choice("broadcast_codec", self.broadcast_codec, BROADCAST_CODECS)
+        _int_in("broadcast_history", self.broadcast_history, 1, 256)
         _choice("outer", self.outer, OUTER_NAMES)
         _choice("merge", self.merge, MERGE_NAMES)
         _choice("log_level", self.log_level, LOG_LEVELS)
@@ -232,6 +237,14 @@ _SERVICE_FLAGS: list[Flag] = [
         "decoupled: a round closed without every learner steps in proportion to the inner steps it holds",
     ),
     ("--codec", str, "int8", f"upload codec: {', '.join(CODEC_NAMES)}"),
+    (
+        "--broadcast-codec",
+        str,
+        DEFAULT_BROADCAST_CODEC,
+        f"parameter broadcasts: {', '.join(BROADCAST_CODECS)} (fp32: full snapshots; else deltas of a shadow "
+        "with error feedback, bit-identical on every learner)",
+    ),
+    ("--broadcast-history", int, 8, "broadcast deltas kept; a learner further behind gets a full snapshot"),
     ("--outer", str, "nesterov", f"outer optimizer: {', '.join(OUTER_NAMES)}"),
     ("--outer-lr", float, 0.7, "outer learning rate"),
     ("--outer-momentum", float, 0.9, "outer momentum"),

@@ -2,8 +2,9 @@
 
 Control calls run on the event loop (they take only the state's short bookkeeping lock); upload work (opening,
 decoding chunks, finishing) and checkpoints run on a bounded executor, so control calls keep answering while
-pseudo-gradients arrive. A parameter watch is a coroutine waiting on `LoopSignal`; every watcher sends the same
-encoded chunks of a version (built once per version).
+pseudo-gradients arrive. A parameter watch is a coroutine waiting on `LoopSignal`; it sends a watcher what it needs
+from the version it holds (`CoordinatorState.broadcasts_since`: the deltas since, or a full snapshot), and every
+watcher sends the same encoded chunks of a delta or snapshot (built once, off the event loop).
 
 Domain errors (`diloco.errors`) become status codes in `diloco.rpc.status`; nothing here decides policy.
 """
@@ -38,7 +39,7 @@ from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.state import CoordinatorState, ParamsSnapshot, UploadStream
+from services.coordinator.state import Broadcast, CoordinatorState, UploadStream
 
 T = TypeVar("T")
 # Parameter-watch writes in progress at once (`SendSlots`): enough to keep a fast network busy, few enough that a
@@ -165,7 +166,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
         self.params_changed = LoopSignal()
         state.add_listener(self.params_changed.notify)
-        self._encoded_cache: tuple[ParamsSnapshot, asyncio.Future[_Encoded]] | None = None
+        self._deltas: dict[int, asyncio.Future[_Encoded]] = {}  # by version: its encoded delta (from version - 1)
+        self._snapshot: tuple[int, asyncio.Future[_Encoded]] | None = None  # (newest version when asked, snapshot)
         self._send = SendSlots(SEND_SLOTS, SEND_SLOT_LEASE_S)
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -200,51 +202,66 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if worker_id:
             self._act_as(context, worker_id)
             self.state.plan(worker_id)  # NOT_FOUND / FAILED_PRECONDITION before anything is sent
-        # 0, or a version newer than ours (we restarted from an older checkpoint): send the current one
-        current = self.state.params_snapshot().version
-        after: int | None = request.after_version if 0 < request.after_version <= current else None
+        # 0, or a version newer than ours (we restarted from an older checkpoint): a full snapshot of the current one
+        current = self.state.published().version
+        held: int | None = request.after_version if 0 < request.after_version <= current else None
         while not self.state.stopping:
             changed = self.params_changed.waiter()  # before reading: a version published after this wakes it
-            snap = self.state.params_snapshot()
-            if after is not None and snap.version <= after:
+            newest, chain = self.state.broadcasts_since(held)
+            if chain == []:
                 if not request.follow:
                     return
                 await changed.wait()
                 await self._send.turn()  # a new version wakes every watcher at once: they go on a few at a time
                 continue
-            async with self._send.slot():  # the header is built in the slot too: it is the loop's work
-                base, data = await self._encoded(snap)
-                first = coordinator_pb2.ParametersChunk()
-                first.header.CopyFrom(base)
-                if worker_id:
-                    first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
-                yield first
-            for chunk in data:
-                async with self._send.slot():
-                    yield chunk
-                self.state.count_sent(len(chunk.data))
-            after = snap.version
+            for item in chain if chain is not None else [None]:  # None: a full snapshot
+                async with self._send.slot():  # the header is built in the slot too: it is the loop's work
+                    base, data = await self._encoded(item, newest.version)
+                    first = coordinator_pb2.ParametersChunk()
+                    first.header.CopyFrom(base)
+                    if worker_id:
+                        first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+                    yield first
+                for chunk in data:
+                    async with self._send.slot():
+                        yield chunk
+                    self.state.count_sent(len(chunk.data))
+                held = base.version
             if not request.follow:
                 return
 
-    async def _encoded(self, snap: ParamsSnapshot) -> _Encoded:
-        """`snap`'s header (without a plan) and data messages, built once per version off the event loop (a large
-        model's chunks are a copy of hundreds of MB) and shared by every watcher."""
-        cached = self._encoded_cache
-        if cached is None or cached[0] is not snap:
-            cached = (snap, asyncio.ensure_future(self._blocking(self._encode, snap)))
-            self._encoded_cache = cached
-        return await asyncio.shield(cached[1])
+    async def _encoded(self, item: Broadcast | None, newest: int) -> _Encoded:
+        """The header (without a plan) and data messages of a delta, or of a full snapshot (`item` None) of the
+        newest version (`newest` when asked), built once off the event loop (a large model's chunks are a copy of
+        hundreds of MB) and shared by every watcher."""
+        if item is None:
+            cached = self._snapshot
+            if cached is None or cached[0] != newest:
+                cached = (newest, asyncio.ensure_future(self._blocking(self._encode_snapshot)))
+                self._snapshot = cached
+            return await asyncio.shield(cached[1])
+        future = self._deltas.get(item.version)
+        if future is None:
+            future = self._deltas[item.version] = asyncio.ensure_future(self._blocking(self._encode, item))
+            for old in [v for v in self._deltas if v <= newest - self.state.shadow.history]:
+                del self._deltas[old]
+        return await asyncio.shield(future)
 
-    def _encode(self, snap: ParamsSnapshot) -> _Encoded:
+    def _encode_snapshot(self) -> _Encoded:
+        return self._encode(self.state.snapshot_broadcast())
+
+    def _encode(self, b: Broadcast) -> _Encoded:
         header = coordinator_pb2.ParametersHeader(
-            version=snap.version,
-            coordinator_epoch=snap.coordinator_epoch,
-            payload=meta_to_proto(snap.meta, self.specs),
-            applied_submission_ids=list(snap.applied_ids),
-            finished=snap.finished,
+            version=b.version,
+            coordinator_epoch=b.coordinator_epoch,
+            payload=meta_to_proto(b.meta, self.specs),
+            applied_submission_ids=list(b.applied_ids),
+            finished=b.finished,
+            params_crc32=b.checksum,
         )
-        parts = chunks(snap.data, chunk_bytes=self.chunk_bytes)
+        if b.delta_from is not None:
+            header.delta_from = b.delta_from
+        parts = chunks(b.data, chunk_bytes=self.chunk_bytes)
         return header, [coordinator_pb2.ParametersChunk(data=bytes(c)) for c in parts]
 
     def _act_as(self, context: Context, worker_id: str) -> str:

@@ -1,12 +1,14 @@
 """The coordinator service's state around the pure `CoordinatorCore` and the pure upload table
-(`diloco.core.uploads.Uploads`): the locks, the coordinator epoch, the encoded parameters shared by every watcher.
+(`diloco.core.uploads.Uploads`): the locks, the coordinator epoch, the broadcast shadow and the encoded broadcasts
+shared by every watcher (`diloco.core.broadcast`, ALGORITHM.md section 10).
 
 No gRPC here: the servicer turns protos into the domain types below and calls these methods; errors are
 `diloco.errors` types, mapped to status codes in one place (`diloco.rpc.status`).
 
 Control calls never wait on bulk work (ALGORITHM.md section 9). Locks, always taken in this order:
-- `work` (re-entrant): the tensors (merge buffer, parameters, outer state). Held to fold a pseudo-gradient in, to
-  step and encode a closed round, and to copy the parameters for a checkpoint or an evaluation.
+- `work` (re-entrant): the tensors (merge buffer, parameters, outer state, broadcast shadow). Held to fold a
+  pseudo-gradient in, to step and encode a closed round, to encode a full snapshot of the shadow, and to copy the
+  parameters for a checkpoint or an evaluation.
 - `lock`: the core's bookkeeping (registry, ledger, round policy) and everything else here; held only briefly,
   never for tensor work. Status, plans, registration and throughput reports take only this lock.
 - one stripe of `_stripes` per submission id: one upload's decoder (decoding a chunk holds only this).
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from diloco import log as logging
+from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
 from diloco.core.codecs import EncodedMeta
 from diloco.core.coordinator import (
     CoordinatorCore,
@@ -50,11 +53,11 @@ from diloco.core.uploads import (
     Uploads,
 )
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
-from diloco.rpc.payload import BufferPool, PayloadReceiver, encode_params
+from diloco.rpc.payload import BufferPool, PayloadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.metrics import CoordinatorMetrics
 
-__all__ = ["CoordinatorState", "ParamsSnapshot", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
+__all__ = ["Broadcast", "CoordinatorState", "Published", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
 
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
 _STRIPES = 64  # locks for the uploads' decoders, by submission id
@@ -66,15 +69,28 @@ _REMOVED_EVENTS = {
 
 
 @dataclass(frozen=True)
-class ParamsSnapshot:
-    """One version of the global parameters, encoded once (fp32) and shared by every watcher."""
+class Published:
+    """The newest version watchers may receive."""
 
     version: int
     coordinator_epoch: int
-    data: memoryview  # read-only by convention: every watcher sends from it
-    meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool  # the run reached its target: this is the last version
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """One broadcast message of `version`: a full snapshot of the shadow (`delta_from` None) or the delta from
+    `delta_from`, encoded once and shared by every watcher. `checksum`: crc32 of the shadow at `version`."""
+
+    version: int
+    coordinator_epoch: int
+    delta_from: int | None
+    checksum: int
+    data: bytes | memoryview  # read-only by convention: every watcher sends from it
+    meta: EncodedMeta
+    applied_ids: tuple[str, ...]
+    finished: bool
 
 
 @dataclass(frozen=True)
@@ -140,6 +156,8 @@ class CoordinatorState:
         fingerprint: str,
         codec: str,
         max_upload_bytes: int,
+        broadcast_codec: str = DEFAULT_BROADCAST_CODEC,
+        broadcast_history: int = DEFAULT_HISTORY,
         upload_ttl_s: float,
         max_partial_uploads: int,
         metrics: CoordinatorMetrics,
@@ -178,8 +196,9 @@ class CoordinatorState:
         self.bytes_received = 0
         self.bytes_sent = 0
         self._applied_by_version: dict[int, tuple[str, ...]] = {}
-        data, meta = encode_params(core.params)
-        self._params = ParamsSnapshot(core.version, self.epoch, data, meta, (), core.finished)
+        self.broadcast_codec = broadcast_codec
+        self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
+        self._published = Published(core.version, self.epoch, (), core.finished)
         self._refresh_gauges()
 
     # --- membership ---------------------------------------------------------------------------------------------
@@ -327,13 +346,13 @@ class CoordinatorState:
         if closed is None:
             return None
         applied = self.core.step(closed)
-        data, meta = encode_params(self.core.params)
+        delta = self.shadow.advance(self.core.params, applied.version)
         if self.on_round is not None:
             self.on_round(applied)
-        self._publish(applied, data, meta)
+        self._publish(applied, delta)
         return applied
 
-    def _publish(self, applied: RoundApplied, data: memoryview, meta: EncodedMeta) -> None:
+    def _publish(self, applied: RoundApplied, delta: Delta | None) -> None:
         """After a round's step: its parameters go to the watchers, its outcome to the records and metrics."""
         ids = tuple(p.submission_id for p in applied.submissions)
         with self._table_lock:
@@ -343,7 +362,8 @@ class CoordinatorState:
             self._applied_by_version[applied.version] = ids
             for v in [v for v in self._applied_by_version if v <= applied.version - _APPLIED_VERSIONS]:
                 del self._applied_by_version[v]
-            self._params = ParamsSnapshot(applied.version, self.epoch, data, meta, ids, self.core.finished)
+            self.shadow.record(delta)
+            self._published = Published(applied.version, self.epoch, ids, self.core.finished)
             m = self.metrics
             m.rounds.inc()
             m.pseudo_gradient_norm.set(applied.delta_norm)
@@ -413,8 +433,39 @@ class CoordinatorState:
         self.log.info("eval.done", version=version, val_loss=round(loss, 6), eval_tokens=tokens)
 
     # --- parameters -----------------------------------------------------------------------------------------------
-    def params_snapshot(self) -> ParamsSnapshot:
-        return self._params  # one reference, replaced whole under the lock: reading it needs no lock
+    def published(self) -> Published:
+        return self._published  # one reference, replaced whole under the lock: reading it needs no lock
+
+    def broadcasts_since(self, held: int | None) -> tuple[Published, list[Broadcast] | None]:
+        """The newest version, and what a watcher holding version `held` (None: none) needs to reach it: [] nothing,
+        the deltas held+1..newest, or None: a full snapshot (`snapshot_broadcast`). Bookkeeping only (cheap)."""
+        with self.lock:
+            pub = self._published
+            chain = self.shadow.updates_since(held, pub.version)
+            if chain is None:
+                return pub, None
+            return pub, [self._delta_broadcast(d, pub) for d in chain]
+
+    def _delta_broadcast(self, d: Delta, pub: Published) -> Broadcast:
+        ids = self._applied_by_version.get(d.version, ())
+        finished = pub.finished and d.version == pub.version
+        return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
+
+    def snapshot_broadcast(self) -> Broadcast:
+        """The shadow of the newest version in full. Lossy broadcasts encode it once per version, under `work`
+        (heavy: it waits behind a round or an upload being folded in); fp32 ones made it with the version."""
+        if self.shadow.lossy:
+            with self.work:
+                snap = self.shadow.snapshot()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
+                with self.lock:
+                    return self._snapshot_locked(snap)
+        with self.lock:
+            return self._snapshot_locked(self.shadow.snapshot())
+
+    def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
+        ids = self._applied_by_version.get(snap.version, ())
+        finished = self._published.finished and self._published.version == snap.version
+        return Broadcast(snap.version, self.epoch, None, snap.checksum, snap.data, snap.meta, ids, finished)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` is called (from the thread that published) after every new version and when stopping; it

@@ -2,7 +2,11 @@
 (WatchParameters, follow) and posts each as a `Delivered` to the worker's inbox. The header carries the
 learner's plan, the applied submission ids and whether the job finished, so the learner needs no GetStatus or
 GetWorkPlan per round. It reconnects with capped, jittered backoff; what each status code means comes from
-`diloco.core.learner.REACTIONS`."""
+`diloco.core.learner.REACTIONS`.
+
+A broadcast is a full snapshot or a delta to the version held (ALGORITHM.md section 10); `BroadcastFollower` holds
+the learner's copy and says whether a delta applies. A refused delta (not for the version held, or a checksum that
+differs after applying) or a corrupt payload is dropped and the watch restarts from version 0 (a full snapshot)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import grpc
 import structlog
 import torch
 
+from diloco.core.broadcast import BroadcastFollower, Refusal
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.errors import InvalidArgument
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
@@ -24,7 +29,8 @@ from services.worker.session import Broadcast, SessionLost
 
 @dataclass(frozen=True)
 class Delivered:
-    """One complete version: its header and its decoded parameters."""
+    """One complete version: its header and its parameters (the broadcast shadow Θ̂ of that version; a new tensor
+    per version, never written again)."""
 
     broadcast: Broadcast
     flat: torch.Tensor
@@ -50,6 +56,7 @@ class Watcher:
     ) -> None:
         self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
         self.post, self.log = post, log
+        self.follower = BroadcastFollower()  # touched by the watch thread only
         self._closed = threading.Event()
         self._call: grpc.Future | None = None  # type: ignore[type-arg]
         self._thread = threading.Thread(target=self._run, name=f"watch-{worker_id}", daemon=True)
@@ -89,7 +96,12 @@ class Watcher:
                         continue
                     receiver.feed(msg.data)
                     if receiver.received == receiver.meta.encoded_bytes:
-                        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), receiver.finish()))
+                        params = self._apply(header, receiver.finish())
+                        if params is None:
+                            call.cancel()
+                            after = 0
+                            break
+                        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), params))
                         after, receiver = header.version, None
                         backoff.reset()
             except grpc.RpcError as e:
@@ -109,3 +121,19 @@ class Watcher:
                 after = 0
             if self._closed.wait(backoff.next_s(refusal)):
                 return
+
+    def _apply(self, header: coordinator_pb2.ParametersHeader, decoded: torch.Tensor) -> torch.Tensor | None:
+        """The parameters of `header`'s version from its decoded payload; None: refused (logged)."""
+        if not header.HasField("delta_from"):
+            return self.follower.snapshot(header.version, decoded)
+        got = self.follower.delta(header.version, header.delta_from, decoded, header.params_crc32)
+        if isinstance(got, Refusal):
+            self.log.warning(
+                "worker.broadcast_refused",
+                reason=got.value,
+                version=header.version,
+                delta_from=header.delta_from,
+                held=self.follower.version,
+            )
+            return None
+        return got

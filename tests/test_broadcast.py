@@ -1,0 +1,347 @@
+"""Compressed broadcasts (ALGORITHM.md section 10): the pure shadow and follower (bit-identical reconstruction by a
+learner following every delta, one that skips versions, one too far behind), the coordinator's WatchParameters
+answers through a real channel, the learner's watcher refusing a corrupted delta and re-fetching a snapshot (a real
+gRPC proxy that corrupts one message), and a real multi-process cluster with int8 broadcasts."""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import structlog
+import torch
+
+from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, params_checksum
+from diloco.core.codecs import CodecError, get_codec
+from diloco.errors import ConfigError
+from diloco.rpc.payload import PayloadReceiver, meta_from_proto
+from diloco.sim.config import SimConfig
+from diloco.sim.engine import simulate
+from diloco.sim.result import SimResult
+from diloco.sim.result import encoded_size as timing_size
+from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.config import parse
+from services.worker.session import SessionLost
+from services.worker.watcher import Delivered, Watcher, WatchFailed
+from tests.support import (
+    Env,
+    T,
+    assert_finished_and_learned,
+    cluster_config,
+    make_upload,
+    pb,
+    register,
+    running,
+    submit,
+)
+
+pytestmark = pytest.mark.timeout(60)
+LOSSY = ["bf16", "int8", "int4"]
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 bit patterns (equal bits, not merely equal values: -0.0 differs from 0.0)."""
+    return x.contiguous().view(torch.int32)
+
+
+def walk(numel: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
+    """Θ_0..Θ_steps: a random walk of the global parameters, as outer steps move them."""
+    g = torch.Generator().manual_seed(seed)
+    out = [torch.randn(numel, generator=g)]
+    for _ in range(steps):
+        out.append(out[-1] + torch.randn(numel, generator=g) * 0.01)
+    return out
+
+
+def decode_streamed(delta_data: bytes | memoryview, meta: object, numel: int, chunk: int) -> torch.Tensor:
+    """What a learner's watcher decodes: the payload fed in chunks of `chunk` bytes."""
+    receiver = PayloadReceiver(meta, numel)  # type: ignore[arg-type]
+    view = memoryview(delta_data)
+    for i in range(0, len(view), chunk):
+        receiver.feed(view[i : i + chunk])
+    return receiver.finish()
+
+
+# --- the pure core --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", LOSSY)
+def test_learners_reconstruct_the_shadow_bit_for_bit(codec: str) -> None:
+    numel, steps = 1000, 12  # 1000: a short last block for int8/int4
+    thetas = walk(numel, steps)
+    shadow = BroadcastShadow(thetas[0], 0, codec, history=3)
+    every, skipper, behind = BroadcastFollower(), BroadcastFollower(), BroadcastFollower()
+    snap = shadow.snapshot()
+    for f in (every, skipper, behind):
+        f.snapshot(snap.version, torch.frombuffer(bytearray(snap.data), dtype=torch.float32))
+    checksums = {0: shadow.checksum}
+    for v in range(1, steps + 1):
+        delta = shadow.advance(thetas[v], v)
+        assert delta is not None and delta.base == v - 1 and delta.version == v
+        shadow.record(delta)
+        checksums[v] = shadow.checksum
+        got = every.delta(v, v - 1, decode_streamed(delta.data, delta.meta, numel, chunk=333), delta.checksum)
+        assert not isinstance(got, Refusal)
+        assert torch.equal(bits(got), bits(shadow.shadow)) and params_checksum(got) == shadow.checksum
+        if v % 3 == 0:  # the skipper catches up every third version with a chain of deltas
+            chain = shadow.updates_since(skipper.version, v)
+            assert chain is not None and [d.version for d in chain] == [v - 2, v - 1, v]
+            for d in chain:
+                assert not isinstance(
+                    skipper.delta(d.version, d.base, get_codec(codec).decode(d.data, d.meta), d.checksum), Refusal
+                )
+            assert torch.equal(bits(skipper.params), bits(shadow.shadow))  # type: ignore[arg-type]
+    # the shadow tracks Θ (error feedback: the residual does not grow)
+    err = (thetas[-1] - shadow.shadow).abs().max().item()
+    assert err < {"bf16": 1e-2, "int8": 2e-2, "int4": 0.5}[codec]
+    # too far behind (the history holds 3): a full snapshot, bit-identical too
+    assert behind.version == 0 and shadow.updates_since(0, steps) is None
+    assert shadow.updates_since(None, steps) is None and shadow.updates_since(steps, steps) == []
+    snap = shadow.snapshot()
+    assert snap is shadow.snapshot()  # encoded once per version
+    got = behind.snapshot(snap.version, decode_streamed(snap.data, snap.meta, numel, chunk=1000))
+    assert torch.equal(bits(got), bits(shadow.shadow)) and snap.checksum == checksums[steps]
+
+
+def test_fp32_broadcasts_are_full_snapshots_of_theta() -> None:
+    thetas = walk(100, 3)
+    shadow = BroadcastShadow(thetas[0], 5, "fp32")
+    for v, theta in enumerate(thetas[1:], start=6):
+        assert shadow.advance(theta, v) is None
+        shadow.record(None)
+        assert shadow.updates_since(v - 1, v) is None and shadow.updates_since(v, v) == []
+        snap = shadow.snapshot()
+        assert snap.version == v and torch.equal(torch.frombuffer(bytearray(snap.data), dtype=torch.float32), theta)
+
+
+def test_a_refused_delta_changes_nothing() -> None:
+    thetas = walk(256, 2)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    f = BroadcastFollower()
+    assert f.delta(1, 0, torch.zeros(256), 0) is Refusal.NO_BASE  # holds nothing yet
+    f.snapshot(0, shadow.shadow.clone())
+    d1 = shadow.advance(thetas[1], 1)
+    assert d1 is not None
+    decoded = get_codec("int8").decode(d1.data, d1.meta)
+    held = f.params
+    assert f.delta(1, 0, decoded, d1.checksum ^ 1) is Refusal.CHECKSUM
+    assert f.delta(2, 1, decoded, d1.checksum) is Refusal.NO_BASE  # not for the version held
+    assert f.version == 0 and f.params is held
+    assert not isinstance(f.delta(1, 0, decoded, d1.checksum), Refusal)
+    assert f.delta(1, 0, decoded, d1.checksum) is Refusal.NO_BASE  # the same delta again: never applied twice
+    assert f.version == 1
+
+
+def test_non_finite_parameters_fall_back_to_a_snapshot() -> None:
+    thetas = walk(64, 1)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    bad = thetas[1].clone()
+    bad[3] = float("nan")
+    assert shadow.advance(bad, 1) is None
+    shadow.record(None)
+    assert shadow.version == 1 and shadow.updates_since(0, 1) is None
+
+
+def test_bad_broadcast_settings_are_refused() -> None:
+    with pytest.raises(CodecError, match="broadcast codec"):
+        BroadcastShadow(torch.zeros(4), 0, "topk")
+    with pytest.raises(ConfigError, match="broadcast_codec"):
+        parse(["--insecure", "--broadcast-codec", "int3"], env={})
+    with pytest.raises(ConfigError, match="broadcast_history"):
+        parse(["--insecure", "--broadcast-history", "0"], env={})
+    assert parse(["--insecure", "--broadcast-codec", "int4"], env={}).broadcast_codec == "int4"
+
+
+# --- the simulator --------------------------------------------------------------------------------------------------
+def test_simulated_bytes_down_follow_the_broadcast_codec() -> None:
+    def run(bcast: str) -> SimResult:
+        cfg = SimConfig(mode="sync", speeds=(1.0, 1.0), train=False, model_numel=100_000, outer_steps=5)
+        return simulate(dataclasses.replace(cfg, broadcast_codec=bcast))
+
+    fp32, int4 = run("fp32"), run("int4")
+    assert fp32.rounds == int4.rounds == 5 and fp32.bytes_up == int4.bytes_up
+    snapshots = 2 * 4 * 100_000  # each learner's first version; the last round's version is not broadcast
+    assert fp32.bytes_down == snapshots + 4 * 2 * 4 * 100_000
+    assert int4.bytes_down == snapshots + 4 * 2 * timing_size(get_codec("int4"), 100_000)  # the --no-train estimate
+    with pytest.raises(ConfigError, match="broadcast_codec"):
+        SimConfig(broadcast_codec="topk")
+
+
+# --- the coordinator through a real channel ------------------------------------------------------------------------
+def read_one(stream: Iterator[coordinator_pb2.ParametersChunk], numel: int) -> tuple[pb.ParametersHeader, torch.Tensor]:
+    first = next(stream)
+    assert first.HasField("header")
+    receiver = PayloadReceiver(meta_from_proto(first.header.payload), numel)
+    while receiver.received < receiver.meta.encoded_bytes:
+        receiver.feed(next(stream).data)
+    return first.header, receiver.finish()
+
+
+def rounds(env: Env, reg: pb.RegisterResponse, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        h, data, _ = make_upload(env, reg, f"s{i}", seed=i)
+        assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+
+
+def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[..., Env]) -> None:
+    env = start(broadcast_codec="int8", broadcast_history=2)
+    numel, state = env.numel, env.server.state
+    reg = register(env)
+    call = env.stub.WatchParameters(pb.WatchParametersRequest(worker_id=reg.worker_id, follow=True), timeout=30)
+    stream = iter(call)
+    follower = BroadcastFollower()
+    header, flat = read_one(stream, numel)
+    assert not header.HasField("delta_from") and header.version == 0
+    follower.snapshot(0, flat)
+    for v in range(1, 4):
+        rounds(env, reg, 1, start=v)
+        header, decoded = read_one(stream, numel)
+        assert header.version == v and header.delta_from == v - 1 and header.payload.codec == common_pb2.CODEC_INT8
+        assert list(header.applied_submission_ids) == [f"s{v}"] and header.plan.shards
+        got = follower.delta(v, header.delta_from, decoded, header.params_crc32)
+        assert not isinstance(got, Refusal)
+        with state.work:
+            assert torch.equal(bits(got), bits(state.shadow.shadow))
+    call.cancel()
+    # the shadow differs from Θ (the residual is carried), and learners train from the shadow
+    assert not torch.equal(state.shadow.shadow, env.server.core.params)
+    # one version behind: the one delta; two behind (history 2): a chain; further (gone from history): a snapshot
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=2), timeout=T))
+    assert [m.header.delta_from for m in msgs if m.HasField("header")] == [2]
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=1), timeout=T))
+    assert [(m.header.version, m.header.delta_from) for m in msgs if m.HasField("header")] == [(2, 1), (3, 2)]
+    header, flat = read_one(
+        iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0), timeout=T)), numel
+    )
+    assert header.version == 3 and not header.HasField("delta_from") and header.payload.codec == common_pb2.CODEC_FP32
+    assert torch.equal(bits(flat), bits(follower.params))  # type: ignore[arg-type]
+    assert header.params_crc32 == params_checksum(flat)
+    # a version this coordinator never had (it restarted from an older checkpoint): a full snapshot of the current
+    header, _ = read_one(iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=99), timeout=T)), numel)
+    assert header.version == 3 and not header.HasField("delta_from")
+
+
+class CorruptingProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Forwards Register and WatchParameters to `backend`; `corrupt(fn)` rewrites the next parameter message that
+    carries a delta's data (the first data message after a delta header) or a delta's header."""
+
+    def __init__(self, backend: str) -> None:
+        self._chan = grpc.insecure_channel(backend)
+        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._chan)
+        self.pending: list[Callable[[coordinator_pb2.ParametersChunk, bool], bool]] = []
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        self.server.add_generic_rpc_handlers((self,))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def close(self) -> None:
+        self.server.stop(0)
+        self._chan.close()
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:  # type: ignore[type-arg]
+        method = details.method
+        if method.endswith("/Register"):
+            return grpc.unary_unary_rpc_method_handler(
+                lambda req, ctx: self._stub.Register(req, timeout=T),
+                request_deserializer=coordinator_pb2.RegisterRequest.FromString,
+                response_serializer=coordinator_pb2.RegisterResponse.SerializeToString,
+            )
+        if method.endswith("/WatchParameters"):
+            return grpc.unary_stream_rpc_method_handler(
+                self._watch,
+                request_deserializer=coordinator_pb2.WatchParametersRequest.FromString,
+                response_serializer=coordinator_pb2.ParametersChunk.SerializeToString,
+            )
+        return None
+
+    def _watch(
+        self, req: coordinator_pb2.WatchParametersRequest, ctx: grpc.ServicerContext
+    ) -> Iterator[coordinator_pb2.ParametersChunk]:
+        call = self._stub.WatchParameters(req, timeout=60)
+        ctx.add_callback(call.cancel)
+        in_delta = False
+        for msg in call:
+            if msg.HasField("header"):
+                in_delta = msg.header.HasField("delta_from")
+            if in_delta and self.pending and self.pending[0](msg, msg.HasField("header")):
+                self.pending.pop(0)
+            yield msg
+
+
+def flip_data(msg: coordinator_pb2.ParametersChunk, is_header: bool) -> bool:
+    if is_header:
+        return False
+    data = bytearray(msg.data)
+    data[len(data) // 2] ^= 0x40
+    msg.data = bytes(data)
+    return True
+
+
+def wrong_checksum(msg: coordinator_pb2.ParametersChunk, is_header: bool) -> bool:
+    if not is_header:
+        return False
+    msg.header.params_crc32 ^= 1
+    return True
+
+
+@pytest.mark.parametrize("fault", [flip_data, wrong_checksum], ids=["payload_crc", "params_checksum"])
+def test_a_corrupted_delta_is_refused_and_refetched(
+    start: Callable[..., Env], fault: Callable[[coordinator_pb2.ParametersChunk, bool], bool]
+) -> None:
+    env = start(broadcast_codec="int4")
+    proxy = CorruptingProxy(env.server.address)
+    inbox: queue.Queue[object] = queue.Queue()
+    try:
+        with grpc.insecure_channel(proxy.address) as chan:
+            stub = coordinator_pb2_grpc.CoordinatorStub(chan)
+            reg = register(env, "learner")  # the plan and uploads go to the coordinator directly
+            w = Watcher(stub, reg.worker_id, reg.coordinator_epoch, env.numel, inbox.put, structlog.get_logger())
+            try:
+                first = inbox.get(timeout=30)
+                assert isinstance(first, Delivered) and first.broadcast.version == 0
+                proxy.pending.append(fault)
+                rounds(env, reg, 1)
+                got = inbox.get(timeout=30)
+                if fault is flip_data:  # the payload crc fails: counted like an unreadable stream
+                    assert got == WatchFailed(reg.worker_id, "UNIMPLEMENTED")
+                    got = inbox.get(timeout=30)
+                # the delta was dropped, the watch restarted from scratch: version 1 as a full snapshot
+                assert isinstance(got, Delivered) and got.broadcast.version == 1
+                with env.server.state.work:
+                    assert torch.equal(bits(got.flat), bits(env.server.state.shadow.shadow))
+                assert not proxy.pending
+                rounds(env, reg, 2, start=1)  # and deltas again from there, applied once each
+                delivered: list[Delivered] = []
+                for _ in range(2):
+                    d = inbox.get(timeout=30)
+                    assert isinstance(d, Delivered), d
+                    delivered.append(d)
+                assert [d.broadcast.version for d in delivered] == [2, 3] and w.follower.version == 3
+                with env.server.state.work:
+                    assert torch.equal(bits(delivered[-1].flat), bits(env.server.state.shadow.shadow))
+                assert inbox.empty() or not isinstance(inbox.get_nowait(), (Delivered, SessionLost))
+            finally:
+                w.close()
+    finally:
+        proxy.close()
+
+
+# --- a real cluster -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cluster_with_int8_broadcasts_learns_exactly_once(tmp_path: Path) -> None:
+    cfg = cluster_config(
+        tmp_path, workers=2, outer_steps=8, coordinator_args=("--broadcast-codec", "int8", "--broadcast-history", "4")
+    )
+    with running(cfg) as c:
+        assert_finished_and_learned(c)
+        status = c.final_status()
+        header = next(iter(c.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))).header
+        fp32_bytes = 4 * header.payload.numel
+        # every learner got one full snapshot, then int8 deltas (about a quarter of fp32 each)
+        assert status.bytes_sent < 0.6 * fp32_bytes * cfg.workers * (status.version + 1), status.bytes_sent
+        for name in ("worker0", "worker1"):
+            assert "worker.broadcast_refused" not in (tmp_path / f"{name}.log").read_text()
