@@ -74,7 +74,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert "| N | registered / ready | GetStatus p50 / p99 (ms) |" in readme, "load: no latency table"
     for n in results["sections"]["load"]["settings"]["learners"]:
         assert f"\n| {n} | {n} / {n} in " in readme, f"load: no row for N={n} with every learner ready"
-    assert rows_of(readme, "1 rank") and rows_of(readme, "2 ranks (torchrun)"), "island: a row per learner"
+    assert rows_of(readme, "1 rank") and rows_of(readme, "2 ranks (torchrun, DDP)"), "island: a row per learner"
     assert all(rows_of(readme, f"`{c}`") for c in ("fp32", "sparse", "topk")), "sparse: a row per codec"
     assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
     for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed
