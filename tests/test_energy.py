@@ -212,6 +212,22 @@ def test_simulated_energy_policy_spends_less_energy_than_speed() -> None:
     assert energy.per_learner[2]["energy_j"] == 0.0
 
 
+def test_cli_reports_energy_carbon_and_cost(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from diloco.cli.main import main
+
+    args = ["simulate", "--no-train", "--model-numel", "10000", "--fleet", "h100@hydro,a100@solar,v100@coal"]
+    args += ["--carbon-trace", str(EXAMPLE), "--placement", "carbon", "--outer-steps", "3", "-K", "1", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["energy_j"] > 0 and out["carbon_g"] > 0 and out["cost"] > 0 and out["time_s"] > 0
+    assert "final_loss" in out and out["placements"][0]["paused"] == [2]  # coal, the dirtiest zone
+    bad = [*args, "--fleet", "h100@mars,a100@solar,v100@coal"]
+    assert main(bad) == 2
+    assert "'mars' is not in the carbon trace" in capsys.readouterr().err
+
+
 def test_simulator_refuses_a_policy_without_a_fleet_and_an_unknown_zone() -> None:
     with pytest.raises(ConfigError, match="needs a fleet"):
         SimConfig(speeds=(1.0, 1.0), placement="energy", outer_steps=1, train=False)
@@ -219,3 +235,32 @@ def test_simulator_refuses_a_policy_without_a_fleet_and_an_unknown_zone() -> Non
         fleet_cfg("greenest")
     with pytest.raises(ConfigError, match="'mars' is not in the carbon trace"):
         fleet_cfg("carbon", fleet=parse_fleet("h100@mars,a100@solar,p100@coal,p100@coal"))
+
+
+# ------------------------------------------------------------------------------------------- coordinator core
+def test_coordinator_pauses_a_learner_by_weight_and_brings_it_back() -> None:
+    import torch
+
+    from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore
+    from diloco.core.rounds import RoundConfig
+
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="decoupled", min_quorum=1), local_steps=20, min_local_steps=2, expected_workers=3
+    )
+    core = CoordinatorCore(cfg, torch.zeros(4), [1000] * 6)
+    ids = [core.register(name, 0.0, speed=s).worker_id for name, s in (("fast", 4.0), ("mid", 2.0), ("slow", 1.0))]
+    fast, mid, slow = ids
+    assert all(core.plan(w).shards for w in ids)
+    assert not core.set_placement_weights(dict.fromkeys(ids, 1.0))  # all 1: no change
+    assert core.set_placement_weights({fast: 0.0})
+    # paused: still registered and live, no shards once the hand-off completes, not waited for
+    assert core.worker(fast).state.value == "active"
+    assert core.plan(fast).shards == ()  # its shards are staged to the others (the ledger's hand-off)
+    assert {target for target, _ in core.staged.values()} <= {mid, slow}
+    assert fast in core.policy.idle
+    assert core.plan(mid).local_steps == 20  # H_m against the fastest learner still placed
+    assert core.plan(slow).local_steps == 10
+    with pytest.raises(ConfigError, match="weight"):
+        core.set_placement_weights({mid: 2.0})
+    assert core.set_placement_weights({})  # back to speed placement
+    assert core.plan(mid).local_steps == 10
