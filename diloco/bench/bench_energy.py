@@ -80,7 +80,9 @@ QUICK = EnergySettings(token_budget=120_000, eval_tokens=4_096, seeds=(0,))
 def sim_config(s: EnergySettings, placement: str, seed: int, deadline_s: float = 0.0) -> SimConfig:
     fleet = parse_fleet(s.fleet)
     tokens_per_step = s.batch_size * s.seq_len
-    steps = max(s.warmup_steps + 1, s.token_budget // (len(fleet) * tokens_per_step))
+    # the cosine schedule spans the steps the fastest learner makes in the budget under `speed` placement
+    speeds = [f.hw.speed for f in fleet]
+    steps = max(s.warmup_steps + 1, round(s.token_budget / tokens_per_step * max(speeds) / sum(speeds)))
     task = TaskConfig(
         model=ModelConfig(seq_len=s.seq_len, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads),
         data=DataConfig(num_shards=s.num_shards, max_bytes=s.max_bytes),

@@ -375,13 +375,26 @@ class CoordinatorCore:
     def set_placement_weights(self, weights: Mapping[str, float]) -> bool:
         """A placement policy's weights (`diloco.core.energy.decide`): a live learner's share of shards and its
         H_m scale by its weight in [0, 1] (missing: 1); 0 pauses it: still registered, no shards (they move by the
-        ordinary hand-off), not waited for. Returns whether they changed (and shards were placed again)."""
+        ordinary hand-off), not waited for. Returns whether they changed (and shards were placed again).
+
+        A learner paused now gives its shards back at once, as a quarantined one does after its last strike: they
+        resume at their accepted cursors under a new epoch, so steps it trained but did not submit are trained again
+        by the new owner, and a late submission of them is refused (exactly-once). A paused learner never submits
+        again, so waiting for its next submission, the hand-off of a slower learner, would hold them forever."""
         new = {w: float(x) for w, x in weights.items() if x != 1.0}
         placed_speeds(dict.fromkeys(new, 1.0), new)  # validates the weights
         if new == self._weights:
             return False
+        paused = [w for w, x in new.items() if x == 0 and self._weights.get(w, 1.0) != 0 and w in self.workers]
         self._weights = new
         self._speeds_changed()
+        for worker_id in paused:
+            if self.workers[worker_id].state in LIVE_STATES:
+                for shard in self.ledger.release(worker_id):
+                    self.staged.pop(shard, None)
+        for shard, (target, _) in list(self.staged.items()):
+            if target in paused:
+                del self.staged[shard]
         self._rebalance()
         return True
 
