@@ -18,6 +18,11 @@ clock, and keeps only time, links, failures and measurements:
   submission falls due and at the core's `next_deadline()`.
 - a kill ends the session (`session_ended`); a revived learner starts a new model replica and registers again;
   the coordinator hears of the death `dead_after_s` later (healthd).
+- with a fleet (`diloco.sim.fleet`), the placement policy (`diloco.core.energy.decide`) is asked at the start
+  and at every round's close, with the learners' profile speeds, power, zone intensity now and prices; its weights
+  go to the coordinator (`set_placement_weights`). A learner's energy is its power x the time of its inner steps,
+  its carbon that energy x its zone's average intensity over those steps, its cost its price x the wall time it
+  is alive and not paused.
 
 Events at equal times run in the order they were scheduled, so runs are deterministic for a seed.
 """
