@@ -23,6 +23,7 @@ import torch
 from diloco.bench import (
     bench_control,
     bench_core,
+    bench_energy,
     bench_island,
     bench_load,
     bench_sparse,
@@ -119,6 +120,9 @@ SECTIONS: tuple[Section, ...] = (
         "SparseLoCo-class uploads: chunked top-k, 2-bit values (simulator)",
         bench_sparse.section,
         bench_sparse.markdown,
+    ),
+    Section(
+        "energy", "Energy-, carbon- and cost-aware placement (simulator)", bench_energy.section, bench_energy.markdown
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)

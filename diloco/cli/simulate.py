@@ -13,9 +13,11 @@ from rich.table import Table
 
 from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES
+from diloco.core.energy import INTERPOLATIONS, POLICY_NAMES, CarbonTrace
 from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.sim.config import SIM_MODES, SimConfig, parse_failures, parse_speeds
 from diloco.sim.engine import SimResult, simulate
+from diloco.sim.fleet import PROFILES, parse_fleet
 from diloco.task.factory import task_from_flags
 
 
@@ -95,6 +97,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-train", action="store_true", help="timing only: no model, for large sweeps")
     p.add_argument("--model-numel", type=int, default=0, help="payload size for --no-train")
     p.add_argument("--seed", type=int, default=0, help="initial parameters, failure times and data order")
+    g = p.add_argument_group("energy, carbon and cost (diloco.sim.fleet, diloco.core.energy)")
+    g.add_argument(
+        "--fleet",
+        default="",
+        help=f"one PROFILE@ZONE[:spot] per learner, e.g. h100@hydro,a100@solar:spot (profiles: {', '.join(PROFILES)});"
+        " sets the speeds",
+    )
+    g.add_argument("--placement", choices=POLICY_NAMES, default="speed", help="placement policy (needs --fleet)")
+    g.add_argument("--carbon-trace", type=Path, help="CSV zone,time_s,gco2_per_kwh (examples/carbon/diurnal.csv)")
+    g.add_argument("--carbon-interpolation", choices=INTERPOLATIONS, default="step")
+    g.add_argument("--carbon-threshold", type=float, default=0.0, help="gCO2/kWh; 0: the dirtiest zone is dirty")
+    g.add_argument("--deadline-s", type=float, default=0.0, help="virtual time the job must end by (0: none)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--plot", type=Path, help="write a PNG of validation loss against virtual time")
     add_task_args(p)
@@ -102,9 +116,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def config_from_args(a: argparse.Namespace) -> SimConfig:
+    fleet = parse_fleet(a.fleet)
+    trace = CarbonTrace.load(a.carbon_trace, a.carbon_interpolation) if a.carbon_trace else None
     return SimConfig(
         mode=a.mode,
-        speeds=parse_speeds(a.speeds),
+        speeds=tuple(f.hw.speed for f in fleet) if fleet else parse_speeds(a.speeds),
+        fleet=fleet,
+        placement=a.placement,
+        carbon_trace=trace,
+        carbon_threshold=a.carbon_threshold,
+        deadline_s=a.deadline_s,
         step_time_s=a.step_time_s,
         bandwidth_bytes_per_s=a.bandwidth_mbps * 1e6 / 8,
         latency_s=a.latency_s,
@@ -160,6 +181,10 @@ def print_result(console: Console, r: SimResult) -> None:
         "rejected / lost uploads": f"{r.rejected} / {r.lost_uploads}",
         "time to target (s)": "-" if r.time_to_target_s is None else f"{r.time_to_target_s:.1f}",
     }
+    if r.per_learner and r.energy_j:
+        rows[f"placement {r.placement}: energy / carbon / cost"] = (
+            f"{r.energy_j / 3.6e6:.3f} kWh / {r.carbon_g:.1f} gCO2 / {r.cost:.2f}"
+        )
     for k, v in rows.items():
         summary.add_row(k, v)
     console.print(summary)

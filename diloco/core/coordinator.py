@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
+from diloco.core.energy import placed_speeds
 from diloco.core.guard import CEILING, NON_FINITE, GuardConfig, NormGuard, Verdict
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
 from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
@@ -270,6 +271,7 @@ class CoordinatorCore:
         self._placed: dict[str, float] = {}  # the speeds shards were last placed with (`_rebalance`)
         self._now = -math.inf  # the latest time a call gave (for changes made by calls without a time)
         self._speeds_cache: tuple[dict[str, float], float] | None = None  # `_speeds`
+        self._weights: dict[str, float] = {}  # placement weights other than 1 (`set_placement_weights`)
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -370,6 +372,32 @@ class CoordinatorCore:
         rec.state, rec.state_reason = DRAINING, "drained by operator"
         return rec
 
+    def set_placement_weights(self, weights: Mapping[str, float]) -> bool:
+        """A placement policy's weights (`diloco.core.energy.decide`): a live learner's share of shards and its
+        H_m scale by its weight in [0, 1] (missing: 1); 0 pauses it: still registered, no shards (they move by the
+        ordinary hand-off), not waited for. Returns whether they changed (and shards were placed again).
+
+        A learner paused now gives its shards back at once, as a quarantined one does after its last strike: they
+        resume at their accepted cursors under a new epoch, so steps it trained but did not submit are trained again
+        by the new owner, and a late submission of them is refused (exactly-once). A paused learner never submits
+        again, so waiting for its next submission, the hand-off of a slower learner, would hold them forever."""
+        new = {w: float(x) for w, x in weights.items() if x != 1.0}
+        placed_speeds(dict.fromkeys(new, 1.0), new)  # validates the weights
+        if new == self._weights:
+            return False
+        paused = [w for w, x in new.items() if x == 0 and self._weights.get(w, 1.0) != 0 and w in self.workers]
+        self._weights = new
+        self._speeds_changed()
+        for worker_id in paused:
+            if self.workers[worker_id].state in LIVE_STATES:
+                for shard in self.ledger.release(worker_id):
+                    self.staged.pop(shard, None)
+        for shard, (target, _) in list(self.staged.items()):
+            if target in paused:
+                del self.staged[shard]
+        self._rebalance()
+        return True
+
     def release(self, worker_id: str, reason: str = "released by operator") -> WorkerRecord:
         """Lift a quarantine (a live learner that is not quarantined is returned as it is)."""
         rec = self._live_worker(worker_id)
@@ -405,7 +433,8 @@ class CoordinatorCore:
             live = [self.workers[w] for w in self.live_ids()]
             claimed = {r.worker_id: r.speed for r in live}
             speeds = effective_speeds(planning_speeds(claimed, {r.worker_id: r.measured_speed for r in live}))
-            self._speeds_cache = (speeds, max(speeds.values(), default=1.0))
+            placed = placed_speeds(speeds, self._weights)
+            self._speeds_cache = (speeds, max(placed.values(), default=max(speeds.values(), default=1.0)))
         return self._speeds_cache
 
     def _speeds_changed(self) -> None:
@@ -416,7 +445,8 @@ class CoordinatorCore:
         """What shards are placed on: the active learners' planning speeds, and a placeholder per learner still
         expected (not a valid worker id: shards placed there stay unowned) counting as the median speed."""
         speeds, _ = self._speeds()
-        slots = {w: v for w, v in speeds.items() if self.workers[w].state == ACTIVE}
+        placed = placed_speeds(speeds, self._weights)
+        slots = {w: v for w, v in placed.items() if self.workers[w].state == ACTIVE}
         for i in range(max(0, self.cfg.expected_workers - self.registered_ever)):
             slots[f"\x00slot{i}"] = 0.0
         return effective_speeds(slots)
@@ -485,7 +515,11 @@ class CoordinatorCore:
         if not self.cfg.dynamic_local_steps or rec.state not in LIVE_STATES:
             return self.cfg.local_steps
         speeds, fastest = self._speeds()
-        return local_steps(self.cfg.local_steps, speeds[rec.worker_id], fastest, self.cfg.min_local_steps)
+        weight = self._weights.get(rec.worker_id, 1.0)
+        if weight == 0:  # paused: no shards; the figure is not used
+            return self.cfg.local_steps
+        speed = speeds[rec.worker_id] if weight == 1.0 else speeds[rec.worker_id] * weight
+        return local_steps(self.cfg.local_steps, speed, fastest, self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
     def admit(self, sub: Submission) -> int:

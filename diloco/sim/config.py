@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, CodecError, check_ef_decay, get_codec
+from diloco.core.energy import CarbonTrace, PolicyConfig, parse_policy
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
 from diloco.errors import ConfigError
+from diloco.sim.fleet import FleetLearner
 from diloco.task.data import check_eval_tokens
 from diloco.task.factory import TaskConfig
 
@@ -90,6 +92,13 @@ class SimConfig:
     model_numel: int = 0  # timing-only payload size (0: the task model's size)
     seed: int = 0  # the run's seed: initial parameters, failure times and the training data order
     task: TaskConfig = field(default_factory=TaskConfig)
+    # energy, carbon and cost (diloco.sim.fleet, diloco.core.energy): one hardware profile and zone per learner
+    # (its speed must be the profile's); without a fleet energy_j, carbon_g and cost are reported as 0
+    fleet: tuple[FleetLearner, ...] = ()
+    placement: str = "speed"  # speed | energy | carbon | cost (diloco.core.energy.Policy)
+    carbon_trace: CarbonTrace | None = None  # zones' intensity over virtual time; None: every zone at 0
+    deadline_s: float = 0.0  # the job must end by this virtual time (0: none); for `cost` and the pauses' checks
+    carbon_threshold: float = 0.0  # gCO2/kWh above which a zone is dirty (0: the dirtiest zone at each moment)
 
     def __post_init__(self) -> None:
         if self.mode not in SIM_MODES:
@@ -139,6 +148,19 @@ class SimConfig:
             raise ConfigError(f"eval_every must be >= 1, got {self.eval_every}")
         check_eval_tokens(self.eval_tokens, self.task.model.seq_len)
         self.round_config()
+        if self.fleet:
+            if len(self.fleet) != self.num_learners:
+                raise ConfigError(f"fleet: {len(self.fleet)} learners but {self.num_learners} speeds; give one each")
+            for i, (f, v) in enumerate(zip(self.fleet, self.speeds, strict=True)):
+                if v != f.hw.speed:
+                    raise ConfigError(f"speeds: learner {i} ({f.profile}) must have its profile's speed {f.hw.speed}")
+            if self.carbon_trace is not None:
+                self.carbon_trace.check_zones([f.zone for f in self.fleet])
+        if self.deadline_s < 0:
+            raise ConfigError(f"deadline_s must be >= 0 (0: none), got {self.deadline_s}")
+        policy = self.policy_config()
+        if policy.policy.value != "speed" and (not self.fleet or self.mode not in DILOCO_MODES):
+            raise ConfigError(f"placement {self.placement!r} needs a fleet (--fleet) and a DiLoCo mode, not dp")
 
     @property
     def num_learners(self) -> int:
@@ -148,6 +170,15 @@ class SimConfig:
         """The task the simulator trains: `task` cut into `num_shards` shards, its data ordered by `seed`."""
         data = dataclasses.replace(self.task.data, num_shards=self.num_shards, seed=self.seed)
         return dataclasses.replace(self.task, data=data)
+
+    def policy_config(self) -> PolicyConfig:
+        """The placement policy's settings: at least the quorum stays active."""
+        return PolicyConfig(
+            policy=parse_policy(self.placement),
+            min_active=self.min_quorum if self.mode == "decoupled" else 1,
+            deadline_s=self.deadline_s or math.inf,
+            carbon_threshold=self.carbon_threshold,
+        )
 
     def round_config(self) -> RoundConfig:
         """The coordinator's round policy (the data-parallel baseline has none; it gets the `sync` one)."""

@@ -20,6 +20,11 @@ clock, and keeps only time, links, failures and measurements:
   submission falls due and at the core's `next_deadline()`.
 - a kill ends the session (`session_ended`); a revived learner starts a new model replica and registers again;
   the coordinator hears of the death `dead_after_s` later (healthd).
+- with a fleet (`diloco.sim.fleet`), the placement policy (`diloco.core.energy.decide`) is asked at the start
+  and at every round's close, with the learners' profile speeds, power, zone intensity now and prices; its weights
+  go to the coordinator (`set_placement_weights`). A learner's energy is its power x the time of its inner steps,
+  its carbon that energy x its zone's average intensity over those steps, its cost its price x the wall time it
+  is alive and not paused.
 
 Events at equal times run in the order they were scheduled, so runs are deterministic for a seed.
 """
@@ -37,6 +42,7 @@ from diloco.core import learner as lc
 from diloco.core.broadcast import BroadcastShadow
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission, WorkPlan
+from diloco.core.energy import LearnerInfo, decide
 from diloco.core.merge import Segment
 from diloco.core.states import DEAD, LEFT
 from diloco.errors import ConfigError, DilocoError
@@ -144,6 +150,14 @@ class Simulator(EventLoop):
         self.reassign_latency: list[float] = []
         self.shardless_s = 0.0
         self.deadline_scheduled: float | None = None
+        # energy, carbon, cost (with a fleet): per learner, and the policy's decisions
+        self.policy = cfg.policy_config()
+        self.energy_j = [0.0] * cfg.num_learners
+        self.carbon_g = [0.0] * cfg.num_learners
+        self.paid_s = [0.0] * cfg.num_learners  # alive and not paused
+        self.paid_since: list[float | None] = [None] * cfg.num_learners
+        self.paused: set[int] = set()
+        self.placements: list[dict[str, object]] = []  # placement.changed: time, reason, paused learners
 
     # --- event queue ------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -154,6 +168,7 @@ class Simulator(EventLoop):
         )
         for learner in self.learners:
             self.join(learner)
+        self.apply_policy()
         for e in cfg.failures:
             self.at(e.at_s, e.action, e.learner)
         self.run_events(cfg.max_time_s)
@@ -161,6 +176,7 @@ class Simulator(EventLoop):
             if learner.alive:
                 self.available_s[learner.idx] += self.now - learner.alive_since
                 self.end_shardless(learner)
+            self.set_paid(learner.idx, False)
         if self.history[-1]["version"] != self.core.version:
             self.record(force_eval=True)
         return self.result(initial.loss)
@@ -232,8 +248,58 @@ class Simulator(EventLoop):
 
     def count_steps(self, learner: Learner, n: int) -> None:
         if n:
+            self.account_energy(learner.idx, learner.t, learner.t + n * learner.step_time)
             learner.t += n * learner.step_time
             self.busy_s[learner.idx] += n * learner.step_time
+
+    # --- energy, carbon and cost ------------------------------------------------------------------------------
+    def account_energy(self, idx: int, t0: float, t1: float) -> None:
+        """A learner trained from `t0` to `t1`: its power for that time, at its zone's intensity then."""
+        if not self.cfg.fleet:
+            return
+        spec = self.cfg.fleet[idx]
+        joules = spec.hw.watts * (t1 - t0)
+        self.energy_j[idx] += joules
+        trace = self.cfg.carbon_trace
+        if trace is not None:
+            self.carbon_g[idx] += joules / 3.6e6 * trace.mean(spec.zone, t0, t1)
+
+    def set_paid(self, idx: int, paid: bool) -> None:
+        """Start or stop counting a learner's wall time for its price (alive and not paused)."""
+        since = self.paid_since[idx]
+        if since is not None and not paid:
+            self.paid_s[idx] += self.now - since
+            self.paid_since[idx] = None
+        elif since is None and paid:
+            self.paid_since[idx] = self.now
+
+    def apply_policy(self) -> None:
+        """Ask the placement policy (`diloco.core.energy.decide`) for weights now; hand them to the coordinator."""
+        if not self.cfg.fleet:
+            for learner in self.learners:
+                self.set_paid(learner.idx, learner.alive)
+            return
+        live = {lr.core.worker_id: lr for lr in self.learners if lr.alive and lr.core.worker_id}
+        trace = self.cfg.carbon_trace
+        infos = {}
+        for w, lr in live.items():
+            spec = self.cfg.fleet[lr.idx]
+            infos[w] = LearnerInfo(
+                speed=lr.speed * self.tokens_per_step / self.cfg.step_time_s,
+                watts=spec.hw.watts,
+                intensity=trace.intensity(spec.zone, self.now) if trace is not None else 0.0,
+                price_per_hour=spec.price_per_hour,
+                spot=spec.spot,
+                zone=spec.zone,
+            )
+        left = max(0, self.cfg.token_budget - self.core.tokens_applied) if self.cfg.token_budget else 0
+        decision = decide(self.now, infos, self.policy, tokens_left=left)
+        paused = {live[w].idx for w in decision.paused}
+        for learner in self.learners:
+            self.set_paid(learner.idx, learner.alive and learner.idx not in paused)
+        if self.core.set_placement_weights(decision.weights) or not self.placements:
+            self.placements.append({"time_s": self.now, "reason": decision.reason, "paused": sorted(paused)})
+        self.paused = paused
 
     def carry_out(self, learner: Learner, a: lc.Action, t: float) -> None:
         """One action other than Train, Wait and Exit, at time `t`."""
@@ -394,6 +460,7 @@ class Simulator(EventLoop):
         if self.stop_reached():
             self.done = True
             return
+        self.apply_policy()
         delta = self.broadcast.advance(self.core.params, applied.version)
         self.broadcast.record(delta)
         params = self.broadcast.shadow.clone()
@@ -421,6 +488,7 @@ class Simulator(EventLoop):
         learner.wake_gen += 1
         learner.wake_at = None
         learner.killed_at = self.now
+        self.set_paid(idx, False)
         self.available_s[idx] += self.now - learner.alive_since
         self.at(self.now + self.cfg.dead_after_s, "detect", idx, worker_id)
         if inc is not None and self.cfg.mtbf_s > 0:
@@ -505,6 +573,15 @@ class Simulator(EventLoop):
                 i: (self.busy_s[i] / self.available_s[i] if self.available_s[i] else 0.0)
                 for i in range(self.cfg.num_learners)
             },
+            placement=self.cfg.placement,
+            energy_j=sum(self.energy_j),
+            carbon_g=sum(self.carbon_g),
+            cost=sum(s / 3600 * f.price_per_hour for s, f in zip(self.paid_s, self.cfg.fleet, strict=False)),
+            per_learner=[
+                {"energy_j": e, "carbon_g": c, "paid_s": s, "busy_s": b}
+                for e, c, s, b in zip(self.energy_j, self.carbon_g, self.paid_s, self.busy_s, strict=True)
+            ],
+            placements=self.placements,
         )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,14 @@ class SimResult:
     busy_fraction: dict[int, float]
     lost_steps: int = 0  # data-parallel: steps lost to a failure in flight
     shardless_s: float = 0.0  # learner-seconds registered with no shard to read (waiting for a handoff)
+    # with a fleet (diloco.sim.fleet): placement policy, power x busy time, that x the zone's intensity, and the
+    # price x wall hours of every learner while alive and not paused (0 without a fleet)
+    placement: str = "speed"
+    energy_j: float = 0.0
+    carbon_g: float = 0.0
+    cost: float = 0.0
+    per_learner: list[dict[str, float]] = field(default_factory=list)
+    placements: list[dict[str, Any]] = field(default_factory=list)  # placement.changed: time_s, reason, paused
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
