@@ -152,41 +152,51 @@ def run(s: EnergySettings, log: Any) -> Result:
     by = {r["policy"]: r for r in rows}
     n = len(s.seeds)
     energy, carbon, cost = by["energy"], by["carbon"], by["cost"]
+
+    def against(name: str, target: str, xs: list[float], spec: str, limit: float, at_least: bool) -> dict[str, Any]:
+        """A check of one figure over the seeds: measured and judged on the same values."""
+        return check(name, target, fmt(xs, spec), target_met(xs, limit, at_least=at_least), n)
+
     checks = [
-        check(
+        against(
             "energy placement: less energy than speed",
             f"≥ {ENERGY_SAVING:.0%} less",
-            fmt([1 - x for x in values(energy, "energy_vs_speed")], ".1%"),
-            target_met([1 - x for x in values(energy, "energy_vs_speed")], ENERGY_SAVING, at_least=True),
-            n,
+            [1 - x for x in values(energy, "energy_vs_speed")],
+            ".1%",
+            ENERGY_SAVING,
+            at_least=True,
         ),
-        check(
+        against(
             "energy placement: wall time vs speed",
             f"≤ +{ENERGY_SLOWDOWN:.0%}",
-            fmt([x - 1 for x in values(energy, "time_vs_speed")], "+.1%"),
-            target_met([x - 1 for x in values(energy, "time_vs_speed")], ENERGY_SLOWDOWN, at_least=False),
-            n,
+            [x - 1 for x in values(energy, "time_vs_speed")],
+            "+.1%",
+            ENERGY_SLOWDOWN,
+            at_least=False,
         ),
-        check(
+        against(
             "energy placement: final loss vs speed",
             f"≤ +{LOSS_TOLERANCE:.0%}",
-            fmt(values(energy, "loss_vs_speed"), "+.2%"),
-            target_met(values(energy, "loss_vs_speed"), LOSS_TOLERANCE, at_least=False),
-            n,
+            values(energy, "loss_vs_speed"),
+            "+.2%",
+            LOSS_TOLERANCE,
+            at_least=False,
         ),
-        check(
+        against(
             "carbon placement: emissions vs speed (diurnal trace)",
             f"≤ {CARBON_SHARE:.0%}",
-            fmt(values(carbon, "carbon_vs_speed"), ".1%"),
-            target_met(values(carbon, "carbon_vs_speed"), CARBON_SHARE, at_least=False),
-            n,
+            values(carbon, "carbon_vs_speed"),
+            ".1%",
+            CARBON_SHARE,
+            at_least=False,
         ),
-        check(
+        against(
             "carbon placement: wall time vs speed",
             f"≤ +{CARBON_SLOWDOWN:.0%}",
-            fmt([x - 1 for x in values(carbon, "time_vs_speed")], "+.1%"),
-            target_met([x - 1 for x in values(carbon, "time_vs_speed")], CARBON_SLOWDOWN, at_least=False),
-            n,
+            [x - 1 for x in values(carbon, "time_vs_speed")],
+            "+.1%",
+            CARBON_SLOWDOWN,
+            at_least=False,
         ),
         check(
             f"cost placement: meets a deadline of {s.deadline_factor:g}x speed's time",
