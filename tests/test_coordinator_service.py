@@ -26,6 +26,8 @@ from diloco.core.codecs import get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
 from diloco.rpc.server import channel
+from diloco.task.data import evaluate
+from diloco.task.params import load_flat_
 from diloco.v1 import common_pb2, coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.__main__ import main
@@ -380,6 +382,38 @@ def test_validation_loss_is_evaluated_after_rounds(start: Callable[..., Env]) ->
     assert status.validation_tokens == 256  # the sample the evaluation scored (eval_tokens=256)
     body = urllib.request.urlopen(f"http://127.0.0.1:{env.server.metrics_port}/metrics", timeout=T).read().decode()
     assert "diloco_coordinator_rounds_total 1.0" in body and "diloco_coordinator_validation_loss" in body
+
+
+def test_rounds_during_an_evaluation_get_the_newest_version_evaluated_after_it(start: Callable[..., Env]) -> None:
+    """The evaluation model is never touched while it is scored: versions stepped meanwhile are not copied in, and
+    the newest of them is evaluated once it ends, on Θ itself (the loss equals a fresh evaluation of Θ)."""
+    env = start(eval_every=1, eval_tokens=256)
+    server = env.server
+    scoring, release = threading.Event(), threading.Event()
+    evaluate_for_real = server._evaluate
+
+    def slow_evaluate(version: int) -> None:  # holds the first evaluation open until the rounds below are done
+        if version == 1:
+            scoring.set()
+            release.wait(timeout=T)
+        evaluate_for_real(version)
+
+    server._evaluate = slow_evaluate  # type: ignore[method-assign]
+    reg = register(env)
+    one_round(env, reg, "s1", seed=1)
+    assert scoring.wait(timeout=T)
+    held = [p.detach().clone() for p in server._eval_model.parameters()]  # type: ignore[union-attr]
+    one_round(env, reg, "s2", seed=2)
+    one_round(env, reg, "s3", seed=3)
+    assert server.core.version == 3
+    after = list(server._eval_model.parameters())  # type: ignore[union-attr]
+    assert all(torch.equal(a, b) for a, b in zip(held, after, strict=True)), "the model changed while scored"
+    release.set()
+    wait_for("the newest version to be evaluated", lambda: server.state.validation_version == 3)
+    model = server.task.model_fn(0)
+    load_flat_(model, server.core.params)
+    expected = evaluate(model, server.task.corpus, server.task.config.model.seq_len, 256, torch.device("cpu"))
+    assert server.state.validation_loss == pytest.approx(expected.loss, rel=1e-6)
 
 
 # --- checkpoints --------------------------------------------------------------------------------------------------

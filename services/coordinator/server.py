@@ -64,7 +64,12 @@ class CoordinatorServer:
         self._eval_model: nn.Module | None = None
         self._jobs = threading.Condition()
         self._jobs_stop = False
-        self._eval_request: tuple[int, torch.Tensor] | None = None
+        # evaluation runs on `_eval_model`, whose parameters are copied from Θ under the state's `work` lock (no
+        # extra copy of Θ); while an evaluation runs the model is not touched, and the newest version wanted
+        # meanwhile is evaluated after it (`_eval_deferred`)
+        self._eval_request: int | None = None  # the version the model holds, to evaluate
+        self._evaluating = False
+        self._eval_deferred = False
         self._ckpt_request: dict[str, Any] | None = None
         self._ckpt_lock = threading.Lock()
         self._last_ckpt_version = -1
@@ -111,7 +116,7 @@ class CoordinatorServer:
         cfg = self.cfg
         task = build_task(cfg.task)
         model = task.model_fn(cfg.seed)
-        params = flatten_params(model).detach().to("cpu", torch.float32).clone()
+        params = flatten_params(model).to("cpu")  # a new vector: the model's parameters stay its own
         specs = param_specs(model)
         shard_lengths = [task.corpus.shard_length(i) for i in range(task.corpus.num_shards)]
         core = CoordinatorCore(cfg.core_config(), params, shard_lengths, merge_segments(model))
@@ -174,9 +179,8 @@ class CoordinatorServer:
         for t in self._threads:
             t.start()
         if cfg.eval_every:
-            with self._jobs:
-                self._eval_request = state.eval_params()
-                self._jobs.notify_all()
+            with state.work:  # the model still holds the initial parameters unless a checkpoint was restored
+                self._request_eval(core.version)
         self._grpc = service
         service.start()
         if cfg.bulk_port >= 0:
@@ -252,22 +256,34 @@ class CoordinatorServer:
         want_ckpt = bool(cfg.checkpoint_dir) and (v % cfg.checkpoint_every == 0 or last)
         if not (want_eval or want_ckpt):
             return
-        evaluate = self.state.eval_params() if want_eval else None
         snap = self.state.snapshot() if want_ckpt else None
+        if want_eval:
+            self._request_eval(v)
         with self._jobs:
-            if evaluate is not None:
-                self._eval_request = evaluate
             if snap is not None:
                 self._ckpt_request = snap
+            self._jobs.notify_all()
+
+    def _request_eval(self, version: int) -> None:
+        """Holding the state's `work` lock (Θ is `version`'s): copy Θ into the evaluation model and hand it to the
+        jobs thread, or, while an evaluation runs, ask for the newest version after it."""
+        with self._jobs:
+            if self._evaluating:
+                self._eval_deferred = True
+                return
+            assert self._eval_model is not None
+            load_flat_(self._eval_model, self.core.params)
+            self._eval_request = version
             self._jobs.notify_all()
 
     def _jobs_loop(self) -> None:
         while True:
             with self._jobs:
-                while not (self._jobs_stop or self._eval_request or self._ckpt_request):
+                while not (self._jobs_stop or self._eval_request is not None or self._ckpt_request):
                     self._jobs.wait()
                 ckpt, ev = self._ckpt_request, self._eval_request
                 self._ckpt_request = self._eval_request = None
+                self._evaluating = ev is not None
                 stopping = self._jobs_stop
             if ckpt is not None:
                 try:
@@ -276,16 +292,22 @@ class CoordinatorServer:
                     self.log.exception("checkpoint.failed", version=ckpt.get("version"))
             if ev is not None and not stopping:
                 try:
-                    self._evaluate(*ev)
+                    self._evaluate(ev)
                 except Exception:
-                    self.log.exception("eval.failed", version=ev[0])
+                    self.log.exception("eval.failed", version=ev)
+            if ev is not None:
+                with self._jobs:
+                    self._evaluating, deferred = False, self._eval_deferred
+                    self._eval_deferred = False
+                if deferred and not stopping:
+                    with self.state.work:  # lock order: `work`, then `_jobs`
+                        self._request_eval(self.core.version)
             if stopping:
                 return
 
-    def _evaluate(self, version: int, params: torch.Tensor) -> None:
+    def _evaluate(self, version: int) -> None:
         model, task = self._eval_model, self.task
         assert model is not None
-        load_flat_(model, params)
         result = evaluate(model, task.corpus, task.config.model.seq_len, self.cfg.eval_tokens, torch.device("cpu"))
         self.state.set_validation(version, result.loss, result.tokens)
 

@@ -196,6 +196,8 @@ class CoordinatorState:
         self.bytes_received = 0
         self.bytes_sent = 0
         self._applied_by_version: dict[int, tuple[str, ...]] = {}
+        self._merge_s = 0.0  # under `work`: time spent checking and folding uploads since the last round closed
+        self._round_seconds: dict[str, float] = {}  # under `work`: where the last round's close spent its time
         self.broadcast_codec = broadcast_codec
         self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
         self._published = Published(core.version, self.epoch, (), core.finished)
@@ -345,8 +347,16 @@ class CoordinatorState:
             closed = self.core.close(now)
         if closed is None:
             return None
+        started = time.perf_counter()
         applied = self.core.step(closed)
+        stepped = time.perf_counter()
         delta = self.shadow.advance(self.core.params, applied.version)
+        self._round_seconds = {
+            "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
+            "step_s": stepped - started,  # the outer step
+            "encode_s": time.perf_counter() - stepped,  # the broadcast: Θ̂ update, encoded once for every learner
+        }
+        self._merge_s = 0.0
         if self.on_round is not None:
             self.on_round(applied)
         self._publish(applied, delta)
@@ -381,6 +391,7 @@ class CoordinatorState:
             staleness=applied.max_staleness,
             reason=applied.reason,
             delta_norm=round(applied.delta_norm, 6),
+            **{k: round(v, 4) for k, v in self._round_seconds.items()},
         )
 
     def next_deadline(self) -> float | None:
@@ -565,6 +576,7 @@ class CoordinatorState:
                 raise self.reject(e.error, e.reason) from None
         sub, payload = done.sub, done.payload
         try:
+            merge_started = time.perf_counter()
             try:
                 per_step = self.core.measure(sub, payload)  # reads only the payload
             except DilocoError as e:
@@ -592,6 +604,7 @@ class CoordinatorState:
                     self._refresh_gauges()
                     self._nudge_locked()
                 self.core.fold(payload, sub.tokens)
+                self._merge_s += time.perf_counter() - merge_started
                 self.log.info(
                     "submission.accepted",
                     worker_id=sub.worker_id,
@@ -728,13 +741,6 @@ class CoordinatorState:
             with self.lock:
                 snap = self.core.snapshot()
             return _detached(snap)
-
-    def eval_params(self) -> tuple[int, torch.Tensor]:
-        """The parameters of the newest stepped version, copied (for an evaluation)."""
-        with self.work:
-            with self.lock:
-                version = self.core.version
-            return version, self.core.params.detach().clone()
 
     def stop(self) -> None:
         with self.lock:

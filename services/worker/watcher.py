@@ -11,6 +11,7 @@ differs after applying) or a corrupt payload is dropped and the watch restarts f
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,6 +84,7 @@ class Watcher:
                 if self._closed.is_set():
                     call.cancel()
                 receiver: PayloadReceiver | None = None
+                receiving_since = 0.0
                 header: coordinator_pb2.ParametersHeader | None = None
                 for msg in call:
                     if msg.HasField("header"):
@@ -91,6 +93,7 @@ class Watcher:
                             self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
                             return
                         receiver = PayloadReceiver(meta_from_proto(header.payload), self.numel)
+                        receiving_since = time.monotonic()
                         continue
                     if receiver is None or header is None:
                         continue
@@ -101,6 +104,13 @@ class Watcher:
                             call.cancel()
                             after = 0
                             break
+                        self.log.info(
+                            "worker.broadcast_received",
+                            version=header.version,
+                            delta_from=header.delta_from if header.HasField("delta_from") else None,
+                            bytes=receiver.meta.encoded_bytes,
+                            seconds=round(time.monotonic() - receiving_since, 4),  # receive, decode, Θ̂ update
+                        )
                         self.post(Delivered(Broadcast.from_proto(self.worker_id, header), params))
                         after, receiver = header.version, None
                         backoff.reset()
