@@ -25,6 +25,7 @@ from diloco.bench import (
     bench_core,
     bench_energy,
     bench_island,
+    bench_large,
     bench_load,
     bench_sparse,
     bench_upload,
@@ -123,6 +124,12 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section(
         "energy", "Energy-, carbon- and cost-aware placement (simulator)", bench_energy.section, bench_energy.markdown
+    ),
+    Section(
+        "large",
+        "A ~100M-parameter model through the real services: memory and round time",
+        bench_large.section,
+        bench_large.markdown,
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)

@@ -1,0 +1,259 @@
+"""A large model through the real services: memory per process and where a round's time goes (issue #13 item 4).
+
+Two runs of the same real cluster (`LocalCluster`: healthd, the coordinator and 2 learners, child processes on
+loopback, plaintext), `sync` rounds, the upload codec and the default broadcast codec: first with a tiny model (the
+*baseline*: the Python, torch, transformers and gRPC runtime of every process, and the tiny model's training), then
+with a ~100M-parameter Hugging Face Llama (`hf:llama-100m`, random init, byte tokenizer). Each process's peak
+resident memory (`VmHWM` of /proc/PID/status, read while it still runs, after the last round) minus the baseline's
+peak is what the model costs it; the report sets it against the fp32 model bytes:
+
+- the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
+  vectors); target ≤ 4.5x the fp32 model bytes;
+- a learner holds the model, the AdamW state (2x) and its gradients, plus the round's base Θ̂ and decode buffers;
+  target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes.
+
+Per round (means over the rounds after the first, whose times include start-up), from the services' own log
+lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
+Θ̂ updated and the version encoded once, for every learner), the learners' `worker.round` (inner steps;
+pseudo-gradient and encode; rebase), `worker.submitted` (upload) and `worker.broadcast_received` (receiving and
+decoding a version, Θ̂ updated).
+
+    python -m diloco.bench.bench_large [--model hf:llama-100m --outer-steps 3]
+    diloco bench --only large
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from diloco.bench.section import Context, Log, table
+from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, seconds_until
+
+COORDINATOR_TARGET = 4.5  # x fp32 model bytes: Θ, momentum, merge buffer, shadow (issue #13 item 4)
+LEARNER_TARGET = 5.0  # x fp32 model bytes: model + AdamW state (2x) + 2 fp32 buffers
+COORDINATOR_PHASES = ("merge", "step", "encode")
+LEARNER_PHASES = ("inner", "encode", "rebase", "wait")
+
+
+@dataclass(frozen=True)
+class LargeSettings:
+    model: str = "hf:llama-100m"
+    baseline_model: str = "hf:llama-tiny"
+    workers: int = 2
+    outer_steps: int = 3
+    local_steps: int = 2
+    batch_size: int = 4
+    seq_len: int = 128
+    codec: str = "int8"
+    timeout_s: float = 1800.0
+
+
+FULL = LargeSettings()
+QUICK = LargeSettings(model="hf:llama-small", outer_steps=2, local_steps=1, timeout_s=600.0)
+
+
+def model_numel(model: str, seq_len: int) -> int:
+    """Parameters of `model` as the task builds it (on the meta device: nothing is allocated)."""
+    from diloco.task import hf
+    from diloco.task.factory import TaskConfig
+    from diloco.task.model import ModelConfig
+
+    with torch.device("meta"):
+        m = hf.build_model(TaskConfig(model=ModelConfig(seq_len=seq_len), model_name=model), 0)
+    return sum(p.numel() for p in m.parameters())
+
+
+def peak_rss(pid: int) -> int:
+    """Peak resident set size of a running process, in bytes (`VmHWM`)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def run_one(model: str, s: LargeSettings, log: Log) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
+        cfg = ClusterConfig(
+            workers=s.workers,
+            mode="sync",
+            outer_steps=s.outer_steps,
+            local_steps=s.local_steps,
+            min_local_steps=s.local_steps,
+            min_quorum=s.workers,
+            codec=s.codec,
+            checkpoint_every=1000,
+            run_dir=Path(tmp),
+            insecure=True,
+            task_args=("--model", model, "--batch-size", str(s.batch_size), "--seq-len", str(s.seq_len)),
+            coordinator_args=("--eval-tokens", str(4 * s.seq_len)),
+        )
+        started = time.monotonic()
+        with LocalCluster(cfg) as cluster:
+            cluster.start(timeout_s=300)
+            seconds_until("the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=1)
+            wall = time.monotonic() - started
+            peaks = {name: peak_rss(p.popen.pid) for name, p in cluster.procs.items() if p.alive}
+            status = cluster.final_status()
+            logs = {
+                name: [line.fields for line in LogFollower(cluster.run_dir / f"{name}.log").read()]
+                for name in cluster.procs
+            }
+    closed = [f for f in logs["coordinator"] if f.get("event") == "round.closed"]
+    coordinator = {p: _mean([float(f[f"{p}_s"]) for f in closed[1:] if f"{p}_s" in f]) for p in COORDINATOR_PHASES}
+    learner: dict[str, list[float]] = {p: [] for p in (*LEARNER_PHASES, "upload", "receive")}
+    for name in [n for n in logs if n.startswith("worker")]:
+        lines = logs[name]
+        rounds = [f for f in lines if f.get("event") == "worker.round"]
+        for f in rounds[1:]:
+            for p in LEARNER_PHASES:
+                learner[p].append(float(f.get(f"{p}_s", 0.0)))
+        submitted = [float(f["seconds"]) for f in lines if f.get("event") == "worker.submitted"]
+        learner["upload"] += submitted[1:]
+        received = [f for f in lines if f.get("event") == "worker.broadcast_received"]
+        learner["receive"] += [float(f["seconds"]) for f in received if f.get("delta_from") is not None]
+    result = {
+        "model": model,
+        "numel": model_numel(model, s.seq_len),
+        "wall_s": round(wall, 1),
+        "version": status.version,
+        "validation_loss": status.validation_loss,
+        "peak_rss": peaks,
+        "coordinator_s": coordinator,
+        "learner_s": {p: _mean(v) for p, v in learner.items()},
+        "broadcast_bytes": sorted(
+            {
+                int(f["bytes"])
+                for n in logs
+                for f in logs[n]
+                if f.get("event") == "worker.broadcast_received" and f.get("delta_from") is not None
+            }
+        ),
+    }
+    log(
+        f"  {model}: {result['numel']:,} parameters, {status.version} rounds in {wall:.0f} s, peak RSS "
+        + ", ".join(f"{n} {b / 1e9:.2f} GB" for n, b in sorted(peaks.items()))
+    )
+    return result
+
+
+def run(s: LargeSettings, log: Log) -> dict[str, Any]:
+    base = run_one(s.baseline_model, s, log)
+    big = run_one(s.model, s, log)
+    model_bytes = 4 * big["numel"]
+    rows = []
+    for name in sorted(big["peak_rss"]):
+        net = big["peak_rss"][name] - base["peak_rss"].get(name, 0)
+        rows.append(
+            {
+                "process": name,
+                "peak": big["peak_rss"][name],
+                "baseline": base["peak_rss"].get(name, 0),
+                "net": net,
+                "x_model": net / model_bytes,
+            }
+        )
+    checks = []
+    for r in rows:
+        if r["process"] == "coordinator":
+            target = COORDINATOR_TARGET
+        elif r["process"].startswith("worker"):
+            target = LEARNER_TARGET
+        else:
+            continue
+        checks.append(
+            {
+                "name": f"{r['process']}: peak RSS over the baseline, in fp32 model sizes",
+                "target": f"≤ {target:g}x",
+                "measured": f"{r['x_model']:.2f}x ({r['net'] / 1e9:.2f} GB over {r['baseline'] / 1e9:.2f} GB; "
+                f"model {model_bytes / 1e9:.2f} GB)",
+                "pass": r["x_model"] <= target,
+            }
+        )
+    return {
+        "settings": asdict(s),
+        "baseline": base,
+        "large": big,
+        "model_bytes": model_bytes,
+        "memory": rows,
+        "checks": checks,
+    }
+
+
+def section(ctx: Context) -> dict[str, Any]:
+    return run(QUICK if ctx.quick else FULL, ctx.log)
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def markdown(r: dict[str, Any]) -> str:
+    s, big, base = r["settings"], r["large"], r["baseline"]
+    head = (
+        f"Command: `python -m diloco.bench.bench_large --model {s['model']} --outer-steps {s['outer_steps']}`. "
+        f"healthd, the coordinator and {s['workers']} learners (real processes, loopback), `sync` rounds of H = "
+        f"{s['local_steps']} inner steps, batch {s['batch_size']} x {s['seq_len']} tokens, upload codec "
+        f"`{s['codec']}`, the default broadcast codec; `{big['model']}` has {big['numel']:,} parameters "
+        f"({r['model_bytes'] / 1e9:.2f} GB in fp32). The baseline is the same cluster with `{base['model']}` "
+        f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
+        "`VmHWM` after the last round."
+    )
+    mem = table(
+        ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],
+        [
+            [
+                m["process"],
+                f"{m['peak'] / 1e9:.2f}",
+                f"{m['baseline'] / 1e9:.2f}",
+                f"{m['net'] / 1e9:.2f}",
+                f"{m['x_model']:.2f}",
+            ]
+            for m in r["memory"]
+        ],
+    )
+    c, lr = big["coordinator_s"], big["learner_s"]
+    times = table(
+        ["where", "phase", "seconds per round"],
+        [
+            ["coordinator", "merge (check + fold the uploads)", _s(c.get("merge"))],
+            ["coordinator", "outer step", _s(c.get("step"))],
+            ["coordinator", "broadcast encode (once per version)", _s(c.get("encode"))],
+            ["learner", "inner steps", _s(lr.get("inner"))],
+            ["learner", "pseudo-gradient + encode", _s(lr.get("encode"))],
+            ["learner", "upload", _s(lr.get("upload"))],
+            ["learner", "broadcast receive (receive, decode, Θ̂)", _s(lr.get("receive"))],
+            ["learner", "rebase", _s(lr.get("rebase"))],
+            ["learner", "waiting", _s(lr.get("wait"))],
+        ],
+    )
+    sizes = ", ".join(f"{b / 1e6:.1f} MB" for b in big["broadcast_bytes"]) or "-"
+    return f"{head}\n\n{mem}\n\n{times}\n\nDelta broadcasts as received: {sizes}."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=FULL.model)
+    p.add_argument("--outer-steps", type=int, default=FULL.outer_steps)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    r = run(LargeSettings(model=a.model, outer_steps=a.outer_steps), print)
+    print(json.dumps(r, indent=2) if a.json else markdown(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
