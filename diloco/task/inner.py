@@ -114,7 +114,12 @@ class ParamIO(Protocol):
 
     @property
     def device(self) -> torch.device:
-        """Where the vectors `read` returns and `write` takes live (the base and θ_at_submit are kept there)."""
+        """Where the vectors `read` returns and `write` takes live (the base is kept there)."""
+        ...
+
+    @property
+    def flat_view(self) -> Tensor | None:
+        """θ itself as one flat vector whose slices *are* the parameters (written in place), or None."""
         ...
 
     def read(self) -> Tensor:
@@ -127,20 +132,43 @@ class ParamIO(Protocol):
 
 
 class LocalParams:
-    """The parameters of a model held whole by this process, read and written on the model's device."""
+    """The parameters of a model held whole by this process, read and written on the model's device.
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    With `flat=True` (and fp32 parameters on one device) the parameters are moved into one flat vector, `flat_view`,
+    each parameter a view of its slice: a trainer then computes pseudo-gradients and rebases in place, without a
+    model-sized copy of θ. Only before anything keeps references to the parameters' old storage (not under
+    DistributedDataParallel, which the islands use: they pass `flat=False`)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, flat: bool = False) -> None:
         self.model, self._device = model, device
+        self._flat: Tensor | None = None
+        params = list(model.parameters())
+        if flat and params and all(p.dtype == torch.float32 and p.device == device for p in params):
+            live = flatten_params(model)
+            offset = 0
+            with torch.no_grad():
+                for p in params:
+                    n = p.numel()
+                    p.data = live[offset : offset + n].view_as(p)
+                    offset += n
+            self._flat = live
 
     @property
     def device(self) -> torch.device:
         return self._device
 
+    @property
+    def flat_view(self) -> Tensor | None:
+        return self._flat
+
     def read(self) -> Tensor:
         return flatten_params(self.model)
 
     def write(self, flat: Tensor) -> None:
-        load_flat_(self.model, flat)
+        if self._flat is not None:
+            self._flat.copy_(flat)
+        else:
+            load_flat_(self.model, flat)
 
 
 class InnerTrainer:
@@ -148,7 +176,13 @@ class InnerTrainer:
 
     `slowdown > 1` sleeps `(slowdown - 1)·step_time` after each step, to emulate older hardware. `sleep` and
     `clock` are injectable for tests; `loss_fn` replaces `model.loss` (an island's DistributedDataParallel) and
-    `params` how the parameters are read and written (default `LocalParams`; a sharded island's gathers them).
+    `params` how the parameters are read and written (default `LocalParams`, with the parameters in one flat
+    vector when there is no `loss_fn`; a sharded island's gathers them).
+
+    Memory: besides the model, its gradients and the AdamW state, a trainer keeps one model-sized vector, the
+    base: Θ_base until a submission, then θ_at_submit (the parameters whose pseudo-gradient was sent), which is
+    all a later rebase needs. With flat parameters (`LocalParams.flat_view`) pseudo-gradients and rebases are computed
+    in place; `submit` allocates only the pseudo-gradient it returns.
     """
 
     _EMA = 0.2
@@ -192,10 +226,9 @@ class InnerTrainer:
         )
         self.steps_done = 0
         self.numel = num_params(self.model)
-        self.io: ParamIO = params if params is not None else LocalParams(self.model, self.device)
+        self.io: ParamIO = params if params is not None else LocalParams(self.model, self.device, flat=loss_fn is None)
         self._host = HostBuffer()  # device <-> host copies of flat vectors (pinned on CUDA)
-        self._base = self.io.read()
-        self._at_submit: Tensor | None = None
+        self._base = self.io.read()  # Θ_base, or θ_at_submit after a submission (class docstring)
         self._step_time_s = 0.0
 
     # -- parameters ---------------------------------------------------------------------------------------
@@ -206,7 +239,9 @@ class InnerTrainer:
 
     @property
     def base(self) -> Tensor:
-        """Θ_base: the global parameters the next pseudo-gradient is measured against (flat fp32, CPU)."""
+        """What the next pseudo-gradient is measured against (flat fp32, CPU): Θ_base, the global parameters last
+        adopted, or θ_at_submit once a pseudo-gradient was submitted since (the steps after it are the unsent
+        ones)."""
         return self._base.cpu()
 
     def _check_flat(self, flat: Tensor, what: str) -> Tensor:
@@ -220,21 +255,24 @@ class InnerTrainer:
         """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped)."""
         flat = self._check_flat(flat, "global parameters")
         self.io.write(flat)
-        self._base = flat.clone()
-        self._at_submit = None
+        self._base.copy_(flat)
+
+    def _theta(self) -> Tensor:
+        live = self.io.flat_view
+        return live if live is not None else self.io.read()
 
     def pseudo_gradient(self) -> Tensor:
-        """Δ = Θ_base - θ (flat fp32, CPU)."""
-        return (self._base - self.io.read()).cpu()
+        """Δ = base - θ (flat fp32, CPU): the steps not submitted yet."""
+        return (self._base - self._theta()).cpu()
 
     def submit(self) -> Tensor:
-        """For a submission: Δ = Θ_base - θ, and θ_at_submit ← θ (`mark_submitted`), reading θ once. Δ is computed
-        where the parameters are (the model's device) and handed to the host through the trainer's reusable
-        pinned buffer on CUDA: there the result is valid until the trainer's next `submit`, `load_global` or
-        `rebase` (encode it first). On the CPU it is a new tensor, as `pseudo_gradient`'s."""
-        theta = self.io.read()
+        """For a submission: Δ = base - θ, and base ← θ (`mark_submitted`), reading θ once. Δ is computed where
+        the parameters are (the model's device) and handed to the host through the trainer's reusable pinned
+        buffer on CUDA: there the result is valid until the trainer's next `submit`, `load_global` or `rebase`
+        (encode it first). On the CPU it is a new tensor, as `pseudo_gradient`'s."""
+        theta = self._theta()
         delta = self._host.to_host(self._base - theta)
-        self._at_submit = theta
+        self._base.copy_(theta)
         return delta
 
     def catch_up(self, step: int) -> None:
@@ -243,22 +281,23 @@ class InnerTrainer:
         self.steps_done = max(self.steps_done, step)
 
     def mark_submitted(self) -> None:
-        """Remember θ_at_submit, the parameters whose pseudo-gradient was just sent."""
-        self._at_submit = self.io.read()
+        """base ← θ_at_submit, the parameters whose pseudo-gradient was just sent."""
+        self._base.copy_(self._theta())
 
     def rebase(self, new_global: Tensor) -> None:
         """Adopt Θ_new, keeping the steps not yet submitted.
 
-        After a submission: θ ← Θ_new + (θ - θ_at_submit). Without one since the last adoption (a second newer
-        version arrived first): θ ← Θ_new + (θ - Θ_base), moving the unsent progress onto the newer base. Either
-        way base ← Θ_new, so those steps count, once, in the next pseudo-gradient.
+        θ ← Θ_new + (θ - base): after a submission base is θ_at_submit; without one since the last adoption (a
+        second newer version arrived first) it is Θ_base, which moves the unsent progress onto the newer base.
+        Either way base ← Θ_new, so those steps count, once, in the next pseudo-gradient.
         """
         new = self._check_flat(new_global, "global parameters")
-        theta = self.io.read()
-        reference = self._at_submit if self._at_submit is not None else self._base
-        self.io.write(new + (theta - reference))
-        self._base = new.clone()
-        self._at_submit = None
+        live = self.io.flat_view
+        if live is not None:
+            live.sub_(self._base).add_(new)  # in place: no model-sized temporary
+        else:
+            self.io.write(new + (self.io.read() - self._base))
+        self._base.copy_(new)
 
     # -- training -----------------------------------------------------------------------------------------
 

@@ -218,6 +218,10 @@ class ShardedParams:
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    @property
+    def flat_view(self) -> None:  # the parameters are shards on every rank's device, never one local vector
+        return None
+
     def read(self) -> torch.Tensor:
         if self.live and self.island.leader:
             self.island._header(Op.GATHER)
