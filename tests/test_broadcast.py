@@ -72,7 +72,7 @@ def decode_streamed(delta_data: bytes | memoryview, meta: object, numel: int, ch
 def test_learners_reconstruct_the_shadow_bit_for_bit(codec: str) -> None:
     numel, steps = 1000, 12  # 1000: a short last block for int8/int4
     thetas = walk(numel, steps)
-    shadow = BroadcastShadow(thetas[0], 0, codec, history=3)
+    shadow = BroadcastShadow(thetas[0], 0, codec, history=3, history_bytes_ratio=2.0)
     every, skipper, behind = BroadcastFollower(), BroadcastFollower(), BroadcastFollower()
     snap = shadow.snapshot()
     for f in (every, skipper, behind):
@@ -104,6 +104,17 @@ def test_learners_reconstruct_the_shadow_bit_for_bit(codec: str) -> None:
     assert snap is shadow.snapshot()  # encoded once per version
     got = behind.snapshot(snap.version, decode_streamed(snap.data, snap.meta, numel, chunk=1000))
     assert torch.equal(bits(got), bits(shadow.shadow)) and snap.checksum == checksums[steps]
+
+
+@pytest.mark.parametrize(("codec", "kept"), [("bf16", 1), ("int8", 1), ("int4", 3)])
+def test_the_history_holds_at_most_half_a_snapshot_of_deltas(codec: str, kept: int) -> None:
+    thetas = walk(1000, 6)
+    shadow = BroadcastShadow(thetas[0], 0, codec)  # history 8 by count; the bytes decide
+    for v in range(1, 7):
+        shadow.record(shadow.advance(thetas[v], v))
+    assert shadow.oldest_delta == 7 - kept
+    assert [d.version for d in shadow.updates_since(6 - kept, 6) or []] == list(range(7 - kept, 7))
+    assert shadow.updates_since(5 - kept, 6) is None  # further behind: a snapshot
 
 
 def test_fp32_broadcasts_are_full_snapshots_of_theta() -> None:
@@ -187,7 +198,7 @@ def rounds(env: Env, reg: pb.RegisterResponse, n: int, start: int = 0) -> None:
 
 
 def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[..., Env]) -> None:
-    env = start(broadcast_codec="int8", broadcast_history=2)
+    env = start(broadcast_codec="int4", broadcast_history=2)  # 2 int4 deltas: well within the bytes kept
     numel, state = env.numel, env.server.state
     reg = register(env)
     call = env.stub.WatchParameters(pb.WatchParametersRequest(worker_id=reg.worker_id, follow=True), timeout=30)
@@ -199,7 +210,7 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[
     for v in range(1, 4):
         rounds(env, reg, 1, start=v)
         header, decoded = read_one(stream, numel)
-        assert header.version == v and header.delta_from == v - 1 and header.payload.codec == common_pb2.CODEC_INT8
+        assert header.version == v and header.delta_from == v - 1 and header.payload.codec == common_pb2.CODEC_INT4
         assert list(header.applied_submission_ids) == [f"s{v}"] and header.plan.shards
         got = follower.delta(v, header.delta_from, decoded, header.params_crc32)
         assert not isinstance(got, Refusal)

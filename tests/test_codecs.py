@@ -287,6 +287,64 @@ def test_streaming_with_random_chunks_equals_whole_decode(
     assert torch.equal(_stream(codec, data, meta, sizes), whole)
 
 
+class _Collect:
+    """A window sink that rebuilds the vector and records every window it was given."""
+
+    def __init__(self, numel: int) -> None:
+        self.out = torch.zeros(numel)
+        self.covered = torch.zeros(numel, dtype=torch.int32)
+        self.windows: list[int] = []
+
+    def dense(self, start: int, values: torch.Tensor) -> None:
+        self.out[start : start + values.numel()] = values
+        self.covered[start : start + values.numel()] += 1
+        self.windows.append(values.numel())
+
+    def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        self.out[index] = values
+        self.windows.append(values.numel())
+
+
+def _stream_to_sink(codec: Codec, data: bytes, meta: EncodedMeta, size: int) -> _Collect:
+    sink = _Collect(meta.numel)
+    decoder = codec.decoder(meta, sink=sink)
+    for pos in range(0, len(data), size):
+        decoder.feed(memoryview(data)[pos : pos + size])
+    decoder.verify()
+    return sink
+
+
+@_PROPERTY
+@given(st.sampled_from(CODEC_NAMES), _VECTORS, _SMALL_BLOCKS, st.integers(1, 100))
+def test_a_sink_gets_exactly_the_whole_decode(name: str, values: np.ndarray, block_size: int, size: int) -> None:
+    codec, data, meta = _encode(name, values, block_size=block_size, topk_fraction=0.1)
+    sink = _stream_to_sink(codec, data, meta, size)
+    assert torch.equal(sink.out, codec.decode(data, meta))
+    if name != "topk":  # every other codec hands over dense windows, covering every element once
+        assert bool((sink.covered == 1).all())
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_sink_windows_stay_small_however_large_the_pieces_fed(name: str) -> None:
+    numel = 3 * (1 << 20) + 77
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(5))
+    codec, data, meta = _encode(name, x, block_size=4096 if name == "sparse" else 128, topk_fraction=0.01)
+    sink = _stream_to_sink(codec, data, meta, len(data))  # the whole payload in one feed
+    assert torch.equal(sink.out, codec.decode(data, meta))
+    assert len(sink.windows) >= 3
+    assert max(sink.windows) <= 1.25 * (1 << 20)  # about _WINDOW_ELEMENTS (block scales make pieces a bit longer)
+
+
+def test_a_decoder_takes_a_sink_or_an_output_not_both() -> None:
+    codec, data, meta = _encode("int8", [1.0, 2.0])
+    with pytest.raises(CodecError, match="either into an output buffer or into a sink"):
+        codec.decoder(meta, torch.empty(2), sink=_Collect(2))
+    decoder = codec.decoder(meta, sink=_Collect(2))
+    decoder.feed(data)
+    with pytest.raises(CodecError, match="no output buffer"):
+        decoder.finish()
+
+
 @pytest.mark.parametrize("name", CODEC_NAMES)
 def test_streaming_one_byte_at_a_time(name: str) -> None:
     x = torch.randn(101, generator=torch.Generator().manual_seed(3))

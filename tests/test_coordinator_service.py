@@ -479,6 +479,21 @@ def test_checkpoint_files_are_atomic_checksummed_and_pruned(tmp_path: Path) -> N
     assert checkpoint.load_latest(tmp_path / "missing") is None
 
 
+def test_a_checkpoint_of_live_tensors_is_serialised_under_the_lock_given(tmp_path: Path) -> None:
+    lock = threading.Lock()
+    live = torch.arange(4, dtype=torch.float32)
+    seen: list[bool] = []
+
+    def snapshot() -> dict[str, Any]:
+        seen.append(lock.locked())
+        return {"version": 7, "params": live}
+
+    path, version = checkpoint.save(tmp_path, snapshot, hold=lock)
+    live.add_(100.0)  # changed after the save: the file holds what it was under the lock
+    assert seen == [True] and not lock.locked() and version == 7
+    assert torch.equal(checkpoint.load(path)["params"], torch.arange(4, dtype=torch.float32))
+
+
 def test_checkpoint_rpc_without_a_folder_is_refused(env: Env) -> None:
     code, details = code_of(lambda: env.stub.Checkpoint(pb.CheckpointRequest(), timeout=T))
     assert code == PRECONDITION and "--checkpoint-dir" in details

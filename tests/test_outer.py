@@ -9,8 +9,9 @@ from diloco.core.outer import DelayedNesterov, FedAvg, Nesterov, OuterConfig, bu
 from diloco.errors import ConfigError, InvalidArgument
 
 
+@pytest.mark.parametrize("scratch_delta", [False, True])
 @pytest.mark.parametrize(("lr", "momentum"), [(0.7, 0.9), (1.0, 0.0), (0.1, 0.5)])
-def test_nesterov_is_bit_for_bit_torch_sgd(lr: float, momentum: float) -> None:
+def test_nesterov_is_bit_for_bit_torch_sgd(lr: float, momentum: float, scratch_delta: bool) -> None:
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(1000, generator=gen)
     ours = start.clone()
@@ -19,8 +20,8 @@ def test_nesterov_is_bit_for_bit_torch_sgd(lr: float, momentum: float) -> None:
     opt = Nesterov(lr, momentum)
     for _ in range(6):
         delta = torch.randn(1000, generator=gen)
-        opt.step(ours, delta)
         ref.grad = delta.clone()
+        opt.step(ours, delta, scratch_delta=scratch_delta)
         sgd.step()
         assert torch.equal(ours, ref.detach()), "outer step differs from torch.optim.SGD(nesterov=True)"
 

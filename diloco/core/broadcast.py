@@ -5,7 +5,9 @@ broadcast codec and sets `Θ̂ ← Θ̂ + D(q_v)`, where `D(q_v)` is decoded fro
 learner runs (`Codec.decode`), and added with one fp32 `add` in the same order: a learner that held `Θ̂_{v−1}` and
 applies `q_v` holds exactly `Θ̂_v`, bit for bit. The residual `Θ − Θ̂` is carried into the next broadcast.
 
-`BroadcastShadow` (coordinator side) keeps the last `history` encoded deltas and the crc32 of `Θ̂_v`'s fp32 bytes.
+`BroadcastShadow` (coordinator side) keeps the last `history` encoded deltas, at most `history_bytes_ratio`
+(default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is better served by a snapshot, and the
+coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes.
 A learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
 (all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`, encoded once per version, on
 first request). With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot, encoded
@@ -49,6 +51,8 @@ DEFAULT_HISTORY = 8
 # (the default model, decoupled, 4 learners), seeds 0 and 1, final loss against fp32 broadcasts: bf16 +0.22%/-0.47%,
 # int8 -0.26%/-0.40%, int4 -0.35%/-0.06%; bytes down 57.9 MB (fp32), 29.9 (bf16), 16.4 (int8), 9.4 (int4).
 DEFAULT_BROADCAST_CODEC = "int4"
+# deltas kept: at most this fraction of a full fp32 snapshot's bytes (int4: 3 deltas, int8: 1; the newest always)
+HISTORY_BYTES_RATIO = 0.5
 
 
 def params_checksum(flat: torch.Tensor) -> int:
@@ -89,11 +93,18 @@ class Snapshot:
 class BroadcastShadow:
     """The coordinator's `Θ̂` and the deltas that built it (see the module docstring).
 
-    `codec`: one of `BROADCAST_CODECS`; `history`: how many of the newest deltas are kept (>= 1). `params` at
+    `codec`: one of `BROADCAST_CODECS`; `history`: how many of the newest deltas are kept at most (>= 1), and
+    `history_bytes_ratio` how many bytes, as a fraction of a full fp32 snapshot's. `params` at
     `version` is where broadcasting starts (`Θ̂ = Θ`: a new coordinator, or a restart, sends snapshots first)."""
 
     def __init__(
-        self, params: torch.Tensor, version: int, codec: str = "fp32", *, history: int = DEFAULT_HISTORY
+        self,
+        params: torch.Tensor,
+        version: int,
+        codec: str = "fp32",
+        *,
+        history: int = DEFAULT_HISTORY,
+        history_bytes_ratio: float = HISTORY_BYTES_RATIO,
     ) -> None:
         if codec not in BROADCAST_CODECS:
             raise CodecError(f"unknown broadcast codec {codec!r}; use one of {', '.join(BROADCAST_CODECS)}")
@@ -102,6 +113,7 @@ class BroadcastShadow:
         self.codec_name = codec
         self.codec: Codec | None = None if codec == "fp32" else get_codec(codec)
         self.history = history
+        self.history_bytes_ratio = history_bytes_ratio
         self._deltas: deque[Delta] = deque(maxlen=history)
         self._snapshot: Snapshot | None = None
         self._pending: Snapshot | None = None  # fp32: the snapshot `advance` made, installed by `record`
@@ -127,17 +139,21 @@ class BroadcastShadow:
         self._snapshot = None
         self.checksum = params_checksum(self._shadow)
 
-    def advance(self, params: torch.Tensor, version: int) -> Delta | None:
+    def advance(self, params: torch.Tensor, version: int, scratch: torch.Tensor | None = None) -> Delta | None:
         """Version `version` (the next one) has parameters `params` (`Θ`): move `Θ̂` towards them. Returns the
         delta to `record` (None for fp32, whose snapshot is encoded here, or when the delta could not be encoded,
-        e.g. non-finite parameters: then `Θ̂ ← Θ` and learners get a snapshot)."""
+        e.g. non-finite parameters: then `Θ̂ ← Θ` and learners get a snapshot). `scratch`: a model-sized fp32
+        CPU buffer free for this call (the coordinator lends its merge buffer), else one is kept here."""
         if self.codec is None or version != self.version + 1:
             self._reset(params, version)
             return None
         assert self._shadow is not None
-        if self._scratch is None:
-            self._scratch = torch.empty_like(self._shadow)
-        work = self._scratch
+        if scratch is not None and scratch.shape == self._shadow.shape and scratch.device.type == "cpu":
+            work = scratch
+        else:
+            if self._scratch is None:
+                self._scratch = torch.empty_like(self._shadow)
+            work = self._scratch
         torch.sub(params.detach().to("cpu", torch.float32).reshape(-1), self._shadow, out=work)
         try:
             data, meta = self.codec.encode(work)
@@ -159,8 +175,11 @@ class BroadcastShadow:
             self._snapshot, self._pending = self._pending, None
         if delta is None:
             self._deltas.clear()
-        else:
-            self._deltas.append(delta)
+            return
+        self._deltas.append(delta)
+        budget = self.history_bytes_ratio * 4 * delta.meta.numel
+        while len(self._deltas) > 1 and sum(len(d.data) for d in self._deltas) > budget:
+            self._deltas.popleft()
 
     def updates_since(self, held: int | None, current: int) -> list[Delta] | None:
         """What a learner holding version `held` (None: none) needs to reach `current` (the published version): []
@@ -173,6 +192,11 @@ class BroadcastShadow:
         if len(chain) != current - held or chain[0].base != held:
             return None
         return chain
+
+    @property
+    def oldest_delta(self) -> int | None:
+        """The version of the oldest delta kept (None: none)."""
+        return self._deltas[0].version if self._deltas else None
 
     def snapshot(self) -> Snapshot:
         """`Θ̂` in full: the newest version `advance` reached (lossy codecs: encoded once per version, on the first

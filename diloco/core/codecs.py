@@ -48,7 +48,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, NoReturn
+from typing import ClassVar, NoReturn, Protocol
 
 import numpy as np
 import torch
@@ -73,10 +73,12 @@ __all__ = [
     "SparseCodec",
     "StreamDecoder",
     "TopKCodec",
+    "WindowSink",
     "codec_class",
     "encoded_size",
     "get_codec",
     "iter_chunks",
+    "payload_decoder",
 ]
 
 ALLOWED_BLOCK_SIZES: tuple[int, ...] = tuple(1 << p for p in range(4, 13))  # 16 .. 4096
@@ -162,6 +164,14 @@ class EncodedMeta:
             )
 
 
+def payload_decoder(
+    meta: EncodedMeta, out: torch.Tensor | None = None, *, sink: WindowSink | None = None
+) -> StreamDecoder:
+    """The decoder of a payload described by `meta` (its codec, with the meta's block size), into `out` or `sink`
+    (`Codec.decoder`)."""
+    return get_codec(meta.codec, block_size=meta.block_size or 128).decoder(meta, out, sink=sink)
+
+
 def iter_chunks(data: bytes | bytearray | memoryview, chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:
     """Zero-copy slices of `data` of `chunk_bytes` each (the last may be shorter)."""
     if chunk_bytes < 1:
@@ -227,18 +237,42 @@ class _Section:
     on_complete: Callable[[], None] | None = None
 
 
+class WindowSink(Protocol):
+    """Takes a decoded payload window by window instead of a model-sized output buffer (`Codec.decoder(meta,
+    sink=...)`). The tensors are scratch, valid only during the call."""
+
+    def dense(self, start: int, values: torch.Tensor) -> None:
+        """Elements [start, start + len(values)) are `values` (every element of the vector comes once)."""
+
+    def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Elements `index` (int64, increasing) are `values`; elements never named are 0 (topk payloads)."""
+
+
+_WINDOW_ELEMENTS = 1 << 20  # with a sink, about how many elements one window holds
+
+
 class StreamDecoder:
-    """Decodes one payload fed in chunks of any size into `out`, keeping only a partial unit between feeds.
+    """Decodes one payload fed in chunks of any size into `out`, keeping only a partial unit between feeds; or,
+    with a `sink` instead of `out`, hands it over in windows of about `_WINDOW_ELEMENTS` elements (the payload is
+    decoded in pieces of the matching number of bytes; a window's scratch is reused: no model-sized buffer).
 
     `feed` raises `CodecError` as soon as it sees more bytes than announced or malformed content (a topk
-    index out of range or not increasing, a NaN, inf or negative scale); `finish` raises when bytes are
-    missing or the crc32 does not match. `out` is written as bytes arrive, so after an error its content is
-    garbage: decode into a scratch buffer when that matters.
+    index out of range or not increasing, a NaN, inf or negative scale); `verify` (and `finish`, which returns
+    `out`) raises when bytes are missing or the crc32 does not match. `out` is written as bytes arrive, so after
+    an error its content is garbage: decode into a scratch buffer when that matters.
     """
 
-    def __init__(self, meta: EncodedMeta, out: torch.Tensor, sections: Sequence[_Section]) -> None:
+    def __init__(
+        self, meta: EncodedMeta, out: torch.Tensor | None, sections: Sequence[_Section], sink: WindowSink | None = None
+    ) -> None:
+        if (out is None) == (sink is None):
+            raise CodecError("a decoder writes either into an output buffer or into a sink")
         self.meta = meta
-        self.out = out
+        self._out = out
+        self._sink = sink
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        # a sink gets windows of about _WINDOW_ELEMENTS elements: decode that many elements' bytes at a time
+        self._piece_bytes = max(1, _WINDOW_ELEMENTS * meta.encoded_bytes // max(1, meta.numel))
         self._sections = [s for s in sections if s.length > 0]
         self._section = 0
         self._section_pos = 0
@@ -251,6 +285,25 @@ class StreamDecoder:
     def bytes_received(self) -> int:
         """Payload bytes fed so far."""
         return self._received
+
+    @property
+    def out(self) -> torch.Tensor:
+        if self._out is None:
+            raise CodecError("this decoder hands its values to a sink: it has no output buffer")
+        return self._out
+
+    def _window(self, start: int, count: int) -> torch.Tensor:
+        """Where elements [start, start + count) are decoded: `out`'s slice, or scratch that `_emit` hands over."""
+        if self._out is not None:
+            return self._out[start : start + count]
+        if self._scratch.numel() < count:
+            self._scratch = torch.empty(count, dtype=torch.float32)
+        return self._scratch[:count]
+
+    def _emit(self, start: int, window: torch.Tensor) -> None:
+        """A window from `_window` holds its final values."""
+        if self._sink is not None:
+            self._sink.dense(start, window)
 
     def feed(self, chunk: bytes | bytearray | memoryview) -> None:
         """Decode every complete unit of `chunk` (with the partial one kept from earlier feeds) into `out`."""
@@ -265,19 +318,27 @@ class StreamDecoder:
             )
         self._crc = crc32(view, self._crc)
         self._received += len(view)
+        step = self._piece_bytes if self._sink is not None else len(view)
         try:
-            while view:
-                section = self._sections[self._section]
-                piece = view[: section.length - self._section_pos]
-                view = view[len(piece) :]
-                self._feed_section(section, piece)
+            for at in range(0, len(view), step):
+                rest = view[at : at + step]
+                while rest:
+                    section = self._sections[self._section]
+                    piece = rest[: section.length - self._section_pos]
+                    rest = rest[len(piece) :]
+                    self._feed_section(section, piece)
         except CodecError as err:
             self._failed = err
             self._sections = []
             raise
 
     def finish(self) -> torch.Tensor:
-        """Check that the payload is complete and intact; return `out`."""
+        """`verify`, then return `out`."""
+        self.verify()
+        return self.out
+
+    def verify(self) -> None:
+        """Check that the payload is complete and intact."""
         self._raise_if_failed()
         if self._received < self.meta.encoded_bytes:
             self._fail(
@@ -290,7 +351,6 @@ class StreamDecoder:
                 "the bytes were corrupted in transit: send them again"
             )
         self._sections = []  # the section handlers are bound methods: drop them so no cycle keeps `out` alive
-        return self.out
 
     def _feed_section(self, section: _Section, piece: memoryview) -> None:
         pos = 0
@@ -358,15 +418,21 @@ class Codec(ABC):
         """Encode a 1-D float32 tensor (any device). `meta.crc32` is `zlib.crc32` of the bytes."""
 
     @abstractmethod
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder: ...
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder: ...
 
-    def decoder(self, meta: EncodedMeta, out: torch.Tensor | None = None) -> StreamDecoder:
+    def decoder(
+        self, meta: EncodedMeta, out: torch.Tensor | None = None, *, sink: WindowSink | None = None
+    ) -> StreamDecoder:
         """A streaming decoder for a payload described by `meta`, writing into `out` (a float32 CPU buffer of
-        `meta.numel` elements, allocated when None). Every element of `out` is overwritten."""
+        `meta.numel` elements, allocated when None; every element is overwritten), or handing the values to
+        `sink` window by window (then `out` must be None)."""
         if meta.codec != self.name:
             raise CodecError(f"payload codec {meta.codec!r} cannot be decoded by the {self.name} codec")
         meta.validate(expected_numel=meta.numel)
-        if out is None:
+        if sink is not None:
+            if out is not None:
+                raise CodecError("a decoder writes either into an output buffer or into a sink")
+        elif out is None:
             out = torch.empty(meta.numel, dtype=torch.float32)
         elif (
             out.dtype != torch.float32
@@ -378,7 +444,7 @@ class Codec(ABC):
                 f"decode buffer must be a contiguous 1-D float32 CPU tensor of {meta.numel} elements, "
                 f"got {out.dtype} of shape {tuple(out.shape)} on {out.device}"
             )
-        return self._decoder(meta, out)
+        return self._decoder(meta, out, sink)
 
     def decode(self, data: bytes | bytearray | memoryview, meta: EncodedMeta) -> torch.Tensor:
         """Decode a whole payload into a new tensor."""
@@ -426,8 +492,8 @@ class FP32Codec(Codec):
         target.zero_()
         return data, meta
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
-        return _RawDecoder(meta, out, torch.float32, 4)
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _RawDecoder(meta, out, sink, torch.float32, 4)
 
 
 class BF16Codec(Codec):
@@ -456,18 +522,20 @@ class BF16Codec(Codec):
                 slab.sub_(half.to(torch.float32))
         return self._finish(parts, x.numel())
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
-        return _RawDecoder(meta, out, torch.bfloat16, 2)
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _RawDecoder(meta, out, sink, torch.bfloat16, 2)
 
 
 class _RawDecoder(StreamDecoder):
-    def __init__(self, meta: EncodedMeta, out: torch.Tensor, dtype: torch.dtype, itemsize: int) -> None:
+    def __init__(
+        self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, dtype: torch.dtype, itemsize: int
+    ) -> None:
         def handle(piece: memoryview, offset: int) -> None:
             start = offset // itemsize
             values = _tensor_view(piece, dtype)
-            out[start : start + values.numel()].copy_(values)
+            self._emit(start, self._window(start, values.numel()).copy_(values))
 
-        super().__init__(meta, out, [_Section(meta.encoded_bytes, itemsize, handle)])
+        super().__init__(meta, out, [_Section(meta.encoded_bytes, itemsize, handle)], sink)
 
 
 class _BlockCodec(Codec):
@@ -563,8 +631,8 @@ class Int8Codec(_BlockCodec):
     def _packed_bytes(count: int) -> int:
         return count
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
-        return _BlockDecoder(meta, out, bits=8)
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _BlockDecoder(meta, out, sink, bits=8)
 
 
 class Int4Codec(_BlockCodec):
@@ -584,14 +652,14 @@ class Int4Codec(_BlockCodec):
     def _packed_bytes(count: int) -> int:
         return (count + 1) // 2
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
-        return _BlockDecoder(meta, out, bits=4)
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _BlockDecoder(meta, out, sink, bits=4)
 
 
 class _BlockDecoder(StreamDecoder):
     """Scales first (kept and checked), then values decoded a block at a time."""
 
-    def __init__(self, meta: EncodedMeta, out: torch.Tensor, bits: int) -> None:
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, bits: int) -> None:
         bs = meta.block_size
         blocks = -(-meta.numel // bs)
         self._scales = torch.empty(blocks, dtype=torch.float32)
@@ -605,6 +673,7 @@ class _BlockDecoder(StreamDecoder):
                 _Section(4 * blocks, 1, self._scale_piece, self._check_scales),
                 _Section(meta.encoded_bytes - 4 * blocks, block_bytes, values),
             ],
+            sink,
         )
 
     def _scale_piece(self, piece: memoryview, offset: int) -> None:
@@ -627,12 +696,15 @@ class _BlockDecoder(StreamDecoder):
         whole = q.numel() // bs
         # an int8 -> float copy then an in-place float multiply: far faster than a mixed-dtype multiply
         if whole:
-            values = self.out[first * bs : (first + whole) * bs].view(whole, bs)
-            values.copy_(q[: whole * bs].view(whole, bs)).mul_(self._scales[first : first + whole, None])
+            window = self._window(first * bs, whole * bs)
+            window.view(whole, bs).copy_(q[: whole * bs].view(whole, bs)).mul_(
+                self._scales[first : first + whole, None]
+            )
+            self._emit(first * bs, window)
         if q.numel() > whole * bs:  # the short last block
             start = (first + whole) * bs
-            values = self.out[start : start + q.numel() - whole * bs]
-            values.copy_(q[whole * bs :]).mul_(self._scales[first + whole])
+            window = self._window(start, q.numel() - whole * bs)
+            self._emit(start, window.copy_(q[whole * bs :]).mul_(self._scales[first + whole]))
 
     def _int4_values(self, piece: memoryview, offset: int) -> None:
         bs, half = self.meta.block_size, self.meta.block_size // 2
@@ -641,16 +713,18 @@ class _BlockDecoder(StreamDecoder):
         # the short last block can take half bytes too (block_size - 1 values), so count whole blocks by values
         whole = min(len(piece) // half, (self.meta.numel - first * bs) // bs)
         if whole:
-            values = self.out[first * bs : (first + whole) * bs]
-            _unpack_nibbles(packed[: whole * half], values)
-            values.view(whole, bs).sub_(8.0).mul_(self._scales[first : first + whole, None])
+            window = self._window(first * bs, whole * bs)
+            _unpack_nibbles(packed[: whole * half], window)
+            window.view(whole, bs).sub_(8.0).mul_(self._scales[first : first + whole, None])
+            self._emit(first * bs, window)
         rest = len(piece) - whole * half
         if rest:  # the short last block; with an odd numel its last nibble is padding
             start = (first + whole) * bs
             values = torch.empty(2 * rest, dtype=torch.float32)
             _unpack_nibbles(packed[whole * half :], values)
             count = self.meta.numel - start
-            self.out[start:].copy_(values[:count]).sub_(8.0).mul_(self._scales[first + whole])
+            window = self._window(start, count)
+            self._emit(start, window.copy_(values[:count]).sub_(8.0).mul_(self._scales[first + whole]))
 
 
 def _unpack_nibbles(packed: torch.Tensor, out: torch.Tensor) -> None:
@@ -709,8 +783,8 @@ class TopKCodec(Codec):
         data, meta = self._finish([records.view(np.uint8).data], numel, topk_count=k)
         return data, meta, index
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
-        return _TopKDecoder(meta, out)
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _TopKDecoder(meta, out, sink)
 
 
 def _top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -758,10 +832,11 @@ def _sample_threshold(x: torch.Tensor, k: int) -> float:
 
 
 class _TopKDecoder(StreamDecoder):
-    def __init__(self, meta: EncodedMeta, out: torch.Tensor) -> None:
-        out.zero_()
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> None:
+        if out is not None:
+            out.zero_()
         self._last_index = -1
-        super().__init__(meta, out, [_Section(meta.encoded_bytes, _TOPK_RECORD.itemsize, self._records)])
+        super().__init__(meta, out, [_Section(meta.encoded_bytes, _TOPK_RECORD.itemsize, self._records)], sink)
 
     def _records(self, piece: memoryview, offset: int) -> None:
         records = np.frombuffer(piece, dtype=_TOPK_RECORD)
@@ -781,7 +856,11 @@ class _TopKDecoder(StreamDecoder):
                 "the payload is corrupt or meant for another model layout"
             )
         self._last_index = int(index[-1])
-        self.out[torch.from_numpy(index)] = torch.from_numpy(records["value"].astype(np.float32))
+        values = torch.from_numpy(records["value"].astype(np.float32))
+        if self._sink is not None:
+            self._sink.sparse(torch.from_numpy(index), values)
+        else:
+            self.out[torch.from_numpy(index)] = values
 
 
 class SparseCodec(Codec):
@@ -869,8 +948,8 @@ class SparseCodec(Codec):
             rows.scatter_(1, offsets, kept.sub_(_sparse_values(codes, low, step, self.BITS)))
         return _sparse_records(low, step, offsets, codes, self.BITS).tobytes()
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor) -> StreamDecoder:
-        return _SparseDecoder(meta, out, self.BITS)
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _SparseDecoder(meta, out, sink, self.BITS)
 
 
 def _sparse_values(codes: torch.Tensor, low: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
@@ -901,7 +980,7 @@ def _sparse_records(
 class _SparseDecoder(StreamDecoder):
     """Whole chunk records (the full chunks', then the short last one's), each checked before it is written."""
 
-    def __init__(self, meta: EncodedMeta, out: torch.Tensor, bits: int) -> None:
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, bits: int) -> None:
         bs, k = meta.block_size, meta.topk_count
         self._bits = bits
         chunks = -(-meta.numel // bs)
@@ -918,6 +997,7 @@ class _SparseDecoder(StreamDecoder):
                     lambda p, o: self._records(p, o, min(k, last), last, chunks - 1),
                 ),
             ],
+            sink,
         )
 
     def _records(self, piece: memoryview, offset: int, k: int, length: int, first_chunk: int) -> None:
@@ -954,12 +1034,13 @@ class _SparseDecoder(StreamDecoder):
         codes = torch.from_numpy(lanes.reshape(len(rows), -1)[:, :k].copy())
         values = _sparse_values(codes, low, step, self._bits)
         start = first * self.meta.block_size
-        target = self.out[start : start + (len(rows) - 1) * self.meta.block_size + length]
+        target = self._window(start, (len(rows) - 1) * self.meta.block_size + length)
         target.zero_()
         if length == self.meta.block_size:
             target.view(len(rows), length).scatter_(1, torch.from_numpy(index), values)
         else:  # the short last chunk
             target.scatter_(0, torch.from_numpy(index[0]), values[0])
+        self._emit(start, target)
 
 
 _REGISTRY: dict[str, type[Codec]] = {

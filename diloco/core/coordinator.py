@@ -49,7 +49,7 @@ import torch
 from diloco.core.energy import placed_speeds
 from diloco.core.guard import CEILING, NON_FINITE, GuardConfig, NormGuard, Verdict
 from diloco.core.ledger import AcceptReceipt, ShardLedger, ShardRange
-from diloco.core.merge import MERGE_NAMES, MergeAccumulator, Segment
+from diloco.core.merge import MERGE_NAMES, EncodedDelta, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, OuterOptimizer, build_outer
 from diloco.core.placement import (
     MEASURE_WINDOW,
@@ -554,12 +554,18 @@ class CoordinatorCore:
         applied = self.poll(now)
         return replace(taken, round=applied.version if applied else taken.round, applied=applied)
 
-    def measure(self, sub: Submission, delta: torch.Tensor) -> float:
-        """Tensor work on the submission's own payload, no state read or changed: its shape, and its norm per
-        inner step for the guard (one pass; NaN, Inf or an overflow make it non-finite)."""
-        if delta.shape != self.params.shape:
-            raise InvalidArgument(f"pseudo-gradient has {delta.numel()} elements; the model has {self.params.numel()}")
-        return float(torch.linalg.vector_norm(delta)) / max(1, sub.steps)
+    def measure(self, sub: Submission, delta: torch.Tensor | EncodedDelta) -> float:
+        """Work on the submission's own payload, no state read or changed: its size, and its norm per inner step
+        for the guard (a tensor: one pass; an `EncodedDelta`: measured on arrival; NaN, Inf or an overflow make
+        it non-finite)."""
+        if isinstance(delta, EncodedDelta):
+            numel, shaped = delta.meta.numel, True
+        else:
+            numel, shaped = delta.numel(), delta.shape == self.params.shape
+        if numel != self.params.numel() or not shaped:
+            raise InvalidArgument(f"pseudo-gradient has {numel} elements; the model has {self.params.numel()}")
+        norm = delta.norm() if isinstance(delta, EncodedDelta) else float(torch.linalg.vector_norm(delta))
+        return norm / max(1, sub.steps)
 
     def take(self, sub: Submission, per_step: float, now: float) -> AcceptResult:
         """The bookkeeping of an acceptance, given the pseudo-gradient's norm per step (`measure`): admission,
@@ -603,7 +609,7 @@ class CoordinatorCore:
         rec.measured_speed = measured_speed(rec.speed_samples) or rec.measured_speed
         self._speeds_changed()
 
-    def fold(self, delta: torch.Tensor, tokens: int) -> None:
+    def fold(self, delta: torch.Tensor | EncodedDelta, tokens: int) -> None:
         """Tensor work: add a taken pseudo-gradient to the merge buffer (the caller may reuse `delta` after)."""
         self.acc.add(delta, tokens)
 
@@ -691,7 +697,7 @@ class CoordinatorCore:
             delta.mul_(closed.scale)
         delta_norm = float(torch.linalg.vector_norm(delta))
         self.outer.set_num_learners(closed.learners)
-        self.outer.step(self.params, delta)
+        self.outer.step(self.params, delta, scratch_delta=True)  # delta is the merge buffer, reset below
         self.acc.reset()
         self._stepped = close.version
         if self.cfg.guard.has_ceiling:  # the guard's next check needs it: computed here, with the tensor work

@@ -40,8 +40,10 @@ class OuterOptimizer(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def step(self, params: torch.Tensor, delta: torch.Tensor) -> None:
-        """Update `params` in place from the (merged) pseudo-gradient `delta`."""
+    def step(self, params: torch.Tensor, delta: torch.Tensor, *, scratch_delta: bool = False) -> None:
+        """Update `params` in place from the (merged) pseudo-gradient `delta`. `scratch_delta`: `delta` may be
+        overwritten (the coordinator's merge buffer, emptied after the step), which saves a model-sized
+        temporary; the result is the same, bit for bit."""
 
     def set_num_learners(self, n: int) -> None:  # noqa: B027 - only DelayedNesterov needs it
         """Tell the optimizer how many learners are live (used by DelayedNesterov)."""
@@ -71,7 +73,7 @@ class Nesterov(OuterOptimizer):
         self.momentum = momentum
         self.buf: torch.Tensor | None = None
 
-    def step(self, params: torch.Tensor, delta: torch.Tensor) -> None:
+    def step(self, params: torch.Tensor, delta: torch.Tensor, *, scratch_delta: bool = False) -> None:
         self._check(params, delta)
         d_p = delta
         if self.momentum != 0:
@@ -79,7 +81,10 @@ class Nesterov(OuterOptimizer):
                 self.buf = torch.clone(delta).detach()
             else:
                 self.buf.mul_(self.momentum).add_(delta)
-            d_p = delta.add(self.buf, alpha=self.momentum)
+            if scratch_delta:
+                d_p = delta.add_(self.buf, alpha=self.momentum)  # the same op as `add`, into delta's storage
+            else:
+                d_p = delta.add(self.buf, alpha=self.momentum)
         params.add_(d_p, alpha=-self.lr)
 
     def state_dict(self) -> dict[str, Any]:
@@ -115,7 +120,7 @@ class DelayedNesterov(OuterOptimizer):
     def set_num_learners(self, n: int) -> None:
         self.n = max(1, n)
 
-    def step(self, params: torch.Tensor, delta: torch.Tensor) -> None:
+    def step(self, params: torch.Tensor, delta: torch.Tensor, *, scratch_delta: bool = False) -> None:
         self._check(params, delta)
         params.add_(delta, alpha=-self.lr / self.n)
         if self.buf is None:

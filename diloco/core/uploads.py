@@ -5,7 +5,7 @@ raw-TCP bulk port) drive the same `Uploads` with one call per transport event:
 
     open(header, now, known, version)   a stream starts: a new upload, a resume at a byte offset, or a
                                         duplicate of an accepted submission (answered with its earlier outcome)
-    chunk(stream, data, now)            payload bytes: decoded at once into the upload's buffer
+    chunk(stream, data, now)            payload bytes: checked (decoded) at once and kept by the upload's receiver
     end(stream)                         the stream ended: verify the payload and hand it over (`Complete`)
     broken(stream)                      the stream broke mid-payload: the bytes held stay for a resume
     closed(stream)                      the stream is gone, however it ended (every `open` has one `closed`)
@@ -47,6 +47,7 @@ import torch
 
 from diloco.core.codecs import CodecError, EncodedMeta
 from diloco.core.coordinator import Submission
+from diloco.core.merge import EncodedDelta
 from diloco.errors import (
     AlreadyExists,
     ConfigError,
@@ -77,14 +78,14 @@ class UploadRefused(Exception):
 
 
 class Decoder(Protocol):
-    """A streaming payload decoder (`diloco.rpc.payload.PayloadReceiver`)."""
+    """A streaming payload receiver (`diloco.rpc.payload.UploadReceiver`; tests may use `PayloadReceiver`)."""
 
     @property
     def received(self) -> int: ...
 
     def feed(self, data: bytes | memoryview) -> None: ...
 
-    def finish(self) -> torch.Tensor: ...
+    def finish(self) -> torch.Tensor | EncodedDelta: ...
 
 
 @dataclass(frozen=True)
@@ -177,7 +178,7 @@ class Complete:
 
     sub: Submission
     meta: EncodedMeta
-    payload: torch.Tensor
+    payload: torch.Tensor | EncodedDelta
     started_at: float
 
 

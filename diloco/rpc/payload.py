@@ -1,16 +1,18 @@
 """Tensor payloads on the wire (ALGORITHM.md section 9): codec metadata to and from `PayloadSpec`, chunking,
-and a receiver that decodes chunk by chunk, checking order, size and checksum."""
+and the receivers: `PayloadReceiver` decodes chunk by chunk into a vector (a learner's broadcasts), checking
+order, size and checksum; `UploadReceiver` (the coordinator's uploads) keeps the bytes as they come, checked and
+measured by the same decoder, and hands over an `EncodedDelta` that the merge decodes again window by window."""
 
 from __future__ import annotations
 
-import threading
 import zlib
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import torch
 
-from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, get_codec, iter_chunks
+from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, iter_chunks, payload_decoder
+from diloco.core.merge import EncodedDelta, Segment, SegmentSquares
 from diloco.errors import InvalidArgument
 from diloco.rpc.vocab import CODECS
 from diloco.task.params import ParamSpec
@@ -84,7 +86,7 @@ class PayloadReceiver:
     ) -> None:
         meta.validate(expected_numel=numel, max_bytes=max_bytes)
         self.meta = meta
-        self.decoder: StreamDecoder = get_codec(meta.codec, block_size=meta.block_size or 128).decoder(meta, out)
+        self.decoder: StreamDecoder = payload_decoder(meta, out)
 
     @property
     def received(self) -> int:
@@ -97,25 +99,27 @@ class PayloadReceiver:
         return self.decoder.finish()
 
 
-class BufferPool:
-    """Keeps up to `size` fp32 buffers of `numel` elements for upload decoding. A fresh buffer costs a page fault
-    per 4 KiB on its first write (decoding into one runs at about a third of the speed of decoding into a reused
-    one); the pool hands out buffers that are already mapped. `give` back only a buffer nothing else refers to."""
+class UploadReceiver:
+    """An upload on the coordinator: every chunk is decoded at once into the sums of squares of the merge's
+    segments (which checks its content, as `PayloadReceiver` does) and its bytes are kept; `finish` checks size
+    and checksum and hands over the `EncodedDelta`. Memory: the encoded bytes, not a decoded vector."""
 
-    def __init__(self, numel: int, size: int) -> None:
-        self.numel = numel
-        self.size = size
-        self._free: list[torch.Tensor] = []
-        self._lock = threading.Lock()
+    def __init__(self, meta: EncodedMeta, numel: int, segments: Sequence[Segment]) -> None:
+        meta.validate(expected_numel=numel)
+        self.meta = meta
+        self._squares = SegmentSquares(segments)
+        self.decoder = payload_decoder(meta, sink=self._squares)
+        self._data = bytearray(meta.encoded_bytes)  # zero pages until written: grows with the bytes received
 
-    def take(self) -> torch.Tensor | None:
-        """A mapped buffer, or None (the decoder then allocates its own)."""
-        with self._lock:
-            return self._free.pop() if self._free else None
+    @property
+    def received(self) -> int:
+        return self.decoder.bytes_received
 
-    def give(self, buf: torch.Tensor) -> None:
-        if buf.numel() != self.numel or buf.dtype != torch.float32 or not buf.is_contiguous():
-            return
-        with self._lock:
-            if len(self._free) < self.size:
-                self._free.append(buf)
+    def feed(self, data: bytes | memoryview) -> None:
+        at = self.decoder.bytes_received
+        self.decoder.feed(data)  # refuses more bytes than announced before anything is kept
+        self._data[at : at + len(data)] = data
+
+    def finish(self) -> EncodedDelta:
+        self.decoder.verify()
+        return EncodedDelta(self.meta, self._data, self._squares)

@@ -15,6 +15,8 @@ import io
 import os
 import re
 import tempfile
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import IO, Any
 
@@ -74,22 +76,35 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def save(directory: str | Path, snapshot: dict[str, Any], keep: int = 3) -> Path:
+def save(
+    directory: str | Path,
+    snapshot: dict[str, Any] | Callable[[], dict[str, Any]],
+    keep: int = 3,
+    *,
+    hold: AbstractContextManager[Any] | None = None,
+) -> tuple[Path, int]:
     """Write `snapshot` atomically as `ckpt-{version:08d}.pt` in `directory` (created if needed), then delete
-    all but the newest `keep` checkpoints. Returns the path."""
+    all but the newest `keep` checkpoints. Returns the path and the version.
+
+    `snapshot` may be a function, called holding `hold` (a lock), whose tensors are serialised while `hold` is
+    held: live tensors need no copy (the coordinator's Θ and outer state, under its tensor lock); the fsync and
+    the rename follow after `hold` is released."""
     if keep < 1:
         raise InvalidArgument(f"keep must be >= 1, got {keep}")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
-    version = int(snapshot["version"])
-    final = checkpoint_path(root, version)
     fd, tmp_name = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".tmp", dir=root)
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + bytes(_DIGEST_BYTES))
             writer = _HashingWriter(f)
-            torch.save(snapshot, writer)  # type: ignore[arg-type]
+            with hold if hold is not None else contextlib.nullcontext():
+                snap = snapshot() if callable(snapshot) else snapshot
+                version = int(snap["version"])
+                torch.save(snap, writer)  # type: ignore[arg-type]
+                del snap
+            final = checkpoint_path(root, version)
             f.flush()
             f.seek(len(MAGIC))
             f.write(writer.sha.digest())
@@ -102,7 +117,7 @@ def save(directory: str | Path, snapshot: dict[str, Any], keep: int = 3) -> Path
             tmp.unlink()
         raise
     prune(root, keep)
-    return final
+    return final, version
 
 
 def prune(directory: str | Path, keep: int) -> list[Path]:

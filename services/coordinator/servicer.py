@@ -234,16 +234,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """The header (without a plan) and data messages of a delta, or of a full snapshot (`item` None) of the
         newest version (`newest` when asked), built once off the event loop (a large model's chunks are a copy of
         hundreds of MB) and shared by every watcher."""
+        if self._snapshot is not None and self._snapshot[0] != newest:
+            self._snapshot = None  # an older version's snapshot (a model-sized message set) is not kept
         if item is None:
             cached = self._snapshot
-            if cached is None or cached[0] != newest:
+            if cached is None:
                 cached = (newest, asyncio.ensure_future(self._blocking(self._encode_snapshot)))
                 self._snapshot = cached
             return await asyncio.shield(cached[1])
         future = self._deltas.get(item.version)
         if future is None:
             future = self._deltas[item.version] = asyncio.ensure_future(self._blocking(self._encode, item))
-            for old in [v for v in self._deltas if v <= newest - self.state.shadow.history]:
+            oldest = self.state.shadow.oldest_delta or newest
+            for old in [v for v in self._deltas if v < oldest]:  # as the shadow's history: trimmed by bytes
                 del self._deltas[old]
         return await asyncio.shield(future)
 

@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
 from diloco.core.codecs import EncodedMeta
@@ -53,7 +51,7 @@ from diloco.core.uploads import (
     Uploads,
 )
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
-from diloco.rpc.payload import BufferPool, PayloadReceiver
+from diloco.rpc.payload import UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.metrics import CoordinatorMetrics
 
@@ -170,10 +168,9 @@ class CoordinatorState:
         self.fingerprint = fingerprint
         self.codec = codec
         self.numel = core.params.numel()
-        self._buffers = BufferPool(self.numel, size=2)  # decode buffers, reused across uploads
-        self.uploads = Uploads(
+        self.uploads = Uploads(  # uploads are held encoded, measured on arrival, decoded again by the merge
             UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
-            lambda meta: PayloadReceiver(meta, self.numel, out=self._buffers.take()),
+            lambda meta: UploadReceiver(meta, self.numel, core.acc.segments),
         )
         self.metrics = metrics
         self.clock = clock
@@ -350,7 +347,7 @@ class CoordinatorState:
         started = time.perf_counter()
         applied = self.core.step(closed)
         stepped = time.perf_counter()
-        delta = self.shadow.advance(self.core.params, applied.version)
+        delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend())
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
             "step_s": stepped - started,  # the outer step
@@ -575,51 +572,49 @@ class CoordinatorState:
             except UploadRefused as e:
                 raise self.reject(e.error, e.reason) from None
         sub, payload = done.sub, done.payload
+        merge_started = time.perf_counter()
         try:
-            merge_started = time.perf_counter()
-            try:
-                per_step = self.core.measure(sub, payload)  # reads only the payload
-            except DilocoError as e:
-                raise self.reject(e, e.code.lower()) from None
-            with self.work:
-                now = self.clock()
-                with self.lock:
-                    try:
-                        taken = self.core.take(sub, per_step, now)
-                    except AlreadyExists:  # a concurrent stream of the same submission won
-                        known = self._known_locked(sub.submission_id)
-                        if known is None:
-                            raise
-                        with self._table_lock:
-                            return self.uploads.earlier(sub, known, self.core.version)
-                    except SubmissionRejected as e:
-                        self._guard_rejected(e, sub)
+            per_step = self.core.measure(sub, payload)  # reads only the payload
+        except DilocoError as e:
+            raise self.reject(e, e.code.lower()) from None
+        with self.work:
+            now = self.clock()
+            with self.lock:
+                try:
+                    taken = self.core.take(sub, per_step, now)
+                except AlreadyExists:  # a concurrent stream of the same submission won
+                    known = self._known_locked(sub.submission_id)
+                    if known is None:
                         raise
-                    except DilocoError as e:
-                        raise self.reject(e, e.code.lower()) from None
                     with self._table_lock:
-                        self.uploads.accepted(sub, done.meta.encoded_bytes, taken.staleness, taken.round)
-                    self.metrics.submission_tokens.observe(sub.tokens)
-                    self.metrics.upload_seconds.observe(max(0.0, now - done.started_at))
-                    self._refresh_gauges()
-                    self._nudge_locked()
-                self.core.fold(payload, sub.tokens)
-                self._merge_s += time.perf_counter() - merge_started
-                self.log.info(
-                    "submission.accepted",
-                    worker_id=sub.worker_id,
-                    submission_id=sub.submission_id,
-                    base_version=sub.base_version,
-                    staleness=taken.staleness,
-                    tokens=sub.tokens,
-                    codec=done.meta.codec,
-                    bytes=done.meta.encoded_bytes,
-                )
-                if taken.released:
-                    self.log.info("worker.released", worker_id=sub.worker_id, by="clean_submission")
-                applied = self._close_round(now)
-        finally:
-            self._buffers.give(payload)
+                        return self.uploads.earlier(sub, known, self.core.version)
+                except SubmissionRejected as e:
+                    self._guard_rejected(e, sub)
+                    raise
+                except DilocoError as e:
+                    raise self.reject(e, e.code.lower()) from None
+                with self._table_lock:
+                    self.uploads.accepted(sub, done.meta.encoded_bytes, taken.staleness, taken.round)
+                self.metrics.submission_tokens.observe(sub.tokens)
+                self.metrics.upload_seconds.observe(max(0.0, now - done.started_at))
+                self._refresh_gauges()
+                self._nudge_locked()
+            self.core.fold(payload, sub.tokens)
+            self._merge_s += time.perf_counter() - merge_started
+            self.log.info(
+                "submission.accepted",
+                worker_id=sub.worker_id,
+                submission_id=sub.submission_id,
+                base_version=sub.base_version,
+                staleness=taken.staleness,
+                tokens=sub.tokens,
+                codec=done.meta.codec,
+                bytes=done.meta.encoded_bytes,
+            )
+            if taken.released:
+                self.log.info("worker.released", worker_id=sub.worker_id, by="clean_submission")
+            del payload, done  # the encoded bytes go before a round closes
+            applied = self._close_round(now)
         with self.lock:
             version = self.core.version
         return Outcome(applied is not None, version, taken.staleness, applied.version if applied else taken.round)
@@ -735,26 +730,15 @@ class CoordinatorState:
             return self.core.ledger.states(), self.core.version
 
     def snapshot(self) -> dict[str, Any]:
-        """A checkpoint of the applied state: the bookkeeping under `lock`, the tensors copied under `work` alone
-        (no round steps meanwhile, so they match the version). Write it without any lock."""
-        with self.work:
-            with self.lock:
-                snap = self.core.snapshot()
-            return _detached(snap)
+        """A checkpoint of the applied state, for the caller holding `work` (no round steps meanwhile, so the
+        tensors match the version): the bookkeeping taken under `lock`, the tensors the core's own, not copied
+        (a model-sized copy of Θ and of the outer state each, at the peak, otherwise). Serialise it before
+        releasing `work` (`checkpoint.save(..., hold=state.work)`)."""
+        with self.work, self.lock:
+            return self.core.snapshot()
 
     def stop(self) -> None:
         with self.lock:
             self.stopping = True
             self.wake.notify_all()
         self._notify_listeners()
-
-
-def _detached(x: Any) -> Any:
-    """`x` with every tensor in it (dicts and lists followed) copied."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().cpu().clone()
-    if isinstance(x, dict):
-        return {k: _detached(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_detached(v) for v in x]
-    return x
