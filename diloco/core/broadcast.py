@@ -6,12 +6,12 @@ learner runs (`Codec.decode`), and added with one fp32 `add` in the same order: 
 applies `q_v` holds exactly `Θ̂_v`, bit for bit. The residual `Θ − Θ̂` is carried into the next broadcast.
 
 `BroadcastShadow` (coordinator side) keeps the last `history` encoded deltas, at most `history_bytes_ratio`
-(default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is better served by a snapshot, and the
-coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes.
-A learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
-(all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`, encoded once per version, on
-first request). With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot, encoded
-when the version is published (the behaviour before compressed broadcasts).
+(default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is
+better served by a snapshot, and the coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes. A
+learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
+(all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself, copied out
+by whoever sends it). With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot,
+encoded when the version is published (the behaviour before compressed broadcasts).
 
 `BroadcastFollower` (learner side) holds `Θ̂` and its version; it takes snapshots, applies deltas whose base it
 holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
@@ -199,12 +199,14 @@ class BroadcastShadow:
         return self._deltas[0].version if self._deltas else None
 
     def snapshot(self) -> Snapshot:
-        """`Θ̂` in full: the newest version `advance` reached (lossy codecs: encoded once per version, on the first
-        call), or for fp32 the newest `record`ed."""
+        """`Θ̂` in full: for fp32 the newest `record`ed (a private copy); for lossy codecs the newest version
+        `advance` reached, as a view of `Θ̂`'s own bytes (no model-sized copy; its checksum is the one `advance`
+        computed): valid until the next `advance`, so copy what you keep under the lock that orders the two."""
         if self._snapshot is None:
             assert self._shadow is not None
-            data, meta = _fp32_bytes(self._shadow)
-            self._snapshot = Snapshot(self.version, data, meta, meta.crc32)
+            data = self._shadow.numpy().data.cast("B")
+            meta = EncodedMeta("fp32", self._shadow.numel(), len(data), self.checksum)
+            self._snapshot = Snapshot(self.version, data, meta, self.checksum)
         return self._snapshot
 
     @property

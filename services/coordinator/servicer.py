@@ -251,7 +251,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return await asyncio.shield(future)
 
     def _encode_snapshot(self) -> _Encoded:
-        return self._encode(self.state.snapshot_broadcast())
+        return self.state.snapshot_broadcast(self._encode)  # `_encode` copies the bytes into messages
 
     def _encode(self, b: Broadcast) -> _Encoded:
         header = coordinator_pb2.ParametersHeader(

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
@@ -57,6 +57,7 @@ from services.coordinator.metrics import CoordinatorMetrics
 
 __all__ = ["Broadcast", "CoordinatorState", "Published", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
 
+T = TypeVar("T")
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
 _STRIPES = 64  # locks for the uploads' decoders, by submission id
 _REMOVED_EVENTS = {
@@ -459,16 +460,19 @@ class CoordinatorState:
         finished = pub.finished and d.version == pub.version
         return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
 
-    def snapshot_broadcast(self) -> Broadcast:
-        """The shadow of the newest version in full. Lossy broadcasts encode it once per version, under `work`
-        (heavy: it waits behind a round or an upload being folded in); fp32 ones made it with the version."""
+    def snapshot_broadcast(self, encode: Callable[[Broadcast], T]) -> T:
+        """`encode(b)` of the shadow of the newest version in full. Lossy broadcasts: `b.data` is a view of `Θ̂`
+        itself (no copy), so `encode` runs under `work` and must copy what it keeps (heavy: it waits behind a
+        round or an upload being folded in); fp32 ones made their bytes with the version."""
         if self.shadow.lossy:
             with self.work:
                 snap = self.shadow.snapshot()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
                 with self.lock:
-                    return self._snapshot_locked(snap)
+                    b = self._snapshot_locked(snap)
+                return encode(b)
         with self.lock:
-            return self._snapshot_locked(self.shadow.snapshot())
+            b = self._snapshot_locked(self.shadow.snapshot())
+        return encode(b)
 
     def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
         ids = self._applied_by_version.get(snap.version, ())
