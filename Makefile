@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 
-.PHONY: setup run test protos bench clean docker-engine images chaos
+.PHONY: setup run test protos bench clean docker-engine images chaos etcd
 
 $(BIN)/diloco: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q
+
+# The leadership tests start a real etcd (Debian's etcd-server); installs it when missing (needs root).
+etcd:
+	bash scripts/install_etcd.sh
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

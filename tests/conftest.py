@@ -1,9 +1,11 @@
-"""Shared fixtures: one torch thread per test process, and an in-process coordinator on port 0. Shared helpers
-live in tests/support.py."""
+"""Shared fixtures: one torch thread per test process, an in-process coordinator on port 0, and a real etcd
+(tests/etcd_server.py). Shared helpers live in tests/support.py."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from diloco.task.params import param_specs
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
+from tests.etcd_server import EtcdServer, etcd_binary
 from tests.support import Env, config, tiny_task
 
 
@@ -57,3 +60,22 @@ def start() -> Iterator[Callable[..., Env]]:
 @pytest.fixture
 def env(start: Callable[..., Env]) -> Env:
     return start()
+
+
+@pytest.fixture
+def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd (Debian's etcd-server) on free loopback ports, stopped and reaped at the end. Without the
+    binary the test is skipped, except in CI (CI=true), where it fails: CI installs it (.ci/run)."""
+    binary = etcd_binary()
+    if binary is None:
+        reason = "no etcd binary: install Debian's etcd-server (scripts/install_etcd.sh, as root)"
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{reason}; CI must have it")
+        pytest.skip(reason)
+    server = EtcdServer(binary, tmp_path / "etcd")
+    server.workdir.mkdir()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()

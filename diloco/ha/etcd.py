@@ -1,0 +1,199 @@
+"""The etcd side of coordinator leadership (ALGORITHM.md section 11): four calls over etcd v3's JSON gateway
+(`etcd3gw`), each bounded by `call_timeout_s` (connect, and each read of the reply).
+
+- campaign: grant a lease of `ttl_s`, then one transaction: if the leader key's create_revision is 0 (no key),
+  put {replica_id, address} under the lease and read the key back, else read the key. Won: the epoch is the
+  key's create_revision. Lost: the holder and its epoch. Anything else (an error, a timeout: the transaction
+  may or may not have happened) revokes the lease (best effort, which deletes the key if it was created) and
+  raises `EtcdUnavailable`.
+- renew: one keepalive of the lease. True while the lease lives; False when etcd says it is gone.
+- observe: read the key: its holder, or None.
+- resign: delete the key if its create_revision is still our epoch (a transaction), then revoke the lease.
+
+Every failure to get an answer is `EtcdUnavailable` (the caller retries); a key that does not hold a leader
+record is `MalformedLeaderKey` (also unavailable: nobody can tell who leads until it is fixed).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import etcd3gw
+import requests
+from etcd3gw import exceptions as etcd_errors
+
+from diloco.core.leadership import LeaderInfo
+from diloco.errors import ConfigError, InvalidArgument, Unavailable
+
+MAX_KEY_CHARS = 256
+
+
+class EtcdUnavailable(Unavailable):
+    """No answer from etcd (refused, timed out, an error reply): the outcome of a write is unknown."""
+
+
+class MalformedLeaderKey(EtcdUnavailable):
+    """The leader key exists but does not hold a leader record."""
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    host: str = "127.0.0.1"
+    port: int = 2379
+    key: str = "/diloco/coordinator/leader"
+    call_timeout_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host or not self.host.isprintable():
+            raise ConfigError(f"etcd host must be a non-empty host name or IP, got {self.host!r}")
+        p = self.port
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
+            raise ConfigError(f"etcd port must be an integer in 1..65535, got {p!r}")
+        if not isinstance(self.key, str) or not self.key.startswith("/") or len(self.key) > MAX_KEY_CHARS:
+            raise ConfigError(f"etcd key must start with '/' and have at most {MAX_KEY_CHARS} characters")
+        t = self.call_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"call_timeout_s must be a finite number > 0 (seconds), got {t!r}")
+
+
+@dataclass(frozen=True)
+class Won:
+    epoch: int
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class Lost:
+    holder: LeaderInfo
+
+
+def encode_record(replica_id: str, address: str) -> bytes:
+    """What the leader key holds."""
+    return json.dumps({"replica_id": replica_id, "address": address}, sort_keys=True).encode()
+
+
+def decode_record(value: bytes, epoch: int) -> LeaderInfo:
+    try:
+        record = json.loads(value)
+        return LeaderInfo(str(record["replica_id"]), str(record["address"]), epoch)
+    except (ValueError, KeyError, TypeError, InvalidArgument) as e:
+        raise MalformedLeaderKey(f"the leader key (epoch {epoch}) does not hold a leader record: {e}") from e
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+class EtcdElection:
+    """A thin client of one etcd endpoint for the leader key. Not thread-safe: one driver thread uses it."""
+
+    def __init__(self, cfg: EtcdConfig) -> None:
+        self.cfg = cfg
+        session = requests.Session()
+        session.trust_env = False  # no proxy from the environment between a replica and its etcd
+        self._client = etcd3gw.client(
+            host=cfg.host, port=cfg.port, timeout=cfg.call_timeout_s, api_path="/v3/", session=session
+        )
+        self._key = _b64(cfg.key.encode())
+
+    def close(self) -> None:
+        self._client.session.close()
+
+    # --- the four calls -------------------------------------------------------------------------------------
+    def campaign(self, replica_id: str, address: str, ttl_s: int) -> Won | Lost:
+        granted = self._post("/lease/grant", {"TTL": ttl_s, "ID": 0})
+        try:
+            lease_id, granted_ttl = int(granted["ID"]), int(granted.get("TTL", 0))
+        except (KeyError, TypeError, ValueError) as e:
+            raise EtcdUnavailable(f"unexpected lease grant reply from etcd: {e!r}") from e
+        if granted_ttl < ttl_s:
+            self._revoke_quietly(lease_id)
+            raise EtcdUnavailable(f"etcd granted a lease of {granted.get('TTL')} s, asked for {ttl_s} s")
+        read = {"request_range": {"key": self._key}}
+        put = {"key": self._key, "value": _b64(encode_record(replica_id, address)), "lease": lease_id}
+        txn = {
+            "compare": [{"key": self._key, "result": "EQUAL", "target": "CREATE", "create_revision": 0}],
+            "success": [
+                {"request_put": put},
+                read,
+            ],
+            "failure": [read],
+        }
+        try:
+            reply = self._post("/kv/txn", txn)
+            responses = reply["responses"]
+            if reply.get("succeeded"):
+                kv = responses[1]["response_range"]["kvs"][0]
+                return Won(int(kv["create_revision"]), lease_id)
+            kvs = responses[0]["response_range"].get("kvs", [])
+            if not kvs:
+                raise EtcdUnavailable("the campaign lost, yet its read found no leader key")
+            holder = self._holder(kvs[0])
+        except (EtcdUnavailable, KeyError, IndexError, TypeError, ValueError) as e:
+            self._revoke_quietly(lease_id)
+            if isinstance(e, EtcdUnavailable):
+                raise
+            raise EtcdUnavailable(f"unexpected transaction reply from etcd: {e!r}") from e
+        self._revoke_quietly(lease_id)
+        return Lost(holder)
+
+    def renew(self, lease_id: int) -> bool:
+        reply = self._post("/lease/keepalive", {"ID": lease_id})
+        try:
+            return int(reply["result"].get("TTL", 0)) > 0
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EtcdUnavailable(f"unexpected keepalive reply from etcd: {e!r}") from e
+
+    def observe(self) -> LeaderInfo | None:
+        reply = self._post("/kv/range", {"key": self._key})
+        kvs = reply.get("kvs") or []
+        if not isinstance(kvs, list):
+            raise EtcdUnavailable("unexpected range reply from etcd: kvs is not a list")
+        return self._holder(kvs[0]) if kvs else None
+
+    def resign(self, lease_id: int, epoch: int) -> None:
+        txn = {
+            "compare": [{"key": self._key, "result": "EQUAL", "target": "CREATE", "create_revision": epoch}],
+            "success": [{"request_delete_range": {"key": self._key}}],
+            "failure": [],
+        }
+        self._post("/kv/txn", txn)
+        self.revoke(lease_id)
+
+    def revoke(self, lease_id: int) -> None:
+        """Revoke the lease (its keys go with it); a lease etcd no longer has counts as revoked."""
+        try:
+            self._post("/kv/lease/revoke", {"ID": lease_id})
+        except EtcdUnavailable as e:
+            if "lease not found" not in str(e):
+                raise
+
+    # --- internals ------------------------------------------------------------------------------------------
+    def _revoke_quietly(self, lease_id: int) -> None:
+        with contextlib.suppress(EtcdUnavailable):  # else the lease expires on its own after its TTL
+            self.revoke(lease_id)
+
+    def _holder(self, kv: dict[str, Any]) -> LeaderInfo:
+        try:
+            epoch = int(kv["create_revision"])
+            value = base64.b64decode(kv.get("value", ""), validate=True)
+        except (KeyError, TypeError, ValueError) as e:
+            raise EtcdUnavailable(f"unexpected key-value in etcd's reply: {e!r}") from e
+        return decode_record(value, epoch)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            reply = self._client.post(self._client.get_url(path), json=body)
+        except etcd_errors.Etcd3Exception as e:
+            detail = (e.detail_text or "").strip()
+            raise EtcdUnavailable(f"etcd {path}: {type(e).__name__} {detail[:200]}".rstrip()) from e
+        except (requests.RequestException, ValueError) as e:
+            raise EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300]) from e
+        if not isinstance(reply, dict):
+            raise EtcdUnavailable(f"etcd {path}: the reply is not a JSON object")
+        return reply

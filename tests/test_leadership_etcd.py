@@ -1,0 +1,247 @@
+"""Leadership against a real etcd (Debian's etcd-server as a child process, fixture `etcd_server`): drivers in
+this process campaign, renew, fence and hand over; etcd is crashed, restarted and frozen underneath them.
+
+Every wait is a condition polled with a deadline. While waiting, each poll also checks the safety rule: at most
+one replica may accept at any instant."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import etcd3gw
+import pytest
+import requests
+
+from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
+from diloco.ha.driver import LeadershipDriver
+from diloco.ha.etcd import EtcdConfig, EtcdElection, EtcdUnavailable
+from tests.etcd_server import EtcdServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+CFG = LeadershipConfig()  # ttl 2 s, renew every 0.5 s, fenced 1.5 s after the last confirmed renewal
+KEY = "/diloco/coordinator/leader"
+# etcd 3.4 revokes expired leases from a loop that runs every 500 ms, so a lease is gone up to this long after
+# its TTL ran out.
+ETCD_EXPIRY_CHECK_S = 0.5
+SLACK_S = 0.5  # scheduling on a shared 2-core machine
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdServer
+    drivers: dict[str, LeadershipDriver] = field(default_factory=dict)
+
+    def add(self, replica_id: str, start: bool = True) -> LeadershipDriver:
+        election = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY))
+        d = LeadershipDriver(replica_id, f"{replica_id}.test:7000", election, CFG)
+        self.drivers[replica_id] = d
+        if start:
+            d.start()
+        return d
+
+    def accepting(self) -> list[str]:
+        """The replicas that may accept now; fails the test when more than one does."""
+        now_accepting = [r for r, d in self.drivers.items() if d.may_accept()]
+        assert len(now_accepting) <= 1, f"two leaders accept at once: {now_accepting}"
+        return now_accepting
+
+    def leaders(self) -> list[str]:
+        self.accepting()
+        return [r for r, d in self.drivers.items() if d.view().role is Role.LEADER]
+
+    def holder(self) -> LeaderInfo | None:
+        """The leader key as etcd has it now (a separate client)."""
+        probe = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY))
+        try:
+            return probe.observe()
+        finally:
+            probe.close()
+
+
+@pytest.fixture
+def cluster(etcd_server: EtcdServer) -> Iterator[Cluster]:
+    c = Cluster(etcd_server)
+    yield c
+    for d in c.drivers.values():
+        d.stop(resign=False)
+
+
+def until(what: str, probe: Callable[[], object], cluster: Cluster, timeout_s: float, one_leader: bool = True) -> float:
+    """Poll `probe` (checking the one-leader rule on every poll, unless told not to) until it is truthy; returns
+    when that was (time.monotonic())."""
+    deadline = time.monotonic() + timeout_s
+    tick = threading.Event()
+    while True:
+        if one_leader:
+            cluster.accepting()
+        if probe():
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s:g} s waiting for {what}")
+        tick.wait(0.01)
+
+
+def one_leader(cluster: Cluster, timeout_s: float = 10.0) -> LeadershipDriver:
+    until("one leader", lambda: len(cluster.leaders()) == 1, cluster, timeout_s)
+    [rid] = cluster.leaders()
+    return cluster.drivers[rid]
+
+
+def raw_client(etcd: EtcdServer) -> etcd3gw.Etcd3Client:
+    session = requests.Session()
+    session.trust_env = False
+    return etcd3gw.client(host=etcd.host, port=etcd.port, timeout=2.0, api_path="/v3/", session=session)
+
+
+def test_two_contenders_elect_exactly_one_leader_that_keeps_its_lease(cluster: Cluster) -> None:
+    a, b = cluster.add("a"), cluster.add("b")
+    leader = one_leader(cluster)
+    follower = b if leader is a else a
+    lv = leader.view()
+    assert lv.epoch >= 1 and lv.leader == LeaderInfo(lv.replica_id, f"{lv.replica_id}.test:7000", lv.epoch)
+    assert cluster.holder() == lv.leader  # etcd holds the record; its create_revision is the epoch
+    until("the follower knows the leader", lambda: follower.view().leader == lv.leader, cluster, 5.0)
+    assert follower.view().role is Role.FOLLOWER and follower.view().epoch == lv.epoch
+    # Well past the TTL: without renewals the lease would be gone; the same leader keeps the same epoch.
+    end = time.monotonic() + CFG.lease_ttl_s + 1.0
+    until("two TTLs of steady leadership", lambda: time.monotonic() > end, cluster, 10.0)
+    assert leader.may_accept() and leader.view().epoch == lv.epoch and cluster.holder() == lv.leader
+    assert not follower.may_accept()
+
+
+def test_a_dead_leader_is_fenced_before_its_lease_expires_and_the_other_takes_over(cluster: Cluster) -> None:
+    a = cluster.add("a")
+    assert one_leader(cluster) is a
+    b = cluster.add("b")
+    until("b follows a", lambda: b.view().leader is not None, cluster, 5.0)
+    old = a.view()
+    a.stop(resign=False)  # the driver dies: no more renewals, no resignation
+    killed = time.monotonic()
+    last_renewed = a.view().last_renewed_at
+    assert last_renewed is not None
+    fence_at = last_renewed + CFG.fence_after_s
+
+    fenced = until("a fenced", lambda: a.view().role is Role.FENCED, cluster, 5.0)
+    assert not a.may_accept()
+    gone = until("a's key gone at etcd", lambda: (h := cluster.holder()) is None or h.replica_id != "a", cluster, 5.0)
+    took_over = until("b leads", lambda: b.view().role is Role.LEADER, cluster, 5.0)
+
+    assert fenced <= fence_at + SLACK_S  # by time alone: nothing was feeding a's machine
+    assert fenced < last_renewed + CFG.lease_ttl_s < gone  # fenced before etcd could expire the lease
+    assert b.view().epoch > old.epoch and cluster.holder() == LeaderInfo("b", "b.test:7000", b.view().epoch)
+    # etcd expires the lease at most a TTL after the last renewal (+ its 500 ms check), b sees it at its next read
+    bound = CFG.lease_ttl_s + CFG.renew_interval_s + ETCD_EXPIRY_CHECK_S + CFG.observe_interval_s + SLACK_S
+    assert took_over - killed <= bound
+    print(
+        f"\nfenced {fenced - killed:.3f} s after the kill ({fence_at - killed:.3f} s planned); key gone after "
+        f"{gone - killed:.3f} s; b leads after {took_over - killed:.3f} s (bound {bound:.1f} s)"
+    )
+    assert not a.may_accept()
+
+
+def test_resign_hands_over_at_once(cluster: Cluster) -> None:
+    a = cluster.add("a")
+    assert one_leader(cluster) is a
+    b = cluster.add("b")
+    until("b follows a", lambda: b.view().leader is not None, cluster, 5.0)
+    old_epoch = a.view().epoch
+    started = time.monotonic()
+    a.step_down()
+    assert not a.may_accept()  # at once, before anything reached etcd
+    took_over = until("b leads", lambda: b.may_accept(), cluster, CFG.lease_ttl_s)
+    handover = took_over - started
+    assert handover < CFG.lease_ttl_s / 2  # b did not wait for a's lease to expire: the key was deleted
+    assert b.view().epoch > old_epoch
+    # a stays out for rejoin_after_s and then follows b; it does not take leadership back
+    until("a follows b", lambda: a.view().leader == b.view().leader, cluster, 5.0)
+    end = time.monotonic() + CFG.rejoin_after_s + 0.5
+    until("a's hold-off is over", lambda: time.monotonic() > end, cluster, 10.0)
+    assert a.view().role is Role.FOLLOWER and b.may_accept()
+    print(f"\nhandover after a resignation: {handover * 1000:.0f} ms")
+
+
+def test_stop_with_resign_gives_the_key_back(cluster: Cluster) -> None:
+    a = cluster.add("a")
+    assert one_leader(cluster) is a
+    a.stop()
+    assert not a.may_accept() and a.view().role is Role.STOPPED
+    assert cluster.holder() is None
+    a.stop()  # twice is fine
+
+
+def test_etcd_crash_fences_the_leader_and_someone_leads_after_the_restart(cluster: Cluster) -> None:
+    a, b = cluster.add("a"), cluster.add("b")
+    leader = one_leader(cluster)
+    old = leader.view()
+    cluster.etcd.kill()
+    killed = time.monotonic()
+    fenced = until("the leader fenced", lambda: leader.view().role is Role.FENCED, cluster, 5.0)
+    assert fenced - killed < CFG.fence_after_s + SLACK_S < CFG.lease_ttl_s + SLACK_S
+    assert not a.may_accept() and not b.may_accept()
+    cluster.etcd.start()  # same ports, same data: revisions survive
+    restarted = time.monotonic()
+    new_leader = one_leader(cluster, timeout_s=15.0)
+    led = time.monotonic()
+    nv = new_leader.view()
+    assert nv.epoch > old.epoch
+    assert cluster.holder() == nv.leader
+    print(f"\nfenced {fenced - killed:.3f} s after the crash; a leader {led - restarted:.3f} s after the restart")
+
+
+def test_a_frozen_etcd_cannot_stall_fencing(cluster: Cluster) -> None:
+    """SIGSTOP: calls hang instead of being refused. Every call is bounded, and fencing needs no call at all."""
+    leader = cluster.add("a")
+    assert one_leader(cluster) is leader
+    old = leader.view()
+    cluster.etcd.pause()
+    try:
+        paused = time.monotonic()
+        last = leader.view().last_renewed_at
+        assert last is not None
+        until("the leader stops accepting", lambda: not leader.may_accept(), cluster, 5.0)
+        stopped = time.monotonic()
+        assert stopped <= last + CFG.fence_after_s + SLACK_S
+        until("the leader fenced", lambda: leader.view().role is Role.FENCED, cluster, 2.0)
+    finally:
+        cluster.etcd.resume()
+    until("a leader again", lambda: len(cluster.leaders()) == 1, cluster, 15.0)
+    assert leader.view().epoch > old.epoch
+    print(f"\nfrozen etcd: stopped accepting {stopped - paused:.3f} s after the freeze")
+
+
+def test_a_lease_revoked_by_hand_ends_leadership_within_a_renew_interval(cluster: Cluster) -> None:
+    """Revoking the lease (or deleting the key) by hand is a forced takeover outside the protocol: the key goes at
+    once, so b may lead before a's next renewal or read tells it. a stops within one renew interval; until then
+    only the epoch tells the two apart (documented in docs/ha.md)."""
+    a = cluster.add("a")
+    assert one_leader(cluster) is a
+    b = cluster.add("b")
+    until("b follows a", lambda: b.view().leader is not None, cluster, 5.0)
+    old_epoch = a.view().epoch
+    client = raw_client(cluster.etcd)
+    [(_, meta)] = client.get(KEY, metadata=True)
+    client.post(client.get_url("/kv/lease/revoke"), json={"ID": int(meta["lease"])})
+    revoked = time.monotonic()
+    left = until("a leaves leadership", lambda: not a.may_accept(), cluster, 5.0, one_leader=False)
+    assert left - revoked <= CFG.renew_interval_s + SLACK_S
+    assert a.view().role is Role.FOLLOWER
+    until("b leads", lambda: b.may_accept(), cluster, 5.0)
+    assert b.view().epoch > old_epoch
+    print(f"\nlease revoked by hand: the old leader stopped after {left - revoked:.3f} s")
+
+
+def test_a_key_that_is_not_a_leader_record_is_never_overwritten(cluster: Cluster) -> None:
+    client = raw_client(cluster.etcd)
+    client.put(KEY, "not json")
+    with pytest.raises(EtcdUnavailable, match="does not hold a leader record"):
+        cluster.holder()
+    a = cluster.add("a")
+    end = time.monotonic() + 1.0
+    until("a second of trying", lambda: time.monotonic() > end, cluster, 5.0)
+    assert a.view().role in (Role.FOLLOWER, Role.CANDIDATE) and client.get(KEY) == [b"not json"]
+    client.delete(KEY)
+    one_leader(cluster, timeout_s=5.0)
