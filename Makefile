@@ -20,6 +20,7 @@ run: setup
 	$(BIN)/diloco local --workers 4 --mode decoupled --slowdown 1,1,1,4 --outer-steps 30
 
 test: setup
+	@bash scripts/install_etcd.sh || echo "make test: no etcd binary (install etcd-server as root); the leadership tests against a real etcd are skipped"
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q
