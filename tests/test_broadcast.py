@@ -146,6 +146,27 @@ def test_a_refused_delta_changes_nothing() -> None:
     assert f.version == 1
 
 
+@pytest.mark.parametrize("codec", LOSSY)
+def test_a_delta_added_window_by_window_as_it_decodes_is_bit_identical(codec: str) -> None:
+    numel = 3 * (1 << 20) + 5  # several decode windows, a short last block
+    thetas = walk(numel, 1)
+    shadow = BroadcastShadow(thetas[0], 0, codec)
+    f = BroadcastFollower()
+    f.snapshot(0, shadow.shadow.clone())
+    d1 = shadow.advance(thetas[1], 1)
+    assert d1 is not None
+    applying = f.begin_delta(1, 0)
+    assert not isinstance(applying, Refusal)
+    receiver = PayloadReceiver(d1.meta, numel, sink=applying)
+    for i in range(0, len(d1.data), 1 << 20):
+        receiver.feed(memoryview(d1.data)[i : i + (1 << 20)])
+    receiver.verify()
+    assert f.version == 0  # nothing adopted before the checksum is checked
+    got = f.finish_delta(applying, d1.checksum)
+    assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow)) and f.version == 1
+    assert f.begin_delta(1, 0) is Refusal.NO_BASE  # never applied twice
+
+
 def test_non_finite_parameters_fall_back_to_a_snapshot() -> None:
     thetas = walk(64, 1)
     shadow = BroadcastShadow(thetas[0], 0, "int8")

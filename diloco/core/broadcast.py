@@ -37,6 +37,7 @@ __all__ = [
     "BROADCAST_CODECS",
     "DEFAULT_BROADCAST_CODEC",
     "DEFAULT_HISTORY",
+    "ApplyingDelta",
     "BroadcastFollower",
     "BroadcastShadow",
     "Delta",
@@ -243,10 +244,41 @@ class BroadcastFollower:
 
     def delta(self, version: int, base: int, decoded: torch.Tensor, checksum: int) -> torch.Tensor | Refusal:
         """Apply a decoded delta `D(q)` from `base` to `version`; a refusal leaves everything as it was."""
+        applying = self.begin_delta(version, base)
+        if isinstance(applying, Refusal):
+            return applying
+        applying.dense(0, decoded)
+        return self.finish_delta(applying, checksum)
+
+    def begin_delta(self, version: int, base: int) -> ApplyingDelta | Refusal:
+        """Start applying the delta from `base` to `version` as it is decoded: hand the returned window sink to
+        the decoder (`Codec.decoder(meta, sink=...)`), then `finish_delta`. No decoded copy of the delta is made:
+        each window is added into a copy of the held `Θ̂` (the same fp32 adds as `delta`)."""
         if self.params is None or self.version is None or base != self.version or version != base + 1:
             return Refusal.NO_BASE
-        new = torch.add(self.params, decoded)
-        if params_checksum(new) != checksum:
+        return ApplyingDelta(version, base, self.params.clone())
+
+    def finish_delta(self, applying: ApplyingDelta, checksum: int) -> torch.Tensor | Refusal:
+        """The delta is complete (its payload verified): adopt `Θ̂_version` if its checksum matches."""
+        if self.version != applying.base:
+            return Refusal.NO_BASE
+        if params_checksum(applying.new) != checksum:
             return Refusal.CHECKSUM
-        self.version, self.params = version, new
-        return new
+        self.version, self.params = applying.version, applying.new
+        return applying.new
+
+
+@dataclass
+class ApplyingDelta:
+    """A window sink (`diloco.core.codecs.WindowSink`) adding a delta's decoded windows into `new`, a copy of
+    `Θ̂_base` that becomes `Θ̂_version`."""
+
+    version: int
+    base: int
+    new: torch.Tensor
+
+    def dense(self, start: int, values: torch.Tensor) -> None:
+        self.new[start : start + values.numel()].add_(values)
+
+    def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        self.new.index_add_(0, index, values)

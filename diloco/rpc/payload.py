@@ -11,7 +11,7 @@ from typing import TypeVar
 
 import torch
 
-from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, iter_chunks, payload_decoder
+from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, WindowSink, iter_chunks, payload_decoder
 from diloco.core.merge import EncodedDelta, Segment, SegmentSquares
 from diloco.errors import InvalidArgument
 from diloco.rpc.vocab import CODECS
@@ -82,11 +82,17 @@ class PayloadReceiver:
     """Feeds chunks into a streaming decoder, starting at `resume_offset` bytes (for resumed uploads)."""
 
     def __init__(
-        self, meta: EncodedMeta, numel: int, max_bytes: int | None = None, out: torch.Tensor | None = None
+        self,
+        meta: EncodedMeta,
+        numel: int,
+        max_bytes: int | None = None,
+        out: torch.Tensor | None = None,
+        *,
+        sink: WindowSink | None = None,
     ) -> None:
         meta.validate(expected_numel=numel, max_bytes=max_bytes)
         self.meta = meta
-        self.decoder: StreamDecoder = payload_decoder(meta, out)
+        self.decoder: StreamDecoder = payload_decoder(meta, out, sink=sink)
 
     @property
     def received(self) -> int:
@@ -97,6 +103,10 @@ class PayloadReceiver:
 
     def finish(self) -> torch.Tensor:
         return self.decoder.finish()
+
+    def verify(self) -> None:
+        """Complete and intact (a receiver with a sink has no vector to return)."""
+        self.decoder.verify()
 
 
 class UploadReceiver:

@@ -19,7 +19,7 @@ import grpc
 import structlog
 import torch
 
-from diloco.core.broadcast import BroadcastFollower, Refusal
+from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, Refusal
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.errors import InvalidArgument
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
@@ -84,6 +84,7 @@ class Watcher:
                 if self._closed.is_set():
                     call.cancel()
                 receiver: PayloadReceiver | None = None
+                applying: ApplyingDelta | None = None
                 receiving_since = 0.0
                 header: coordinator_pb2.ParametersHeader | None = None
                 for msg in call:
@@ -92,14 +93,14 @@ class Watcher:
                         if header.coordinator_epoch != self.epoch:
                             self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
                             return
-                        receiver = PayloadReceiver(meta_from_proto(header.payload), self.numel)
+                        receiver, applying = self._receiver(header)
                         receiving_since = time.monotonic()
                         continue
                     if receiver is None or header is None:
                         continue
                     receiver.feed(msg.data)
                     if receiver.received == receiver.meta.encoded_bytes:
-                        params = self._apply(header, receiver.finish())
+                        params = self._apply(header, receiver, applying)
                         if params is None:
                             call.cancel()
                             after = 0
@@ -132,11 +133,27 @@ class Watcher:
             if self._closed.wait(backoff.next_s(refusal)):
                 return
 
-    def _apply(self, header: coordinator_pb2.ParametersHeader, decoded: torch.Tensor) -> torch.Tensor | None:
-        """The parameters of `header`'s version from its decoded payload; None: refused (logged)."""
+    def _receiver(self, header: coordinator_pb2.ParametersHeader) -> tuple[PayloadReceiver, ApplyingDelta | None]:
+        """A snapshot is decoded into a new vector; a delta whose base is held is added, window by window as it
+        is decoded, into a copy of that base (no decoded copy of the delta)."""
+        meta = meta_from_proto(header.payload)
+        if header.HasField("delta_from"):
+            applying = self.follower.begin_delta(header.version, header.delta_from)
+            if isinstance(applying, ApplyingDelta):
+                return PayloadReceiver(meta, self.numel, sink=applying), applying
+        return PayloadReceiver(meta, self.numel), None
+
+    def _apply(
+        self, header: coordinator_pb2.ParametersHeader, receiver: PayloadReceiver, applying: ApplyingDelta | None
+    ) -> torch.Tensor | None:
+        """The parameters of `header`'s version from its received payload; None: refused (logged)."""
         if not header.HasField("delta_from"):
-            return self.follower.snapshot(header.version, decoded)
-        got = self.follower.delta(header.version, header.delta_from, decoded, header.params_crc32)
+            return self.follower.snapshot(header.version, receiver.finish())
+        if applying is None:  # not for the version held: received (to keep the stream in step), then refused
+            got: torch.Tensor | Refusal = Refusal.NO_BASE
+        else:
+            receiver.verify()
+            got = self.follower.finish_delta(applying, header.params_crc32)
         if isinstance(got, Refusal):
             self.log.warning(
                 "worker.broadcast_refused",
