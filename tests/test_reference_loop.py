@@ -86,6 +86,7 @@ def reference_run(cfg: SimConfig) -> tuple[torch.Tensor, list[float]]:
             ],
             lr=inner.lr,
             betas=inner.betas,
+            fused=True,  # as the learners' (InnerTrainer)
         )
         for r in replicas
     ]
