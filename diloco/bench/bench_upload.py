@@ -69,10 +69,10 @@ from diloco.cluster import wait_serving
 from diloco.core.codecs import EncodedMeta, get_codec, iter_chunks
 from diloco.core.coordinator import CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
-from diloco.core.merge import MergeAccumulator
+from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, build_outer
 from diloco.rpc.bulk import bulk_upload
-from diloco.rpc.payload import CHUNK_BYTES, PayloadReceiver, chunks, meta_from_proto, meta_to_proto
+from diloco.rpc.payload import CHUNK_BYTES, UploadReceiver, chunks, meta_from_proto, meta_to_proto
 from diloco.rpc.server import GrpcService, channel
 from diloco.task.model import GPT, ModelConfig
 from diloco.task.params import ParamSpec, num_params, param_specs
@@ -345,7 +345,7 @@ class Stream:
 def send_stream(
     stub: coordinator_pb2_grpc.CoordinatorStub,
     header: coordinator_pb2.SubmissionHeader,
-    payload: bytes,
+    payload: bytes | bytearray,
     metadata: Sequence[tuple[str, str]] = (),
 ) -> Stream:
     """One `SubmitPseudoGradient` call built exactly as the worker's `_upload` builds it."""
@@ -457,7 +457,7 @@ def submission_header(learner: Learner, meta: EncodedMeta) -> coordinator_pb2.Su
     )
 
 
-def send_bulk(learner: Learner, header: coordinator_pb2.SubmissionHeader, payload: bytes) -> Stream:
+def send_bulk(learner: Learner, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray) -> Stream:
     """The same submission over the coordinator's bulk upload port, as the worker sends it (`_bulk_upload`)."""
     first, first_unix = time.perf_counter(), time.time()
     resp = bulk_upload(
@@ -477,7 +477,7 @@ def upload(
     path: str,
     codec: str,
     repeat: int,
-    payload: bytes,
+    payload: bytes | bytearray,
     meta: EncodedMeta,
     interval_s: float = 0.002,
 ) -> UploadResult:
@@ -521,10 +521,9 @@ DECODE_KEY = "x-bench-decode"
 def serve_sink() -> int:
     """`--sink`: serve `SubmitPseudoGradient` with the services' gRPC wiring (`GrpcService`, same options and
     thread pool). It reads the header, then every data message; with metadata x-bench-decode=1 it also decodes
-    them with `PayloadReceiver` into a reused fp32 buffer, as the coordinator does. Prints its port, serves until
-    stdin closes."""
+    them as the coordinator does (`UploadReceiver`: the bytes kept, each chunk decoded into the sums of squares).
+    Prints its port, serves until stdin closes."""
     torch.set_num_threads(1)
-    buffers: dict[int, torch.Tensor] = {}  # numel -> the decode buffer, reused by every upload (calls are serial)
 
     def submit(
         requests: Iterator[coordinator_pb2.SubmitPseudoGradientRequest], context: grpc.ServicerContext
@@ -534,8 +533,7 @@ def serve_sink() -> int:
         receiver = None
         if decode:
             meta = meta_from_proto(first.header.payload)
-            out = buffers.setdefault(meta.numel, torch.zeros(meta.numel, dtype=torch.float32))
-            receiver = PayloadReceiver(meta, meta.numel, out=out)
+            receiver = UploadReceiver(meta, meta.numel, [Segment(0, meta.numel)])
         for msg in requests:
             if receiver is not None:
                 receiver.feed(msg.data)
@@ -592,7 +590,11 @@ class Sink:
 
 
 def sink_upload(
-    stub: coordinator_pb2_grpc.CoordinatorStub, payload: bytes, meta: EncodedMeta, specs: list[ParamSpec], decode: bool
+    stub: coordinator_pb2_grpc.CoordinatorStub,
+    payload: bytes | bytearray,
+    meta: EncodedMeta,
+    specs: list[ParamSpec],
+    decode: bool,
 ) -> float:
     header = coordinator_pb2.SubmissionHeader(
         worker_id="bench", submission_id=uuid.uuid4().hex, tokens=1, steps=1, payload=meta_to_proto(meta, specs)
@@ -614,16 +616,19 @@ def _best(repeats: int, fn: Callable[[], object], setup: Callable[[], object] = 
     return best
 
 
-def breakdown(payloads: dict[str, tuple[bytes, EncodedMeta]], numel: int, repeats: int) -> list[dict[str, Any]]:
+def breakdown(
+    payloads: dict[str, tuple[bytes | bytearray, EncodedMeta]], numel: int, repeats: int
+) -> list[dict[str, Any]]:
     """Per-byte stages of the upload, then the stages of accept + round close that follow it (the real
     `MergeAccumulator` and outer optimizer on `numel` elements, as `CoordinatorCore.accept`/`_apply` call them).
 
-    Only what production runs: the payload crc is zlib-ng's (as in `diloco.core.codecs`), the coordinator decodes
-    into a reused buffer (`services/coordinator/state.py`), accept's finiteness check is the guard's one norm pass,
-    and the merge result is computed in place."""
+    Only what production runs: the payload crc is zlib-ng's (as in `diloco.core.codecs`), the coordinator keeps
+    the bytes and decodes them on arrival into the merge segments' sums of squares (`UploadReceiver`: the guard's
+    norm), the merge decodes them again into the merge buffer (`MergeAccumulator.add` of an `EncodedDelta`), and
+    the merge result is computed in place."""
     fp32, _ = payloads["fp32"]
     n_chunks = -(-len(fp32) // CHUNK_BYTES)
-    one = coordinator_pb2.SubmitPseudoGradientRequest(data=fp32[:CHUNK_BYTES]).SerializeToString()
+    one = coordinator_pb2.SubmitPseudoGradientRequest(data=bytes(fp32[:CHUNK_BYTES])).SerializeToString()
     parse = coordinator_pb2.SubmitPseudoGradientRequest.FromString
 
     def serialize() -> None:
@@ -639,12 +644,15 @@ def breakdown(payloads: dict[str, tuple[bytes, EncodedMeta]], numel: int, repeat
         for c in chunks(fp32, 0):
             value = crc32(c, value)
 
-    def decode(data: bytes, meta: EncodedMeta, out: torch.Tensor | None) -> Callable[[], None]:
+    segments = [Segment(0, numel)]
+    held: dict[str, EncodedDelta] = {}
+
+    def receive(name: str, data: bytes | bytearray, meta: EncodedMeta) -> Callable[[], None]:
         def run() -> None:
-            receiver = PayloadReceiver(meta, numel, out=out)
+            receiver = UploadReceiver(meta, numel, segments)
             for c in chunks(data, 0):
                 receiver.feed(c)
-            receiver.finish()
+            held[name] = receiver.finish()
 
         return run
 
@@ -653,17 +661,25 @@ def breakdown(payloads: dict[str, tuple[bytes, EncodedMeta]], numel: int, repeat
         ("upload: server parses request messages (upb)", "fp32", len(fp32), _best(repeats, parse_all)),
         ("upload: crc32, zlib-ng (inside decode)", "fp32", len(fp32), _best(repeats, crc)),
     ]
-    reused = torch.empty(numel, dtype=torch.float32)
-    reused.zero_()
+    fold = MergeAccumulator(numel, "mean")
     for name, (data, meta) in payloads.items():
         rows.append(
             (
-                f"upload: decode {name} into a reused buffer (as the coordinator)",
+                f"upload: receive {name}: decode into the sums of squares, keep the bytes (as the coordinator)",
                 name,
                 len(data),
-                _best(repeats, decode(data, meta, reused)),
+                _best(repeats, receive(name, data, meta)),
             )
         )
+
+        def fold_held(name: str = name) -> None:
+            fold.reset()
+            fold.add(held[name], TOKENS_PER_SUBMISSION)
+
+        rows.append(
+            (f"round: fold {name} (decoded again into the merge buffer)", name, len(data), _best(repeats, fold_held))
+        )
+    reused = torch.empty(numel, dtype=torch.float32)
 
     # accept + round close, the real classes; the momentum buffer already exists (steady state)
     delta = reused

@@ -76,7 +76,7 @@ class Delta:
 
     version: int
     base: int
-    data: bytes | memoryview
+    data: bytes | bytearray | memoryview
     meta: EncodedMeta
     checksum: int
 

@@ -414,7 +414,7 @@ class Codec(ABC):
         return f"{type(self).__name__}()"
 
     @abstractmethod
-    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         """Encode a 1-D float32 tensor (any device). `meta.crc32` is `zlib.crc32` of the bytes."""
 
     @abstractmethod
@@ -452,7 +452,7 @@ class Codec(ABC):
         stream.feed(data)
         return stream.finish()
 
-    def encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         """Encode `target` (a contiguous 1-D float32 CPU tensor) and subtract what the receiver will decode
         from it in place, leaving the compression error. Used by `ErrorFeedback`."""
         _check_input(target)
@@ -460,14 +460,14 @@ class Codec(ABC):
             raise CodecError("encode_and_subtract works in place: pass a contiguous float32 CPU tensor")
         return self._encode_and_subtract(target)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         data, meta = self.encode(target)
         target.sub_(self.decode(data, meta))
         return data, meta
 
     def _finish(
         self, parts: Sequence[bytes | memoryview], numel: int, block_size: int = 0, topk_count: int = 0
-    ) -> tuple[bytes, EncodedMeta]:
+    ) -> tuple[bytes | bytearray, EncodedMeta]:
         """The payload made of `parts`, and its meta."""
         data, crc = _join_with_crc(parts)
         return data, EncodedMeta(self.name, numel, len(data), crc, block_size, topk_count)
@@ -483,11 +483,11 @@ class FP32Codec(Codec):
     def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
         return 4 * numel
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         x = _check_input(flat)
         return self._finish([x.numpy().view(np.uint8).data], x.numel())
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         data, meta = self.encode(target)
         target.zero_()
         return data, meta
@@ -506,13 +506,13 @@ class BF16Codec(Codec):
     def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
         return 2 * numel
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         return self._encode(target, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes, EncodedMeta]:
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray, EncodedMeta]:
         parts = []
         for start in range(0, x.numel(), _SLAB):
             slab = x[start : start + _SLAB]
@@ -566,55 +566,63 @@ class _BlockCodec(Codec):
         return f"{type(self).__name__}(block_size={self.block_size})"
 
     @abstractmethod
-    def _pack(self, rounded: torch.Tensor) -> bytes:
-        """Bytes of the rounded block values (a float tensor of shape (blocks, block_size))."""
+    def _pack(self, rounded: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the bytes of the rounded block values (a float tensor of shape (blocks, block_size)) into `out`
+        (uint8, exactly as many bytes)."""
 
     @staticmethod
     @abstractmethod
     def _packed_bytes(count: int) -> int:
         """Bytes that `count` values take."""
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         return self._encode(target, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes, EncodedMeta]:
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytearray, EncodedMeta]:
+        """Quantize slab by slab straight into the payload: scales and packed values are written in place."""
         bs, numel = self.block_size, x.numel()
-        full = numel // bs * bs
-        scales = torch.empty(-(-numel // bs), dtype=torch.float32)
+        blocks, full = -(-numel // bs), numel // bs * bs
+        payload = bytearray(4 * blocks + self._packed_bytes(numel))
+        scales = torch.frombuffer(payload, dtype=torch.float32, count=blocks)
+        values = torch.frombuffer(payload, dtype=torch.uint8, offset=4 * blocks)
         scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
-        parts: list[bytes] = []
         for start in range(0, full, _SLAB):
             slab = x[start : min(start + _SLAB, full)].view(-1, bs)
-            first = start // bs
+            first, at = start // bs, self._packed_bytes(start)  # start is a whole number of blocks: bytes are whole
             work = scratch[: slab.numel()].view(-1, bs)
-            parts.append(self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract))
+            out = values[at : at + self._packed_bytes(slab.numel())]
+            self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract, out)
         if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
             tail = x[full:]
             padded = torch.zeros(1, bs, dtype=torch.float32)
             padded[0, : tail.numel()] = tail
-            packed = self._quantize(padded, torch.empty_like(padded), scales[-1:], subtract)
-            parts.append(packed[: self._packed_bytes(tail.numel())])
+            packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
+            self._quantize(padded, torch.empty_like(padded), scales[-1:], subtract, packed)
+            values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(tail.numel())])
             if subtract:
                 tail.copy_(padded[0, : tail.numel()])
         _check_finite(bool(torch.isfinite(scales).all()), self.name)
-        return self._finish([scales.numpy().tobytes(), *parts], numel, block_size=bs)
+        return payload, EncodedMeta(self.name, numel, len(payload), crc32(payload), bs)
 
-    def _quantize(self, x: torch.Tensor, work: torch.Tensor, scales: torch.Tensor, subtract: bool) -> bytes:
-        """Quantize the blocks `x` (rows), writing their scales; `work` is scratch of x's shape."""
-        torch.abs(x, out=work)
-        amax = work.amax(dim=1)
+    def _quantize(
+        self, x: torch.Tensor, work: torch.Tensor, scales: torch.Tensor, subtract: bool, out: torch.Tensor
+    ) -> None:
+        """Quantize the blocks `x` (rows) into `out` (their packed bytes, uint8), writing their scales; `work` is
+        scratch of x's shape."""
+        # max |x| per block as max(max x, -min x): two reductions that only read x (abs would write a copy first);
+        # the same values, NaN propagating; abs_ makes an all-zero block's -0.0 a 0.0
+        amax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_()).abs_()
         torch.div(amax, self.qmax, out=scales)
         # an all-zero block (or one whose amax is so small that qmax/amax overflows) quantizes to zeros
         inv = torch.div(self.qmax, amax).nan_to_num_(nan=0.0, posinf=0.0)
         # |x| * qmax/amax <= qmax (up to one rounding), so the rounded values stay in [-qmax, qmax]
         torch.mul(x, inv[:, None], out=work).round_()
-        packed = self._pack(work)
+        self._pack(work, out)
         if subtract:  # x -= q * scale, computed exactly as the decoder does
             x.sub_(work.mul_(scales[:, None]))
-        return packed
 
 
 class Int8Codec(_BlockCodec):
@@ -624,8 +632,8 @@ class Int8Codec(_BlockCodec):
     lossy = True
     qmax = 127
 
-    def _pack(self, rounded: torch.Tensor) -> bytes:
-        return rounded.to(torch.int8).numpy().tobytes()
+    def _pack(self, rounded: torch.Tensor, out: torch.Tensor) -> None:
+        out.view(torch.int8).view_as(rounded).copy_(rounded)  # whole values in [-127, 127]: converted exactly
 
     @staticmethod
     def _packed_bytes(count: int) -> int:
@@ -642,11 +650,11 @@ class Int4Codec(_BlockCodec):
     lossy = True
     qmax = 7
 
-    def _pack(self, rounded: torch.Tensor) -> bytes:
+    def _pack(self, rounded: torch.Tensor, out: torch.Tensor) -> None:
         pairs = rounded.view(rounded.shape[0], -1, 2)
         # (lo + 8) + 16 * (hi + 8): exact in float32, in [17, 255]
         packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136.0)
-        return packed.to(torch.uint8).numpy().tobytes()
+        out.view(packed.shape).copy_(packed)  # whole values in [17, 255]: converted exactly
 
     @staticmethod
     def _packed_bytes(count: int) -> int:
@@ -762,16 +770,16 @@ class TopKCodec(Codec):
         """How many entries are kept out of `numel`."""
         return min(numel, max(1, round(self.fraction * numel)))
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         data, meta, _ = self._encode(_check_input(flat))
         return data, meta
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         data, meta, index = self._encode(target)
         target[index] = 0.0
         return data, meta
 
-    def _encode(self, x: torch.Tensor) -> tuple[bytes, EncodedMeta, torch.Tensor]:
+    def _encode(self, x: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta, torch.Tensor]:
         numel = x.numel()
         if numel > MAX_TOPK_NUMEL:
             raise CodecError(f"topk supports at most {MAX_TOPK_NUMEL} elements, got {numel}; use int8")
@@ -913,13 +921,13 @@ class SparseCodec(Codec):
     def __repr__(self) -> str:
         return f"SparseCodec(block_size={self.block_size}, fraction={self.fraction})"
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         return self._encode(target, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes, EncodedMeta]:
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray, EncodedMeta]:
         bs, k, numel = self.block_size, self.per_chunk, x.numel()
         full = numel // bs * bs
         parts: list[bytes] = []
@@ -1097,7 +1105,7 @@ class ErrorFeedback:
         self.decay = float(decay)
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
-    def compress(self, delta: torch.Tensor) -> tuple[bytes, EncodedMeta]:
+    def compress(self, delta: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
         """Encode `delta` plus the carried residual and keep the new residual.
 
         If encoding fails (e.g. a NaN in `delta`), the residual is reset to zero so that one bad step cannot

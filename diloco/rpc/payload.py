@@ -74,7 +74,9 @@ def encode_params(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
     return data, meta
 
 
-def chunks(payload: bytes | memoryview, offset: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[memoryview]:
+def chunks(
+    payload: bytes | bytearray | memoryview, offset: int = 0, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[memoryview]:
     yield from iter_chunks(memoryview(payload)[offset:], chunk_bytes)
 
 

@@ -86,7 +86,7 @@ class Broadcast:
     coordinator_epoch: int
     delta_from: int | None
     checksum: int
-    data: bytes | memoryview  # read-only by convention: every watcher sends from it
+    data: bytes | bytearray | memoryview  # read-only by convention: every watcher sends from it
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool

@@ -32,7 +32,7 @@ Response = coordinator_pb2.SubmitPseudoGradientResponse
 @dataclass(frozen=True)
 class UploadJob:
     header: coordinator_pb2.SubmissionHeader
-    payload: bytes
+    payload: bytes | bytearray
     bulk_port: int  # 0: over gRPC
 
 
@@ -136,7 +136,7 @@ class Uploader:
             return 0
         return size if st.complete else min(size, max(0, st.received_bytes))
 
-    def _grpc(self, header: coordinator_pb2.SubmissionHeader, payload: bytes) -> Response:
+    def _grpc(self, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray) -> Response:
         offset = header.resume_offset
 
         def requests() -> Iterator[coordinator_pb2.SubmitPseudoGradientRequest]:
@@ -147,7 +147,9 @@ class Uploader:
         resp: Response = self.stub.SubmitPseudoGradient(requests(), timeout=self.cfg.upload_timeout_s)
         return resp
 
-    def _bulk(self, port: int, header: coordinator_pb2.SubmissionHeader, payload: bytes, offset: int) -> Response:
+    def _bulk(
+        self, port: int, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray, offset: int
+    ) -> Response:
         """The payload over the coordinator's bulk upload port (same host, same TLS identity and token)."""
         host = host_of(self.cfg.coordinator)
         sec = self.cfg.security
