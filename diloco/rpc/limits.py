@@ -46,6 +46,9 @@ MAX_REPORTS = 10_000  # throughput reports in one ReportThroughput call (healthd
 MAX_TOKENS_PER_S = 1e9  # per learner
 MAX_STEP_TIME_S = 86_400.0
 MAX_UNIX_S = 1e10  # the year 2286
+MAX_WATTS = 100_000.0  # per learner: a rack of 8 GPUs draws ~10 kW; 100 kW is not one learner
+MAX_PRICE_PER_HOUR = 10_000.0  # per learner: an 8-GPU node rents for ~100 per hour on demand
+MAX_ZONE_CHARS = 64  # a grid zone name such as 'DE' or 'US-CAL-CISO'
 
 QUOTE_CHARS = 48
 DETAILS_CHARS = 512
