@@ -83,12 +83,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     logging.configure("worker")
     if rank is None or device is None:
-        return run_worker(Worker(cfg))
+        try:
+            worker = Worker(cfg)
+        except ConfigError as e:  # e.g. --power-meter nvml on a host where NVML cannot be read
+            print(f"diloco worker: configuration error: {e}", file=sys.stderr)
+            return 2
+        return run_worker(worker)
     island = Island(rank, device, logging.get("worker", worker=cfg.display_name), sharded=cfg.shard_model)
     island.checksums = cfg.island_checksums
     try:
         if island.leader:
-            return run_worker(Worker(cfg, island))
+            try:
+                worker = Worker(cfg, island)
+            except ConfigError as e:
+                print(f"diloco worker: configuration error: {e}", file=sys.stderr)
+                island.stop(2)
+                return 2
+            return run_worker(worker)
         return island.follow(Replica(cfg, device, Metrics(), island))
     finally:
         island.close()

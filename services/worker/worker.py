@@ -31,6 +31,7 @@ from services.worker.control import Control
 from services.worker.heartbeats import Beat, Heartbeats
 from services.worker.island import Island, device_kind
 from services.worker.metrics import Metrics
+from services.worker.power import PowerMeter, open_meter
 from services.worker.replica import Replica
 from services.worker.session import Registration, SessionLost
 from services.worker.uploader import Uploader, UploadJob, UploadResult
@@ -61,17 +62,18 @@ class Worker:
         self.core = core.LearnerCore(
             core.LearnerConfig(id_prefix=uuid.uuid4().hex + "-", give_up_after_s=cfg.give_up_after_s or None)
         )
-        self.channel = cfg.security.channel(cfg.coordinator)
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
-        self.metrics = Metrics()
-        self.round_phases: dict[str, float] = {}  # seconds per phase since the last submission
-        self.inbox: queue.Queue[object] = queue.Queue()
         if island is None:
             self.device = torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
             self.device_kind = self.device.type
         else:
             self.device = island.device
             self.device_kind = device_kind(island.device, island.world)
+        self.power = self._power_meter()  # first: a meter that cannot be read is a configuration error
+        self.channel = cfg.security.channel(cfg.coordinator)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.metrics = Metrics()
+        self.round_phases: dict[str, float] = {}  # seconds per phase since the last submission
+        self.inbox: queue.Queue[object] = queue.Queue()
         self.replica = Replica(cfg, self.device, self.metrics, island)
         self.reg: Registration | None = None
         self.watcher: Watcher | None = None
@@ -80,6 +82,24 @@ class Worker:
         self.uploader = Uploader(self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log)
         self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log)
         self.control = Control(self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log)
+
+    def _power_meter(self) -> PowerMeter:
+        """The learner's power meter (`power.py`): on CUDA its GPU, or in an island every rank's GPU on this host
+        (ranks 0..N-1 sit on LOCAL_RANK's GPU). Raises `ConfigError` naming --power-meter when the meter asked
+        for cannot be read."""
+        cuda: list[int] = []
+        if self.device.type == "cuda":
+            cuda = list(range(self.island.world)) if self.island is not None else [self.device.index or 0]
+        meter = open_meter(self.cfg.power_meter, self.cfg.power_w, cuda)
+        reading = meter.reading()
+        self.log.info(
+            "worker.power_meter",
+            source=meter.counter.source.value if meter.counter is not None else "declared",
+            declared_w=self.cfg.power_w,
+            watts=reading.watts if reading else None,
+            not_used=meter.note or None,
+        )
+        return meter
 
     def stop(self) -> None:
         """Drain: hand the unsent steps back, deregister, say "leaving" to healthd, return from `run`. Safe from a
@@ -203,7 +223,10 @@ class Worker:
         elif isinstance(a, core.Train):
             if self.island is not None:
                 self.island.train(a.shard_id, a.cursor)
-            self.core.stepped(a.shard_id, a.epoch, a.cursor, self.replica.train(a))
+            self.power.begin(time.monotonic())
+            cursor = self.replica.train(a)
+            self.power.end(time.monotonic())
+            self.core.stepped(a.shard_id, a.epoch, a.cursor, cursor)
         elif isinstance(a, (core.Load, core.Rebase)):
             if self.island is None:
                 self.replica.adopt(a, self.log, self.core.detail)
