@@ -142,6 +142,24 @@ LIMITS: Mapping[str, Bound] = {
         lo=0.0,
         hi=MAX_STEP_TIME_S,
     ),
+    _P + "Throughput.watts": Bound(
+        "power drawn while training, for energy-aware placement and accounting; 100 kW is no one learner (an "
+        "8-GPU node draws about 10 kW)",
+        "send the measured or declared watts (with power_source), or 0 when there is none",
+        lo=0.0,
+        hi=MAX_WATTS,
+    ),
+    _P + "RegisterRequest.zone": _text(
+        MAX_ZONE_CHARS,
+        "a grid zone name such as 'DE' or 'US-CAL-CISO', looked up in the coordinator's carbon trace",
+        "send the zone as the coordinator's --carbon-trace names it (--zone), or leave it empty",
+    ),
+    _P + "RegisterRequest.price_per_hour": Bound(
+        "a learner's price per hour, for cost-aware placement and accounting; an 8-GPU node rents for about 100",
+        "send the learner's price per hour (--price-per-hour), or 0",
+        lo=0.0,
+        hi=MAX_PRICE_PER_HOUR,
+    ),
     _P + "WatchParametersRequest.worker_id": _text(
         MAX_ID_CHARS, "a worker id (see RegisterResponse.worker_id), or empty for an observer", _ID_ADVICE
     ),

@@ -35,11 +35,11 @@ from diloco.rpc.payload import (
     meta_to_proto,
 )
 from diloco.rpc.server import LoopSignal, SendSlots
-from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
+from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES, power_from_proto
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.state import Broadcast, CoordinatorState, UploadStream
+from services.coordinator.state import Broadcast, CoordinatorState, Joining, Report, UploadStream
 
 T = TypeVar("T")
 # Parameter-watch writes in progress at once (`SendSlots`): enough to keep a fast network busy, few enough that a
@@ -81,6 +81,11 @@ def header_from_proto(h: coordinator_pb2.SubmissionHeader, specs: list[ParamSpec
     ranges = tuple(ShardRange(r.shard_id, r.epoch, r.start, r.end) for r in h.ranges)
     sub = Submission(worker_id, submission_id, h.base_version, h.tokens, h.steps, ranges, h.plan_seq)
     return UploadHeader(sub, h.coordinator_epoch, meta, h.resume_offset)
+
+
+def _report(worker_id: str, tp: common_pb2.Throughput) -> Report:
+    watts, source = power_from_proto(tp)
+    return Report(worker_id, tp.tokens_per_s, tp.device_kind, watts, source)
 
 
 def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2.WorkerInfo:
@@ -180,7 +185,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.RegisterResponse:
         auth.act_as(auth.peer_identity(context), request.worker_name)
         tp = request.throughput
-        rec, plan = self.state.register(request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind)
+        watts, source = power_from_proto(tp)
+        energy = Joining(watts, source, request.zone, request.price_per_hour, request.spot)
+        rec, plan = self.state.register(
+            request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind, energy
+        )
         return coordinator_pb2.RegisterResponse(
             worker_id=rec.worker_id,
             coordinator_epoch=self.state.epoch,
@@ -340,13 +349,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportThroughput(
         self, request: coordinator_pb2.ReportThroughputRequest, context: Context
     ) -> coordinator_pb2.ReportThroughputResponse:
+        single = None
         if request.worker_id or not request.reports:  # one learner's report: an unknown learner is NOT_FOUND
-            tp = request.throughput
-            worker_id = _require_id(request.worker_id, "worker_id")
-            self.state.report_throughputs([(worker_id, tp.tokens_per_s, tp.device_kind)], strict=True)
-        if request.reports:  # healthd's batch: learners that are gone meanwhile are skipped
-            reports = [(_require_id(r.worker_id, "reports.worker_id"), r.throughput) for r in request.reports]
-            self.state.report_throughputs([(w, t.tokens_per_s, t.device_kind) for w, t in reports])
+            single = _report(_require_id(request.worker_id, "worker_id"), request.throughput)
+        # healthd's batch: learners that are gone meanwhile are skipped; every report is decoded before any applies
+        batch = [_report(_require_id(r.worker_id, "reports.worker_id"), r.throughput) for r in request.reports]
+        if single is not None:
+            self.state.report_throughputs([single], strict=True)
+        if batch:
+            self.state.report_throughputs(batch)
         return coordinator_pb2.ReportThroughputResponse()
 
     # --- operators ------------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
+from diloco.core.energy import PowerSource
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -55,9 +56,20 @@ from diloco.core.uploads import (
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
 from diloco.rpc.payload import BufferPool, PayloadReceiver
 from diloco.task.factory import fingerprint_mismatch
+from services.coordinator.energy import EnergyBook
 from services.coordinator.metrics import CoordinatorMetrics
 
-__all__ = ["Broadcast", "CoordinatorState", "Published", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
+__all__ = [
+    "Broadcast",
+    "CoordinatorState",
+    "Joining",
+    "Published",
+    "Report",
+    "StatusView",
+    "UploadHeader",
+    "UploadStream",
+    "WorkerView",
+]
 
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
 _STRIPES = 64  # locks for the uploads' decoders, by submission id
@@ -116,6 +128,28 @@ class StatusView:
 
 
 @dataclass(frozen=True)
+class Joining:
+    """What a registering learner says about its power, zone, price and capacity (issue #15)."""
+
+    watts: float = 0.0
+    source: PowerSource | None = None
+    zone: str = ""
+    price_per_hour: float = 0.0
+    spot: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """One learner's throughput report (healthd forwards its heartbeats' figures)."""
+
+    worker_id: str
+    tokens_per_s: float
+    device_kind: str = ""
+    watts: float = 0.0  # 0 (with `source` None): no power figure, the last one stays
+    source: PowerSource | None = None
+
+
+@dataclass(frozen=True)
 class WorkerView:
     record: WorkerRecord
     plan: WorkPlan | None  # None when the learner is not live
@@ -164,8 +198,10 @@ class CoordinatorState:
         max_uploads_per_worker: int = 2,
         clock: Callable[[], float] = time.time,
         on_round: Callable[[RoundApplied], None] | None = None,
+        energy: EnergyBook | None = None,
     ) -> None:
         self.core = core
+        self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
         self.epoch = coordinator_epoch
         self.fingerprint = fingerprint
         self.codec = codec
@@ -204,14 +240,31 @@ class CoordinatorState:
         self._refresh_gauges()
 
     # --- membership ---------------------------------------------------------------------------------------------
-    def register(self, name: str, fingerprint: str, speed: float, device_kind: str) -> tuple[WorkerRecord, WorkPlan]:
+    def register(
+        self, name: str, fingerprint: str, speed: float, device_kind: str, energy: Joining | None = None
+    ) -> tuple[WorkerRecord, WorkPlan]:
         """A learner joins. An empty fingerprint means the learner adopts the task this coordinator sends (and
-        compares the fingerprint of the task it builds itself); another is refused naming the parts that differ."""
+        compares the fingerprint of the task it builds itself); another is refused naming the parts that differ.
+        `energy`: its power, zone, price and capacity (a zone the carbon trace does not name is refused before
+        anything changes)."""
         mismatch = fingerprint_mismatch(fingerprint, self.fingerprint) if fingerprint else ""
         if mismatch:
             raise FailedPrecondition(mismatch)
+        e = energy or Joining()
         with self.lock:
-            rec = self.core.register(name, self.clock(), speed=speed, device_kind=device_kind)
+            self.energy.check(e.zone)
+            now = self.clock()
+            rec = self.core.register(name, now, speed=speed, device_kind=device_kind)
+            self.energy.forget(self.core.workers)
+            self.energy.join(
+                rec.worker_id,
+                now,
+                zone=e.zone,
+                price_per_hour=e.price_per_hour,
+                spot=e.spot,
+                watts=e.watts,
+                source=e.source,
+            )
             plan = self.core.plan(rec.worker_id)
             self._refresh_gauges()
             self._nudge_locked()
@@ -223,6 +276,11 @@ class CoordinatorState:
             device_kind=device_kind,
             shards=[lease.shard_id for lease in plan.shards],
             local_steps=plan.local_steps,
+            watts=e.watts,
+            power_source=e.source.value if e.source else None,
+            zone=e.zone,
+            price_per_hour=e.price_per_hour,
+            spot=e.spot,
         )
         return rec, plan
 
@@ -235,17 +293,19 @@ class CoordinatorState:
         with self.lock:
             return self.core.plan(worker_id), self.core.version
 
-    def report_throughputs(self, reports: list[tuple[str, float, str]], *, strict: bool = False) -> None:
-        """(worker id, tokens/s, device kind) reports under one lock. healthd's batch skips learners gone meanwhile
+    def report_throughputs(self, reports: list[Report], *, strict: bool = False) -> None:
+        """Throughput (and power) reports under one lock. healthd's batch skips learners gone meanwhile
         (NOT_FOUND, FAILED_PRECONDITION); `strict` (one learner reporting for itself) raises them instead."""
         with self.lock:
             now = self.clock()
-            for worker_id, tokens_per_s, device_kind in reports:
+            for r in reports:
                 try:
-                    self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=now)
+                    self.core.report_throughput(r.worker_id, r.tokens_per_s, r.device_kind, now=now)
                 except (NotFound, FailedPrecondition):
                     if strict:
                         raise
+                    continue
+                self.energy.report(r.worker_id, r.watts, r.source)
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:

@@ -243,7 +243,7 @@ class Worker:
 
     # --- carrying the actions out -----------------------------------------------------------------------------
     def _register(self) -> None:
-        reg = self.control.register(self.name, self.replica.throughput(), self.device_kind)
+        reg = self.control.register(self.name, self.replica.throughput(), self.device_kind, self.power.reading())
         if reg is None:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg = reg
@@ -288,4 +288,5 @@ class Worker:
             tp.tokens_per_s if tp else 0.0,
             tp.step_time_s if tp else 0.0,
             self.device_kind,
+            self.power.reading(),
         )
