@@ -6,18 +6,24 @@ fallbacks, and what GetStatus / ListWorkers / `diloco ctl` show."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+import structlog
 
 from diloco.core.energy import PowerSource
+from diloco.errors import ConfigError
 from diloco.v1 import common_pb2
+from services.coordinator.__main__ import main as coordinator_main
+from services.coordinator.config import parse as parse_coordinator
 from services.worker.config import parse as parse_worker
 from services.worker.control import register_request
 from services.worker.power import open_meter
-from tests.support import Env, T, code_of, pb, register
+from tests.support import CARBON, Clock, Env, T, code_of, make_upload, pb, register, submit, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -115,3 +121,220 @@ def test_a_learner_registers_with_what_its_flags_say(env: Env) -> None:
         2.25,
         True,
     )
+
+
+# --- configuration ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--placement", "greedy"], "placement"),
+        (["--placement", "carbon"], "--carbon-trace"),  # carbon needs a signal
+        (["--carbon-provider", "not a function"], "--carbon-provider"),
+        (["--deadline-s", "-1"], "deadline_s"),
+        (["--carbon-threshold", "nan"], "carbon_threshold"),
+        (["--carbon-provider-timeout-s", "0"], "carbon_provider_timeout_s"),
+        (["--carbon-refresh-s", "inf"], "carbon_refresh_s"),
+    ],
+)
+def test_bad_placement_flags_name_the_field(argv: list[str], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        parse_coordinator(["--insecure", *argv], {})
+
+
+def test_placement_flags_and_env(tmp_path: Path) -> None:
+    cfg = parse_coordinator(
+        ["--insecure", "--placement", "cost", "--deadline-s", "3600"], {"DILOCO_CARBON_THRESHOLD": "250"}
+    )
+    assert (cfg.placement, cfg.deadline_s, cfg.carbon_threshold) == ("cost", 3600.0, 250.0)
+    policy = cfg.policy_config(started_unix_s=1000.0)
+    assert policy.deadline_s == 4600.0 and policy.min_active == cfg.min_quorum and policy.carbon_threshold == 250.0
+    assert math.isinf(parse_coordinator(["--insecure"], {}).policy_config(1000.0).deadline_s)
+
+
+def test_coordinator_exits_2_on_a_bad_trace_or_provider(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert coordinator_main(["--insecure", "--carbon-trace", str(tmp_path / "missing.csv")], {}) == 2
+    assert "carbon trace" in capsys.readouterr().err
+    bad = tmp_path / "bad.csv"
+    bad.write_text("zone,time_s,gco2_per_kwh\nDE,0,-5\n")
+    assert coordinator_main(["--insecure", "--carbon-trace", str(bad)], {}) == 2
+    assert "line 2" in capsys.readouterr().err
+    assert coordinator_main(["--insecure", "--carbon-provider", "tests.nowhere:intensity"], {}) == 2
+    assert "--carbon-provider tests.nowhere:intensity" in capsys.readouterr().err
+
+
+# --- placement --------------------------------------------------------------------------------------------------
+APPLIED = pb.SUBMISSION_OUTCOME_APPLIED
+
+
+def upload(env: Env, reg: pb.RegisterResponse, sid: str) -> pb.SubmissionHeader:
+    header, data, _ = make_upload(env, reg, sid)
+    assert submit(env, header, data).outcome == APPLIED  # async: every submission is a round
+    return header
+
+
+def shards_of(env: Env, reg: pb.RegisterResponse) -> list[int]:
+    plan = env.stub.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=reg.worker_id), timeout=T).plan
+    return [s.shard_id for s in plan.shards]
+
+
+def sample(env: Env, name: str, **labels: str) -> float:
+    value = env.server.metrics.registry.get_sample_value(name, labels or None)
+    return 0.0 if value is None else value
+
+
+def fast_and_slow(env: Env, clock: Clock, a: pb.RegisterResponse, b: pb.RegisterResponse) -> pb.SubmissionHeader:
+    """`a` delivers 128 tokens in 0.1 s (1,280 tokens/s measured), `b` 128 in 9.9 s (about 12.9 tokens/s): `b` is
+    about 1% of the fleet's speed, so pausing it costs the fleet about 1% (within every policy's allowance)."""
+    clock.t = 1000.1
+    upload(env, a, "a1")  # a hands half its shards over to b with this submission
+    assert shards_of(env, b)
+    clock.t = 1010.0
+    return upload(env, b, "b1")
+
+
+def test_energy_placement_pauses_the_inefficient_learner(start: Callable[..., Env]) -> None:
+    clock = Clock()
+    with structlog.testing.capture_logs() as logs:
+        env = start(clock=clock, placement="energy", mode="async", min_quorum=1)
+        a = join(env, "a", power(300.0, NVML))
+        b = join(env, "b", power(1000.0))  # 77 J/token against a's 0.23
+        hb = fast_and_slow(env, clock, a, b)
+    (changed,) = [r for r in logs if r["event"] == "placement.changed"]
+    assert changed["policy"] == "energy" and changed["paused"] == [b.worker_id]
+    assert changed["reason"].startswith(f"energy: paused {b.worker_id} (") and "J/token" in changed["reason"]
+    # b is paused: still registered and active, no shards; every shard is a's, b's applied range stays committed
+    assert shards_of(env, b) == [] and len(shards_of(env, a)) == 8
+    workers = {w.worker_id: w for w in env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers}
+    assert workers[b.worker_id].state == common_pb2.WORKER_STATE_ACTIVE
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    assert {s.owner for s in ledger.shards} == {a.worker_id}
+    held = ledger.shards[hb.ranges[0].shard_id]
+    assert held.committed == hb.ranges[0].end and held.epoch > hb.ranges[0].epoch  # moved under a new epoch
+    # b's next submission under its old lease is refused (exactly-once), and changes nothing
+    hb.submission_id, hb.ranges[0].start, hb.ranges[0].end = "b2", hb.ranges[0].end, hb.ranges[0].end + 128
+    code, _ = code_of(lambda: submit(env, hb, make_upload(env, a, "unused")[1]))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T) == ledger
+    # what each learner's accepted work drew: watts x work seconds
+    joules = {a.worker_id: 300.0 * 0.1, b.worker_id: 1000.0 * 9.9}
+    for w, j in joules.items():
+        assert sample(env, "diloco_energy_joules_total", worker=w) == pytest.approx(j, rel=1e-6)
+    assert sample(env, "diloco_fleet_energy_joules_total") == pytest.approx(sum(joules.values()), rel=1e-6)
+    assert sample(env, "diloco_coordinator_paused_workers") == 1.0
+    assert sample(env, "diloco_coordinator_placement_weight", worker=b.worker_id) == 0.0
+    assert sample(env, "diloco_coordinator_placement_changes_total") == 1.0
+
+
+def trace(tmp_path: Path) -> Path:
+    """FR is clean all along; DE is dirty (400 gCO2/kWh) for the first hour, then 100."""
+    path = tmp_path / "carbon.csv"
+    path.write_text("zone,time_s,gco2_per_kwh\nFR,0,50\nFR,3600,50\nDE,0,400\nDE,3600,100\n")
+    return path
+
+
+def test_carbon_placement_follows_the_zones_intensity_over_time(start: Callable[..., Env], tmp_path: Path) -> None:
+    clock = Clock()
+    with structlog.testing.capture_logs() as logs:
+        env = start(
+            clock=clock,
+            placement="carbon",
+            carbon_trace=str(trace(tmp_path)),
+            carbon_threshold=200.0,
+            mode="async",
+            min_quorum=1,
+        )
+        a = join(env, "a", power(300.0), zone="FR", price_per_hour=3.6)
+        b = join(env, "b", power(300.0), zone="DE", price_per_hour=7.2)
+        fast_and_slow(env, clock, a, b)
+        assert shards_of(env, b) == []  # DE is above 200 gCO2/kWh: b is paused
+        clock.t = 1000.0 + 3700.0  # DE is at 100 now; the next round weighs the zones again
+        upload(env, a, "a2")
+        assert env.server.state.energy.learners[b.worker_id].weight == 1.0
+        clock.t += 1.0
+        upload(env, a, "a3")  # a's submission under the new plan hands shards back to b
+        assert shards_of(env, b)
+    reasons = [r["reason"] for r in logs if r["event"] == "placement.changed"]
+    assert reasons == [f"carbon: paused {b.worker_id} (400 g/kWh)", "carbon: no dirty learner can pause"]
+    # carbon: each learner's work at its zone's intensity over that work
+    grams = {a.worker_id: 300.0 * 0.1 / 3.6e6 * 50.0, b.worker_id: 300.0 * 9.9 / 3.6e6 * 400.0}
+    assert sample(env, "diloco_carbon_grams_total", worker=b.worker_id) == pytest.approx(grams[b.worker_id], rel=1e-6)
+    assert sample(env, "diloco_carbon_grams_total", worker=a.worker_id) > grams[a.worker_id]  # and its later work
+    # cost: price x hours registered and not paused; b's price stopped while it was paused
+    status = env.server.state.status("async")
+    b_cost = 7.2 * 10.0 / 3600 + 7.2 * (clock.t - 4700.0) / 3600
+    assert sample(env, "diloco_cost_total", worker=b.worker_id) == pytest.approx(b_cost, rel=1e-6)
+    a_cost = 3.6 * (clock.t - 1000.0) / 3600
+    assert sample(env, "diloco_cost_total", worker=a.worker_id) == pytest.approx(a_cost, rel=1e-6)
+    assert status.cost == pytest.approx(a_cost + b_cost, rel=1e-6)
+
+
+def test_a_zone_the_trace_does_not_name_is_refused(start: Callable[..., Env], tmp_path: Path) -> None:
+    env = start(carbon_trace=str(trace(tmp_path)))
+    for zone in ("MARS", ""):
+        code, details = code_of(lambda zone=zone: join(env, "w", power(100.0), zone=zone))  # type: ignore[misc]
+        assert code == INVALID and "--zone" in details and "DE, FR" in details, details
+    assert not env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers and not env.server.state.energy.learners
+    assert join(env, "w", power(100.0), zone="DE").worker_id
+
+
+# --- the carbon provider ------------------------------------------------------------------------------------------
+def failures(env: Env, reason: str) -> float:
+    return sample(env, "diloco_coordinator_carbon_provider_failures_total", reason=reason)
+
+
+def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: Callable[..., Env]) -> None:
+    CARBON.mode, CARBON.values, CARBON.release = "answer", {"FR": 42.0}, type(CARBON.release)()
+    env = start(
+        placement="carbon",
+        carbon_provider="tests.support:carbon_provider",
+        carbon_refresh_s=3600.0,  # the feed asks once per new zone; the test asks with refresh()
+        carbon_provider_timeout_s=0.3,
+    )
+    feed = env.server.carbon
+    assert feed is not None
+    live = env.server.state.energy.signal.live
+    try:
+        with structlog.testing.capture_logs() as logs:
+            a = join(env, "a", power(100.0), zone="FR")  # a new zone wakes the feed
+            wait_for("the provider's first value", lambda: live.get("FR") == 42.0)
+            for mode, bad, reason in (
+                ("raise", None, "error"),
+                ("bad", math.nan, "bad_value"),
+                ("bad", -5.0, "bad_value"),
+                ("bad", "40", "bad_value"),
+            ):
+                CARBON.mode, CARBON.bad = mode, bad
+                before = failures(env, reason)
+                feed.refresh()
+                assert live["FR"] == 42.0 and failures(env, reason) == before + 1
+            assert failures(env, "error") == 1.0 and failures(env, "bad_value") == 3.0
+            CARBON.mode = "hang"
+            started = time.monotonic()
+            feed.refresh()  # abandoned after 0.3 s
+            assert time.monotonic() - started < 2.0 and failures(env, "timeout") == 1.0
+            # the coordinator answers meanwhile, and its placement uses the last good value
+            b = join(env, "b", power(100.0), zone="FR")
+            assert env.server.state.energy.learners[b.worker_id].intensity == 42.0
+            assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).live_workers == 2
+            feed.refresh()  # the hung call still runs: not asked again
+            assert failures(env, "still_running") == 1.0
+            CARBON.values["FR"] = 60.0
+            CARBON.release.set()
+            wait_for("the hung call to return", lambda: CARBON.calls > 0 and not feed.busy())
+            assert live["FR"] == 42.0  # what the abandoned call returned is never used
+            CARBON.mode = "answer"
+            feed.refresh()
+            assert live["FR"] == 60.0
+        warned = [r for r in logs if r["event"] == "carbon.provider_failed"]
+        assert [r["reason"] for r in warned] == [
+            "error",
+            "bad_value",
+            "bad_value",
+            "bad_value",
+            "timeout",
+            "still_running",
+        ]
+        assert all(r["log_level"] == "warning" and r["kept_gco2_per_kwh"] == 42.0 for r in warned)
+        assert a.worker_id
+    finally:
+        CARBON.release.set()

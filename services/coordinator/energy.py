@@ -217,12 +217,15 @@ class EnergyBook:
             )
         return out
 
-    def zones(self) -> set[str]:
-        """The zones of the learners whose price runs or that may resume (for the carbon provider)."""
-        return {r.zone for r in self.learners.values() if r.zone}
+    def zones(self, worker_ids: Iterable[str] | None = None) -> set[str]:
+        """The zones of `worker_ids` (default: every learner in the book)."""
+        ids = self.learners if worker_ids is None else worker_ids
+        return {rec.zone for w in ids if (rec := self.learners.get(w)) is not None and rec.zone}
 
-    def forget(self, keep: Iterable[str]) -> None:
-        """Drop the learners not in `keep` (the coordinator no longer holds their records)."""
+    def forget(self, keep: Iterable[str]) -> list[str]:
+        """Drop the learners not in `keep` (the coordinator no longer holds their records); returns their ids."""
         kept = set(keep)
-        for w in [w for w in self.learners if w not in kept]:
+        gone = [w for w in self.learners if w not in kept]
+        for w in gone:
             del self.learners[w]
+        return gone

@@ -40,7 +40,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
-from diloco.core.energy import PowerSource
+from diloco.core.energy import PolicyConfig, PowerSource, decide
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -56,7 +56,7 @@ from diloco.core.uploads import (
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
 from diloco.rpc.payload import BufferPool, PayloadReceiver
 from diloco.task.factory import fingerprint_mismatch
-from services.coordinator.energy import EnergyBook
+from services.coordinator.energy import J_PER_KWH, Charge, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
 
 __all__ = [
@@ -125,6 +125,13 @@ class StatusView:
     min_quorum: int
     rejected_submissions: int
     started_unix_s: float
+    placement: str = "speed"
+    placement_reason: str = ""
+    paused_workers: int = 0
+    watts: float = 0.0
+    energy_kwh: float = 0.0
+    carbon_g: float = 0.0
+    cost: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,7 @@ class Report:
 class WorkerView:
     record: WorkerRecord
     plan: WorkPlan | None  # None when the learner is not live
+    energy: LearnerEnergy | None = None  # a copy of its power, zone, price, weight and what it used
 
 
 class UploadStream:
@@ -199,9 +207,13 @@ class CoordinatorState:
         clock: Callable[[], float] = time.time,
         on_round: Callable[[RoundApplied], None] | None = None,
         energy: EnergyBook | None = None,
+        placement: PolicyConfig | None = None,
     ) -> None:
         self.core = core
         self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
+        self.placement = placement or PolicyConfig()  # the placement policy (`diloco.core.energy.decide`)
+        self.placement_reason = ""  # the last decision's reason
+        self.on_new_zone: Callable[[], None] | None = None  # a learner brought a zone the carbon provider never gave
         self.epoch = coordinator_epoch
         self.fingerprint = fingerprint
         self.codec = codec
@@ -255,7 +267,9 @@ class CoordinatorState:
             self.energy.check(e.zone)
             now = self.clock()
             rec = self.core.register(name, now, speed=speed, device_kind=device_kind)
-            self.energy.forget(self.core.workers)
+            for gone in self.energy.forget(self.core.workers):
+                self.metrics.forget_worker(gone)
+            new_zone = bool(e.zone) and e.zone not in self.energy.signal.live and e.zone not in self.energy.zones()
             self.energy.join(
                 rec.worker_id,
                 now,
@@ -265,6 +279,7 @@ class CoordinatorState:
                 watts=e.watts,
                 source=e.source,
             )
+            self._place_locked(now)
             plan = self.core.plan(rec.worker_id)
             self._refresh_gauges()
             self._nudge_locked()
@@ -282,6 +297,8 @@ class CoordinatorState:
             price_per_hour=e.price_per_hour,
             spot=e.spot,
         )
+        if new_zone and self.on_new_zone is not None:
+            self.on_new_zone()
         return rec, plan
 
     def worker_name(self, worker_id: str) -> str:
@@ -307,6 +324,7 @@ class CoordinatorState:
                     continue
                 self.energy.report(r.worker_id, r.watts, r.source)
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
+            self._energy_gauges()
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
@@ -317,6 +335,10 @@ class CoordinatorState:
             released = self.core.remove(worker_id, state, reason)
             if released:
                 self.metrics.reassignments.inc(len(released))
+            if was_live:
+                now = self.clock()
+                self._charge(self.energy.leave(worker_id, now))
+                self._place_locked(now)
             self._refresh_gauges()
             self._nudge_locked(poll=True)
         with self._table_lock:
@@ -393,11 +415,97 @@ class CoordinatorState:
         self.wake.notify_all()
 
     def _expire_locked(self) -> None:
-        for worker_id, released in self.core.expire_unconfirmed(self.clock()):
+        now = self.clock()
+        expired = self.core.expire_unconfirmed(now)
+        for worker_id, released in expired:
             self.metrics.reassignments.inc(len(released))
+            self._charge(self.energy.leave(worker_id, now))
             reason = self.core.workers[worker_id].state_reason
             self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
             self._nudge_locked(poll=True)  # a round may have waited only for it
+        if expired:
+            self._place_locked(now)
+
+    # --- placement and accounting (issue #15) -----------------------------------------------------------------------
+    def _place_locked(self, now: float) -> None:
+        """Under `lock`: the placement policy's weights for the active learners now, from their planning speeds
+        (measured, else a bounded claim) and what the energy book knows (watts, zone intensity at `now`, price,
+        capacity), applied to the core (a paused learner keeps its registration, gets no shards and is not waited
+        for; the ledger moves its shards like any hand-off). The rule is `diloco.core.energy.decide`'s."""
+        c = self.core
+        live = c.live_ids()
+        speeds = c.planning_speeds()
+        active = {w: speeds[w] for w in live if c.workers[w].state == WorkerState.ACTIVE}
+        decision = decide(now, self.energy.infos(active, now), self.placement, tokens_left=self._tokens_left())
+        weights = {w: decision.weights.get(w, 1.0) for w in live}
+        changed = c.set_placement_weights(weights)
+        self._charge(self.energy.set_weights(weights, now))
+        self.placement_reason = decision.reason
+        if changed:
+            self.metrics.placement_changes.inc()
+            self._nudge_locked(poll=True)  # a round may have waited only for a learner now paused
+            self.log.info(
+                "placement.changed",
+                policy=self.placement.policy.value,
+                reason=decision.reason,
+                paused=list(decision.paused),
+                weights={w: x for w, x in weights.items() if x != 1.0},
+                plan_seq=c.plan_seq,
+            )
+        self._energy_gauges()
+
+    def _tokens_left(self) -> float:
+        """Tokens the run still needs (for the `cost` policy's deadline): the rounds left to the target times the
+        tokens an applied round held so far on average; 0 (unknown) without a target or before the first round."""
+        c = self.core
+        target = c.cfg.target_outer_steps
+        if not target or not c.version:
+            return 0.0
+        return max(0, target - c.version) * c.tokens_applied / c.version
+
+    def _charge(self, charges: list[Charge]) -> None:
+        """Under `lock`: what learners used, into the counters."""
+        m = self.metrics
+        for ch in charges:
+            if ch.joules:
+                m.energy_joules.labels(worker=ch.worker_id).inc(ch.joules)
+                m.fleet_energy_joules.inc(ch.joules)
+            if ch.grams:
+                m.carbon_grams.labels(worker=ch.worker_id).inc(ch.grams)
+                m.fleet_carbon_grams.inc(ch.grams)
+            if ch.cost:
+                m.cost.labels(worker=ch.worker_id).inc(ch.cost)
+                m.fleet_cost.inc(ch.cost)
+
+    def _energy_gauges(self) -> None:
+        """Under `lock`: the live learners' watts and weights, and how many are paused."""
+        paused = 0
+        for w in self.core.live_ids():
+            rec = self.energy.learners.get(w)
+            if rec is None:
+                continue
+            self.metrics.worker_watts.labels(worker=w).set(rec.watts)
+            self.metrics.placement_weight.labels(worker=w).set(rec.weight)
+            paused += rec.weight == 0
+        self.metrics.paused_workers.set(paused)
+
+    def zones(self) -> set[str]:
+        """The live learners' zones (the carbon provider asks for these)."""
+        with self.lock:
+            return self.energy.zones(self.core.live_ids())
+
+    def set_intensity(self, zone: str, value: float) -> None:
+        """The carbon provider's value for `zone` (gCO2/kWh); the next placement uses it."""
+        with self.lock:
+            self.energy.signal.set_live(zone, value)
+        self.metrics.carbon_intensity.labels(zone=zone).set(value)
+
+    def intensity_failed(self, zone: str, reason: str, detail: str) -> None:
+        """A carbon provider call failed: counted and logged; the zone keeps its last good value."""
+        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
+        with self.lock:
+            kept = self.energy.signal.live.get(zone)
+        self.log.warning("carbon.provider_failed", zone=zone, reason=reason, detail=detail, kept_gco2_per_kwh=kept)
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
@@ -405,6 +513,8 @@ class CoordinatorState:
         with self.lock:
             self._expire_locked()
             closed = self.core.close(now)
+            if closed is not None:
+                self._place_locked(now)  # measured speeds moved, and time did: the policy weighs the learners again
         if closed is None:
             return None
         started = time.perf_counter()
@@ -657,6 +767,8 @@ class CoordinatorState:
                         raise
                     except DilocoError as e:
                         raise self.reject(e, e.code.lower()) from None
+                    seconds = self.core.workers[sub.worker_id].speed_samples[-1][1]  # this submission's work
+                    self._charge([self.energy.work(sub.worker_id, seconds, now)])
                     with self._table_lock:
                         self.uploads.accepted(sub, done.meta.encoded_bytes, taken.staleness, taken.round)
                     self.metrics.submission_tokens.observe(sub.tokens)
@@ -759,6 +871,9 @@ class CoordinatorState:
     def status(self, mode: str) -> StatusView:
         c = self.core
         with self.lock:
+            self._charge(self.energy.accrue(self.clock()))  # costs up to now
+            book, live = self.energy, c.live_ids()
+            learners = [book.learners[w] for w in live if w in book.learners]
             return StatusView(
                 mode=mode,
                 version=c.version,
@@ -778,14 +893,24 @@ class CoordinatorState:
                 min_quorum=c.cfg.rounds.min_quorum,
                 rejected_submissions=self.rejected,
                 started_unix_s=self.started_at,
+                placement=self.placement.policy.value,
+                placement_reason=self.placement_reason,
+                paused_workers=sum(r.weight == 0 for r in learners),
+                watts=math.fsum(r.watts for r in learners),
+                energy_kwh=book.joules / J_PER_KWH,
+                carbon_g=book.grams,
+                cost=book.cost,
             )
 
     def workers(self) -> list[WorkerView]:
         with self.lock:
+            self._charge(self.energy.accrue(self.clock()))  # costs up to now
+            book = self.energy.learners
             return [
                 WorkerView(
                     WorkerRecord(**vars(rec)),
                     self.core.plan(rec.worker_id) if rec.state in LIVE_STATES else None,
+                    LearnerEnergy(**vars(book[rec.worker_id])) if rec.worker_id in book else None,
                 )
                 for rec in sorted(self.core.workers.values(), key=lambda r: r.registered_at)
             ]
