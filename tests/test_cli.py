@@ -84,6 +84,8 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "min_quorum" in capsys.readouterr().err
     assert main(["local", "--workers", "2", "--slowdown", "1,0.5"]) == 2
     assert "--slowdown" in capsys.readouterr().err
+    assert main(["local", "--workers", "2", "--power-w", "300,-1"]) == 2
+    assert "--power-w" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

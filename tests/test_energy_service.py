@@ -9,12 +9,15 @@ import math
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
 import pytest
 import structlog
 
+from diloco.cli.local import summary as local_summary
+from diloco.cli.main import main as cli_main
 from diloco.core.energy import PowerSource
 from diloco.errors import ConfigError
 from diloco.v1 import common_pb2
@@ -192,7 +195,9 @@ def fast_and_slow(env: Env, clock: Clock, a: pb.RegisterResponse, b: pb.Register
     return upload(env, b, "b1")
 
 
-def test_energy_placement_pauses_the_inefficient_learner(start: Callable[..., Env]) -> None:
+def test_energy_placement_pauses_the_inefficient_learner(
+    start: Callable[..., Env], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     clock = Clock()
     with structlog.testing.capture_logs() as logs:
         env = start(clock=clock, placement="energy", mode="async", min_quorum=1)
@@ -223,6 +228,34 @@ def test_energy_placement_pauses_the_inefficient_learner(start: Callable[..., En
     assert sample(env, "diloco_coordinator_paused_workers") == 1.0
     assert sample(env, "diloco_coordinator_placement_weight", worker=b.worker_id) == 0.0
     assert sample(env, "diloco_coordinator_placement_changes_total") == 1.0
+    # what operators see
+    wa, wb = workers[a.worker_id], workers[b.worker_id]
+    assert (wb.placement_weight, wa.placement_weight) == (0.0, 1.0)
+    assert (wa.throughput.watts, wa.throughput.power_source) == (300.0, NVML)
+    assert (wb.throughput.watts, wb.throughput.power_source) == (1000.0, DECLARED)
+    assert wb.energy_kwh == pytest.approx(9900.0 / 3.6e6, rel=1e-6) and wb.carbon_g == 0.0 and wb.cost == 0.0
+    status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
+    assert (status.placement, status.paused_workers, status.watts) == ("energy", 1, 1300.0)
+    assert status.placement_reason == changed["reason"]
+    assert status.energy_kwh == pytest.approx(9930.0 / 3.6e6, rel=1e-6)
+    # `diloco ctl status` and `ctl workers` print them; the `diloco local` summary carries them
+    ctl = ["ctl", "--coordinator", env.server.address, "--insecure"]
+    monkeypatch.setenv("COLUMNS", "400")  # a wide terminal: rich would squeeze the columns into 80 characters
+    assert cli_main([*ctl, "status"]) == 0
+    out = capsys.readouterr().out
+    assert "energy" in out and "placement reason" in out and "1,300 W" in out and "kWh" in out and "gCO2" in out
+    assert cli_main([*ctl, "workers"]) == 0
+    out = capsys.readouterr().out
+    assert "paused" in out and "1,000 W (declared)" in out and "300 W (nvml)" in out
+    cluster = SimpleNamespace(
+        status=lambda: env.stub.GetStatus(pb.GetStatusRequest(), timeout=T),
+        workers=lambda: env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T),
+        run_dir=Path("unused"),
+    )
+    result = local_summary(cluster, time.monotonic())  # type: ignore[arg-type]
+    assert result["energy_kwh"] == pytest.approx(9930.0 / 3.6e6, abs=1e-6) and result["placement"] == "energy"
+    assert result["carbon_g"] == 0.0 and result["cost"] == 0.0
+    assert result["workers"][b.worker_id]["watts"] == 1000.0  # type: ignore[index]
 
 
 def trace(tmp_path: Path) -> Path:
@@ -260,12 +293,16 @@ def test_carbon_placement_follows_the_zones_intensity_over_time(start: Callable[
     assert sample(env, "diloco_carbon_grams_total", worker=b.worker_id) == pytest.approx(grams[b.worker_id], rel=1e-6)
     assert sample(env, "diloco_carbon_grams_total", worker=a.worker_id) > grams[a.worker_id]  # and its later work
     # cost: price x hours registered and not paused; b's price stopped while it was paused
-    status = env.server.state.status("async")
+    status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
     b_cost = 7.2 * 10.0 / 3600 + 7.2 * (clock.t - 4700.0) / 3600
     assert sample(env, "diloco_cost_total", worker=b.worker_id) == pytest.approx(b_cost, rel=1e-6)
     a_cost = 3.6 * (clock.t - 1000.0) / 3600
     assert sample(env, "diloco_cost_total", worker=a.worker_id) == pytest.approx(a_cost, rel=1e-6)
     assert status.cost == pytest.approx(a_cost + b_cost, rel=1e-6)
+    assert status.carbon_g == pytest.approx(sample(env, "diloco_fleet_carbon_grams_total"), rel=1e-9)
+    assert status.energy_kwh == pytest.approx(sample(env, "diloco_fleet_energy_joules_total") / 3.6e6, rel=1e-9)
+    assert (status.placement, status.placement_reason) == ("carbon", "carbon: no dirty learner can pause")
+    assert status.paused_workers == 0 and status.watts == 600.0
 
 
 def test_a_zone_the_trace_does_not_name_is_refused(start: Callable[..., Env], tmp_path: Path) -> None:

@@ -35,10 +35,11 @@ from diloco.rpc.payload import (
     meta_to_proto,
 )
 from diloco.rpc.server import LoopSignal, SendSlots
-from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES, power_from_proto
+from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES, power_from_proto, power_to_proto
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from services.coordinator.energy import J_PER_KWH, LearnerEnergy
 from services.coordinator.state import Broadcast, CoordinatorState, Joining, Report, UploadStream
 
 T = TypeVar("T")
@@ -88,12 +89,20 @@ def _report(worker_id: str, tp: common_pb2.Throughput) -> Report:
     return Report(worker_id, tp.tokens_per_s, tp.device_kind, watts, source)
 
 
-def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2.WorkerInfo:
+def worker_to_proto(
+    rec: WorkerRecord, plan: WorkPlan | None, energy: LearnerEnergy | None = None
+) -> coordinator_pb2.WorkerInfo:
+    e = energy or LearnerEnergy()
     return coordinator_pb2.WorkerInfo(
         worker_id=rec.worker_id,
         worker_name=rec.name,
         state=WORKER_STATES.to_proto(rec.state),
-        throughput=common_pb2.Throughput(tokens_per_s=rec.speed, device_kind=rec.device_kind),
+        throughput=common_pb2.Throughput(
+            tokens_per_s=rec.speed,
+            device_kind=rec.device_kind,
+            watts=e.watts,
+            power_source=power_to_proto(e.source),
+        ),
         local_steps=plan.local_steps if plan else 0,
         shards=plan_to_proto(plan).shards if plan else [],
         submissions=rec.submissions,
@@ -103,6 +112,14 @@ def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2
         registered_unix_s=rec.registered_at,
         state_reason=rec.state_reason,
         measured_tokens_per_s=rec.measured_speed,
+        zone=e.zone,
+        price_per_hour=e.price_per_hour,
+        spot=e.spot,
+        placement_weight=e.weight,
+        carbon_intensity=e.intensity,
+        energy_kwh=e.joules / J_PER_KWH,
+        carbon_g=e.grams,
+        cost=e.cost,
     )
 
 
@@ -385,6 +402,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             min_quorum=s.min_quorum,
             rejected_submissions=s.rejected_submissions,
             started_unix_s=s.started_unix_s,
+            placement=s.placement,
+            placement_reason=s.placement_reason,
+            paused_workers=s.paused_workers,
+            watts=s.watts,
+            energy_kwh=s.energy_kwh,
+            carbon_g=s.carbon_g,
+            cost=s.cost,
         )
 
     @status.unary
@@ -392,7 +416,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.ListWorkersRequest, context: Context
     ) -> coordinator_pb2.ListWorkersResponse:
         return coordinator_pb2.ListWorkersResponse(
-            workers=[worker_to_proto(w.record, w.plan) for w in self.state.workers()]
+            workers=[worker_to_proto(w.record, w.plan, w.energy) for w in self.state.workers()]
         )
 
     @status.unary
