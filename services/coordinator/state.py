@@ -440,7 +440,8 @@ class CoordinatorState:
         weights = {w: decision.weights.get(w, 1.0) for w in live}
         changed = c.set_placement_weights(weights)
         self._charge(self.energy.set_weights(weights, now))
-        self.placement_reason = decision.reason
+        if active:  # with nobody active (the run over, everyone gone) the last reason stays
+            self.placement_reason = decision.reason
         if changed:
             self.metrics.placement_changes.inc()
             self._nudge_locked(poll=True)  # a round may have waited only for a learner now paused
