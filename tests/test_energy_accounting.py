@@ -9,7 +9,7 @@ import pytest
 
 from diloco.core.energy import CarbonTrace, PowerSource
 from diloco.errors import InvalidArgument
-from services.coordinator.energy import CarbonSignal, Charge, EnergyBook
+from services.coordinator.energy import CarbonSignal, Charge, EnergyBook, Reweighed
 
 pytestmark = pytest.mark.timeout(30)
 TRACE = CarbonTrace({"DE": ((0.0, 3600.0), (400.0, 100.0)), "FR": ((0.0,), (50.0,))})
@@ -44,9 +44,10 @@ def test_energy_carbon_and_cost_per_learner_and_in_total() -> None:
     assert charge.joules == 500.0 * 7200.0 == 3.6e6 and charge.grams == pytest.approx(250.0)
     assert book.work("b", 36.0, 7200.0).grams == pytest.approx(200.0 * 36.0 / 3.6e6 * 50.0)
     # cost: b paused from 1 h to 3 h, so it pays for 1 h (before) + 1 h (after, to 4 h); a pays for 4 h
-    assert book.set_weights({"a": 1.0, "b": 0.0}, 3600.0) == [Charge("a", cost=3.6), Charge("b", cost=7.2)]
-    assert book.accrue(3 * 3600.0) == [Charge("a", cost=7.2)]
-    book.set_weights({"a": 1.0, "b": 1.0}, 3 * 3600.0)
+    assert book.set_weights({"a": 1.0, "b": 0.0}, 3600.0) == Reweighed(["b"], [Charge("b", cost=7.2)])
+    assert book.paused == 1 and book.learners["b"].weight == 0.0
+    assert book.accrue(3 * 3600.0) == [Charge("a", cost=pytest.approx(3 * 3.6))]
+    assert book.set_weights({"a": 1.0, "b": 1.0}, 3 * 3600.0).changed == ["b"] and book.paused == 0
     book.accrue(4 * 3600.0)
     assert book.learners["a"].cost == pytest.approx(4 * 3.6) and book.learners["b"].cost == pytest.approx(2 * 7.2)
     assert book.leave("b", 5 * 3600.0) == [Charge("b", cost=pytest.approx(7.2))]

@@ -47,11 +47,19 @@ class LearnerEnergy:
     watts: float = 0.0  # last reported draw while training (0: none reported)
     source: PowerSource | None = None
     weight: float = 1.0  # the placement policy's (0: paused)
-    intensity: float = 0.0  # gCO2/kWh of its zone at the last placement
+    intensity: float = 0.0  # gCO2/kWh of its zone when last weighed (`infos`) or viewed (`view`)
     joules: float = 0.0
     grams: float = 0.0
     cost: float = 0.0
     paid_since: float | None = None  # registered and not paused since then: its price runs
+
+
+@dataclass(frozen=True)
+class Reweighed:
+    """What `set_weights` did: the learners whose weight changed, and their charges up to then."""
+
+    changed: list[str]
+    charges: list[Charge]
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,7 @@ class EnergyBook:
         self.joules = 0.0
         self.grams = 0.0
         self.cost = 0.0
+        self.paused = 0  # live learners at weight 0
 
     def check(self, zone: str) -> None:
         """Everything about a registration that can be refused, before anything changes."""
@@ -176,25 +185,38 @@ class EnergyBook:
         return out
 
     def leave(self, worker_id: str, now: float) -> list[Charge]:
-        """A learner is gone (dead, left, evicted): its price stops."""
+        """A learner is gone (dead, left, evicted): its price stops, and it no longer counts as paused."""
         out = self.accrue(now, [worker_id])
         rec = self.learners.get(worker_id)
         if rec is not None:
             rec.paid_since = None
+            if rec.weight == 0:
+                self.paused -= 1
+                rec.weight = 1.0
         return out
 
-    def set_weights(self, weights: Mapping[str, float], now: float) -> list[Charge]:
-        """The placement policy's weights: a paused learner's (0) price stops, a resumed one's runs again."""
-        out = self.accrue(now)
-        for w, x in weights.items():
-            rec = self.learners.get(w)
-            if rec is None:
-                continue
+    def set_weights(self, weights: Mapping[str, float], now: float) -> Reweighed:
+        """The placement policy's weights: a paused learner's (0) price stops, a resumed one's runs again (only
+        the learners whose weight changed are touched)."""
+        changed = [w for w, x in weights.items() if (rec := self.learners.get(w)) is not None and rec.weight != x]
+        charges = self.accrue(now, changed)
+        for w in changed:
+            rec, x = self.learners[w], weights[w]
+            self.paused += (x == 0) - (rec.weight == 0)
             rec.weight = x
             if x == 0:
                 rec.paid_since = None
             elif rec.paid_since is None:
                 rec.paid_since = now
+        return Reweighed(changed, charges)
+
+    def view(self, worker_id: str, now: float) -> LearnerEnergy | None:
+        """A copy of a learner's entry, with its zone's intensity at `now`."""
+        rec = self.learners.get(worker_id)
+        if rec is None:
+            return None
+        out = LearnerEnergy(**vars(rec))
+        out.intensity = self.signal.at(rec.zone, now)
         return out
 
     def infos(self, speeds: Mapping[str, float], now: float) -> dict[str, LearnerInfo]:
@@ -227,5 +249,5 @@ class EnergyBook:
         kept = set(keep)
         gone = [w for w in self.learners if w not in kept]
         for w in gone:
-            del self.learners[w]
+            self.paused -= self.learners.pop(w).weight == 0
         return gone

@@ -40,7 +40,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
-from diloco.core.energy import PolicyConfig, PowerSource, decide
+from diloco.core.energy import Policy, PolicyConfig, PowerSource, decide
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -267,8 +267,9 @@ class CoordinatorState:
             self.energy.check(e.zone)
             now = self.clock()
             rec = self.core.register(name, now, speed=speed, device_kind=device_kind)
-            for gone in self.energy.forget(self.core.workers):
-                self.metrics.forget_worker(gone)
+            if len(self.energy.learners) >= len(self.core.workers):  # the core dropped departed records
+                for gone in self.energy.forget(self.core.workers):
+                    self.metrics.forget_worker(gone)
             new_zone = bool(e.zone) and e.zone not in self.energy.signal.live and e.zone not in self.energy.zones()
             self.energy.join(
                 rec.worker_id,
@@ -279,7 +280,7 @@ class CoordinatorState:
                 watts=e.watts,
                 source=e.source,
             )
-            self._place_locked(now)
+            self._energy_gauges([rec.worker_id])  # weighed at the next round close, with the rest
             plan = self.core.plan(rec.worker_id)
             self._refresh_gauges()
             self._nudge_locked()
@@ -324,7 +325,7 @@ class CoordinatorState:
                     continue
                 self.energy.report(r.worker_id, r.watts, r.source)
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
-            self._energy_gauges()
+            self._energy_gauges([r.worker_id for r in reports if r.source is not None])
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
@@ -338,6 +339,7 @@ class CoordinatorState:
             if was_live:
                 now = self.clock()
                 self._charge(self.energy.leave(worker_id, now))
+                self._energy_gauges([worker_id])
                 self._place_locked(now)
             self._refresh_gauges()
             self._nudge_locked(poll=True)
@@ -420,6 +422,7 @@ class CoordinatorState:
         for worker_id, released in expired:
             self.metrics.reassignments.inc(len(released))
             self._charge(self.energy.leave(worker_id, now))
+            self._energy_gauges([worker_id])
             reason = self.core.workers[worker_id].state_reason
             self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
             self._nudge_locked(poll=True)  # a round may have waited only for it
@@ -431,7 +434,11 @@ class CoordinatorState:
         """Under `lock`: the placement policy's weights for the active learners now, from their planning speeds
         (measured, else a bounded claim) and what the energy book knows (watts, zone intensity at `now`, price,
         capacity), applied to the core (a paused learner keeps its registration, gets no shards and is not waited
-        for; the ledger moves its shards like any hand-off). The rule is `diloco.core.energy.decide`'s."""
+        for; the ledger moves its shards like any hand-off). The rule is `diloco.core.energy.decide`'s. Called at
+        every round close and departure (a newcomer counts with weight 1 until the next round close, so a burst of
+        registrations costs no decision each); `speed` has nothing to decide (every weight is 1)."""
+        if self.placement.policy is Policy.SPEED:
+            return
         c = self.core
         live = c.live_ids()
         speeds = c.planning_speeds()
@@ -439,7 +446,8 @@ class CoordinatorState:
         decision = decide(now, self.energy.infos(active, now), self.placement, tokens_left=self._tokens_left())
         weights = {w: decision.weights.get(w, 1.0) for w in live}
         changed = c.set_placement_weights(weights)
-        self._charge(self.energy.set_weights(weights, now))
+        moved = self.energy.set_weights(weights, now)
+        self._charge(moved.charges)
         if active:  # with nobody active (the run over, everyone gone) the last reason stays
             self.placement_reason = decision.reason
         if changed:
@@ -453,7 +461,7 @@ class CoordinatorState:
                 weights={w: x for w, x in weights.items() if x != 1.0},
                 plan_seq=c.plan_seq,
             )
-        self._energy_gauges()
+        self._energy_gauges(moved.changed)
 
     def _tokens_left(self) -> float:
         """Tokens the run still needs (for the `cost` policy's deadline): the rounds left to the target times the
@@ -478,17 +486,14 @@ class CoordinatorState:
                 m.cost.labels(worker=ch.worker_id).inc(ch.cost)
                 m.fleet_cost.inc(ch.cost)
 
-    def _energy_gauges(self) -> None:
-        """Under `lock`: the live learners' watts and weights, and how many are paused."""
-        paused = 0
-        for w in self.core.live_ids():
+    def _energy_gauges(self, worker_ids: list[str]) -> None:
+        """Under `lock`: the watts and weights of `worker_ids` (those that changed), and how many are paused."""
+        for w in worker_ids:
             rec = self.energy.learners.get(w)
-            if rec is None:
-                continue
-            self.metrics.worker_watts.labels(worker=w).set(rec.watts)
-            self.metrics.placement_weight.labels(worker=w).set(rec.weight)
-            paused += rec.weight == 0
-        self.metrics.paused_workers.set(paused)
+            if rec is not None:
+                self.metrics.worker_watts.labels(worker=w).set(rec.watts)
+                self.metrics.placement_weight.labels(worker=w).set(rec.weight)
+        self.metrics.paused_workers.set(self.energy.paused)
 
     def zones(self) -> set[str]:
         """The live learners' zones (the carbon provider asks for these)."""
@@ -873,8 +878,8 @@ class CoordinatorState:
         c = self.core
         with self.lock:
             self._charge(self.energy.accrue(self.clock()))  # costs up to now
-            book, live = self.energy, c.live_ids()
-            learners = [book.learners[w] for w in live if w in book.learners]
+            book = self.energy
+            learners = [rec for w in c.live_ids() if (rec := book.learners.get(w)) is not None]
             return StatusView(
                 mode=mode,
                 version=c.version,
@@ -896,7 +901,7 @@ class CoordinatorState:
                 started_unix_s=self.started_at,
                 placement=self.placement.policy.value,
                 placement_reason=self.placement_reason,
-                paused_workers=sum(r.weight == 0 for r in learners),
+                paused_workers=book.paused,
                 watts=math.fsum(r.watts for r in learners),
                 energy_kwh=book.joules / J_PER_KWH,
                 carbon_g=book.grams,
@@ -905,13 +910,13 @@ class CoordinatorState:
 
     def workers(self) -> list[WorkerView]:
         with self.lock:
-            self._charge(self.energy.accrue(self.clock()))  # costs up to now
-            book = self.energy.learners
+            now = self.clock()
+            self._charge(self.energy.accrue(now))  # costs up to now
             return [
                 WorkerView(
                     WorkerRecord(**vars(rec)),
                     self.core.plan(rec.worker_id) if rec.state in LIVE_STATES else None,
-                    LearnerEnergy(**vars(book[rec.worker_id])) if rec.worker_id in book else None,
+                    self.energy.view(rec.worker_id, now),
                 )
                 for rec in sorted(self.core.workers.values(), key=lambda r: r.registered_at)
             ]

@@ -50,11 +50,26 @@ PHASES: dict[type, str] = {
 }
 
 
+def learner_device(cfg: WorkerConfig) -> torch.device:
+    """A one-process learner's device: --device, or CUDA when present, else the CPU."""
+    return torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
+
+
+def open_power_meter(cfg: WorkerConfig, device: torch.device, world: int = 1) -> PowerMeter:
+    """The learner's power meter (`power.py`): on CUDA its GPU, or in an island of `world` ranks every rank's GPU on
+    this host (rank i sits on LOCAL_RANK i's GPU). Raises `ConfigError` naming --power-meter when the meter asked
+    for cannot be read."""
+    cuda: list[int] = []
+    if device.type == "cuda":
+        cuda = list(range(world)) if world > 1 else [device.index or 0]
+    return open_meter(cfg.power_meter, cfg.power_w, cuda)
+
+
 class Worker:
     """A one-process learner, or rank 0 (the leader) of an island (`island.py`): then every torch action is sent
     to the other ranks first, and they carry it out together with this one."""
 
-    def __init__(self, cfg: WorkerConfig, island: Island | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig, island: Island | None = None, power: PowerMeter | None = None) -> None:
         self.cfg = cfg
         self.island = island
         self.name = cfg.display_name
@@ -63,12 +78,21 @@ class Worker:
             core.LearnerConfig(id_prefix=uuid.uuid4().hex + "-", give_up_after_s=cfg.give_up_after_s or None)
         )
         if island is None:
-            self.device = torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
+            self.device = learner_device(cfg)
             self.device_kind = self.device.type
         else:
             self.device = island.device
             self.device_kind = device_kind(island.device, island.world)
-        self.power = self._power_meter()  # first: a meter that cannot be read is a configuration error
+        # first: a meter that cannot be read is a configuration error (`__main__` opens it before logging starts)
+        self.power = power or open_power_meter(cfg, self.device, island.world if island is not None else 1)
+        reading = self.power.reading()
+        self.log.info(
+            "worker.power_meter",
+            source=self.power.counter.source.value if self.power.counter is not None else "declared",
+            declared_w=cfg.power_w,
+            watts=reading.watts if reading else None,
+            not_used=self.power.note or None,
+        )
         self.channel = cfg.security.channel(cfg.coordinator)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metrics = Metrics()
@@ -82,24 +106,6 @@ class Worker:
         self.uploader = Uploader(self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log)
         self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log)
         self.control = Control(self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log)
-
-    def _power_meter(self) -> PowerMeter:
-        """The learner's power meter (`power.py`): on CUDA its GPU, or in an island every rank's GPU on this host
-        (ranks 0..N-1 sit on LOCAL_RANK's GPU). Raises `ConfigError` naming --power-meter when the meter asked
-        for cannot be read."""
-        cuda: list[int] = []
-        if self.device.type == "cuda":
-            cuda = list(range(self.island.world)) if self.island is not None else [self.device.index or 0]
-        meter = open_meter(self.cfg.power_meter, self.cfg.power_w, cuda)
-        reading = meter.reading()
-        self.log.info(
-            "worker.power_meter",
-            source=meter.counter.source.value if meter.counter is not None else "declared",
-            declared_w=self.cfg.power_w,
-            watts=reading.watts if reading else None,
-            not_used=meter.note or None,
-        )
-        return meter
 
     def stop(self) -> None:
         """Drain: hand the unsent steps back, deregister, say "leaving" to healthd, return from `run`. Safe from a
