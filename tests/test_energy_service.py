@@ -258,6 +258,23 @@ def test_energy_placement_pauses_the_inefficient_learner(
     assert result["workers"][b.worker_id]["watts"] == 1000.0  # type: ignore[index]
 
 
+def test_cost_placement_pauses_the_learner_that_costs_more_per_token(start: Callable[..., Env]) -> None:
+    clock = Clock()
+    env = start(clock=clock, placement="cost", mode="async", min_quorum=1)
+    a = join(env, "a", price_per_hour=2.0)
+    # cheaper per hour but it says it is ~100x slower (a claim: its prior until measured): dearer per token
+    b = join(env, "b", common_pb2.Throughput(tokens_per_s=13.0), price_per_hour=1.0, spot=True)
+    clock.t = 1000.1
+    upload(env, a, "a1")  # a measured at 1,280 tokens/s; the round's close weighs the learners
+    assert shards_of(env, b) == [] and len(shards_of(env, a)) == 8
+    status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
+    assert status.paused_workers == 1 and status.placement_reason.startswith("cost: 1 learner(s), 2/h")
+    clock.t += 3600.0  # an hour later: a paid for it, b (paused, taken as released) did not
+    costs = {w.worker_id: w.cost for w in env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers}
+    assert costs[b.worker_id] == pytest.approx(1.0 * 0.1 / 3600, rel=1e-6)
+    assert costs[a.worker_id] == pytest.approx(2.0 * 3600.1 / 3600, rel=1e-6)
+
+
 def trace(tmp_path: Path) -> Path:
     """FR is clean all along; DE is dirty (400 gCO2/kWh) for the first hour, then 100."""
     path = tmp_path / "carbon.csv"
