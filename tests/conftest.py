@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,11 +41,12 @@ def plain_coordinator() -> Iterator[CoordinatorServer]:
 
 @pytest.fixture
 def start() -> Iterator[Callable[..., Env]]:
-    """Start in-process coordinators (`support.config(**kw)`), each with a channel; all stopped at the end."""
+    """Start in-process coordinators (`support.config(**kw)`, on `clock`), each with a channel; all stopped at the
+    end."""
     made: list[Env] = []
 
-    def _start(**kw: Any) -> Env:
-        srv = CoordinatorServer(config(**kw))
+    def _start(clock: Callable[[], float] = time.time, **kw: Any) -> Env:
+        srv = CoordinatorServer(config(**kw), clock=clock)
         srv.start()
         chan = channel(srv.address)
         env = Env(srv, coordinator_pb2_grpc.CoordinatorStub(chan), chan, param_specs(srv.task.model_fn(0)))

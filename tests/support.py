@@ -163,6 +163,45 @@ def code_of(call: Callable[[], object]) -> tuple[grpc.StatusCode, str]:
     return err.code(), err.details()
 
 
+class Clock:
+    """A coordinator clock the test moves (`CoordinatorServer(clock=...)`): unix seconds, from 1000."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+# --- a carbon provider (--carbon-provider tests.support:carbon_provider) ---------------------------------------
+
+
+class CarbonScript:
+    """What `carbon_provider` does when called: answer `values[zone]`, raise, hang until `release` is set, or
+    return `bad` (a value that is no intensity). `calls` counts the calls."""
+
+    def __init__(self) -> None:
+        self.mode = "answer"  # answer | raise | hang | bad
+        self.values: dict[str, float] = {}
+        self.bad: object = float("nan")
+        self.release = threading.Event()
+        self.calls = 0
+
+
+CARBON = CarbonScript()
+
+
+def carbon_provider(zone: str, unix_s: float) -> object:
+    CARBON.calls += 1
+    if CARBON.mode == "raise":
+        raise RuntimeError(f"the grid API is down for {zone}")
+    if CARBON.mode == "hang":
+        CARBON.release.wait(30)
+    if CARBON.mode == "bad":
+        return CARBON.bad
+    return CARBON.values[zone]
+
+
 # --- healthd's side --------------------------------------------------------------------------------------------
 
 INTERVAL_S = 0.1  # heartbeat interval of the in-process healthd

@@ -84,6 +84,8 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "min_quorum" in capsys.readouterr().err
     assert main(["local", "--workers", "2", "--slowdown", "1,0.5"]) == 2
     assert "--slowdown" in capsys.readouterr().err
+    assert main(["local", "--workers", "2", "--power-w", "300,-1"]) == 2
+    assert "--power-w" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -103,6 +105,18 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["--coordinator", "h:1", "--ef-decay", "1.5"], {}, r"--ef-decay must be in \(0, 1\]"),
         (["--coordinator", "h:1", "--ef-decay", "-0.5"], {}, "--ef-decay"),
         (["--coordinator", "h:1"], {"DILOCO_EF_DECAY": "nan"}, "--ef-decay"),
+        (["--coordinator", "h:1", "--power-w", "-5"], {}, "--power-w"),
+        (["--coordinator", "h:1", "--power-w", "nan"], {}, "--power-w"),
+        (["--coordinator", "h:1", "--power-w", "100001"], {}, "--power-w"),  # > 100 kW is not one learner
+        (["--coordinator", "h:1"], {"DILOCO_POWER_W": "inf"}, "--power-w"),
+        (["--coordinator", "h:1", "--price-per-hour", "-0.01"], {}, "--price-per-hour"),
+        (["--coordinator", "h:1", "--price-per-hour", "1e9"], {}, "--price-per-hour"),
+        (["--coordinator", "h:1", "--price-per-hour", "nan"], {}, "--price-per-hour"),
+        (["--coordinator", "h:1", "--power-meter", "psu"], {}, "--power-meter"),
+        (["--coordinator", "h:1", "--zone", "DE\n"], {}, "--zone"),
+        (["--coordinator", "h:1", "--zone", "z" * 65], {}, "--zone"),
+        (["--coordinator", "h:1", "--spot", "--on-demand"], {}, "--on-demand"),
+        (["--coordinator", "h:1"], {"DILOCO_SPOT": "maybe"}, "DILOCO_SPOT"),
     ],
 )
 def test_worker_config_errors_name_the_field(argv: list[str], env: dict[str, str], field: str) -> None:
@@ -116,6 +130,28 @@ def test_worker_flags_fall_back_to_the_environment() -> None:
         {"DILOCO_COORDINATOR": "127.0.0.1:7", "DILOCO_NAME": "w7", "DILOCO_SLOWDOWN": "2", "DILOCO_SEED": "4"},
     )
     assert (cfg.coordinator, cfg.name, cfg.slowdown, cfg.seed) == ("127.0.0.1:7", "w7", 3.0, 4)  # the flag wins
+
+
+def test_worker_energy_flags() -> None:
+    base = ["--insecure", "--coordinator", "127.0.0.1:7"]
+    cfg = parse_worker(base, {})
+    assert (cfg.power_w, cfg.power_meter, cfg.zone, cfg.price_per_hour, cfg.spot) == (0.0, "auto", "", 0.0, False)
+    cfg = parse_worker([*base, "--power-w", "350", "--zone", "DE", "--price-per-hour", "2.5", "--spot"], {})
+    assert (cfg.power_w, cfg.zone, cfg.price_per_hour, cfg.spot) == (350.0, "DE", 2.5, True)
+    assert parse_worker(base, {"DILOCO_SPOT": "true"}).spot
+    assert not parse_worker([*base, "--on-demand"], {"DILOCO_SPOT": "true"}).spot  # the flag wins
+
+
+def test_worker_exits_2_naming_a_bad_energy_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--insecure", "--coordinator", "127.0.0.1:7", "--power-w", "-1"]) == 2
+    assert "--power-w" in capsys.readouterr().err
+    assert main(["worker", "--insecure", "--coordinator", "127.0.0.1:7", "--price-per-hour", "inf"]) == 2
+    assert "--price-per-hour" in capsys.readouterr().err
+    # a meter that cannot be read here, asked for by name: exit 2 before any call to the coordinator
+    assert (
+        main(["worker", "--insecure", "--coordinator", "127.0.0.1:7", "--device", "cpu", "--power-meter", "nvml"]) == 2
+    )
+    assert "--power-meter nvml" in capsys.readouterr().err
 
 
 def test_worker_name_defaults_to_its_own_certificate(tmp_path: Path) -> None:

@@ -266,6 +266,25 @@ def test_a_dead_node_that_heartbeats_again_is_told_to_reregister(
             ],
             "tokens_per_s",
         ),
+        (
+            [{"node_id": "w1", "role": WORKER, "sequence": 1, "throughput": common_pb2.Throughput(watts=300.0)}],
+            "power_source is required",
+        ),
+        (
+            [
+                {
+                    "node_id": "w1",
+                    "role": WORKER,
+                    "sequence": 1,
+                    "throughput": common_pb2.Throughput(watts=300.0, power_source=42),  # type: ignore[arg-type]
+                }
+            ],
+            "unknown power source enum value 42",
+        ),
+        (
+            [{"node_id": "w1", "role": WORKER, "sequence": 1, "throughput": common_pb2.Throughput(watts=2e5)}],
+            "watts",
+        ),
     ],
     ids=[
         "empty-node-id",
@@ -275,6 +294,9 @@ def test_a_dead_node_that_heartbeats_again_is_told_to_reregister(
         "decreasing-sequence",
         "node-switch",
         "negative-throughput",
+        "watts-without-source",
+        "unknown-power-source",
+        "absurd-watts",
     ],
 )
 def test_bad_heartbeats_are_invalid_argument(
@@ -354,7 +376,13 @@ def test_restarted_healthd_rebuilds_its_table_from_heartbeats(coordinator: Coord
 def test_throughput_is_forwarded_at_most_once_per_second(
     healthd: HealthdServer, coordinator: CoordinatorEndpoint
 ) -> None:
-    tp = common_pb2.Throughput(tokens_per_s=500.0, step_time_s=0.5, device_kind="cuda:H200")
+    tp = common_pb2.Throughput(
+        tokens_per_s=500.0,
+        step_time_s=0.5,
+        device_kind="cuda:H200",
+        watts=612.5,
+        power_source=common_pb2.POWER_SOURCE_NVML,  # the learner's power goes along (issue #15)
+    )
     b = Beater(healthd.address, "w1", interval_s=None, throughput=tp)
     started = time.monotonic()
     for _ in range(10):

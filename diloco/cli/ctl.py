@@ -18,12 +18,18 @@ from rich.table import Table
 
 from diloco.errors import InvalidArgument
 from diloco.rpc import security
-from diloco.rpc.vocab import MODES, WORKER_STATES
+from diloco.rpc.vocab import MODES, POWER_SOURCES, WORKER_STATES
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 
 def state_name(value: int) -> str:
     return WORKER_STATES.from_proto(value).value
+
+
+def power_text(tp: Any) -> str:
+    """'612 W (nvml)', or '-' when the learner reports no power."""
+    source = POWER_SOURCES.from_proto(tp.power_source).value if tp.power_source else ""
+    return f"{tp.watts:,.0f} W ({source})" if source else "-"
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -89,6 +95,11 @@ def render(console: Console, action: str, msg: Any) -> None:
             "bytes received / sent": f"{msg.bytes_received:,} / {msg.bytes_sent:,}",
             "codec": msg.codec,
             "coordinator epoch": str(msg.coordinator_epoch),
+            "placement": msg.placement or "speed",
+            "placement reason": msg.placement_reason or "-",
+            "paused workers": str(msg.paused_workers),
+            "power (live workers)": f"{msg.watts:,.0f} W",
+            "energy / carbon / cost": f"{msg.energy_kwh:,.4f} kWh / {msg.carbon_g:,.2f} gCO2 / {msg.cost:,.4f}",
         }
         for k, v in rows.items():
             t.add_row(k, v)
@@ -96,7 +107,8 @@ def render(console: Console, action: str, msg: Any) -> None:
     elif action == "workers":
         t = Table(title="workers")
         cols = ("id", "state", "device", "tokens/s measured", "claimed", "H_m", "shards", "submissions", "tokens")
-        for col in (*cols, "reason"):
+        energy = ("watts", "zone", "weight", "kWh", "gCO2", "cost")
+        for col in (*cols, *energy, "reason"):
             t.add_column(col)
         for w in msg.workers:
             t.add_row(
@@ -109,6 +121,12 @@ def render(console: Console, action: str, msg: Any) -> None:
                 ",".join(str(s.shard_id) for s in w.shards),
                 str(w.submissions),
                 f"{w.tokens:,}",
+                power_text(w.throughput),
+                w.zone or "-",
+                "paused" if w.placement_weight == 0 else f"{w.placement_weight:g}",
+                f"{w.energy_kwh:,.4f}",
+                f"{w.carbon_g:,.2f}",
+                f"{w.cost:,.4f}" + (" spot" if w.spot else ""),
                 w.state_reason,
             )
         console.print(t)

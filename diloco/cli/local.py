@@ -21,6 +21,7 @@ from diloco.cluster import ClusterConfig, LocalCluster
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.rounds import MODES
 from diloco.errors import ConfigError
+from diloco.rpc.limits import MAX_WATTS
 from diloco.rpc.vocab import MODES as MODES_PB
 from diloco.v1 import coordinator_pb2
 
@@ -34,6 +35,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--mode", choices=MODES, default="decoupled")
     p.add_argument("--slowdown", default="", help="per-worker slowdown, e.g. 1,1,2,4 (emulates older hardware)")
+    p.add_argument(
+        "--power-w",
+        default="",
+        help="per-worker declared watts while training, e.g. 300,300,1200 (a worker that measures its power "
+        "with NVML or RAPL reports that instead); missing: none",
+    )
+    p.add_argument(
+        "--placement",
+        choices=("speed", "energy"),
+        default="speed",
+        help="the coordinator's placement policy (energy: pause learners far less efficient in joules per token)",
+    )
     p.add_argument("--outer-steps", type=int, default=30)
     p.add_argument("-H", "--local-steps", type=int, default=30)
     p.add_argument("-K", "--min-quorum", type=int, default=2)
@@ -74,6 +87,18 @@ def parse_slowdowns(text: str, workers: int) -> tuple[float, ...]:
     return values
 
 
+def parse_watts(text: str, workers: int) -> tuple[float, ...]:
+    if not text:
+        return ()
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError as e:
+        raise ConfigError(f"--power-w: expected numbers like 300,300,1200, got {text!r}") from e
+    if len(values) > workers or any(not (math.isfinite(v) and 0 <= v <= MAX_WATTS) for v in values):
+        raise ConfigError(f"--power-w: at most {workers} values, each in [0, {MAX_WATTS:g}] watts, got {text!r}")
+    return values
+
+
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     if a.workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {a.workers}")
@@ -87,6 +112,11 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     if a.mode == "decoupled" and not 1 <= a.min_quorum <= a.workers:
         raise ConfigError(f"min_quorum (-K {a.min_quorum}) must be between 1 and --workers ({a.workers})")
     run_dir = a.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
+    worker_args: dict[int, tuple[str, ...]] = {}
+    for i, watts in enumerate(parse_watts(a.power_w, a.workers)):
+        worker_args[i] = ("--power-w", str(watts))
+    if a.shard_model:
+        worker_args = {i: (*worker_args.get(i, ()), "--shard-model", "true") for i in range(a.workers)}
     return ClusterConfig(
         workers=a.workers,
         mode=a.mode,
@@ -101,7 +131,8 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         insecure=a.insecure,
         task_args=("--model", a.model) if a.model else (),
         nproc_per_worker=a.nproc_per_worker,
-        worker_args={i: ("--shard-model", "true") for i in range(a.workers)} if a.shard_model else {},
+        worker_args=worker_args,
+        coordinator_args=("--placement", a.placement) if a.placement != "speed" else (),
     )
 
 
@@ -153,8 +184,19 @@ def summary(cluster: LocalCluster, started: float) -> dict[str, Any]:
         "bytes_received": status.bytes_received,
         "bytes_sent": status.bytes_sent,
         "rejected_submissions": status.rejected_submissions,
+        "placement": status.placement or "speed",
+        "energy_kwh": round(status.energy_kwh, 6),
+        "carbon_g": round(status.carbon_g, 4),
+        "cost": round(status.cost, 6),
         "workers": {
-            w.worker_id: {"tokens": w.tokens, "tokens_per_s": round(w.measured_tokens_per_s, 1)}
+            w.worker_id: {
+                "tokens": w.tokens,
+                "tokens_per_s": round(w.measured_tokens_per_s, 1),
+                "watts": round(w.throughput.watts, 1),
+                "energy_kwh": round(w.energy_kwh, 6),
+                "carbon_g": round(w.carbon_g, 4),
+                "cost": round(w.cost, 6),
+            }
             for w in workers.workers
         },
         "run_dir": str(cluster.run_dir),

@@ -437,6 +437,11 @@ class CoordinatorCore:
             self._speeds_cache = (speeds, max(placed.values(), default=max(speeds.values(), default=1.0)))
         return self._speeds_cache
 
+    def planning_speeds(self) -> dict[str, float]:
+        """Every live learner's planning speed (`_speeds`), before placement weights: what a placement policy weighs
+        (`diloco.core.energy.decide`)."""
+        return dict(self._speeds()[0])
+
     def _speeds_changed(self) -> None:
         """A claim, a measurement or the set of live learners changed."""
         self._speeds_cache = None

@@ -67,6 +67,15 @@ class Policy(enum.Enum):
 POLICY_NAMES = tuple(p.value for p in Policy)
 
 
+class PowerSource(enum.Enum):
+    """Where a learner's watts come from (`services.worker.power`): NVIDIA's management library, Linux RAPL
+    energy counters, or the figure its operator declared (--power-w)."""
+
+    NVML = "nvml"
+    RAPL = "rapl"
+    DECLARED = "declared"
+
+
 def parse_policy(name: str) -> Policy:
     try:
         return Policy(name)

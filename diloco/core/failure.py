@@ -41,6 +41,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from diloco.core.energy import PowerSource
 from diloco.errors import ConfigError, InvalidArgument
 
 MAX_NODE_ID_CHARS = 256
@@ -111,17 +112,21 @@ def _positive_finite(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class Throughput:
-    """Measured speed of a node, as reported with its heartbeats."""
+    """Measured speed (and power) of a node, as reported with its heartbeats."""
 
     tokens_per_s: float = 0.0
     step_time_s: float = 0.0
     device_kind: str = ""
+    watts: float = 0.0  # drawn while training (0: not reported)
+    power_source: PowerSource | None = None  # where `watts` comes from (None with watts 0)
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_s", "step_time_s"):
+        for name in ("tokens_per_s", "step_time_s", "watts"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise InvalidArgument(f"throughput.{name} must be a finite number >= 0, got {value!r}")
+        if self.watts > 0 and self.power_source is None:
+            raise InvalidArgument("throughput.power_source is required when throughput.watts is above 0")
 
 
 @dataclass(frozen=True)

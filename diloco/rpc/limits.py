@@ -46,6 +46,9 @@ MAX_REPORTS = 10_000  # throughput reports in one ReportThroughput call (healthd
 MAX_TOKENS_PER_S = 1e9  # per learner
 MAX_STEP_TIME_S = 86_400.0
 MAX_UNIX_S = 1e10  # the year 2286
+MAX_WATTS = 100_000.0  # per learner: a rack of 8 GPUs draws ~10 kW; 100 kW is not one learner
+MAX_PRICE_PER_HOUR = 10_000.0  # per learner: an 8-GPU node rents for ~100 per hour on demand
+MAX_ZONE_CHARS = 64  # a grid zone name such as 'DE' or 'US-CAL-CISO'
 
 QUOTE_CHARS = 48
 DETAILS_CHARS = 512
@@ -138,6 +141,24 @@ LIMITS: Mapping[str, Bound] = {
         "send the measured seconds per inner step, or 0 when not measured yet",
         lo=0.0,
         hi=MAX_STEP_TIME_S,
+    ),
+    _P + "Throughput.watts": Bound(
+        "power drawn while training, for energy-aware placement and accounting; 100 kW is no one learner (an "
+        "8-GPU node draws about 10 kW)",
+        "send the measured or declared watts (with power_source), or 0 when there is none",
+        lo=0.0,
+        hi=MAX_WATTS,
+    ),
+    _P + "RegisterRequest.zone": _text(
+        MAX_ZONE_CHARS,
+        "a grid zone name such as 'DE' or 'US-CAL-CISO', looked up in the coordinator's carbon trace",
+        "send the zone as the coordinator's --carbon-trace names it (--zone), or leave it empty",
+    ),
+    _P + "RegisterRequest.price_per_hour": Bound(
+        "a learner's price per hour, for cost-aware placement and accounting; an 8-GPU node rents for about 100",
+        "send the learner's price per hour (--price-per-hour), or 0",
+        lo=0.0,
+        hi=MAX_PRICE_PER_HOUR,
     ),
     _P + "WatchParametersRequest.worker_id": _text(
         MAX_ID_CHARS, "a worker id (see RegisterResponse.worker_id), or empty for an observer", _ID_ADVICE

@@ -7,12 +7,16 @@ sends an enum value this build does not know must be told, not misread.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from enum import Enum
 from typing import Generic, TypeVar
 
-from diloco.core.failure import NodeState
+from diloco.core.energy import PowerSource
+from diloco.core.failure import NodeState, Throughput
 from diloco.core.states import WorkerState
 from diloco.errors import InvalidArgument
+from diloco.rpc.limits import MAX_WATTS
 from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
 
 K = TypeVar("K")
@@ -48,7 +52,7 @@ class Vocabulary(Generic[K, V]):
             ) from None
 
     def _choices(self) -> str:
-        return ", ".join(str(k) for k in self._to_proto)
+        return ", ".join(str(k.value if isinstance(k, Enum) else k) for k in self._to_proto)
 
 
 MODES: Vocabulary[str, coordinator_pb2.RoundMode] = Vocabulary(
@@ -93,3 +97,49 @@ WORKER_STATES: Vocabulary[WorkerState, common_pb2.WorkerState] = Vocabulary(
         WorkerState.QUARANTINED: common_pb2.WORKER_STATE_QUARANTINED,
     },
 )
+
+POWER_SOURCES: Vocabulary[PowerSource, common_pb2.PowerSource] = Vocabulary(
+    "power source",
+    {
+        PowerSource.NVML: common_pb2.POWER_SOURCE_NVML,
+        PowerSource.RAPL: common_pb2.POWER_SOURCE_RAPL,
+        PowerSource.DECLARED: common_pb2.POWER_SOURCE_DECLARED,
+    },
+)
+
+
+def power_from_proto(tp: common_pb2.Throughput) -> tuple[float, PowerSource | None]:
+    """A Throughput's power as (watts, source); (0.0, None) when it reports none (watts 0). Watts above 0 need a
+    source; an unknown source is refused like any unknown enum value, and so are watts outside [0, MAX_WATTS]
+    (the limits table refuses them at the boundary too)."""
+    source = (
+        None if tp.power_source == common_pb2.POWER_SOURCE_UNSPECIFIED else POWER_SOURCES.from_proto(tp.power_source)
+    )
+    watts = tp.watts
+    if not (math.isfinite(watts) and 0 <= watts <= MAX_WATTS):
+        raise InvalidArgument(
+            f"throughput.watts is {watts}; it must be a finite number from 0 up to {MAX_WATTS:g}: send the measured "
+            "or declared watts, or 0 when there is none"
+        )
+    if watts == 0:
+        return 0.0, None
+    if source is None:
+        raise InvalidArgument(
+            "throughput.power_source is required when throughput.watts is above 0: send POWER_SOURCE_NVML, "
+            "POWER_SOURCE_RAPL or POWER_SOURCE_DECLARED"
+        )
+    return watts, source
+
+
+def power_to_proto(source: PowerSource | None) -> common_pb2.PowerSource:
+    return common_pb2.POWER_SOURCE_UNSPECIFIED if source is None else POWER_SOURCES.to_proto(source)
+
+
+def throughput_to_proto(tp: Throughput) -> common_pb2.Throughput:
+    return common_pb2.Throughput(
+        tokens_per_s=tp.tokens_per_s,
+        step_time_s=tp.step_time_s,
+        device_kind=tp.device_kind,
+        watts=tp.watts,
+        power_source=power_to_proto(tp.power_source),
+    )

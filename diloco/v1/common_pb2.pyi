@@ -17,6 +17,13 @@ class Codec(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CODEC_TOPK: _ClassVar[Codec]
     CODEC_SPARSE: _ClassVar[Codec]
 
+class PowerSource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    POWER_SOURCE_UNSPECIFIED: _ClassVar[PowerSource]
+    POWER_SOURCE_NVML: _ClassVar[PowerSource]
+    POWER_SOURCE_RAPL: _ClassVar[PowerSource]
+    POWER_SOURCE_DECLARED: _ClassVar[PowerSource]
+
 class WorkerState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     WORKER_STATE_UNSPECIFIED: _ClassVar[WorkerState]
@@ -33,6 +40,10 @@ CODEC_INT8: Codec
 CODEC_INT4: Codec
 CODEC_TOPK: Codec
 CODEC_SPARSE: Codec
+POWER_SOURCE_UNSPECIFIED: PowerSource
+POWER_SOURCE_NVML: PowerSource
+POWER_SOURCE_RAPL: PowerSource
+POWER_SOURCE_DECLARED: PowerSource
 WORKER_STATE_UNSPECIFIED: WorkerState
 WORKER_STATE_ACTIVE: WorkerState
 WORKER_STATE_DRAINING: WorkerState
@@ -106,11 +117,15 @@ class WorkPlan(_message.Message):
     def __init__(self, shards: _Optional[_Iterable[_Union[ShardAssignment, _Mapping]]] = ..., local_steps: _Optional[int] = ..., assigned_at_version: _Optional[int] = ..., plan_seq: _Optional[int] = ...) -> None: ...
 
 class Throughput(_message.Message):
-    __slots__ = ("tokens_per_s", "step_time_s", "device_kind")
+    __slots__ = ("tokens_per_s", "step_time_s", "device_kind", "watts", "power_source")
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     STEP_TIME_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    WATTS_FIELD_NUMBER: _ClassVar[int]
+    POWER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     tokens_per_s: float
     step_time_s: float
     device_kind: str
-    def __init__(self, tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., device_kind: _Optional[str] = ...) -> None: ...
+    watts: float
+    power_source: PowerSource
+    def __init__(self, tokens_per_s: _Optional[float] = ..., step_time_s: _Optional[float] = ..., device_kind: _Optional[str] = ..., watts: _Optional[float] = ..., power_source: _Optional[_Union[PowerSource, str]] = ...) -> None: ...

@@ -29,14 +29,20 @@ SUBMISSION_OUTCOME_ACCEPTED: SubmissionOutcome
 SUBMISSION_OUTCOME_APPLIED: SubmissionOutcome
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_name", "throughput", "model_fingerprint")
+    __slots__ = ("worker_name", "throughput", "model_fingerprint", "zone", "price_per_hour", "spot")
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     THROUGHPUT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    SPOT_FIELD_NUMBER: _ClassVar[int]
     worker_name: str
     throughput: _common_pb2.Throughput
     model_fingerprint: str
-    def __init__(self, worker_name: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    zone: str
+    price_per_hour: float
+    spot: bool
+    def __init__(self, worker_name: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., zone: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., spot: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port", "task_fingerprint")
@@ -233,7 +239,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s", "validation_tokens")
+    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s", "validation_tokens", "placement", "placement_reason", "paused_workers", "watts", "energy_kwh", "carbon_g", "cost")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +258,13 @@ class GetStatusResponse(_message.Message):
     REJECTED_SUBMISSIONS_FIELD_NUMBER: _ClassVar[int]
     STARTED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     VALIDATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_REASON_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    WATTS_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_KWH_FIELD_NUMBER: _ClassVar[int]
+    CARBON_G_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     mode: RoundMode
     version: int
     coordinator_epoch: int
@@ -270,10 +283,17 @@ class GetStatusResponse(_message.Message):
     rejected_submissions: int
     started_unix_s: float
     validation_tokens: int
-    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ...) -> None: ...
+    placement: str
+    placement_reason: str
+    paused_workers: int
+    watts: float
+    energy_kwh: float
+    carbon_g: float
+    cost: float
+    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ..., placement: _Optional[str] = ..., placement_reason: _Optional[str] = ..., paused_workers: _Optional[int] = ..., watts: _Optional[float] = ..., energy_kwh: _Optional[float] = ..., carbon_g: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason", "measured_tokens_per_s")
+    __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason", "measured_tokens_per_s", "zone", "price_per_hour", "spot", "placement_weight", "carbon_intensity", "energy_kwh", "carbon_g", "cost")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +307,14 @@ class WorkerInfo(_message.Message):
     REGISTERED_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     STATE_REASON_FIELD_NUMBER: _ClassVar[int]
     MEASURED_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    PRICE_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    SPOT_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    CARBON_INTENSITY_FIELD_NUMBER: _ClassVar[int]
+    ENERGY_KWH_FIELD_NUMBER: _ClassVar[int]
+    CARBON_G_FIELD_NUMBER: _ClassVar[int]
+    COST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     worker_name: str
     state: _common_pb2.WorkerState
@@ -300,7 +328,15 @@ class WorkerInfo(_message.Message):
     registered_unix_s: float
     state_reason: str
     measured_tokens_per_s: float
-    def __init__(self, worker_id: _Optional[str] = ..., worker_name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., local_steps: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.ShardAssignment, _Mapping]]] = ..., submissions: _Optional[int] = ..., tokens: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_submit_unix_s: _Optional[float] = ..., registered_unix_s: _Optional[float] = ..., state_reason: _Optional[str] = ..., measured_tokens_per_s: _Optional[float] = ...) -> None: ...
+    zone: str
+    price_per_hour: float
+    spot: bool
+    placement_weight: float
+    carbon_intensity: float
+    energy_kwh: float
+    carbon_g: float
+    cost: float
+    def __init__(self, worker_id: _Optional[str] = ..., worker_name: _Optional[str] = ..., state: _Optional[_Union[_common_pb2.WorkerState, str]] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., local_steps: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[_common_pb2.ShardAssignment, _Mapping]]] = ..., submissions: _Optional[int] = ..., tokens: _Optional[int] = ..., last_base_version: _Optional[int] = ..., last_submit_unix_s: _Optional[float] = ..., registered_unix_s: _Optional[float] = ..., state_reason: _Optional[str] = ..., measured_tokens_per_s: _Optional[float] = ..., zone: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., spot: _Optional[bool] = ..., placement_weight: _Optional[float] = ..., carbon_intensity: _Optional[float] = ..., energy_kwh: _Optional[float] = ..., carbon_g: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ()

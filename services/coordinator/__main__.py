@@ -14,12 +14,13 @@ from diloco import log as logging
 from diloco.errors import ConfigError
 from diloco.rpc.server import tune_gc
 from services.coordinator.config import parse
-from services.coordinator.server import CoordinatorServer
+from services.coordinator.server import CoordinatorServer, load_carbon
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
     try:
         cfg = parse(argv, env)
+        load_carbon(cfg)  # a bad --carbon-trace or --carbon-provider: exit 2 before anything starts
     except ConfigError as e:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2

@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, codec_class
 from diloco.core.coordinator import CoordinatorConfig
+from diloco.core.energy import POLICY_NAMES, Policy, PolicyConfig, parse_policy
 from diloco.core.guard import GuardConfig, adamw_move_bound
 from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
@@ -32,6 +34,7 @@ from diloco.task.inner import InnerConfig
 from diloco.task.model import ModelConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+PROVIDER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function
 
 
 def default_task() -> TaskConfig:
@@ -91,6 +94,15 @@ class CoordinatorServiceConfig:
     max_calls: int = 8192  # gRPC calls running at once (open streams included); more: RESOURCE_EXHAUSTED
     max_calls_per_client: int = 64  # the same for one connection
     work_threads: int = 4  # threads that decode uploads and write checkpoints, off the event loop
+    # energy-, carbon- and cost-aware placement (issue #15; diloco.core.energy, services/coordinator/energy.py)
+    placement: str = "speed"  # speed | energy | carbon | cost
+    carbon_trace: str = ""  # CSV zone,time_s,gco2_per_kwh; "" none
+    carbon_trace_origin_unix_s: float = 0.0  # the unix time the trace's time 0 stands for; 0: the coordinator's start
+    carbon_threshold: float = 0.0  # gCO2/kWh above which a zone is dirty; 0: the dirtiest zone at each moment
+    deadline_s: float = 0.0  # the job should end this long after the coordinator started; 0: no deadline
+    carbon_provider: str = ""  # 'package.module:function' called as function(zone, unix_s) -> gCO2/kWh; "" none
+    carbon_provider_timeout_s: float = 5.0  # a call running longer is abandoned (the last good value stays)
+    carbon_refresh_s: float = 60.0  # how often the provider is asked for each zone's intensity
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
@@ -135,6 +147,22 @@ class CoordinatorServiceConfig:
         _int_in("max_calls", self.max_calls, 16, 1_000_000)
         _int_in("max_calls_per_client", self.max_calls_per_client, 4, self.max_calls)
         _int_in("work_threads", self.work_threads, 1, 256)
+        _choice("placement", self.placement, POLICY_NAMES)
+        _float_min("carbon_trace_origin_unix_s", self.carbon_trace_origin_unix_s, 0.0)
+        _float_min("carbon_threshold", self.carbon_threshold, 0.0)
+        _float_min("deadline_s", self.deadline_s, 0.0)
+        _float_min("carbon_provider_timeout_s", self.carbon_provider_timeout_s, 0.0, open_=True)
+        _float_min("carbon_refresh_s", self.carbon_refresh_s, 0.0, open_=True)
+        if self.carbon_provider and not PROVIDER_SPEC.fullmatch(self.carbon_provider):
+            raise ConfigError(
+                f"carbon_provider must be 'package.module:function', got {self.carbon_provider!r} (flag "
+                "--carbon-provider)"
+            )
+        if self.placement == Policy.CARBON.value and not (self.carbon_trace or self.carbon_provider):
+            raise ConfigError(
+                "placement carbon weighs zones' carbon intensity: give --carbon-trace FILE or --carbon-provider "
+                "package.module:function"
+            )
         if not isinstance(self.healthd_address, str):
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
         if not isinstance(self.task, TaskConfig):
@@ -170,6 +198,16 @@ class CoordinatorServiceConfig:
             tokens_per_step=self.task.inner.batch_size * self.task.model.seq_len,
             max_workers=self.max_workers,
             max_departed=self.max_departed,
+        )
+
+    def policy_config(self, started_unix_s: float) -> PolicyConfig:
+        """The placement policy's settings for a coordinator started at `started_unix_s` (the policy's clock is
+        the coordinator's unix time): at least the quorum stays active in `decoupled`."""
+        return PolicyConfig(
+            policy=parse_policy(self.placement),
+            min_active=self.min_quorum if self.mode == "decoupled" else 1,
+            deadline_s=started_unix_s + self.deadline_s if self.deadline_s else math.inf,
+            carbon_threshold=self.carbon_threshold,
         )
 
     def admission(self) -> AdmissionLimits:
@@ -281,6 +319,37 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--max-calls", int, 8192, "gRPC calls running at once, open streams included (more: RESOURCE_EXHAUSTED)"),
     ("--max-calls-per-client", int, 64, "gRPC calls one connection may run at once"),
     ("--work-threads", int, 4, "threads decoding uploads and writing checkpoints, off the event loop"),
+    (
+        "--placement",
+        str,
+        "speed",
+        f"placement policy: {', '.join(POLICY_NAMES)} (speed: shards in proportion to speed; energy: pause learners "
+        "far less efficient in joules per token; carbon: pause learners in dirty zones; cost: the cheapest set "
+        "that meets --deadline-s)",
+    ),
+    ("--carbon-trace", str, "", "CSV of zone,time_s,gco2_per_kwh: the zones' carbon intensity over time"),
+    (
+        "--carbon-trace-origin-unix-s",
+        float,
+        0.0,
+        "the unix time the trace's time_s 0 stands for (0: the coordinator's start)",
+    ),
+    (
+        "--carbon-threshold",
+        float,
+        0.0,
+        "gCO2/kWh above which a zone is dirty (0: the dirtiest zone at each moment, when another is greener)",
+    ),
+    ("--deadline-s", float, 0.0, "the job should end this many seconds after the coordinator starts (0: none)"),
+    (
+        "--carbon-provider",
+        str,
+        "",
+        "live intensities: 'package.module:function', called off the event loop as function(zone, unix_s) -> "
+        "gCO2/kWh; a call that fails, hangs or returns no finite value >= 0 is counted and the last good value stays",
+    ),
+    ("--carbon-provider-timeout-s", float, 5.0, "a carbon provider call running longer than this is abandoned"),
+    ("--carbon-refresh-s", float, 60.0, "seconds between two rounds of carbon provider calls"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
 ]
 _TASK_FLAGS: list[Flag] = [

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _PREFIX = "diloco_coordinator_"
@@ -60,4 +62,42 @@ class CoordinatorMetrics:
             _PREFIX + "partial_uploads", "Uploads held: streaming, or interrupted and kept for a resume", registry=r
         )
         self.streaming_uploads = Gauge(_PREFIX + "streaming_uploads", "Uploads with a stream feeding them", registry=r)
+        # energy, carbon and cost (issue #15; services/coordinator/energy.py): per learner while the coordinator
+        # holds its record (ListWorkers), and for the whole fleet since the coordinator started
+        self.energy_joules = Counter(
+            "diloco_energy_joules", "Energy a learner drew while working (watts x work seconds)", ["worker"], registry=r
+        )
+        self.carbon_grams = Counter(
+            "diloco_carbon_grams", "Grams of CO2 of that energy at its zone's intensity", ["worker"], registry=r
+        )
+        self.cost = Counter("diloco_cost", "Price per hour x hours registered and not paused", ["worker"], registry=r)
+        self.fleet_energy_joules = Counter("diloco_fleet_energy_joules", "Energy of every learner", registry=r)
+        self.fleet_carbon_grams = Counter("diloco_fleet_carbon_grams", "Grams of CO2 of every learner", registry=r)
+        self.fleet_cost = Counter("diloco_fleet_cost", "Cost of every learner", registry=r)
+        self.worker_watts = Gauge(
+            _PREFIX + "worker_watts", "A live learner's last reported watts while training", ["worker"], registry=r
+        )
+        self.placement_weight = Gauge(
+            _PREFIX + "placement_weight", "A live learner's placement weight (0: paused)", ["worker"], registry=r
+        )
+        self.paused_workers = Gauge(_PREFIX + "paused_workers", "Live learners the placement policy paused", registry=r)
+        self.placement_changes = Counter(
+            _PREFIX + "placement_changes", "Times the placement policy changed the learners' weights", registry=r
+        )
+        self.carbon_intensity = Gauge(
+            _PREFIX + "carbon_intensity", "A zone's carbon intensity (gCO2/kWh) from the provider", ["zone"], registry=r
+        )
+        self.carbon_provider_failures = Counter(
+            _PREFIX + "carbon_provider_failures",
+            "Carbon provider calls that raised, timed out, returned no finite value >= 0, or were skipped while an "
+            "earlier call still ran (the last good value stayed)",
+            ["reason"],
+            registry=r,
+        )
         self.validation_loss.set(float("nan"))
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop a learner's series (its record is gone); the fleet totals keep what it used."""
+        for metric in (self.energy_joules, self.carbon_grams, self.cost, self.worker_watts, self.placement_weight):
+            with contextlib.suppress(KeyError):
+                metric.remove(worker_id)

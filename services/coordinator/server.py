@@ -17,6 +17,7 @@ from torch import nn
 
 from diloco import log as logging
 from diloco.core.coordinator import CoordinatorCore, RoundApplied
+from diloco.core.energy import CarbonTrace
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
@@ -28,7 +29,9 @@ from diloco.task.params import flatten_params, load_flat_, merge_segments, param
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.bulk import BulkUploads
+from services.coordinator.carbon import CarbonFeed, Provider, load_provider
 from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.energy import CarbonSignal, EnergyBook
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.state import CoordinatorState
@@ -39,6 +42,14 @@ SERVICE_NAME = "diloco.v1.Coordinator"
 def default_max_upload_bytes(numel: int) -> int:
     """The fp32 size of the model plus 1%."""
     return 4 * numel + math.ceil(4 * numel / 100)
+
+
+def load_carbon(cfg: CoordinatorServiceConfig) -> tuple[CarbonTrace | None, Provider | None]:
+    """The carbon trace and provider the flags name (None: not given). `ConfigError` naming the flag, the file
+    and line, or the import that failed."""
+    trace = CarbonTrace.load(cfg.carbon_trace) if cfg.carbon_trace else None
+    provider = load_provider(cfg.carbon_provider) if cfg.carbon_provider else None
+    return trace, provider
 
 
 class CoordinatorServer:
@@ -60,6 +71,7 @@ class CoordinatorServer:
         self._bulk: BulkServer | None = None
         self._metrics_server: Any = None
         self._threads: list[threading.Thread] = []
+        self._carbon: CarbonFeed | None = None  # asks --carbon-provider for live intensities
         self._work: ThreadPoolExecutor | None = None
         self._task: Task | None = None
         self._eval_model: nn.Module | None = None
@@ -85,6 +97,11 @@ class CoordinatorServer:
     @property
     def core(self) -> CoordinatorCore:
         return self.state.core
+
+    @property
+    def carbon(self) -> CarbonFeed | None:
+        """The carbon provider's feed (None without --carbon-provider)."""
+        return self._carbon
 
     @property
     def task(self) -> Task:
@@ -115,6 +132,7 @@ class CoordinatorServer:
 
     def _build(self) -> None:
         cfg = self.cfg
+        trace, provider = load_carbon(cfg)
         task = build_task(cfg.task)
         model = task.model_fn(cfg.seed)
         params = flatten_params(model).to("cpu")  # a new vector: the model's parameters stay its own
@@ -134,6 +152,8 @@ class CoordinatorServer:
                     ) from e
                 self.resumed_from = path
                 self._last_ckpt_version = core.version
+        started = self.clock()
+        signal = CarbonSignal(trace, cfg.carbon_trace_origin_unix_s or started)
         epoch = time.time_ns()
         state = CoordinatorState(
             core,
@@ -149,7 +169,20 @@ class CoordinatorServer:
             metrics=self.metrics,
             clock=self.clock,
             on_round=self._on_round,
+            energy=EnergyBook(signal),
+            placement=cfg.policy_config(started),
         )
+        if provider is not None:
+            self._carbon = CarbonFeed(
+                provider,
+                state.zones,
+                state.set_intensity,
+                state.intensity_failed,
+                self.clock,
+                refresh_s=cfg.carbon_refresh_s,
+                timeout_s=cfg.carbon_provider_timeout_s,
+            )
+            state.on_new_zone = self._carbon.wake
         self.log = logging.get("coordinator", epoch=epoch)
         if self.resumed_from is not None:
             self.log.info("checkpoint.restored", path=str(self.resumed_from), version=core.version)
@@ -179,6 +212,8 @@ class CoordinatorServer:
         ]
         for t in self._threads:
             t.start()
+        if self._carbon is not None:
+            self._carbon.start()
         if cfg.eval_every:
             with state.work:  # the model still holds the initial parameters unless a checkpoint was restored
                 self._request_eval(core.version)
@@ -207,6 +242,9 @@ class CoordinatorServer:
             mode=cfg.mode,
             codec=cfg.codec,
             broadcast_codec=cfg.broadcast_codec,
+            placement=cfg.placement,
+            carbon_zones=sorted(trace.zones) if trace is not None else None,
+            carbon_provider=cfg.carbon_provider or None,
             numel=params.numel(),
             shards=len(shard_lengths),
             fingerprint=task.fingerprint,
@@ -223,6 +261,8 @@ class CoordinatorServer:
             self.log.info("coordinator.stopping", grace_s=grace)
             state = self.state
             state.stop()
+            if self._carbon is not None:
+                self._carbon.stop()
             if self._bulk is not None:
                 self._bulk.stop(grace)
             if self._grpc is not None:

@@ -35,11 +35,12 @@ from diloco.rpc.payload import (
     meta_to_proto,
 )
 from diloco.rpc.server import LoopSignal, SendSlots
-from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES
+from diloco.rpc.vocab import CODECS, MODES, WORKER_STATES, power_from_proto, power_to_proto
 from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
-from services.coordinator.state import Broadcast, CoordinatorState, UploadStream
+from services.coordinator.energy import J_PER_KWH, LearnerEnergy
+from services.coordinator.state import Broadcast, CoordinatorState, Joining, Report, UploadStream
 
 T = TypeVar("T")
 # Parameter-watch writes in progress at once (`SendSlots`): enough to keep a fast network busy, few enough that a
@@ -83,12 +84,25 @@ def header_from_proto(h: coordinator_pb2.SubmissionHeader, specs: list[ParamSpec
     return UploadHeader(sub, h.coordinator_epoch, meta, h.resume_offset)
 
 
-def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2.WorkerInfo:
+def _report(worker_id: str, tp: common_pb2.Throughput) -> Report:
+    watts, source = power_from_proto(tp)
+    return Report(worker_id, tp.tokens_per_s, tp.device_kind, watts, source)
+
+
+def worker_to_proto(
+    rec: WorkerRecord, plan: WorkPlan | None, energy: LearnerEnergy | None = None
+) -> coordinator_pb2.WorkerInfo:
+    e = energy or LearnerEnergy()
     return coordinator_pb2.WorkerInfo(
         worker_id=rec.worker_id,
         worker_name=rec.name,
         state=WORKER_STATES.to_proto(rec.state),
-        throughput=common_pb2.Throughput(tokens_per_s=rec.speed, device_kind=rec.device_kind),
+        throughput=common_pb2.Throughput(
+            tokens_per_s=rec.speed,
+            device_kind=rec.device_kind,
+            watts=e.watts,
+            power_source=power_to_proto(e.source),
+        ),
         local_steps=plan.local_steps if plan else 0,
         shards=plan_to_proto(plan).shards if plan else [],
         submissions=rec.submissions,
@@ -98,6 +112,14 @@ def worker_to_proto(rec: WorkerRecord, plan: WorkPlan | None) -> coordinator_pb2
         registered_unix_s=rec.registered_at,
         state_reason=rec.state_reason,
         measured_tokens_per_s=rec.measured_speed,
+        zone=e.zone,
+        price_per_hour=e.price_per_hour,
+        spot=e.spot,
+        placement_weight=e.weight,
+        carbon_intensity=e.intensity,
+        energy_kwh=e.joules / J_PER_KWH,
+        carbon_g=e.grams,
+        cost=e.cost,
     )
 
 
@@ -180,7 +202,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.RegisterResponse:
         auth.act_as(auth.peer_identity(context), request.worker_name)
         tp = request.throughput
-        rec, plan = self.state.register(request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind)
+        watts, source = power_from_proto(tp)
+        energy = Joining(watts, source, request.zone, request.price_per_hour, request.spot)
+        rec, plan = self.state.register(
+            request.worker_name, request.model_fingerprint, tp.tokens_per_s, tp.device_kind, energy
+        )
         return coordinator_pb2.RegisterResponse(
             worker_id=rec.worker_id,
             coordinator_epoch=self.state.epoch,
@@ -343,13 +369,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportThroughput(
         self, request: coordinator_pb2.ReportThroughputRequest, context: Context
     ) -> coordinator_pb2.ReportThroughputResponse:
+        single = None
         if request.worker_id or not request.reports:  # one learner's report: an unknown learner is NOT_FOUND
-            tp = request.throughput
-            worker_id = _require_id(request.worker_id, "worker_id")
-            self.state.report_throughputs([(worker_id, tp.tokens_per_s, tp.device_kind)], strict=True)
-        if request.reports:  # healthd's batch: learners that are gone meanwhile are skipped
-            reports = [(_require_id(r.worker_id, "reports.worker_id"), r.throughput) for r in request.reports]
-            self.state.report_throughputs([(w, t.tokens_per_s, t.device_kind) for w, t in reports])
+            single = _report(_require_id(request.worker_id, "worker_id"), request.throughput)
+        # healthd's batch: learners that are gone meanwhile are skipped; every report is decoded before any applies
+        batch = [_report(_require_id(r.worker_id, "reports.worker_id"), r.throughput) for r in request.reports]
+        if single is not None:
+            self.state.report_throughputs([single], strict=True)
+        if batch:
+            self.state.report_throughputs(batch)
         return coordinator_pb2.ReportThroughputResponse()
 
     # --- operators ------------------------------------------------------------------------------------------------
@@ -377,6 +405,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             min_quorum=s.min_quorum,
             rejected_submissions=s.rejected_submissions,
             started_unix_s=s.started_unix_s,
+            placement=s.placement,
+            placement_reason=s.placement_reason,
+            paused_workers=s.paused_workers,
+            watts=s.watts,
+            energy_kwh=s.energy_kwh,
+            carbon_g=s.carbon_g,
+            cost=s.cost,
         )
 
     @status.unary
@@ -384,7 +419,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.ListWorkersRequest, context: Context
     ) -> coordinator_pb2.ListWorkersResponse:
         return coordinator_pb2.ListWorkersResponse(
-            workers=[worker_to_proto(w.record, w.plan) for w in self.state.workers()]
+            workers=[worker_to_proto(w.record, w.plan, w.energy) for w in self.state.workers()]
         )
 
     @status.unary

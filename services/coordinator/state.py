@@ -38,6 +38,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
+from diloco.core.energy import Policy, PolicyConfig, PowerSource, decide
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -53,9 +54,20 @@ from diloco.core.uploads import (
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
 from diloco.rpc.payload import UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
+from services.coordinator.energy import J_PER_KWH, Charge, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
 
-__all__ = ["Broadcast", "CoordinatorState", "Published", "StatusView", "UploadHeader", "UploadStream", "WorkerView"]
+__all__ = [
+    "Broadcast",
+    "CoordinatorState",
+    "Joining",
+    "Published",
+    "Report",
+    "StatusView",
+    "UploadHeader",
+    "UploadStream",
+    "WorkerView",
+]
 
 T = TypeVar("T")
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
@@ -112,12 +124,42 @@ class StatusView:
     min_quorum: int
     rejected_submissions: int
     started_unix_s: float
+    placement: str = "speed"
+    placement_reason: str = ""
+    paused_workers: int = 0
+    watts: float = 0.0
+    energy_kwh: float = 0.0
+    carbon_g: float = 0.0
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class Joining:
+    """What a registering learner says about its power, zone, price and capacity (issue #15)."""
+
+    watts: float = 0.0
+    source: PowerSource | None = None
+    zone: str = ""
+    price_per_hour: float = 0.0
+    spot: bool = False
+
+
+@dataclass(frozen=True)
+class Report:
+    """One learner's throughput report (healthd forwards its heartbeats' figures)."""
+
+    worker_id: str
+    tokens_per_s: float
+    device_kind: str = ""
+    watts: float = 0.0  # 0 (with `source` None): no power figure, the last one stays
+    source: PowerSource | None = None
 
 
 @dataclass(frozen=True)
 class WorkerView:
     record: WorkerRecord
     plan: WorkPlan | None  # None when the learner is not live
+    energy: LearnerEnergy | None = None  # a copy of its power, zone, price, weight and what it used
 
 
 class UploadStream:
@@ -163,8 +205,14 @@ class CoordinatorState:
         max_uploads_per_worker: int = 2,
         clock: Callable[[], float] = time.time,
         on_round: Callable[[RoundApplied], None] | None = None,
+        energy: EnergyBook | None = None,
+        placement: PolicyConfig | None = None,
     ) -> None:
         self.core = core
+        self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
+        self.placement = placement or PolicyConfig()  # the placement policy (`diloco.core.energy.decide`)
+        self.placement_reason = ""  # the last decision's reason
+        self.on_new_zone: Callable[[], None] | None = None  # a learner brought a zone the carbon provider never gave
         self.epoch = coordinator_epoch
         self.fingerprint = fingerprint
         self.codec = codec
@@ -202,14 +250,35 @@ class CoordinatorState:
         self._refresh_gauges()
 
     # --- membership ---------------------------------------------------------------------------------------------
-    def register(self, name: str, fingerprint: str, speed: float, device_kind: str) -> tuple[WorkerRecord, WorkPlan]:
+    def register(
+        self, name: str, fingerprint: str, speed: float, device_kind: str, energy: Joining | None = None
+    ) -> tuple[WorkerRecord, WorkPlan]:
         """A learner joins. An empty fingerprint means the learner adopts the task this coordinator sends (and
-        compares the fingerprint of the task it builds itself); another is refused naming the parts that differ."""
+        compares the fingerprint of the task it builds itself); another is refused naming the parts that differ.
+        `energy`: its power, zone, price and capacity (a zone the carbon trace does not name is refused before
+        anything changes)."""
         mismatch = fingerprint_mismatch(fingerprint, self.fingerprint) if fingerprint else ""
         if mismatch:
             raise FailedPrecondition(mismatch)
+        e = energy or Joining()
         with self.lock:
-            rec = self.core.register(name, self.clock(), speed=speed, device_kind=device_kind)
+            self.energy.check(e.zone)
+            now = self.clock()
+            rec = self.core.register(name, now, speed=speed, device_kind=device_kind)
+            if len(self.energy.learners) >= len(self.core.workers):  # the core dropped departed records
+                for gone in self.energy.forget(self.core.workers):
+                    self.metrics.forget_worker(gone)
+            new_zone = bool(e.zone) and e.zone not in self.energy.signal.live and e.zone not in self.energy.zones()
+            self.energy.join(
+                rec.worker_id,
+                now,
+                zone=e.zone,
+                price_per_hour=e.price_per_hour,
+                spot=e.spot,
+                watts=e.watts,
+                source=e.source,
+            )
+            self._energy_gauges([rec.worker_id])  # weighed at the next round close, with the rest
             plan = self.core.plan(rec.worker_id)
             self._refresh_gauges()
             self._nudge_locked()
@@ -221,7 +290,14 @@ class CoordinatorState:
             device_kind=device_kind,
             shards=[lease.shard_id for lease in plan.shards],
             local_steps=plan.local_steps,
+            watts=e.watts,
+            power_source=e.source.value if e.source else None,
+            zone=e.zone,
+            price_per_hour=e.price_per_hour,
+            spot=e.spot,
         )
+        if new_zone and self.on_new_zone is not None:
+            self.on_new_zone()
         return rec, plan
 
     def worker_name(self, worker_id: str) -> str:
@@ -233,18 +309,21 @@ class CoordinatorState:
         with self.lock:
             return self.core.plan(worker_id), self.core.version
 
-    def report_throughputs(self, reports: list[tuple[str, float, str]], *, strict: bool = False) -> None:
-        """(worker id, tokens/s, device kind) reports under one lock. healthd's batch skips learners gone meanwhile
+    def report_throughputs(self, reports: list[Report], *, strict: bool = False) -> None:
+        """Throughput (and power) reports under one lock. healthd's batch skips learners gone meanwhile
         (NOT_FOUND, FAILED_PRECONDITION); `strict` (one learner reporting for itself) raises them instead."""
         with self.lock:
             now = self.clock()
-            for worker_id, tokens_per_s, device_kind in reports:
+            for r in reports:
                 try:
-                    self.core.report_throughput(worker_id, tokens_per_s, device_kind, now=now)
+                    self.core.report_throughput(r.worker_id, r.tokens_per_s, r.device_kind, now=now)
                 except (NotFound, FailedPrecondition):
                     if strict:
                         raise
+                    continue
+                self.energy.report(r.worker_id, r.watts, r.source)
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
+            self._energy_gauges([r.worker_id for r in reports if r.source is not None])
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
@@ -255,6 +334,11 @@ class CoordinatorState:
             released = self.core.remove(worker_id, state, reason)
             if released:
                 self.metrics.reassignments.inc(len(released))
+            if was_live:
+                now = self.clock()
+                self._charge(self.energy.leave(worker_id, now))
+                self._energy_gauges([worker_id])
+                self._place_locked(now)
             self._refresh_gauges()
             self._nudge_locked(poll=True)
         with self._table_lock:
@@ -331,11 +415,101 @@ class CoordinatorState:
         self.wake.notify_all()
 
     def _expire_locked(self) -> None:
-        for worker_id, released in self.core.expire_unconfirmed(self.clock()):
+        now = self.clock()
+        expired = self.core.expire_unconfirmed(now)
+        for worker_id, released in expired:
             self.metrics.reassignments.inc(len(released))
+            self._charge(self.energy.leave(worker_id, now))
+            self._energy_gauges([worker_id])
             reason = self.core.workers[worker_id].state_reason
             self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
             self._nudge_locked(poll=True)  # a round may have waited only for it
+        if expired:
+            self._place_locked(now)
+
+    # --- placement and accounting (issue #15) -----------------------------------------------------------------------
+    def _place_locked(self, now: float) -> None:
+        """Under `lock`: the placement policy's weights for the active learners now, from their planning speeds
+        (measured, else a bounded claim) and what the energy book knows (watts, zone intensity at `now`, price,
+        capacity), applied to the core (a paused learner keeps its registration, gets no shards and is not waited
+        for; the ledger moves its shards like any hand-off). The rule is `diloco.core.energy.decide`'s. Called at
+        every round close and departure (a newcomer counts with weight 1 until the next round close, so a burst of
+        registrations costs no decision each); `speed` has nothing to decide (every weight is 1)."""
+        if self.placement.policy is Policy.SPEED:
+            return
+        c = self.core
+        live = c.live_ids()
+        speeds = c.planning_speeds()
+        active = {w: speeds[w] for w in live if c.workers[w].state == WorkerState.ACTIVE}
+        decision = decide(now, self.energy.infos(active, now), self.placement, tokens_left=self._tokens_left())
+        weights = {w: decision.weights.get(w, 1.0) for w in live}
+        changed = c.set_placement_weights(weights)
+        moved = self.energy.set_weights(weights, now)
+        self._charge(moved.charges)
+        if active:  # with nobody active (the run over, everyone gone) the last reason stays
+            self.placement_reason = decision.reason
+        if changed:
+            self.metrics.placement_changes.inc()
+            self._nudge_locked(poll=True)  # a round may have waited only for a learner now paused
+            self.log.info(
+                "placement.changed",
+                policy=self.placement.policy.value,
+                reason=decision.reason,
+                paused=list(decision.paused),
+                weights={w: x for w, x in weights.items() if x != 1.0},
+                plan_seq=c.plan_seq,
+            )
+        self._energy_gauges(moved.changed)
+
+    def _tokens_left(self) -> float:
+        """Tokens the run still needs (for the `cost` policy's deadline): the rounds left to the target times the
+        tokens an applied round held so far on average; 0 (unknown) without a target or before the first round."""
+        c = self.core
+        target = c.cfg.target_outer_steps
+        if not target or not c.version:
+            return 0.0
+        return max(0, target - c.version) * c.tokens_applied / c.version
+
+    def _charge(self, charges: list[Charge]) -> None:
+        """Under `lock`: what learners used, into the counters."""
+        m = self.metrics
+        for ch in charges:
+            if ch.joules:
+                m.energy_joules.labels(worker=ch.worker_id).inc(ch.joules)
+                m.fleet_energy_joules.inc(ch.joules)
+            if ch.grams:
+                m.carbon_grams.labels(worker=ch.worker_id).inc(ch.grams)
+                m.fleet_carbon_grams.inc(ch.grams)
+            if ch.cost:
+                m.cost.labels(worker=ch.worker_id).inc(ch.cost)
+                m.fleet_cost.inc(ch.cost)
+
+    def _energy_gauges(self, worker_ids: list[str]) -> None:
+        """Under `lock`: the watts and weights of `worker_ids` (those that changed), and how many are paused."""
+        for w in worker_ids:
+            rec = self.energy.learners.get(w)
+            if rec is not None:
+                self.metrics.worker_watts.labels(worker=w).set(rec.watts)
+                self.metrics.placement_weight.labels(worker=w).set(rec.weight)
+        self.metrics.paused_workers.set(self.energy.paused)
+
+    def zones(self) -> set[str]:
+        """The live learners' zones (the carbon provider asks for these)."""
+        with self.lock:
+            return self.energy.zones(self.core.live_ids())
+
+    def set_intensity(self, zone: str, value: float) -> None:
+        """The carbon provider's value for `zone` (gCO2/kWh); the next placement uses it."""
+        with self.lock:
+            self.energy.signal.set_live(zone, value)
+        self.metrics.carbon_intensity.labels(zone=zone).set(value)
+
+    def intensity_failed(self, zone: str, reason: str, detail: str) -> None:
+        """A carbon provider call failed: counted and logged; the zone keeps its last good value."""
+        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
+        with self.lock:
+            kept = self.energy.signal.live.get(zone)
+        self.log.warning("carbon.provider_failed", zone=zone, reason=reason, detail=detail, kept_gco2_per_kwh=kept)
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
@@ -343,6 +517,8 @@ class CoordinatorState:
         with self.lock:
             self._expire_locked()
             closed = self.core.close(now)
+            if closed is not None:
+                self._place_locked(now)  # measured speeds moved, and time did: the policy weighs the learners again
         if closed is None:
             return None
         started = time.perf_counter()
@@ -597,6 +773,8 @@ class CoordinatorState:
                     raise
                 except DilocoError as e:
                     raise self.reject(e, e.code.lower()) from None
+                seconds = self.core.workers[sub.worker_id].speed_samples[-1][1]  # this submission's work
+                self._charge([self.energy.work(sub.worker_id, seconds, now)])
                 with self._table_lock:
                     self.uploads.accepted(sub, done.meta.encoded_bytes, taken.staleness, taken.round)
                 self.metrics.submission_tokens.observe(sub.tokens)
@@ -698,6 +876,9 @@ class CoordinatorState:
     def status(self, mode: str) -> StatusView:
         c = self.core
         with self.lock:
+            self._charge(self.energy.accrue(self.clock()))  # costs up to now
+            book = self.energy
+            learners = [rec for w in c.live_ids() if (rec := book.learners.get(w)) is not None]
             return StatusView(
                 mode=mode,
                 version=c.version,
@@ -717,14 +898,24 @@ class CoordinatorState:
                 min_quorum=c.cfg.rounds.min_quorum,
                 rejected_submissions=self.rejected,
                 started_unix_s=self.started_at,
+                placement=self.placement.policy.value,
+                placement_reason=self.placement_reason,
+                paused_workers=book.paused,
+                watts=math.fsum(r.watts for r in learners),
+                energy_kwh=book.joules / J_PER_KWH,
+                carbon_g=book.grams,
+                cost=book.cost,
             )
 
     def workers(self) -> list[WorkerView]:
         with self.lock:
+            now = self.clock()
+            self._charge(self.energy.accrue(now))  # costs up to now
             return [
                 WorkerView(
                     WorkerRecord(**vars(rec)),
                     self.core.plan(rec.worker_id) if rec.state in LIVE_STATES else None,
+                    self.energy.view(rec.worker_id, now),
                 )
                 for rec in sorted(self.core.workers.values(), key=lambda r: r.registered_at)
             ]

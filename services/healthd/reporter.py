@@ -26,7 +26,8 @@ from diloco.core.failure import Throughput
 from diloco.rpc.limits import MAX_REPORTS
 from diloco.rpc.retry import RetryConfig, call_with_retry, is_retryable
 from diloco.rpc.server import channel
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from diloco.rpc.vocab import throughput_to_proto
+from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.healthd.metrics import HealthdMetrics
 
 # Reconnect quickly after the coordinator comes back (gRPC's default backoff grows to two minutes).
@@ -241,12 +242,7 @@ class CoordinatorReporter:
             return
         req = coordinator_pb2.ReportThroughputRequest(
             reports=[
-                coordinator_pb2.ThroughputReport(
-                    worker_id=node_id,
-                    throughput=common_pb2.Throughput(
-                        tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind
-                    ),
-                )
+                coordinator_pb2.ThroughputReport(worker_id=node_id, throughput=throughput_to_proto(tp))
                 for node_id, tp in batch
             ]
         )

@@ -21,7 +21,7 @@ from diloco.core.ratelimit import TokenBucket
 from diloco.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.rpc import auth
 from diloco.rpc.status import streaming, unary
-from diloco.rpc.vocab import NODE_STATES
+from diloco.rpc.vocab import NODE_STATES, power_from_proto, throughput_to_proto
 from diloco.v1 import common_pb2, healthd_pb2, healthd_pb2_grpc
 from services.healthd.hub import Subscription
 
@@ -61,13 +61,18 @@ def decode_throughput(req: healthd_pb2.HeartbeatRequest) -> Throughput | None:
     if not req.HasField("throughput"):
         return None
     tp = req.throughput
-    return Throughput(tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind)
+    watts, source = power_from_proto(tp)
+    return Throughput(
+        tokens_per_s=tp.tokens_per_s,
+        step_time_s=tp.step_time_s,
+        device_kind=tp.device_kind,
+        watts=watts,
+        power_source=source,
+    )
 
 
 def encode_throughput(tp: Throughput | None) -> common_pb2.Throughput | None:
-    if tp is None:
-        return None
-    return common_pb2.Throughput(tokens_per_s=tp.tokens_per_s, step_time_s=tp.step_time_s, device_kind=tp.device_kind)
+    return None if tp is None else throughput_to_proto(tp)
 
 
 def encode_node(view: NodeView) -> healthd_pb2.NodeInfo:

@@ -21,7 +21,7 @@ from services.worker.config import WorkerConfig, parse
 from services.worker.island import Island, Rank, launch, resolve_device
 from services.worker.metrics import Metrics
 from services.worker.replica import Replica
-from services.worker.worker import Worker
+from services.worker.worker import Worker, learner_device, open_power_meter
 
 
 def torchrun_argv(cfg: WorkerConfig, argv: Sequence[str]) -> list[str]:
@@ -77,18 +77,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = resolve_device(cfg.device, rank.local_rank if rank else None) if rank else None
         if device is not None and cfg.precision == "bf16" and device.type != "cuda":
             raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 on CPU")
+        # the power meter the flags ask for (e.g. --power-meter nvml where NVML cannot be read): before anything
+        # starts; an island's leader measures every rank's GPU on this host, its followers nothing
+        power = None
+        if rank is None:
+            power = open_power_meter(cfg, learner_device(cfg))
+        elif rank.rank == 0 and device is not None:
+            power = open_power_meter(cfg, device, rank.world)
     except ConfigError as e:
         print(f"diloco worker: configuration error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     logging.configure("worker")
     if rank is None or device is None:
-        return run_worker(Worker(cfg))
+        return run_worker(Worker(cfg, power=power))
     island = Island(rank, device, logging.get("worker", worker=cfg.display_name), sharded=cfg.shard_model)
     island.checksums = cfg.island_checksums
     try:
         if island.leader:
-            return run_worker(Worker(cfg, island))
+            return run_worker(Worker(cfg, island, power=power))
         return island.follow(Replica(cfg, device, Metrics(), island))
     finally:
         island.close()

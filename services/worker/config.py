@@ -10,10 +10,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.errors import ConfigError
-from diloco.flags import Flag, config_from_flags, parse_bool
+from diloco.flags import Flag, config_from_flags, env_name, parse_bool
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import auth, security
+from diloco.rpc.limits import MAX_PRICE_PER_HOUR, MAX_WATTS, MAX_ZONE_CHARS
 from diloco.rpc.security import SecurityConfig
+from services.worker.power import METER_MODES
 
 UPLOAD_PATHS = ("auto", "grpc")
 PRECISIONS = ("fp32", "bf16")
@@ -40,6 +42,12 @@ class WorkerConfig:
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     ef_decay: float = 0.0  # error feedback's residual decay β in (0, 1]; 0: the codec's default (`ErrorFeedback`)
+    # energy-, carbon- and cost-aware placement (issue #15; services/worker/power.py)
+    power_w: float = 0.0  # the declared draw while training (W); 0: none declared
+    power_meter: str = "auto"  # auto | nvml | rapl | declared
+    zone: str = ""  # the grid zone the learner draws from, as the coordinator's carbon trace names it
+    price_per_hour: float = 0.0  # what the learner costs per hour while registered and not paused
+    spot: bool = False  # spot (preemptible) capacity; False: on demand
     # FAULT INJECTION, for tests and chaos runs only: multiply every pseudo-gradient sent by this (1: off)
     fault_scale_updates: float = 1.0
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -56,6 +64,15 @@ class WorkerConfig:
             raise ConfigError(
                 f"--ef-decay must be in (0, 1] (1: exact error feedback; lower forgets the residual faster) or 0 "
                 f"for the codec's default, got {self.ef_decay}"
+            )
+        _bounded("--power-w", self.power_w, MAX_WATTS, "watts the learner draws while training; 0: not declared")
+        _bounded("--price-per-hour", self.price_per_hour, MAX_PRICE_PER_HOUR, "the learner's price per hour")
+        if self.power_meter not in METER_MODES:
+            raise ConfigError(f"--power-meter: allowed {', '.join(METER_MODES)}; got {self.power_meter!r}")
+        if len(self.zone) > MAX_ZONE_CHARS or not self.zone.isprintable() or self.zone != self.zone.strip():
+            raise ConfigError(
+                f"--zone must be at most {MAX_ZONE_CHARS} printable characters without surrounding spaces (a grid "
+                f"zone such as DE or US-CAL-CISO), got {self.zone!r}"
             )
         if not (math.isfinite(self.slowdown) and self.slowdown >= 1.0):
             raise ConfigError(f"slowdown must be a finite number >= 1.0 (1 = full speed), got {self.slowdown}")
@@ -104,6 +121,12 @@ class WorkerConfig:
         if own and own != auth.SHARED_WORKER_IDENTITY:
             return own
         return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _bounded(flag: str, value: object, hi: float, what: str) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and 0 <= value <= hi
+    if not ok:
+        raise ConfigError(f"{flag} must be a finite number in [0, {hi:g}] ({what}), got {value!r}")
 
 
 _FLAGS: list[Flag] = [
@@ -173,6 +196,27 @@ _FLAGS: list[Flag] = [
         "0: the codec's default (topk and sparse 0.5, the others 1)",
     ),
     (
+        "--power-w",
+        float,
+        0.0,
+        f"the power this learner draws while training, in watts (at most {MAX_WATTS:g}); reported when no "
+        "counter can be read (see --power-meter); 0: none declared",
+    ),
+    (
+        "--power-meter",
+        str,
+        "auto",
+        "where the learner's watts come from: auto (NVML on CUDA, RAPL on CPU, else --power-w), nvml, rapl "
+        "(exit 2 when they cannot be read), or declared (--power-w only)",
+    ),
+    ("--zone", str, "", "the grid zone this learner draws from, as the coordinator's --carbon-trace names it"),
+    (
+        "--price-per-hour",
+        float,
+        0.0,
+        f"what this learner costs per hour while registered and not paused (at most {MAX_PRICE_PER_HOUR:g})",
+    ),
+    (
         "--fault-scale-updates",
         float,
         1.0,
@@ -183,6 +227,22 @@ _FLAGS: list[Flag] = [
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     p = build_flag_parser("diloco worker", "Run one learner.", [("worker", _FLAGS)], env)
+    raw = env.get(env_name("--spot"))
+    try:
+        spot = False if raw is None else parse_bool(raw)
+    except ValueError as e:
+        raise ConfigError(f"environment {env_name('--spot')}={raw!r} is not valid for --spot: {e}") from e
+    capacity = p.add_argument_group("capacity").add_mutually_exclusive_group()
+    capacity.add_argument(
+        "--spot",
+        dest="spot",
+        action="store_true",
+        default=spot,
+        help=f"the learner runs on spot (preemptible) capacity (env {env_name('--spot')}=true)",
+    )
+    capacity.add_argument(
+        "--on-demand", dest="spot", action="store_false", help="the learner runs on on-demand capacity (the default)"
+    )
     security.add_flags(p, env, tls_name="worker", tokens=("join",))
     return p
 

@@ -17,13 +17,34 @@ from diloco.core import learner as core
 from diloco.core.coordinator import WorkPlan
 from diloco.errors import InvalidArgument
 from diloco.rpc.retry import StatusError, retry_while
+from diloco.rpc.vocab import power_to_proto
 from diloco.task.inner import Throughput
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
+from services.worker.power import Reading
 from services.worker.session import Registration, plan_from_proto
 
 T = TypeVar("T")
 POLL_S = 0.1  # how often a backoff sleep looks at the stop request
+
+
+def register_request(
+    cfg: WorkerConfig, name: str, tp: Throughput | None, device_kind: str, power: Reading | None
+) -> coordinator_pb2.RegisterRequest:
+    """What the learner registers with: its speed so far, its power (`power.py`), zone, price and capacity."""
+    return coordinator_pb2.RegisterRequest(
+        worker_name=name,
+        throughput=common_pb2.Throughput(
+            tokens_per_s=tp.tokens_per_s if tp else 0.0,
+            step_time_s=tp.step_time_s if tp else 0.0,
+            device_kind=device_kind,
+            watts=power.watts if power else 0.0,
+            power_source=power_to_proto(power.source if power else None),
+        ),
+        zone=cfg.zone,
+        price_per_hour=cfg.price_per_hour,
+        spot=cfg.spot,
+    )
 
 
 class Control:
@@ -37,15 +58,10 @@ class Control:
     ) -> None:
         self.stub, self.cfg, self.learner, self.stopping, self.log = stub, cfg, learner, stopping, log
 
-    def register(self, name: str, tp: Throughput | None, device_kind: str) -> Registration | None:
-        req = coordinator_pb2.RegisterRequest(
-            worker_name=name,
-            throughput=common_pb2.Throughput(
-                tokens_per_s=tp.tokens_per_s if tp else 0.0,
-                step_time_s=tp.step_time_s if tp else 0.0,
-                device_kind=device_kind,
-            ),
-        )
+    def register(
+        self, name: str, tp: Throughput | None, device_kind: str, power: Reading | None = None
+    ) -> Registration | None:
+        req = register_request(self.cfg, name, tp, device_kind, power)
 
         def register() -> Registration:
             resp = self.stub.Register(req, timeout=self.cfg.rpc_timeout_s)

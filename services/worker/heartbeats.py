@@ -15,9 +15,10 @@ import structlog
 from diloco.core.failure import NodeState
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.retry import Backoff, BackoffConfig
-from diloco.rpc.vocab import NODE_STATES
+from diloco.rpc.vocab import NODE_STATES, power_to_proto
 from diloco.v1 import common_pb2, healthd_pb2, healthd_pb2_grpc
 from services.worker.config import WorkerConfig
+from services.worker.power import Reading
 from services.worker.session import SessionLost
 
 
@@ -31,6 +32,7 @@ class Beat:
     tokens_per_s: float
     step_time_s: float
     device_kind: str
+    power: Reading | None = None  # watts while training and their source (`power.py`); None: none to report
 
 
 class Heartbeats:
@@ -114,7 +116,11 @@ class Heartbeats:
                 role=healthd_pb2.NODE_ROLE_WORKER,
                 sequence=seq,
                 throughput=common_pb2.Throughput(
-                    tokens_per_s=beat.tokens_per_s, step_time_s=beat.step_time_s, device_kind=beat.device_kind
+                    tokens_per_s=beat.tokens_per_s,
+                    step_time_s=beat.step_time_s,
+                    device_kind=beat.device_kind,
+                    watts=beat.power.watts if beat.power else 0.0,
+                    power_source=power_to_proto(beat.power.source if beat.power else None),
                 ),
                 version=max(0, beat.version),
                 steps_done=beat.steps_done,

@@ -31,6 +31,7 @@ from services.worker.control import Control
 from services.worker.heartbeats import Beat, Heartbeats
 from services.worker.island import Island, device_kind
 from services.worker.metrics import Metrics
+from services.worker.power import PowerMeter, open_meter
 from services.worker.replica import Replica
 from services.worker.session import Registration, SessionLost
 from services.worker.uploader import Uploader, UploadJob, UploadResult
@@ -49,11 +50,26 @@ PHASES: dict[type, str] = {
 }
 
 
+def learner_device(cfg: WorkerConfig) -> torch.device:
+    """A one-process learner's device: --device, or CUDA when present, else the CPU."""
+    return torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
+
+
+def open_power_meter(cfg: WorkerConfig, device: torch.device, world: int = 1) -> PowerMeter:
+    """The learner's power meter (`power.py`): on CUDA its GPU, or in an island of `world` ranks every rank's GPU on
+    this host (rank i sits on LOCAL_RANK i's GPU). Raises `ConfigError` naming --power-meter when the meter asked
+    for cannot be read."""
+    cuda: list[int] = []
+    if device.type == "cuda":
+        cuda = list(range(world)) if world > 1 else [device.index or 0]
+    return open_meter(cfg.power_meter, cfg.power_w, cuda)
+
+
 class Worker:
     """A one-process learner, or rank 0 (the leader) of an island (`island.py`): then every torch action is sent
     to the other ranks first, and they carry it out together with this one."""
 
-    def __init__(self, cfg: WorkerConfig, island: Island | None = None) -> None:
+    def __init__(self, cfg: WorkerConfig, island: Island | None = None, power: PowerMeter | None = None) -> None:
         self.cfg = cfg
         self.island = island
         self.name = cfg.display_name
@@ -61,17 +77,27 @@ class Worker:
         self.core = core.LearnerCore(
             core.LearnerConfig(id_prefix=uuid.uuid4().hex + "-", give_up_after_s=cfg.give_up_after_s or None)
         )
+        if island is None:
+            self.device = learner_device(cfg)
+            self.device_kind = self.device.type
+        else:
+            self.device = island.device
+            self.device_kind = device_kind(island.device, island.world)
+        # first: a meter that cannot be read is a configuration error (`__main__` opens it before logging starts)
+        self.power = power or open_power_meter(cfg, self.device, island.world if island is not None else 1)
+        reading = self.power.reading()
+        self.log.info(
+            "worker.power_meter",
+            source=self.power.counter.source.value if self.power.counter is not None else "declared",
+            declared_w=cfg.power_w,
+            watts=reading.watts if reading else None,
+            not_used=self.power.note or None,
+        )
         self.channel = cfg.security.channel(cfg.coordinator)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.metrics = Metrics()
         self.round_phases: dict[str, float] = {}  # seconds per phase since the last submission
         self.inbox: queue.Queue[object] = queue.Queue()
-        if island is None:
-            self.device = torch.device(cfg.device) if cfg.device not in ("", "auto") else pick_device()
-            self.device_kind = self.device.type
-        else:
-            self.device = island.device
-            self.device_kind = device_kind(island.device, island.world)
         self.replica = Replica(cfg, self.device, self.metrics, island)
         self.reg: Registration | None = None
         self.watcher: Watcher | None = None
@@ -203,7 +229,10 @@ class Worker:
         elif isinstance(a, core.Train):
             if self.island is not None:
                 self.island.train(a.shard_id, a.cursor)
-            self.core.stepped(a.shard_id, a.epoch, a.cursor, self.replica.train(a))
+            self.power.begin(time.monotonic())
+            cursor = self.replica.train(a)
+            self.power.end(time.monotonic())
+            self.core.stepped(a.shard_id, a.epoch, a.cursor, cursor)
         elif isinstance(a, (core.Load, core.Rebase)):
             if self.island is None:
                 self.replica.adopt(a, self.log, self.core.detail)
@@ -220,7 +249,7 @@ class Worker:
 
     # --- carrying the actions out -----------------------------------------------------------------------------
     def _register(self) -> None:
-        reg = self.control.register(self.name, self.replica.throughput(), self.device_kind)
+        reg = self.control.register(self.name, self.replica.throughput(), self.device_kind, self.power.reading())
         if reg is None:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg = reg
@@ -265,4 +294,5 @@ class Worker:
             tp.tokens_per_s if tp else 0.0,
             tp.step_time_s if tp else 0.0,
             self.device_kind,
+            self.power.reading(),
         )

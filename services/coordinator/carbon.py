@@ -1,0 +1,135 @@
+"""Live carbon intensities from an operator's provider function (`--carbon-provider package.module:function`).
+
+The function is called as `function(zone, unix_s)` and returns the zone's intensity in gCO2/kWh (say, from a grid
+operator's API or a local cache). It is someone else's code on someone else's network, so it is kept off
+everything that matters:
+- `CarbonFeed` calls it from a thread of its own, every `refresh_s` (and soon after `wake()`, when a learner
+  brings a zone not asked yet), for the zones `zones()` names; the coordinator's event loop and its locks never
+  wait for it: placement reads the last values (`services.coordinator.energy.CarbonSignal`).
+- each call runs in a daemon thread and is abandoned after `timeout_s`. While an abandoned call is still running,
+  the feed does not start another (a provider that hangs costs one thread, not one per refresh); the zones it
+  would have asked are reported `still_running`.
+- a call that raises, times out or returns anything but a finite number >= 0 is reported through `on_failure`
+  (the coordinator logs a warning and counts it by reason) and the zone keeps its last good value (or, with none
+  yet, the carbon trace's value, else 0). Nothing it does stops the feed or the coordinator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from diloco.errors import ConfigError
+
+Provider = Callable[[str, float], Any]
+ERROR, TIMEOUT, BAD_VALUE, STILL_RUNNING = "error", "timeout", "bad_value", "still_running"
+FAILURE_REASONS = (ERROR, TIMEOUT, BAD_VALUE, STILL_RUNNING)
+
+
+def load_provider(spec: str) -> Provider:
+    """The function `spec` ('package.module:function') names; `ConfigError` naming --carbon-provider otherwise."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or the module raising as it loads
+        raise ConfigError(f"--carbon-provider {spec}: cannot import {module_name} ({e!r})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"--carbon-provider {spec}: {module_name} has no function {attr}")
+    return fn
+
+
+class CarbonFeed:
+    def __init__(
+        self,
+        provider: Provider,
+        zones: Callable[[], set[str]],
+        on_value: Callable[[str, float], None],
+        on_failure: Callable[[str, str, str], None],  # (zone, reason, detail)
+        clock: Callable[[], float],
+        *,
+        refresh_s: float,
+        timeout_s: float,
+    ) -> None:
+        self.provider, self.zones, self.on_value, self.on_failure, self.clock = (
+            provider,
+            zones,
+            on_value,
+            on_failure,
+            clock,
+        )
+        self.refresh_s, self.timeout_s = refresh_s, timeout_s
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._running: threading.Thread | None = None  # the provider call in flight, if any
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="carbon-feed", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop asking (a call in flight is abandoned: its thread is a daemon). Safe to call twice."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.timeout_s + 1.0)
+
+    def wake(self) -> None:
+        """Ask soon (a new zone appeared)."""
+        self._wake.set()
+
+    def busy(self) -> bool:
+        """A provider call is running (an abandoned one included)."""
+        running = self._running
+        return running is not None and running.is_alive()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            self._wake.wait(self.refresh_s)
+            self._wake.clear()
+
+    def refresh(self) -> None:
+        """One round: ask for every zone in turn (each call bounded by `timeout_s`)."""
+        for zone in sorted(self.zones()):
+            if self._stop.is_set():
+                return
+            self._ask(zone)
+
+    def _ask(self, zone: str) -> None:
+        if self.busy():
+            self.on_failure(zone, STILL_RUNNING, "an earlier call has not returned yet; it was not asked again")
+            return
+        box: dict[str, Any] = {}
+        done = threading.Event()
+        now = self.clock()
+
+        def call() -> None:
+            try:
+                box["value"] = self.provider(zone, now)
+            except BaseException as e:  # whatever it raises is reported, never propagated
+                box["error"] = e
+            finally:
+                done.set()
+
+        t = threading.Thread(target=call, name="carbon-provider-call", daemon=True)
+        self._running = t
+        t.start()
+        if not done.wait(self.timeout_s):
+            self.on_failure(zone, TIMEOUT, f"no answer within {self.timeout_s:g} s")
+            return
+        if "error" in box:
+            self.on_failure(zone, ERROR, repr(box["error"])[:200])
+            return
+        value = box.get("value")
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not (
+            math.isfinite(value) and value >= 0
+        ):
+            self.on_failure(zone, BAD_VALUE, f"returned {value!r:.100}; expected a finite number >= 0 (gCO2/kWh)")
+            return
+        self.on_value(zone, float(value))

@@ -1,0 +1,73 @@
+"""The coordinator's energy book (`services.coordinator.energy`) as a pure object with explicit times: the carbon
+signal (provider over trace), and the accounting of energy, carbon and cost, paused learners included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from diloco.core.energy import CarbonTrace, PowerSource
+from diloco.errors import InvalidArgument
+from services.coordinator.energy import CarbonSignal, Charge, EnergyBook, Reweighed
+
+pytestmark = pytest.mark.timeout(30)
+TRACE = CarbonTrace({"DE": ((0.0, 3600.0), (400.0, 100.0)), "FR": ((0.0,), (50.0,))})
+
+
+def test_the_signal_is_the_providers_last_value_over_the_trace() -> None:
+    signal = CarbonSignal(TRACE, origin=1000.0)
+    assert signal.at("DE", 1000.0) == 400.0 and signal.at("DE", 1000.0 + 3600.0) == 100.0
+    assert signal.mean("DE", 1000.0 + 1800.0, 1000.0 + 5400.0) == pytest.approx(250.0)  # half an hour of each
+    assert signal.at("XX", 0.0) == 0.0  # no trace value, no provider value
+    signal.set_live("DE", 220.0)
+    assert signal.at("DE", 1000.0) == 220.0 and signal.mean("DE", 0.0, 9999.0) == 220.0
+    for bad in (math.nan, -1.0, math.inf):
+        with pytest.raises(InvalidArgument):
+            signal.set_live("DE", bad)
+    assert signal.live == {"DE": 220.0}
+    signal.check_zone("FR")
+    for zone in ("", "MARS"):
+        with pytest.raises(InvalidArgument, match="--zone set to one of DE, FR"):
+            signal.check_zone(zone)
+    CarbonSignal().check_zone("anything")  # without a trace every zone goes
+
+
+def test_energy_carbon_and_cost_per_learner_and_in_total() -> None:
+    book = EnergyBook(CarbonSignal(TRACE, origin=0.0))
+    book.join("a", 0.0, zone="DE", price_per_hour=3.6, watts=500.0, source=PowerSource.NVML)
+    book.join("b", 0.0, zone="FR", price_per_hour=7.2, spot=True)  # no power reported yet
+    assert book.work("b", 10.0, 10.0) == Charge("b")  # no watts: nothing drawn
+    book.report("b", 200.0, PowerSource.RAPL)
+    book.report("b", 0.0, None)  # a report without power keeps the last figure
+    charge = book.work("a", 7200.0, 7200.0)  # 1 kWh over two hours: one at 400, one at 100 gCO2/kWh
+    assert charge.joules == 500.0 * 7200.0 == 3.6e6 and charge.grams == pytest.approx(250.0)
+    assert book.work("b", 36.0, 7200.0).grams == pytest.approx(200.0 * 36.0 / 3.6e6 * 50.0)
+    # cost: b paused from 1 h to 3 h, so it pays for 1 h (before) + 1 h (after, to 4 h); a pays for 4 h
+    assert book.set_weights({"a": 1.0, "b": 0.0}, 3600.0) == Reweighed(["b"], [Charge("b", cost=7.2)])
+    assert book.paused == 1 and book.learners["b"].weight == 0.0
+    assert book.accrue(3 * 3600.0) == [Charge("a", cost=pytest.approx(3 * 3.6))]
+    assert book.set_weights({"a": 1.0, "b": 1.0}, 3 * 3600.0).changed == ["b"] and book.paused == 0
+    book.accrue(4 * 3600.0)
+    assert book.learners["a"].cost == pytest.approx(4 * 3.6) and book.learners["b"].cost == pytest.approx(2 * 7.2)
+    assert book.leave("b", 5 * 3600.0) == [Charge("b", cost=pytest.approx(7.2))]
+    assert book.accrue(6 * 3600.0) == [Charge("a", cost=pytest.approx(7.2))]  # b's price stopped when it left
+    a, b = book.learners["a"], book.learners["b"]
+    assert book.joules == a.joules + b.joules and book.grams == pytest.approx(a.grams + b.grams)
+    assert book.cost == pytest.approx(a.cost + b.cost) == pytest.approx(6 * 3.6 + 3 * 7.2)
+    assert book.forget(["a"]) == ["b"] and set(book.learners) == {"a"}
+
+
+def test_policy_inputs() -> None:
+    book = EnergyBook(CarbonSignal(TRACE, origin=0.0))
+    book.join("a", 0.0, zone="DE", price_per_hour=2.0, spot=True, watts=300.0, source=PowerSource.DECLARED)
+    infos = book.infos({"a": 1000.0, "new": 500.0}, 4000.0)
+    assert (infos["a"].speed, infos["a"].watts, infos["a"].intensity, infos["a"].price_per_hour) == (
+        1000.0,
+        300.0,
+        100.0,
+        2.0,
+    )
+    assert infos["a"].spot and infos["a"].zone == "DE" and book.learners["a"].intensity == 100.0
+    assert infos["new"].watts == 0.0 and infos["new"].speed == 500.0
+    assert book.zones() == {"DE"} and book.zones(["new"]) == set()
