@@ -139,9 +139,11 @@ def make_upload(
     return header, data, delta
 
 
-def requests(header: pb.SubmissionHeader | None, data: bytes, offset: int = 0) -> list[pb.SubmitPseudoGradientRequest]:
+def requests(
+    header: pb.SubmissionHeader | None, data: bytes | bytearray, offset: int = 0
+) -> list[pb.SubmitPseudoGradientRequest]:
     msgs = [pb.SubmitPseudoGradientRequest(header=header)] if header is not None else []
-    msgs += [pb.SubmitPseudoGradientRequest(data=data[i : i + CHUNK]) for i in range(offset, len(data), CHUNK)]
+    msgs += [pb.SubmitPseudoGradientRequest(data=bytes(data[i : i + CHUNK])) for i in range(offset, len(data), CHUNK)]
     return msgs
 
 
