@@ -476,7 +476,7 @@ class _Generator:
             plan_seq=got.plan.plan_seq,
         )
         msgs = [pb.SubmitPseudoGradientRequest(header=header)]
-        msgs += [pb.SubmitPseudoGradientRequest(data=data[i : i + CHUNK]) for i in range(0, len(data), CHUNK)]
+        msgs += [pb.SubmitPseudoGradientRequest(data=bytes(data[i : i + CHUNK])) for i in range(0, len(data), CHUNK)]
         t1 = time.perf_counter()
         try:
             reply = await stub.SubmitPseudoGradient(iter(msgs), timeout=self.s.call_timeout_s)
