@@ -62,7 +62,8 @@ from diloco.errors import ConfigError, FailedPrecondition
 APPLIED_IDS = 4096  # applied submission ids a standby remembers (as `CoordinatorCore.applied_ids`)
 MAX_OUTER_TENSORS = 4  # tensors an outer optimizer's state holds (Nesterov: 1, Delayed Nesterov: 2)
 MAX_BOOKKEEPING_BYTES = 64 << 20  # a bookkeeping JSON larger than this is refused as corrupt
-_CORE_TENSORS = ("params", "outer")  # the tensor-bearing keys of `CoordinatorCore.snapshot()`
+# keys of a core snapshot that are not bookkeeping: its tensors, and the applied ids a standby's snapshot adds
+_NOT_BOOKKEEPING = ("params", "outer", "applied_ids")
 
 
 class ResyncReason(enum.Enum):
@@ -144,8 +145,8 @@ def _parse(data: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 
 def core_bookkeeping(core_snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """The non-tensor part of `CoordinatorCore.snapshot()`."""
-    return {k: v for k, v in core_snapshot.items() if k not in _CORE_TENSORS}
+    """The non-tensor part of `CoordinatorCore.snapshot()` (or of `Standby.core_snapshot()`, less its ids)."""
+    return {k: v for k, v in core_snapshot.items() if k not in _NOT_BOOKKEEPING}
 
 
 # --- the messages -----------------------------------------------------------------------------------------------
