@@ -180,6 +180,36 @@ def test_a_restarted_standby_catches_up_from_its_checkpoint_or_else_from_a_snaps
     assert checkpoint.load_latest(ckpt) is not None
 
 
+def test_a_standby_ahead_of_a_restarted_leader_goes_back_to_its_state(
+    start: Callable[..., Env], followers: Callable[..., Follower], tmp_path: Path
+) -> None:
+    """The leader crashes after version 5 with its newest checkpoint at version 4 and restarts (same address, a newer
+    epoch): the standby, holding the lost version 5, gets a snapshot of version 4 and then the new history."""
+    ckpt = tmp_path / "leader"
+    env = start(replication_log=4, checkpoint_dir=str(ckpt), checkpoint_every=2)
+    leader = Leader(env)
+    f = followers(env)
+    for _ in range(5):
+        f.reach(leader.round())
+    port, epoch = env.server.port, env.server.state.epoch
+    env.chan.close()
+    env.server.stop(0)
+    checkpoint.checkpoint_path(ckpt, 5).unlink()  # the crash came before version 5 was checkpointed
+    env2 = start(replication_log=4, checkpoint_dir=str(ckpt), checkpoint_every=2, port=port)
+    assert env2.server.core.version == 4 and env2.server.state.epoch > epoch
+    wait_for("the standby to take the new leader's snapshot", lambda: f.f.snapshots == 2, 20.0)
+    assert f.f.version == 4 and f.f.standby.epoch == env2.server.state.epoch
+    assert same_bits(f.states[4], leader.states[4])
+    f.states.clear()  # what it recorded of the lost history
+    successor = Leader(env2)
+    for _ in range(2):
+        v = successor.round()
+        f.reach(v)
+        assert same_bits(f.states[v], successor.states[v])
+    assert not same_bits(successor.states[5], leader.states[5])  # a new history: another version 5
+    assert f.f.resyncs == 0 and not f.f.failed
+
+
 def test_with_sync_replicas_a_version_is_published_only_once_the_standby_holds_it(
     start: Callable[..., Env], followers: Callable[..., Follower]
 ) -> None:
