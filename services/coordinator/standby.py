@@ -148,6 +148,8 @@ class StandbyFollower:
             request = self._request()
             call = self._stub.FollowLog(request)  # endless: keepalive, not a deadline, finds a dead leader
             self._call = call
+            if self._stop.is_set():  # `stop` ran before the call was visible to it
+                call.cancel()
             try:
                 for msg in call:
                     if self._receive(msg):
@@ -159,7 +161,6 @@ class StandbyFollower:
                 call.cancel()
                 self._resync, self.resyncs = True, self.resyncs + 1
                 self.log.warning("replication.resync", reason=e.reason.value, error=str(e), version=self.version)
-                continue  # at once: the leader is there, only our state is not usable
             except grpc.RpcError as e:
                 if self._stop.is_set():
                     break
@@ -168,6 +169,9 @@ class StandbyFollower:
                     self.log.error("replication.refused", error=self.failed)
                     return
                 self.log.info("replication.retry", code=e.code().name, version=self.version)
+            except Exception:  # e.g. a checkpoint that could not be written: keep following after a pause
+                call.cancel()
+                self.log.exception("replication.follow_failed", version=self.version)
             finally:
                 self._call = None
                 self._rx = Receiver(self.standby.numel)  # a stream cut mid-payload leaves nothing half received
