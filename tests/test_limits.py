@@ -32,11 +32,11 @@ from diloco.rpc.limits import (
     limits_markdown,
     quote,
 )
-from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2
+from diloco.v1 import common_pb2, coordinator_pb2, healthd_pb2, replication_pb2
 
 pytestmark = pytest.mark.timeout(120)
 pb = coordinator_pb2
-MODULES: tuple[ModuleType, ...] = (common_pb2, coordinator_pb2, healthd_pb2)
+MODULES: tuple[ModuleType, ...] = (common_pb2, coordinator_pb2, healthd_pb2, replication_pb2)
 SHORT = 300  # every refusal's message is shorter than this
 T = FieldDescriptor
 
@@ -81,6 +81,7 @@ def needs_bound(f: FieldDescriptor) -> bool:
 def test_the_services_are_found() -> None:
     names = {d.name for d in REQUESTS}
     assert {"RegisterRequest", "SubmitPseudoGradientRequest", "HeartbeatRequest", "EvictWorkerRequest"} <= names
+    assert {"FollowLogRequest", "AckLogRequest"} <= names
     assert {"diloco.v1.SubmissionHeader", "diloco.v1.TensorSpec", "diloco.v1.Throughput"} <= set(MESSAGES)
 
 

@@ -32,7 +32,14 @@ from diloco.rpc.security import SecurityConfig
 from diloco.rpc.server import channel
 from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, TlsFiles, channel_credentials, write_bundle
 from diloco.task.params import param_specs
-from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
+from diloco.v1 import (
+    common_pb2,
+    coordinator_pb2,
+    coordinator_pb2_grpc,
+    healthd_pb2,
+    healthd_pb2_grpc,
+    replication_pb2,
+)
 from services.coordinator import config as coordinator_config
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
@@ -122,6 +129,7 @@ def test_every_rpc_of_every_service_is_in_the_role_table() -> None:
     services = [
         *coordinator_pb2.DESCRIPTOR.services_by_name.values(),
         *healthd_pb2.DESCRIPTOR.services_by_name.values(),
+        *replication_pb2.DESCRIPTOR.services_by_name.values(),
     ]
     assert {s.full_name for s in services} == set(METHOD_ROLES)
     for s in services:

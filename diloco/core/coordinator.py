@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -272,6 +272,9 @@ class CoordinatorCore:
         self._now = -math.inf  # the latest time a call gave (for changes made by calls without a time)
         self._speeds_cache: tuple[dict[str, float], float] | None = None  # `_speeds`
         self._weights: dict[str, float] = {}  # placement weights other than 1 (`set_placement_weights`)
+        # round-log replication (`diloco.core.replication`): called with (version, Δ, learners) just before each
+        # round's outer step, Δ merged and scaled as the step takes it (the merge buffer: copy what you keep)
+        self.on_step: Callable[[int, torch.Tensor, int], None] | None = None
 
     # ---------------------------------------------------------------------------------------------------------
     @property
@@ -702,6 +705,8 @@ class CoordinatorCore:
             delta.mul_(closed.scale)
         delta_norm = float(torch.linalg.vector_norm(delta))
         self.outer.set_num_learners(closed.learners)
+        if self.on_step is not None:
+            self.on_step(close.version, delta, closed.learners)
         self.outer.step(self.params, delta, scratch_delta=True)  # delta is the merge buffer, reset below
         self.acc.reset()
         self._stepped = close.version

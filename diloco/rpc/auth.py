@@ -31,6 +31,7 @@ from diloco.rpc.tls import RESERVED_NAMES
 
 COORDINATOR_SERVICE = "diloco.v1.Coordinator"
 HEALTHD_SERVICE = "diloco.v1.HealthDaemon"
+REPLICATION_SERVICE = "diloco.v1.Replication"
 OPEN_SERVICES = (
     "grpc.health.v1.Health",
     "grpc.reflection.v1alpha.ServerReflection",
@@ -71,6 +72,10 @@ METHOD_ROLES: Mapping[str, Mapping[str, Role]] = {
         "Heartbeat": Role.WORKER,
         "ListNodes": Role.READ,
         "WatchNodeEvents": Role.READ,
+    },
+    REPLICATION_SERVICE: {  # a standby coordinator: it receives the whole state, and its acks gate publishing
+        "FollowLog": Role.ADMIN,
+        "AckLog": Role.ADMIN,
     },
 }
 

@@ -1,8 +1,8 @@
 """Bounds on every request field, checked at the boundary, and short, escaped echoes of caller input.
 
 `LIMITS` is the one table: for every string, bytes and repeated field, every floating-point field and every signed
-integer field of every request message of the `diloco.v1` services (the input type of each method of `Coordinator`
-and `HealthDaemon`, and every message nested in one), keyed by the field's full protobuf name
+integer field of every request message of the `diloco.v1` services (the input type of each method of `Coordinator`,
+`HealthDaemon` and `Replication`, and every message nested in one), keyed by the field's full protobuf name
 (`diloco.v1.Throughput.device_kind`), the bound and the one-line reason for it. The table is the documentation:
 `limits_markdown()` renders it for the README, and a test walks the service descriptors so that a new field
 without a bound, or an entry naming a field that does not exist, fails CI.
@@ -105,6 +105,11 @@ _REASON = Bound(
     "free text kept in logs and listings; a sentence or two", "send a shorter reason", max_len=MAX_REASON_CHARS
 )
 _WORKER_ID = _text(MAX_ID_CHARS, "the coordinator assigns '<worker_name>-<n>', well within 256", _ID_ADVICE)
+_REPLICA_ID = _text(
+    MAX_ID_CHARS,
+    "a standby coordinator's name (--replica-id), kept per follower and logged",
+    "use a shorter --replica-id",
+)
 _UNIX_S = Bound(
     "a time in unix seconds (0 when unknown); above 1e10 (year 2286) it is not a clock reading",
     "send a unix time in seconds, or 0",
@@ -225,6 +230,14 @@ LIMITS: Mapping[str, Bound] = {
     _P + "HeartbeatRequest.node_id": _text(
         MAX_ID_CHARS, "the worker id the coordinator assigned (healthd's MAX_NODE_ID_CHARS)", _ID_ADVICE
     ),
+    # --- Replication (standby coordinators) -----------------------------------------------------------------------
+    _P + "FollowLogRequest.replica_id": _REPLICA_ID,
+    _P + "FollowLogRequest.fingerprint": _text(
+        MAX_FINGERPRINT_CHARS,
+        "the standby's task fingerprint 'm=<hex>.t=<hex>.d=<hex>' (44 characters, diloco/task/factory.py)",
+        "send the fingerprint of the task the standby built",
+    ),
+    _P + "AckLogRequest.replica_id": _REPLICA_ID,
 }
 
 

@@ -7,14 +7,16 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
 from diloco.rpc.server import tune_gc
-from services.coordinator.config import parse
+from services.coordinator.config import CoordinatorServiceConfig, parse
 from services.coordinator.server import CoordinatorServer, load_carbon
+from services.coordinator.standby import follower_from
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
@@ -26,6 +28,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         return 2
     torch.set_num_threads(1)  # one service per core; more threads contend on small machines
     log = logging.configure("coordinator", level=cfg.log_level)
+    if cfg.follow:
+        return _standby(cfg, log)
     server = CoordinatorServer(cfg)
     try:
         port = server.start()
@@ -43,6 +47,31 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     server.wait()
+    return 0
+
+
+def _standby(cfg: CoordinatorServiceConfig, log: Any) -> int:
+    """`--follow`: a hot standby of the leader at `cfg.follow` until SIGTERM/SIGINT (exit 0) or until the leader
+    refuses it for good (exit 2)."""
+    try:
+        follower, chan = follower_from(cfg)
+    except ConfigError as e:
+        print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
+        return 2
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("coordinator.signal", signal=signal.Signals(signum).name)
+        threading.Thread(target=follower.stop, name="standby-stop", daemon=True).start()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    log.info("standby.started", leader=cfg.follow, replica_id=follower.cfg.replica_id)
+    follower.start()
+    follower.wait()
+    chan.close()
+    if follower.failed:
+        print(f"diloco coordinator: the leader refused this standby: {follower.failed}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -103,6 +103,11 @@ class CoordinatorServiceConfig:
     carbon_provider: str = ""  # 'package.module:function' called as function(zone, unix_s) -> gCO2/kWh; "" none
     carbon_provider_timeout_s: float = 5.0  # a call running longer is abandoned (the last good value stays)
     carbon_refresh_s: float = 60.0  # how often the provider is asked for each zone's intensity
+    replication_log: int = 0  # round-log entries kept for hot standbys (diloco.v1.Replication); 0: none served
+    sync_replicas: int = 0  # publish a version to learners only once this many standbys hold it (a bounded wait)
+    replica_ack_timeout_s: float = 5.0  # the longest a round waits for standby acks before publishing anyway
+    follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
+    replica_id: str = ""  # the standby's name; "": standby-<hostname>
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
@@ -163,6 +168,17 @@ class CoordinatorServiceConfig:
                 "placement carbon weighs zones' carbon intensity: give --carbon-trace FILE or --carbon-provider "
                 "package.module:function"
             )
+        _int_in("replication_log", self.replication_log, 0, 1024)
+        _int_in("sync_replicas", self.sync_replicas, 0, 64)
+        if self.sync_replicas and not self.replication_log:
+            raise ConfigError(
+                "sync_replicas needs the replication service: set replication_log (--replication-log) >= 1"
+            )
+        _float_min("replica_ack_timeout_s", self.replica_ack_timeout_s, 0.0, open_=True)
+        if not isinstance(self.follow, str) or (self.follow and ":" not in self.follow):
+            raise ConfigError(f"follow must be HOST:PORT of the leading coordinator or '', got {self.follow!r}")
+        if not isinstance(self.replica_id, str) or len(self.replica_id) > 256 or not self.replica_id.isprintable():
+            raise ConfigError(f"replica_id must be at most 256 printable characters, got {self.replica_id!r}")
         if not isinstance(self.healthd_address, str):
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
         if not isinstance(self.task, TaskConfig):
@@ -351,6 +367,26 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--carbon-provider-timeout-s", float, 5.0, "a carbon provider call running longer than this is abandoned"),
     ("--carbon-refresh-s", float, 60.0, "seconds between two rounds of carbon provider calls"),
     ("--log-level", str, "info", f"log level: {', '.join(LOG_LEVELS)}"),
+    (
+        "--replication-log",
+        int,
+        0,
+        "round-log entries kept for hot standbys to catch up from (0: no replication service)",
+    ),
+    (
+        "--sync-replicas",
+        int,
+        0,
+        "publish a version to learners only once this many standbys hold it (needs --replication-log)",
+    ),
+    (
+        "--replica-ack-timeout-s",
+        float,
+        5.0,
+        "longest a round waits for standby acks; then it is published anyway (replication.degraded)",
+    ),
+    ("--follow", str, "", "HOST:PORT of the leading coordinator: run as its hot standby instead of serving"),
+    ("--replica-id", str, "", "this standby's name ('': standby-<hostname>)"),
 ]
 _TASK_FLAGS: list[Flag] = [
     ("--task-json", str, "", "the whole task as JSON (TaskConfig.to_json); overrides the task flags below"),

@@ -26,13 +26,15 @@ from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
-from diloco.v1 import coordinator_pb2_grpc
+from diloco.v1 import coordinator_pb2_grpc, replication_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.bulk import BulkUploads
 from services.coordinator.carbon import CarbonFeed, Provider, load_provider
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.energy import CarbonSignal, EnergyBook
 from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.replication import SERVICE_NAME as REPLICATION_SERVICE_NAME
+from services.coordinator.replication import ReplicationLog, ReplicationServicer
 from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.state import CoordinatorState
 
@@ -67,6 +69,7 @@ class CoordinatorServer:
         self._started = False
         self._stopped = threading.Event()
         self._state: CoordinatorState | None = None
+        self._replication: ReplicationLog | None = None  # with --replication-log: the round log for standbys
         self._grpc: GrpcService | None = None
         self._bulk: BulkServer | None = None
         self._metrics_server: Any = None
@@ -188,6 +191,13 @@ class CoordinatorServer:
             self.log.info("checkpoint.restored", path=str(self.resumed_from), version=core.version)
         self._task, self._eval_model, self._state = task, model, state
         self._work = ThreadPoolExecutor(max_workers=cfg.work_threads, thread_name_prefix="coordinator-work")
+        if cfg.replication_log:
+            self._replication = ReplicationLog(
+                state,
+                entries=cfg.replication_log,
+                sync_replicas=cfg.sync_replicas,
+                ack_timeout_s=cfg.replica_ack_timeout_s,
+            )
         servicer = CoordinatorServicer(
             state,
             task=task.config,
@@ -197,15 +207,19 @@ class CoordinatorServer:
             checkpoint=self.checkpoint_now,
             work=self._work,
         )
+        replication = self._replication
         service = GrpcService(
             cfg.host,
             cfg.port,
-            [SERVICE_NAME],
+            [SERVICE_NAME] + ([REPLICATION_SERVICE_NAME] if replication else []),
             credentials=cfg.security.server_credentials(),
             interceptors=cfg.security.server_interceptors(),
             admission=cfg.admission(),
         )
         service.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
+        if replication is not None:
+            follow = ReplicationServicer(replication, fingerprint=task.fingerprint, work=self._work)
+            service.add(lambda server: replication_pb2_grpc.add_ReplicationServicer_to_server(follow, server))
         self._threads = [
             threading.Thread(target=state.run_poller, name="coordinator-rounds", daemon=True),
             threading.Thread(target=self._jobs_loop, name="coordinator-jobs", daemon=True),
@@ -263,6 +277,8 @@ class CoordinatorServer:
             state.stop()
             if self._carbon is not None:
                 self._carbon.stop()
+            if self._replication is not None:
+                self._replication.stop()
             if self._bulk is not None:
                 self._bulk.stop(grace)
             if self._grpc is not None:
@@ -288,8 +304,11 @@ class CoordinatorServer:
 
     # --- after every round ----------------------------------------------------------------------------------------
     def _on_round(self, applied: RoundApplied) -> None:
-        """Called after a round's outer step, holding the state's tensor lock (`work`) but not its control lock:
-        copy Θ for an evaluation, and ask the jobs thread for it and for a checkpoint (newest wins)."""
+        """Called after a round's outer step, holding the state's tensor lock (`work`) but not its control lock, before
+        the version is published: log it for the standbys (and wait for them), copy Θ for an evaluation, and ask the
+        jobs thread for it and for a checkpoint (newest wins)."""
+        if self._replication is not None:  # first: the entry, and with --sync-replicas the wait for standbys
+            self._replication.round_applied(applied)
         cfg = self.cfg
         v = applied.version
         last = bool(self.core.cfg.target_outer_steps) and v >= self.core.cfg.target_outer_steps

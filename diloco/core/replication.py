@@ -1,0 +1,624 @@
+"""Round-log replication to hot standbys (ALGORITHM.md section 11): the leader's log, a standby's state, and the
+rule for publishing a version only once enough standbys hold it.
+
+Pure: no gRPC, no clock reads (`now` is an argument), no I/O.
+
+**What an entry holds.** After every round the leader appends a `LogEntry`: the version, the leadership epoch, the
+merged pseudo-gradient Δ exactly as the outer step took it (merged, scaled by the round's fraction: the bytes the
+coordinator passed to `OuterOptimizer.step`), the number of live learners given to the optimizer
+(`set_num_learners`, which Delayed Nesterov uses), the bookkeeping (the non-tensor part of
+`CoordinatorCore.snapshot()` after the round: ledger, tokens applied, incarnation counter, guard norms; and the
+round's applied submission ids) and the `Digest` of Θ and of the outer optimizer's state after the step. A standby
+runs the same `outer.step(Θ, Δ)` on the same bits and must get the same digest: replay is bit-exact on the same
+torch build and CPU kind (an elementwise step does not depend on the number of threads). A standby that got
+different bits (another build, a corrupt message, a divergent history) is told to resync from a snapshot.
+
+**Validate, then mutate.** `Standby.apply` checks the epoch (not older than the newest it has seen), the version
+(exactly one past the one it holds: a gap or a repeat is refused), the payload checksum, the bookkeeping, and then
+computes the step on copies of Θ and of the outer state and compares the digest; only when all of that holds does
+it adopt the result. Any refusal is `ResyncRequired` naming the reason (`ResyncReason`) and leaves the standby
+exactly as it was. A standby holding nothing, or refused, asks for a `Snapshot` (Θ, the outer optimizer's state,
+the bookkeeping, the recent applied submission ids) and then tails entries again. Memory: applying an entry holds a
+second copy of Θ and of the outer state until the digest is checked.
+
+**What the leader keeps.** `RoundLog` keeps the last `max_entries` entries and the digest of every version from
+the one just before the oldest entry to the newest. `since(held, digest)` says what a standby holding `held` with
+`digest` needs: the entries after it, or `None` (a snapshot) when it holds nothing, is ahead of the leader (it
+followed a deposed leader further), holds a version the window no longer covers, or holds different bits.
+
+**Synchronous replication.** `SyncGate` decides when version v may be published to learners: once `required`
+standbys acknowledged v (or a newer version). Waiting is bounded: when fewer standbys are following than could
+meet the requirement, or `timeout_s` passed since v was appended, v is published anyway (DEGRADED) and the
+standbys that did not answer in time are marked lagging: they are not waited for again until they catch up (ack
+the newest version appended at the time of the ack). So a stalled or slow standby costs one timeout, not one per
+round.
+
+Byte layouts (little-endian; `n` = numel; crc32 = `zlib.crc32`):
+- entry payload: Δ (n float32) ‖ bookkeeping (UTF-8 JSON); `payload_crc32` covers both, in that order.
+- snapshot payload: Θ (n float32) ‖ one n-float32 tensor per name in `outer_tensors`, in that order ‖ bookkeeping
+  (UTF-8 JSON, which also holds the outer optimizer's scalars); `payload_crc32` covers it all.
+- digest: `params_crc32` = crc32 of Θ's bytes; `outer_crc32` = crc32 chained over the outer optimizer's
+  `state_dict()`, key by key in sorted order: the key (UTF-8), then a tensor's float32 bytes, `b"\\x00"` for None,
+  or the `repr` of any other value (UTF-8).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import zlib
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from diloco.core.broadcast import params_checksum
+from diloco.core.outer import OUTER_NAMES, OuterConfig, OuterOptimizer, build_outer
+from diloco.errors import ConfigError, FailedPrecondition
+
+APPLIED_IDS = 4096  # applied submission ids a standby remembers (as `CoordinatorCore.applied_ids`)
+MAX_OUTER_TENSORS = 4  # tensors an outer optimizer's state holds (Nesterov: 1, Delayed Nesterov: 2)
+MAX_BOOKKEEPING_BYTES = 64 << 20  # a bookkeeping JSON larger than this is refused as corrupt
+# keys of a core snapshot that are not bookkeeping: its tensors, and the applied ids a standby's snapshot adds
+_NOT_BOOKKEEPING = ("params", "outer", "applied_ids")
+
+
+class ResyncReason(enum.Enum):
+    NO_STATE = "no_state"  # the standby holds nothing yet
+    STALE_EPOCH = "stale_epoch"  # the message comes from a leadership older than one already seen
+    GAP = "gap"  # the entry is not exactly one version past the one held
+    CORRUPT = "corrupt"  # payload checksum, sizes or bookkeeping do not check out
+    CHECKSUM = "checksum"  # the replayed step did not give the leader's digest
+
+
+class ResyncRequired(FailedPrecondition):
+    """The standby refused a message and changed nothing; it must resync from a snapshot."""
+
+    def __init__(self, reason: ResyncReason, message: str) -> None:
+        super().__init__(f"{message}; resync from a snapshot")
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Digest:
+    """crc32 of Θ's float32 bytes and of the outer optimizer's state (module docstring)."""
+
+    params_crc32: int
+    outer_crc32: int
+
+
+def outer_checksum(outer: OuterOptimizer) -> int:
+    crc = 0
+    for key, value in sorted(outer.state_dict().items()):
+        crc = zlib.crc32(key.encode(), crc)
+        if isinstance(value, torch.Tensor):
+            crc = zlib.crc32(_fp32(value), crc)
+        elif value is None:
+            crc = zlib.crc32(b"\x00", crc)
+        else:
+            crc = zlib.crc32(repr(value).encode(), crc)
+    return crc
+
+
+def digest(params: torch.Tensor, outer: OuterOptimizer) -> Digest:
+    return Digest(params_checksum(params), outer_checksum(outer))
+
+
+def _fp32(t: torch.Tensor) -> memoryview:
+    if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.device.type != "cpu":
+        raise ConfigError("replicated tensors are flat, contiguous float32 CPU vectors")
+    return t.detach().numpy().data.cast("B")
+
+
+def _crc(parts: Iterable[bytes | bytearray | memoryview]) -> int:
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return crc
+
+
+def _tensor(buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
+    """A float32 vector over `buf` (no copy when it is writable; a private copy otherwise)."""
+    view = memoryview(buf).cast("B")
+    if len(view) != 4 * numel:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"a tensor of {len(view)} bytes where {4 * numel} were due")
+    if view.readonly:
+        view = memoryview(bytearray(view))
+    return torch.frombuffer(view, dtype=torch.float32) if numel else torch.zeros(0)
+
+
+def _json(value: Mapping[str, Any]) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _parse(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    try:
+        value = json.loads(bytes(data))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"the bookkeeping is not JSON ({e})") from None
+    if not isinstance(value, dict) or not isinstance(value.get("core"), dict):
+        raise ResyncRequired(ResyncReason.CORRUPT, "the bookkeeping has no 'core' object")
+    return value
+
+
+def core_bookkeeping(core_snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """The non-tensor part of `CoordinatorCore.snapshot()` (or of `Standby.core_snapshot()`, less its ids)."""
+    return {k: v for k, v in core_snapshot.items() if k not in _NOT_BOOKKEEPING}
+
+
+# --- the messages -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryMeta:
+    """An entry's header: everything but the payload bytes."""
+
+    version: int
+    epoch: int
+    learners: int
+    numel: int
+    bookkeeping_bytes: int
+    payload_crc32: int
+    digest: Digest
+
+    @property
+    def payload_bytes(self) -> int:
+        return 4 * self.numel + self.bookkeeping_bytes
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    """One applied round (module docstring). `delta`: the Δ the outer step took (read-only by convention)."""
+
+    version: int
+    epoch: int
+    learners: int
+    delta: torch.Tensor
+    bookkeeping: bytes  # UTF-8 JSON: {"core": ..., "applied_ids": [...]}
+    digest: Digest
+    payload_crc32: int
+
+    @classmethod
+    def make(
+        cls,
+        version: int,
+        epoch: int,
+        learners: int,
+        delta: torch.Tensor,
+        core_snapshot: Mapping[str, Any],
+        applied_ids: Sequence[str],
+        after: Digest,
+    ) -> LogEntry:
+        """The leader's entry for `version`: `delta` (kept, not copied), the core's snapshot after the round (its
+        tensors are left out), the round's applied submission ids and the digest after the step."""
+        book = _json({"core": core_bookkeeping(core_snapshot), "applied_ids": list(applied_ids)})
+        return cls(version, epoch, learners, delta, book, after, _crc((_fp32(delta), book)))
+
+    @property
+    def meta(self) -> EntryMeta:
+        numel = self.delta.numel()
+        return EntryMeta(
+            self.version, self.epoch, self.learners, numel, len(self.bookkeeping), self.payload_crc32, self.digest
+        )
+
+    def payload(self) -> tuple[memoryview, ...]:
+        """The payload's parts, in order (views, no copy)."""
+        return _fp32(self.delta), memoryview(self.bookkeeping)
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    version: int
+    epoch: int
+    numel: int
+    outer_tensors: tuple[str, ...]
+    bookkeeping_bytes: int
+    payload_crc32: int
+    digest: Digest
+
+    @property
+    def payload_bytes(self) -> int:
+        return 4 * self.numel * (1 + len(self.outer_tensors)) + self.bookkeeping_bytes
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The whole replicated state at `version`: Θ, the outer optimizer's tensors (by name) and the bookkeeping
+    (JSON: {"core": ..., "outer": the optimizer's scalars, "applied_ids": the recent applied submission ids})."""
+
+    version: int
+    epoch: int
+    params: torch.Tensor
+    outer_tensors: tuple[tuple[str, torch.Tensor], ...]
+    bookkeeping: bytes
+    digest: Digest
+    payload_crc32: int
+
+    @classmethod
+    def of_core(cls, core_snapshot: Mapping[str, Any], applied_ids: Sequence[str], epoch: int) -> Snapshot:
+        """A snapshot from `CoordinatorCore.snapshot()`, its tensors copied (call it where the core cannot step
+        meanwhile: the coordinator's `work` lock)."""
+        outer_state = dict(core_snapshot["outer"])
+        params = core_snapshot["params"].detach().clone()
+        tensors = tuple((k, v.detach().clone()) for k, v in sorted(outer_state.items()) if isinstance(v, torch.Tensor))
+        scalars = {k: v for k, v in outer_state.items() if not isinstance(v, torch.Tensor) and v is not None}
+        book = _json({"core": core_bookkeeping(core_snapshot), "outer": scalars, "applied_ids": list(applied_ids)})
+        outer = _outer_from(scalars, dict(tensors))
+        crc = _crc((_fp32(params), *(_fp32(t) for _, t in tensors), book))
+        return cls(int(core_snapshot["version"]), epoch, params, tensors, book, digest(params, outer), crc)
+
+    @property
+    def meta(self) -> SnapshotMeta:
+        return SnapshotMeta(
+            self.version,
+            self.epoch,
+            self.params.numel(),
+            tuple(name for name, _ in self.outer_tensors),
+            len(self.bookkeeping),
+            self.payload_crc32,
+            self.digest,
+        )
+
+    def payload(self) -> tuple[memoryview, ...]:
+        return _fp32(self.params), *(_fp32(t) for _, t in self.outer_tensors), memoryview(self.bookkeeping)
+
+
+def _outer_from(scalars: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> OuterOptimizer:
+    """An outer optimizer holding `scalars` and (copies of) `tensors`, as its `state_dict()` lays them out."""
+    name = scalars.get("name")
+    if name not in OUTER_NAMES:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"unknown outer optimizer {name!r}")
+    try:
+        lr, momentum = float(scalars["lr"]), float(scalars["momentum"])
+        outer = build_outer(OuterConfig(str(name), lr, momentum))
+        state = {**outer.state_dict(), **scalars, **tensors}
+        outer.load_state_dict(state)
+    except (KeyError, TypeError, ValueError) as e:  # ConfigError is a ValueError
+        raise ResyncRequired(ResyncReason.CORRUPT, f"the outer optimizer's state is malformed ({e})") from None
+    unknown = set(state) - set(outer.state_dict())
+    if unknown:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"the outer optimizer's state has unknown keys {sorted(unknown)}")
+    return outer
+
+
+def _copy_outer(outer: OuterOptimizer) -> OuterOptimizer:
+    state = outer.state_dict()
+    copy = build_outer(OuterConfig(state["name"], float(state["lr"]), float(state["momentum"])))
+    copy.load_state_dict(state)  # clones the tensors
+    return copy
+
+
+# --- the receiving end of the wire ------------------------------------------------------------------------------
+
+
+class Receiver:
+    """Reassembles one snapshot or entry at a time from its header and data chunks (a standby's stream), checking
+    sizes as it goes and the payload checksum at the end. Anything out of order or oversized is `ResyncRequired`
+    (CORRUPT); the receiver is then empty again."""
+
+    def __init__(self, numel: int, max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES) -> None:
+        self.numel = numel
+        self.max_bookkeeping_bytes = max_bookkeeping_bytes
+        self._meta: EntryMeta | SnapshotMeta | None = None
+        self._buf = bytearray()
+        self._at = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._meta is not None
+
+    def start(self, meta: EntryMeta | SnapshotMeta) -> LogEntry | Snapshot | None:
+        """A header: the payload follows (returned at once when it is empty, which only a zero-size model has)."""
+        if self._meta is not None:
+            self._reset()
+            raise ResyncRequired(ResyncReason.CORRUPT, "a header arrived before the previous payload was complete")
+        if meta.numel != self.numel:
+            raise ResyncRequired(
+                ResyncReason.CORRUPT, f"the leader's model has {meta.numel} parameters; this standby's has {self.numel}"
+            )
+        if not 0 <= meta.bookkeeping_bytes <= self.max_bookkeeping_bytes:
+            raise ResyncRequired(
+                ResyncReason.CORRUPT,
+                f"bookkeeping of {meta.bookkeeping_bytes} bytes (limit {self.max_bookkeeping_bytes})",
+            )
+        if isinstance(meta, SnapshotMeta) and len(meta.outer_tensors) > MAX_OUTER_TENSORS:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"{len(meta.outer_tensors)} outer tensors (at most 4)")
+        self._meta, self._buf, self._at = meta, bytearray(meta.payload_bytes), 0
+        return self._finish() if meta.payload_bytes == 0 else None
+
+    def feed(self, data: bytes | memoryview) -> LogEntry | Snapshot | None:
+        """A data chunk; returns the message once its payload is complete."""
+        if self._meta is None:
+            raise ResyncRequired(ResyncReason.CORRUPT, "payload bytes arrived without a header")
+        end = self._at + len(data)
+        if end > len(self._buf):
+            self._reset()
+            raise ResyncRequired(ResyncReason.CORRUPT, "more payload bytes than the header announced")
+        self._buf[self._at : end] = data
+        self._at = end
+        return self._finish() if end == len(self._buf) else None
+
+    def _reset(self) -> None:
+        self._meta, self._buf, self._at = None, bytearray(), 0
+
+    def _finish(self) -> LogEntry | Snapshot:
+        meta, buf = self._meta, self._buf
+        self._reset()
+        assert meta is not None
+        if zlib.crc32(buf) != meta.payload_crc32:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"version {meta.version}: the payload checksum does not match")
+        view, n = memoryview(buf), 4 * meta.numel
+        if isinstance(meta, EntryMeta):
+            book = bytes(view[n:])
+            return LogEntry(
+                meta.version,
+                meta.epoch,
+                meta.learners,
+                _tensor(view[:n], meta.numel),
+                book,
+                meta.digest,
+                meta.payload_crc32,
+            )
+        tensors = tuple(
+            (name, _tensor(view[n * (i + 1) : n * (i + 2)], meta.numel)) for i, name in enumerate(meta.outer_tensors)
+        )
+        book = bytes(view[n * (1 + len(tensors)) :])
+        params = _tensor(view[:n], meta.numel)
+        return Snapshot(meta.version, meta.epoch, params, tensors, book, meta.digest, meta.payload_crc32)
+
+
+# --- the standby ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Held:
+    version: int
+    params: torch.Tensor
+    outer: OuterOptimizer
+    core: dict[str, Any]
+    digest: Digest
+    applied_ids: deque[str] = field(default_factory=lambda: deque(maxlen=APPLIED_IDS))
+
+
+class Standby:
+    """A hot standby's copy of the leader's state, moved only by `load` (a snapshot) and `apply` (the next entry).
+
+    States: EMPTY (holds nothing) --load--> HOLDING(v) --apply(v+1)--> HOLDING(v+1); a refused `apply` or `load`
+    leaves it where it was. `epoch` is the newest leadership epoch seen; it never goes backwards."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel = numel
+        self.epoch = 0
+        self._held: _Held | None = None
+
+    @property
+    def version(self) -> int | None:
+        return None if self._held is None else self._held.version
+
+    @property
+    def digest(self) -> Digest | None:
+        return None if self._held is None else self._held.digest
+
+    @property
+    def params(self) -> torch.Tensor:
+        return self._require().params
+
+    @property
+    def outer(self) -> OuterOptimizer:
+        return self._require().outer
+
+    @property
+    def applied_ids(self) -> tuple[str, ...]:
+        return tuple(self._require().applied_ids)
+
+    def _require(self) -> _Held:
+        if self._held is None:
+            raise ResyncRequired(ResyncReason.NO_STATE, "this standby holds no state yet")
+        return self._held
+
+    def _check_epoch(self, epoch: int, what: str) -> None:
+        if epoch < self.epoch:
+            raise ResyncRequired(
+                ResyncReason.STALE_EPOCH,
+                f"{what} comes from leadership epoch {epoch}, older than epoch {self.epoch} already seen",
+            )
+
+    def load(self, snap: Snapshot) -> None:
+        """Adopt a snapshot whole (any version: a standby ahead of a new leader goes back to it)."""
+        self._check_epoch(snap.epoch, f"snapshot of version {snap.version}")
+        if snap.params.numel() != self.numel or any(t.numel() != self.numel for _, t in snap.outer_tensors):
+            raise ResyncRequired(ResyncReason.CORRUPT, f"snapshot tensors do not hold {self.numel} parameters")
+        if _crc(snap.payload()) != snap.payload_crc32:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"snapshot of version {snap.version}: payload checksum differs")
+        book = _parse(snap.bookkeeping)
+        core = book["core"]
+        if core.get("version") != snap.version:
+            raise ResyncRequired(
+                ResyncReason.CORRUPT, f"snapshot of version {snap.version} holds bookkeeping of another"
+            )
+        outer = _outer_from(book.get("outer") or {}, dict(snap.outer_tensors))
+        params = snap.params.detach().clone()
+        got = digest(params, outer)
+        if got != snap.digest:
+            raise ResyncRequired(ResyncReason.CHECKSUM, f"snapshot of version {snap.version}: its digest differs")
+        held = _Held(snap.version, params, outer, core, got)
+        held.applied_ids.extend(_ids(book))
+        self._held, self.epoch = held, max(self.epoch, snap.epoch)
+
+    def apply(self, entry: LogEntry) -> None:
+        """Apply the next round (module docstring: checks first, then the step on copies, then the digest)."""
+        held = self._require()
+        self._check_epoch(entry.epoch, f"entry {entry.version}")
+        if entry.version != held.version + 1:
+            raise ResyncRequired(
+                ResyncReason.GAP, f"entry {entry.version} does not follow the version held ({held.version})"
+            )
+        if entry.delta.numel() != self.numel:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: Δ does not hold {self.numel} values")
+        if _crc((_fp32(entry.delta), entry.bookkeeping)) != entry.payload_crc32:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: payload checksum differs")
+        book = _parse(entry.bookkeeping)
+        if book["core"].get("version") != entry.version:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version} holds bookkeeping of another version")
+        if entry.learners < 1:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: learners must be >= 1")
+        ids = _ids(book)
+        params, outer = held.params.clone(), _copy_outer(held.outer)
+        outer.set_num_learners(entry.learners)
+        outer.step(params, entry.delta)  # not scratch: the entry's Δ stays as it came (same bits either way)
+        got = digest(params, outer)
+        if got != entry.digest:
+            raise ResyncRequired(
+                ResyncReason.CHECKSUM,
+                f"entry {entry.version}: the replayed step gives crc32 {got.params_crc32:#010x}/{got.outer_crc32:#010x}"
+                f", the leader had {entry.digest.params_crc32:#010x}/{entry.digest.outer_crc32:#010x}",
+            )
+        held.applied_ids.extend(ids)  # nothing above raised: adopt it all
+        held.version, held.params, held.outer, held.core, held.digest = entry.version, params, outer, book["core"], got
+        self.epoch = max(self.epoch, entry.epoch)
+
+    def core_snapshot(self) -> dict[str, Any]:
+        """What `CoordinatorCore.restore` takes (and `services.coordinator.checkpoint.save` writes), plus the recent
+        applied submission ids under "applied_ids". The tensors are the standby's own: serialise them before the
+        next `apply`/`load`."""
+        held = self._require()
+        return {
+            **held.core,
+            "params": held.params,
+            "outer": held.outer.state_dict(),
+            "applied_ids": list(held.applied_ids),
+        }
+
+
+def _ids(book: Mapping[str, Any]) -> list[str]:
+    ids = book.get("applied_ids", [])
+    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+        raise ResyncRequired(ResyncReason.CORRUPT, "applied_ids must be a list of strings")
+    return ids
+
+
+# --- the leader's log -------------------------------------------------------------------------------------------
+
+
+class RoundLog:
+    """The leader's recent entries (at most `max_entries`) and the digest of every version they span."""
+
+    def __init__(self, version: int, at: Digest, max_entries: int) -> None:
+        if max_entries < 1:
+            raise ConfigError(f"replication log entries must be >= 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: deque[LogEntry] = deque()
+        self._floor = (version, at)  # the version just before the oldest entry, and its digest
+
+    @property
+    def newest(self) -> int:
+        return self._entries[-1].version if self._entries else self._floor[0]
+
+    @property
+    def oldest(self) -> int:
+        """The oldest version a standby may hold and still catch up from entries."""
+        return self._floor[0]
+
+    def digest_of(self, version: int) -> Digest | None:
+        """The digest the log knows for `version` (None: outside the window)."""
+        if version == self._floor[0]:
+            return self._floor[1]
+        i = version - self._floor[0] - 1
+        return self._entries[i].digest if 0 <= i < len(self._entries) else None
+
+    def append(self, entry: LogEntry) -> None:
+        if entry.version != self.newest + 1:
+            raise FailedPrecondition(f"log entry {entry.version} does not follow version {self.newest}")
+        self._entries.append(entry)
+        while len(self._entries) > self.max_entries:
+            old = self._entries.popleft()
+            self._floor = (old.version, old.digest)
+
+    def since(self, held: int | None, held_digest: Digest | None) -> list[LogEntry] | None:
+        """The entries a standby holding `held` (None: nothing) with `held_digest` needs, oldest first ([] when it is
+        up to date), or None: it needs a snapshot."""
+        if held is None or held_digest is None:
+            return None
+        if self.digest_of(held) != held_digest:  # ahead, too far behind, or other bits
+            return None
+        return list(self._entries)[held - self._floor[0] :]
+
+
+# --- publishing after the standbys ------------------------------------------------------------------------------
+
+
+class Gate(enum.Enum):
+    PUBLISH = "publish"  # enough standbys hold the version
+    WAIT = "wait"  # wait for acks until `deadline`
+    DEGRADED = "degraded"  # publish without them (too few following, or the timeout passed)
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    gate: Gate
+    acked: tuple[str, ...]  # standbys holding the version
+    missing: tuple[str, ...]  # followers that did not ack it in time (marked lagging) or still may
+    deadline: float = math.inf  # WAIT: when to decide again at the latest
+
+
+@dataclass
+class _Replica:
+    acked: int = -1
+    following: int = 0  # streams open
+    lagging: bool = False  # missed a deadline: not waited for until it acks the newest version
+
+
+class SyncGate:
+    """Which standbys hold which version, and whether version v may be published (module docstring)."""
+
+    def __init__(self, required: int, timeout_s: float) -> None:
+        if required < 0:
+            raise ConfigError(f"sync replicas must be >= 0, got {required}")
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ConfigError(f"replica ack timeout must be a finite number > 0, got {timeout_s}")
+        self.required = required
+        self.timeout_s = timeout_s
+        self.newest = 0  # the newest version appended (what a lagging standby must reach)
+        self._replicas: dict[str, _Replica] = {}
+
+    def appended(self, version: int) -> None:
+        self.newest = max(self.newest, version)
+
+    def follow(self, replica_id: str) -> None:
+        self._replicas.setdefault(replica_id, _Replica()).following += 1
+
+    def unfollow(self, replica_id: str) -> None:
+        r = self._replicas.get(replica_id)
+        if r is not None:
+            r.following = max(0, r.following - 1)
+            if not r.following:
+                del self._replicas[replica_id]
+
+    def ack(self, replica_id: str, version: int) -> None:
+        """A standby holds `version` (acks of a standby with no open stream are ignored)."""
+        r = self._replicas.get(replica_id)
+        if r is None:
+            return
+        r.acked = max(r.acked, version)
+        if r.acked >= self.newest:
+            r.lagging = False
+
+    def acked(self, replica_id: str) -> int:
+        r = self._replicas.get(replica_id)
+        return -1 if r is None else r.acked
+
+    def decide(self, version: int, since: float, now: float) -> GateDecision:
+        """May `version` (appended at `since`) be published at `now`? A DEGRADED decision marks the followers that
+        did not ack it as lagging (a transition: call it once per decision taken)."""
+        acked = tuple(sorted(w for w, r in self._replicas.items() if r.acked >= version))
+        if len(acked) >= self.required:
+            return GateDecision(Gate.PUBLISH, acked, ())
+        waiting = tuple(sorted(w for w, r in self._replicas.items() if r.acked < version and not r.lagging))
+        if len(acked) + len(waiting) >= self.required and now < since + self.timeout_s:
+            return GateDecision(Gate.WAIT, acked, waiting, since + self.timeout_s)
+        for w in waiting:
+            self._replicas[w].lagging = True
+        return GateDecision(Gate.DEGRADED, acked, waiting)

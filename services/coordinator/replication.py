@@ -1,0 +1,362 @@
+"""The leader's side of round-log replication (ALGORITHM.md section 11; the rules are in
+`diloco.core.replication`): `ReplicationLog` appends an entry after every round and holds a version back from the
+learners until enough standbys acknowledged it, and `ReplicationServicer` (`diloco.v1.Replication`) streams the log
+to standbys (`services.coordinator.standby`).
+
+Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just before the outer step, and the server's
+round hook calls `round_applied` just after it: both run holding the state's `work` lock, before the new version
+is published. `round_applied` builds the entry (the bookkeeping read under the state's `lock`), appends it, wakes
+the streams, and with `sync_replicas` > 0 waits, still holding `work`, until the standbys acknowledged it or the
+wait ends (`SyncGate`): while it waits, uploads are not folded in (control calls go on). Snapshots for standbys
+are copied under `work` on the coordinator's work executor, never on the event loop; the log's own condition
+(`_cond`) is a leaf lock.
+
+Epoch. Leadership (`diloco.core.leadership`) is not wired into the coordinator yet: the coordinator epoch (a new
+one at every start) stands in for the leadership epoch, so a restarted leader's messages are newer than its
+previous incarnation's and a standby never goes back to an older one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+import grpc
+import torch
+
+from diloco import log as logging
+from diloco.core.coordinator import RoundApplied
+from diloco.core.replication import (
+    Digest,
+    EntryMeta,
+    Gate,
+    LogEntry,
+    RoundLog,
+    Snapshot,
+    SnapshotMeta,
+    SyncGate,
+    digest,
+)
+from diloco.errors import FailedPrecondition, InvalidArgument
+from diloco.rpc import status
+from diloco.rpc.limits import MAX_ID_CHARS
+from diloco.rpc.payload import CHUNK_BYTES, chunks
+from diloco.rpc.server import LoopSignal
+from diloco.task.factory import fingerprint_mismatch
+from diloco.v1 import replication_pb2 as rpb
+from diloco.v1 import replication_pb2_grpc
+from services.coordinator.state import CoordinatorState
+
+SERVICE_NAME = "diloco.v1.Replication"
+T = TypeVar("T")
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+# --- protos <-> domain (both ends use these) ---------------------------------------------------------------------
+
+
+def digest_to_proto(d: Digest) -> rpb.StateDigest:
+    return rpb.StateDigest(params_crc32=d.params_crc32, outer_crc32=d.outer_crc32)
+
+
+def digest_from_proto(d: rpb.StateDigest) -> Digest:
+    return Digest(d.params_crc32, d.outer_crc32)
+
+
+def header_to_proto(meta: EntryMeta | SnapshotMeta) -> rpb.LogMessage:
+    if isinstance(meta, EntryMeta):
+        return rpb.LogMessage(
+            entry=rpb.EntryHeader(
+                version=meta.version,
+                epoch=meta.epoch,
+                learners=meta.learners,
+                numel=meta.numel,
+                bookkeeping_bytes=meta.bookkeeping_bytes,
+                payload_crc32=meta.payload_crc32,
+                digest=digest_to_proto(meta.digest),
+            )
+        )
+    return rpb.LogMessage(
+        snapshot=rpb.SnapshotHeader(
+            version=meta.version,
+            epoch=meta.epoch,
+            numel=meta.numel,
+            outer_tensors=list(meta.outer_tensors),
+            bookkeeping_bytes=meta.bookkeeping_bytes,
+            payload_crc32=meta.payload_crc32,
+            digest=digest_to_proto(meta.digest),
+        )
+    )
+
+
+def header_from_proto(msg: rpb.LogMessage) -> EntryMeta | SnapshotMeta | None:
+    """The header a message holds (None: it holds data)."""
+    kind = msg.WhichOneof("kind")
+    if kind == "entry":
+        e = msg.entry
+        return EntryMeta(
+            e.version, e.epoch, e.learners, e.numel, e.bookkeeping_bytes, e.payload_crc32, digest_from_proto(e.digest)
+        )
+    if kind == "snapshot":
+        s = msg.snapshot
+        return SnapshotMeta(
+            s.version,
+            s.epoch,
+            s.numel,
+            tuple(s.outer_tensors),
+            s.bookkeeping_bytes,
+            s.payload_crc32,
+            digest_from_proto(s.digest),
+        )
+    return None
+
+
+def encode(item: LogEntry | Snapshot, chunk_bytes: int = CHUNK_BYTES) -> list[rpb.LogMessage]:
+    """The messages of one entry or snapshot: its header, then its payload in pieces of at most `chunk_bytes`."""
+    out = [header_to_proto(item.meta)]
+    for part in item.payload():
+        out += [rpb.LogMessage(data=bytes(c)) for c in chunks(part, chunk_bytes=chunk_bytes)]
+    return out
+
+
+# --- the log ------------------------------------------------------------------------------------------------------
+
+
+class ReplicationLog:
+    """The leader's round log, its followers and the publish gate; thread-safe (module docstring)."""
+
+    def __init__(
+        self,
+        state: CoordinatorState,
+        *,
+        entries: int,
+        sync_replicas: int = 0,
+        ack_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.state = state
+        self.epoch = state.epoch
+        self.clock = clock
+        core = state.core
+        with state.work:
+            self._log = RoundLog(core.version, digest(core.params, core.outer), entries)
+        self._gate = SyncGate(sync_replicas, ack_timeout_s)
+        self._gate.appended(core.version)
+        self._cond = threading.Condition()
+        self._pending: tuple[int, torch.Tensor, int] | None = None  # under `work`: the Δ of the round stepping
+        self._listeners: list[Callable[[], None]] = []
+        self._degraded = False
+        self.stopping = False
+        self.log = logging.get("coordinator", epoch=state.epoch)
+        core.on_step = self._on_step
+
+    @property
+    def sync_replicas(self) -> int:
+        return self._gate.required
+
+    @property
+    def max_entries(self) -> int:
+        return self._log.max_entries
+
+    @property
+    def newest(self) -> int:
+        with self._cond:
+            return self._log.newest
+
+    def _on_step(self, version: int, delta: torch.Tensor, learners: int) -> None:
+        """Under `work`, just before the outer step: keep a copy of the Δ it takes (the merge buffer is reused)."""
+        self._pending = (version, delta.clone(), learners)
+
+    def round_applied(self, applied: RoundApplied) -> None:
+        """Under `work`, just after a round's step and before it is published: append its entry, wake the streams,
+        then wait for the standbys (`sync_replicas`)."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending[0] != applied.version:
+            raise RuntimeError(f"round {applied.version} was applied without its Δ reaching the replication log")
+        _, delta, learners = pending
+        core = self.state.core
+        after = digest(core.params, core.outer)
+        snap = self.state.snapshot()  # the bookkeeping (its tensors are not used)
+        ids = [p.submission_id for p in applied.submissions]
+        entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, ids, after)
+        with self._cond:
+            self._log.append(entry)
+            self._gate.appended(entry.version)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+        self._await_acks(entry.version)
+
+    def _await_acks(self, version: int) -> None:
+        if not self._gate.required:
+            return
+        since = self.clock()
+        with self._cond:
+            while True:
+                if self.stopping:
+                    return
+                d = self._gate.decide(version, since, self.clock())
+                if d.gate is not Gate.WAIT:
+                    break
+                self._cond.wait(max(0.0, d.deadline - self.clock()))
+            degraded, was = d.gate is Gate.DEGRADED, self._degraded
+            self._degraded = degraded
+        waited_s = round(self.clock() - since, 4)
+        if degraded:
+            self.log.warning(
+                "replication.degraded",
+                version=version,
+                required=self._gate.required,
+                acked=list(d.acked),
+                lagging=list(d.missing),
+                waited_s=waited_s,
+            )
+        elif was:
+            self.log.info("replication.restored", version=version, acked=list(d.acked), waited_s=waited_s)
+
+    def snapshot(self) -> Snapshot:
+        """The whole state at the newest version, copied under `work` (heavy: run it off the event loop)."""
+        with self.state.work:
+            snap = self.state.snapshot()
+            with self.state.lock:
+                ids = list(self.state.core.applied_ids)
+            return Snapshot.of_core(snap, ids, self.epoch)
+
+    def since(self, held: int | None, held_digest: Digest | None) -> list[LogEntry] | None:
+        with self._cond:
+            return self._log.since(held, held_digest)
+
+    def follow(self, replica_id: str) -> None:
+        with self._cond:
+            self._gate.follow(replica_id)
+
+    def unfollow(self, replica_id: str) -> None:
+        with self._cond:
+            self._gate.unfollow(replica_id)
+            self._cond.notify_all()  # a waiting round may now be short of followers
+
+    def ack(self, replica_id: str, version: int, held: Digest) -> int:
+        """A standby holds `version` with digest `held`. Returns the newest version appended. A digest other than
+        the log's for that version is refused (the standby must resync) and not counted."""
+        with self._cond:
+            known = self._log.digest_of(version)
+            newest = self._log.newest
+            if known is not None and known != held:
+                raise FailedPrecondition(
+                    f"standby {replica_id} holds other bits than the leader at version {version}; resync from a "
+                    "snapshot"
+                )
+            if version > newest:
+                raise FailedPrecondition(
+                    f"standby {replica_id} acknowledges version {version}, beyond this leader's {newest}; resync "
+                    "from a snapshot"
+                )
+            self._gate.ack(replica_id, version)
+            self._cond.notify_all()
+        return newest
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """`listener()` after every appended entry and on stop; it must not block."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def stop(self) -> None:
+        """Stop waiting for acks and end the streams. Safe to call twice."""
+        with self._cond:
+            self.stopping = True
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+
+# --- the servicer -------------------------------------------------------------------------------------------------
+
+
+def _require_id(value: str, field: str) -> str:
+    if not value:
+        raise InvalidArgument(f"{field} is required")
+    if len(value) > MAX_ID_CHARS or not value.isprintable():
+        raise InvalidArgument(f"{field} must be at most {MAX_ID_CHARS} printable characters")
+    return value
+
+
+class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
+    """Thin gRPC layer over `ReplicationLog`. `work`: the executor for snapshots and encoding (off the loop)."""
+
+    def __init__(
+        self, log: ReplicationLog, *, fingerprint: str, work: Executor, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
+        self.log = log
+        self.fingerprint = fingerprint
+        self.work = work
+        self.chunk_bytes = chunk_bytes
+        self.changed = LoopSignal()
+        log.add_listener(self.changed.notify)
+        self._encoded: dict[int, asyncio.Future[list[rpb.LogMessage]]] = {}  # entries by version, shared
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
+
+    @status.streaming
+    async def FollowLog(self, request: rpb.FollowLogRequest, context: Context) -> AsyncIterator[rpb.LogMessage]:
+        replica = _require_id(request.replica_id, "replica_id")
+        if not request.fingerprint:
+            raise InvalidArgument("fingerprint is required: send the fingerprint of the task the standby built")
+        mismatch = fingerprint_mismatch(request.fingerprint, self.fingerprint)
+        if mismatch:
+            raise FailedPrecondition(f"standby {replica} was refused: {mismatch}")
+        if request.epoch > self.log.epoch:
+            raise FailedPrecondition(
+                f"standby {replica} has seen leadership epoch {request.epoch}, newer than this coordinator's "
+                f"({self.log.epoch}): this coordinator is not the leader; follow the current one"
+            )
+        held: int | None = request.held_version if request.HasField("held_version") else None
+        held_digest: Digest | None = digest_from_proto(request.held_digest) if held is not None else None
+        self.log.follow(replica)
+        self.log.log.info("replication.follower_joined", replica_id=replica, held_version=held)
+        try:
+            while not self.log.stopping:
+                changed = self.changed.waiter()  # before reading: an entry appended after this wakes it
+                entries = self.log.since(held, held_digest)
+                if entries is None:
+                    snap = await self._blocking(self.log.snapshot)
+                    messages = await self._blocking(encode, snap, self.chunk_bytes)
+                    self.log.log.info(
+                        "replication.snapshot_sent", replica_id=replica, version=snap.version, held_version=held
+                    )
+                    for m in messages:
+                        yield m
+                    held, held_digest = snap.version, snap.digest
+                    continue
+                if not entries:
+                    await changed.wait()
+                    continue
+                for entry in entries:
+                    for m in await self._entry_messages(entry):
+                        yield m
+                    held, held_digest = entry.version, entry.digest
+        finally:
+            self.log.unfollow(replica)
+            self.log.log.info("replication.follower_left", replica_id=replica, held_version=held)
+
+    async def _entry_messages(self, entry: LogEntry) -> list[rpb.LogMessage]:
+        """An entry's messages, encoded once off the loop and shared by every stream; older ones are dropped."""
+        future = self._encoded.get(entry.version)
+        if future is None:
+            future = asyncio.ensure_future(self._blocking(encode, entry, self.chunk_bytes))
+            self._encoded[entry.version] = future
+            floor = entry.version - self.log.max_entries
+            for old in [v for v in self._encoded if v <= floor]:
+                del self._encoded[old]
+        return await asyncio.shield(future)
+
+    @status.unary
+    async def AckLog(self, request: rpb.AckLogRequest, context: Context) -> rpb.AckLogResponse:
+        replica = _require_id(request.replica_id, "replica_id")
+        newest = self.log.ack(replica, request.version, digest_from_proto(request.digest))
+        return rpb.AckLogResponse(leader_version=newest)

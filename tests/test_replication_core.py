@@ -1,0 +1,449 @@
+"""Round-log replication, pure (`diloco.core.replication`): a standby replaying a leader core's rounds holds the
+same bits at every version; every refusal (gap, repeat, older epoch, corrupt payload, wrong digest) leaves it
+exactly as it was; a snapshot then the tail catches a new standby up; the log's window and the publish gate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import zlib
+from typing import Any
+
+import pytest
+import torch
+
+from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submission
+from diloco.core.ledger import ShardRange
+from diloco.core.outer import OuterConfig
+from diloco.core.replication import (
+    Digest,
+    EntryMeta,
+    Gate,
+    LogEntry,
+    Receiver,
+    ResyncReason,
+    ResyncRequired,
+    RoundLog,
+    Snapshot,
+    Standby,
+    SyncGate,
+    digest,
+)
+from diloco.core.rounds import RoundConfig
+from diloco.errors import FailedPrecondition
+
+pytestmark = pytest.mark.timeout(60)
+N = 4099  # not a multiple of any vector width: the scalar tail of the elementwise kernels is exercised too
+EPOCH = 7
+
+
+class Leader:
+    """A coordinator core driven through rounds, with the replication log the service would keep."""
+
+    def __init__(self, mode: str = "decoupled", outer: str = "nesterov", workers: int = 3, k: int = 2) -> None:
+        cfg = CoordinatorConfig(
+            rounds=RoundConfig(mode=mode, min_quorum=k if mode == "decoupled" else 1, grace_max_s=0.5),
+            outer=OuterConfig(outer, 0.7 if outer != "fedavg" else 1.0, 0.9 if outer != "fedavg" else 0.0),
+            local_steps=10,
+            min_local_steps=2,
+            expected_workers=workers,
+        )
+        params = torch.randn(N, generator=torch.Generator().manual_seed(1))
+        self.core = CoordinatorCore(cfg, params, [100_000] * 6)
+        self.workers = [self.core.register(f"w{i}", 0.0).worker_id for i in range(workers)]
+        self.gen = torch.Generator().manual_seed(2)
+        self.now = 1.0
+        self.entries: list[LogEntry] = []
+        self.states: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}  # version -> (Θ, outer state) copies
+        self.first = self.snapshot()
+        self.log = RoundLog(self.core.version, digest(self.core.params, self.core.outer), max_entries=3)
+        self._step: tuple[int, torch.Tensor, int] | None = None
+        self.core.on_step = lambda v, d, n: setattr(self, "_step", (v, d.clone(), n))
+        self._keep()
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.of_core(self.core.snapshot(), list(self.core.applied_ids), EPOCH)
+
+    def _keep(self) -> None:
+        state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.core.outer.state_dict().items()}
+        self.states[self.core.version] = (self.core.params.clone(), state)
+
+    def submit(self, worker: int, sid: str, steps: int = 1) -> None:
+        c, w = self.core, self.workers[worker]
+        lease = c.plan(w).shards[0]
+        tokens = 16 * steps
+        rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + tokens)
+        sub = Submission(w, sid, c.version, tokens, steps, (rng,), c.plan(w).plan_seq)
+        delta = torch.randn(N, generator=self.gen) * 1e-2 * steps  # different sizes and token weights
+        self.now += 0.1
+        applied = c.accept(sub, delta, self.now).applied
+        if applied is not None:
+            self._entry(applied.version, [p.submission_id for p in applied.submissions])
+
+    def poll(self) -> None:
+        self.now += 1.0  # past every grace window
+        applied = self.core.poll(self.now)
+        if applied is not None:
+            self._entry(applied.version, [p.submission_id for p in applied.submissions])
+
+    def _entry(self, version: int, ids: list[str]) -> None:
+        assert self._step is not None and self._step[0] == version
+        _, delta, learners = self._step
+        c = self.core
+        e = LogEntry.make(version, EPOCH, learners, delta, c.snapshot(), ids, digest(c.params, c.outer))
+        self.entries.append(e)
+        self.log.append(e)
+        self._keep()
+
+    def rounds(self, n: int) -> None:
+        """`n` rounds: full ones, partial ones (closed on quorum and grace, scaled), with varied steps."""
+        start = self.core.version
+        i = 0
+        while self.core.version < start + n:
+            i += 1
+            if self.core.cfg.rounds.mode == "async":
+                self.submit(i % len(self.workers), f"s{start}-{i}", steps=1 + i % 3)
+            elif i % 2:
+                for w in range(len(self.workers)):
+                    self.submit(w, f"s{start}-{i}-{w}", steps=1 + (i + w) % 3)
+            else:
+                self.submit(0, f"s{start}-{i}-a", steps=2)
+                self.submit(1, f"s{start}-{i}-b", steps=1)
+                self.poll()  # closes without w2: a partial, scaled step
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32).clone()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def assert_holds(standby: Standby, leader: Leader, version: int) -> None:
+    params, outer = leader.states[version]
+    assert standby.version == version
+    assert same_bits(standby.params, params)
+    got = standby.outer.state_dict()
+    assert set(got) == set(outer)
+    for key, value in outer.items():
+        if isinstance(value, torch.Tensor):
+            assert same_bits(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def frozen(s: Standby) -> tuple[Any, ...]:
+    outer = {k: bits(v) if isinstance(v, torch.Tensor) else v for k, v in s.outer.state_dict().items()}
+    return s.version, s.epoch, s.digest, bits(s.params), outer, s.applied_ids, repr(s.core_snapshot()["ledger"])
+
+
+def assert_frozen(s: Standby, before: tuple[Any, ...]) -> None:
+    after = frozen(s)
+    assert after[:3] == before[:3] and torch.equal(after[3], before[3]) and after[5:] == before[5:]
+    assert after[4].keys() == before[4].keys()
+    for k, v in before[4].items():
+        assert torch.equal(after[4][k], v) if isinstance(v, torch.Tensor) else after[4][k] == v
+
+
+# --- bit-exact replay -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "outer"),
+    [("decoupled", "nesterov"), ("decoupled", "fedavg"), ("sync", "nesterov"), ("async", "delayed_nesterov")],
+)
+def test_a_standby_replaying_the_log_holds_the_leaders_bits_at_every_version(mode: str, outer: str) -> None:
+    leader = Leader(mode, outer)
+    standby = Standby(N)
+    standby.load(leader.first)
+    assert_holds(standby, leader, 0)
+    leader.rounds(8)
+    assert any(e.learners for e in leader.entries)
+    for e in leader.entries:
+        standby.apply(e)
+        assert_holds(standby, leader, e.version)
+        assert standby.digest == e.digest
+    # the bookkeeping followed too: a core restored from the standby is the leader's, ledger and all
+    restored = CoordinatorCore(leader.core.cfg, torch.zeros(N), [100_000] * 6)
+    restored.restore(standby.core_snapshot())
+    assert same_bits(restored.params, leader.core.params) and restored.version == leader.core.version
+    assert restored.ledger.committed_tokens() == leader.core.ledger.committed_tokens() > 0
+    assert restored.tokens_applied == leader.core.tokens_applied
+    assert digest(restored.params, restored.outer) == digest(leader.core.params, leader.core.outer)
+    assert list(standby.applied_ids) == list(leader.core.applied_ids)
+
+
+def test_partial_rounds_were_scaled_so_the_replay_covers_the_scaled_step() -> None:
+    leader = Leader()
+    scales: list[float] = []
+    closed = leader.core.close
+
+    def close(now: float) -> Any:
+        r = closed(now)
+        if r is not None:
+            scales.append(r.scale)
+        return r
+
+    leader.core.close = close  # type: ignore[method-assign]
+    leader.rounds(4)
+    assert any(s < 1 for s in scales) and any(s == 1 for s in scales)
+
+
+def test_snapshot_then_tail_catches_a_new_standby_up() -> None:
+    leader = Leader()
+    leader.rounds(3)
+    late = Standby(N)
+    with pytest.raises(ResyncRequired) as e:
+        late.apply(leader.entries[-1])
+    assert e.value.reason is ResyncReason.NO_STATE and "resync from a snapshot" in str(e.value)
+    late.load(leader.snapshot())
+    assert_holds(late, leader, 3)
+    assert list(late.applied_ids) == list(leader.core.applied_ids)
+    leader.rounds(3)
+    for entry in leader.log.since(late.version, late.digest) or []:
+        late.apply(entry)
+    assert_holds(late, leader, 6)
+
+
+def test_a_snapshot_crosses_the_wire_and_an_entry_too() -> None:
+    leader = Leader()
+    leader.rounds(2)
+    snap = leader.snapshot()
+    rx = Receiver(N)
+    got: Any = rx.start(snap.meta)
+    for part in snap.payload():
+        for i in range(0, len(part), 1000):
+            assert got is None
+            got = rx.feed(part[i : i + 1000])
+    assert isinstance(got, Snapshot) and got.meta == snap.meta and not rx.busy
+    s = Standby(N)
+    s.load(got)
+    assert_holds(s, leader, 2)
+    leader.rounds(1)
+    entry = leader.entries[-1]
+    rx.start(entry.meta)
+    received: Any = None
+    for part in entry.payload():
+        received = rx.feed(bytes(part))
+    assert isinstance(received, LogEntry) and received.meta == entry.meta
+    s.apply(received)
+    assert_holds(s, leader, 3)
+
+
+# --- refusals change nothing ------------------------------------------------------------------------------------
+
+
+def corrupt(e: LogEntry) -> LogEntry:
+    delta = e.delta.clone()
+    delta[17] += 1.0
+    return dataclasses.replace(e, delta=delta)
+
+
+def wrong_digest(e: LogEntry) -> LogEntry:
+    return dataclasses.replace(e, digest=Digest(e.digest.params_crc32 ^ 1, e.digest.outer_crc32))
+
+
+def wrong_delta_right_crc(e: LogEntry) -> LogEntry:
+    """A Δ that checks out as sent (its payload checksum recomputed) but is not the leader's: the replay differs."""
+    delta = e.delta.clone()
+    delta[3] *= 2
+    book = json.loads(e.bookkeeping)
+    return LogEntry.make(e.version, e.epoch, e.learners, delta, book["core"], book["applied_ids"], e.digest)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda es: es[1], ResyncReason.GAP),  # skips version 1
+        (lambda es: es[-1], ResyncReason.GAP),  # far ahead
+        (lambda es: dataclasses.replace(es[0], epoch=EPOCH - 1), ResyncReason.STALE_EPOCH),
+        (lambda es: corrupt(es[0]), ResyncReason.CORRUPT),
+        (lambda es: wrong_digest(es[0]), ResyncReason.CHECKSUM),
+        (lambda es: wrong_delta_right_crc(es[0]), ResyncReason.CHECKSUM),
+        (lambda es: dataclasses.replace(es[0], bookkeeping=b"{not json"), ResyncReason.CORRUPT),
+        (lambda es: dataclasses.replace(es[0], learners=0), ResyncReason.CORRUPT),
+    ],
+    ids=[
+        "gap",
+        "far-ahead",
+        "older-epoch",
+        "corrupt-payload",
+        "wrong-digest",
+        "other-delta",
+        "bad-json",
+        "no-learners",
+    ],
+)
+def test_a_refused_entry_changes_nothing(make: Any, reason: ResyncReason) -> None:
+    leader = Leader()
+    leader.rounds(3)
+    s = Standby(N)
+    s.load(leader.first)
+    before = frozen(s)
+    with pytest.raises(ResyncRequired) as e:
+        s.apply(make(leader.entries))
+    assert e.value.reason is reason and "resync from a snapshot" in str(e.value)
+    assert isinstance(e.value, FailedPrecondition)
+    assert_frozen(s, before)
+    s.apply(leader.entries[0])  # and it still takes the right entry
+    assert_holds(s, leader, 1)
+
+
+def test_a_repeated_entry_is_a_gap_and_changes_nothing() -> None:
+    leader = Leader()
+    leader.rounds(2)
+    s = Standby(N)
+    s.load(leader.first)
+    s.apply(leader.entries[0])
+    before = frozen(s)
+    with pytest.raises(ResyncRequired) as e:
+        s.apply(leader.entries[0])
+    assert e.value.reason is ResyncReason.GAP
+    assert_frozen(s, before)
+
+
+def test_a_newer_epoch_is_adopted_and_an_older_one_is_then_refused() -> None:
+    leader = Leader()
+    leader.rounds(2)
+    s = Standby(N)
+    s.load(leader.first)
+    s.apply(dataclasses.replace(leader.entries[0], epoch=EPOCH + 5))
+    assert s.epoch == EPOCH + 5
+    before = frozen(s)
+    with pytest.raises(ResyncRequired) as e:
+        s.apply(leader.entries[1])
+    assert e.value.reason is ResyncReason.STALE_EPOCH
+    assert_frozen(s, before)
+    with pytest.raises(ResyncRequired):  # a snapshot of the old leadership too
+        s.load(leader.snapshot())
+    assert_frozen(s, before)
+
+
+@pytest.mark.parametrize("what", ["params", "digest", "version", "outer-name", "older-epoch"])
+def test_a_refused_snapshot_changes_nothing(what: str) -> None:
+    leader = Leader()
+    leader.rounds(2)
+    s = Standby(N)
+    s.load(dataclasses.replace(leader.first, epoch=EPOCH + 1))
+    s.apply(dataclasses.replace(leader.entries[0], epoch=EPOCH + 1))
+    before = frozen(s)
+    snap = dataclasses.replace(leader.snapshot(), epoch=EPOCH + 1)
+    if what == "params":
+        p = snap.params.clone()
+        p[0] = 5.0
+        bad = dataclasses.replace(snap, params=p)
+    elif what == "digest":
+        bad = dataclasses.replace(snap, digest=Digest(snap.digest.params_crc32, snap.digest.outer_crc32 + 1))
+    elif what == "version":
+        bad = dataclasses.replace(snap, version=99)  # the header says 99, the bookkeeping 2
+    elif what == "outer-name":
+        bad = _outer_renamed(snap)
+    else:
+        bad = dataclasses.replace(snap, epoch=EPOCH)
+    with pytest.raises(ResyncRequired):
+        s.load(bad)
+    assert_frozen(s, before)
+    s.load(snap)
+    assert_holds(s, leader, 2)
+
+
+def _outer_renamed(snap: Snapshot) -> Snapshot:
+    book = json.loads(snap.bookkeeping)
+    book["outer"]["name"] = "adam"
+    raw = json.dumps(book).encode()
+    crc = 0
+    for part in snap.payload()[:-1]:
+        crc = zlib.crc32(part, crc)
+    crc = zlib.crc32(raw, crc)
+    return dataclasses.replace(snap, bookkeeping=raw, payload_crc32=crc)
+
+
+def test_the_receiver_refuses_what_is_out_of_order_or_oversized() -> None:
+    leader = Leader()
+    leader.rounds(1)
+    entry = leader.entries[0]
+    rx = Receiver(N)
+    with pytest.raises(ResyncRequired, match="without a header"):
+        rx.feed(b"x")
+    with pytest.raises(ResyncRequired, match="parameters"):
+        rx.start(dataclasses.replace(entry.meta, numel=N + 1))
+    with pytest.raises(ResyncRequired, match="bookkeeping"):
+        rx.start(dataclasses.replace(entry.meta, bookkeeping_bytes=1 << 40))
+    rx.start(entry.meta)
+    with pytest.raises(ResyncRequired, match="before the previous payload"):
+        rx.start(entry.meta)
+    assert not rx.busy
+    rx.start(entry.meta)
+    with pytest.raises(ResyncRequired, match="more payload bytes"):
+        rx.feed(b"\0" * (entry.meta.payload_bytes + 1))
+    meta = dataclasses.replace(entry.meta, payload_crc32=entry.payload_crc32 ^ 1)
+    rx.start(meta)
+    with pytest.raises(ResyncRequired, match="checksum"):
+        for part in entry.payload():
+            rx.feed(part)
+    assert isinstance(entry.meta, EntryMeta)
+
+
+# --- the leader's window ----------------------------------------------------------------------------------------
+
+
+def test_the_log_says_entries_or_snapshot() -> None:
+    leader = Leader()
+    log = leader.log  # keeps 3 entries
+    first = leader.first.digest
+    assert log.since(0, first) == [] and log.since(None, None) is None
+    leader.rounds(2)
+    assert [e.version for e in log.since(0, first) or []] == [1, 2]
+    assert [e.version for e in log.since(1, leader.entries[0].digest) or []] == [2]
+    assert log.since(2, leader.entries[1].digest) == []
+    assert log.since(1, Digest(0, 0)) is None  # other bits at version 1
+    assert log.since(3, leader.entries[1].digest) is None  # ahead of the leader
+    leader.rounds(3)  # versions 3..5 kept; version 2 is the floor
+    assert log.oldest == 2 and log.newest == 5
+    assert log.since(0, first) is None and log.since(1, leader.entries[0].digest) is None
+    assert [e.version for e in log.since(2, leader.entries[1].digest) or []] == [3, 4, 5]
+    with pytest.raises(FailedPrecondition):
+        log.append(leader.entries[-1])
+
+
+# --- the publish gate -------------------------------------------------------------------------------------------
+
+
+def test_the_gate_publishes_after_enough_acks() -> None:
+    g = SyncGate(required=1, timeout_s=2.0)
+    g.follow("a")
+    g.appended(1)
+    d = g.decide(1, since=10.0, now=10.0)
+    assert d.gate is Gate.WAIT and d.deadline == 12.0 and d.missing == ("a",)
+    g.ack("a", 1)
+    assert g.decide(1, since=10.0, now=10.5).gate is Gate.PUBLISH
+    assert SyncGate(0, 1.0).decide(5, 0.0, 0.0).gate is Gate.PUBLISH
+
+
+def test_the_gate_degrades_at_once_without_enough_followers() -> None:
+    g = SyncGate(required=2, timeout_s=2.0)
+    g.follow("a")
+    g.appended(1)
+    d = g.decide(1, since=0.0, now=0.0)
+    assert d.gate is Gate.DEGRADED and d.missing == ("a",)
+    g.ack("x", 1)  # not following: ignored
+    assert g.acked("x") == -1
+
+
+def test_a_standby_that_misses_the_deadline_is_not_waited_for_until_it_catches_up() -> None:
+    g = SyncGate(required=1, timeout_s=2.0)
+    g.follow("a")
+    g.appended(1)
+    assert g.decide(1, since=0.0, now=1.9).gate is Gate.WAIT
+    d = g.decide(1, since=0.0, now=2.0)
+    assert d.gate is Gate.DEGRADED and d.missing == ("a",)
+    g.appended(2)
+    assert g.decide(2, since=3.0, now=3.0).gate is Gate.DEGRADED  # lagging: no wait at all
+    g.ack("a", 1)
+    assert g.decide(2, since=3.0, now=3.0).gate is Gate.DEGRADED  # still behind what it must reach
+    g.ack("a", 2)
+    g.appended(3)
+    assert g.decide(3, since=4.0, now=4.0).gate is Gate.WAIT  # caught up: waited for again
+    g.unfollow("a")
+    assert g.decide(3, since=4.0, now=4.0).gate is Gate.DEGRADED

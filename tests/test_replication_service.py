@@ -1,0 +1,317 @@
+"""Round-log replication through real gRPC: an in-process leader coordinator on port 0 serving
+`diloco.v1.Replication`, and standbys (`services.coordinator.standby`) following it over real channels. A standby
+holds the leader's Θ and outer momentum bit for bit at every version; one killed and restarted catches up from its
+checkpoint (entries only) or, once the log moved past it, from a snapshot; `--sync-replicas` holds each version
+back until a standby holds it, and a stalled standby costs one bounded wait; refusals carry the right codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from diloco.core.replication import digest
+from diloco.rpc.server import channel
+from diloco.task.factory import Fingerprint
+from diloco.v1 import replication_pb2 as rpb
+from diloco.v1 import replication_pb2_grpc
+from services.coordinator import checkpoint
+from services.coordinator.replication import digest_to_proto
+from services.coordinator.server import CoordinatorServer
+from services.coordinator.standby import StandbyConfig, StandbyFollower
+from tests.support import Env, T, code_of, config, make_upload, pb, register, submit, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+State = tuple[torch.Tensor, dict[str, Any]]
+
+
+def copy_state(params: torch.Tensor, outer: dict[str, Any]) -> State:
+    return params.clone(), {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in outer.items()}
+
+
+def same_bits(a: State, b: State) -> bool:
+    if not torch.equal(a[0].view(torch.int32), b[0].view(torch.int32)) or a[1].keys() != b[1].keys():
+        return False
+    for k, v in a[1].items():
+        w = b[1][k]
+        if isinstance(v, torch.Tensor):
+            if not (isinstance(w, torch.Tensor) and torch.equal(v.view(torch.int32), w.view(torch.int32))):
+                return False
+        elif v != w:
+            return False
+    return True
+
+
+class Leader:
+    """The leader in process, one learner, and a copy of Θ and the outer state at every version it publishes."""
+
+    def __init__(self, env: Env) -> None:
+        self.env = env
+        self.reg = register(env)
+        self.states: dict[int, State] = {}
+        self._keep()
+        self.n = 0
+
+    def _keep(self) -> None:
+        core = self.env.server.core
+        with self.env.server.state.work:
+            self.states[core.version] = copy_state(core.params, core.outer.state_dict())
+
+    def round(self, codec: str = "fp32") -> int:
+        """One learner submission, which closes a round (the only learner): returns the version it made."""
+        self.n += 1
+        h, data, _ = make_upload(self.env, self.reg, f"s{self.n}", codec=codec, seed=self.n)
+        resp = submit(self.env, h, data)
+        assert resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED
+        self._keep()
+        return int(resp.version)
+
+
+class Follower:
+    """A standby following the leader, with a copy of its state at every version it reached."""
+
+    def __init__(self, env: Env, replica_id: str = "standby-1", **kw: Any) -> None:
+        self.chan = channel(env.server.address)
+        self.states: dict[int, State] = {}
+        self.f = StandbyFollower(
+            StandbyConfig(replica_id, **kw),
+            self.chan,
+            fingerprint=env.server.task.fingerprint,
+            numel=env.numel,
+            on_version=self._record,
+        )
+
+    def _record(self, version: int) -> None:  # on the follower's thread, right after it applied `version`
+        s = self.f.standby
+        self.states[version] = copy_state(s.params, s.outer.state_dict())
+
+    def start(self) -> Follower:
+        self.f.start()
+        return self
+
+    def stop(self) -> None:
+        self.f.stop()
+        self.chan.close()
+
+    def reach(self, version: int) -> None:
+        """Wait until the standby holds `version` (and `on_version` recorded it)."""
+        wait_for(f"the standby to hold version {version}", lambda: max(self.states, default=-1) >= version, 20.0)
+
+
+@pytest.fixture
+def followers() -> Iterator[Callable[..., Follower]]:
+    made: list[Follower] = []
+
+    def make(env: Env, replica_id: str = "standby-1", **kw: Any) -> Follower:
+        f = Follower(env, replica_id, **kw)
+        made.append(f)
+        return f.start()
+
+    yield make
+    for f in made:
+        f.stop()
+
+
+def test_a_standby_holds_the_leaders_bits_at_every_version(
+    start: Callable[..., Env], followers: Callable[..., Follower]
+) -> None:
+    env = start(replication_log=4)
+    leader = Leader(env)
+    leader.round()  # before the standby: it starts from a snapshot of version 1
+    f = followers(env)
+    f.reach(1)
+    for i in range(6):
+        v = leader.round("int8" if i % 2 else "fp32")
+        f.reach(v)
+    assert set(f.states) == set(range(1, 8))
+    for v, state in f.states.items():
+        assert same_bits(state, leader.states[v]), f"version {v} differs"
+    assert "buf" in leader.states[7][1] and leader.states[7][1]["buf"] is not None  # momentum was compared too
+    assert f.f.snapshots == 1 and f.f.resyncs == 0 and not f.f.failed
+    assert list(f.f.standby.applied_ids) == [f"s{i}" for i in range(1, 8)]
+
+
+def test_a_restarted_standby_catches_up_from_its_checkpoint_or_else_from_a_snapshot(
+    start: Callable[..., Env], followers: Callable[..., Follower], tmp_path: Path
+) -> None:
+    env = start(replication_log=2)
+    leader = Leader(env)
+    ckpt = tmp_path / "standby"
+    f = followers(env, checkpoint_dir=str(ckpt), checkpoint_every=1)
+    for _ in range(3):
+        f.reach(leader.round())
+    assert f.f.snapshots == 1
+    f.stop()  # killed
+    v = leader.round()  # version 4: the log (2 entries) still holds what the standby misses
+    again = followers(env, checkpoint_dir=str(ckpt), checkpoint_every=1)
+    again.reach(v)
+    assert again.f.snapshots == 0, "resumed from its checkpoint at version 3: entry 4 was enough"
+    assert set(again.states) == {4} and same_bits(again.states[4], leader.states[4])
+    again.stop()
+    for _ in range(4):
+        v = leader.round()  # versions 5..8: the log now starts after version 6
+    third = followers(env, checkpoint_dir=str(ckpt), checkpoint_every=1)
+    third.reach(v)
+    assert third.f.snapshots == 1, "version 4 is no longer in the leader's log: a snapshot"
+    assert same_bits(third.states[v], leader.states[v])
+    v = leader.round()
+    third.reach(v)
+    assert same_bits(third.states[v], leader.states[v])
+
+    # a coordinator started on the standby's checkpoints resumes where the leader is (a manual failover)
+    third.stop()
+    successor = CoordinatorServer(config(checkpoint_dir=str(ckpt)))
+    try:
+        successor.start()
+        assert successor.core.version == v
+        state = copy_state(successor.core.params, successor.core.outer.state_dict())
+        assert same_bits(state, leader.states[v])
+        assert successor.core.ledger.committed_tokens() == env.server.core.ledger.committed_tokens()
+    finally:
+        successor.stop(0)
+    assert checkpoint.load_latest(ckpt) is not None
+
+
+def test_a_standby_ahead_of_a_restarted_leader_goes_back_to_its_state(
+    start: Callable[..., Env], followers: Callable[..., Follower], tmp_path: Path
+) -> None:
+    """The leader crashes after version 5 with its newest checkpoint at version 4 and restarts (same address, a newer
+    epoch): the standby, holding the lost version 5, gets a snapshot of version 4 and then the new history."""
+    ckpt = tmp_path / "leader"
+    env = start(replication_log=4, checkpoint_dir=str(ckpt), checkpoint_every=2)
+    leader = Leader(env)
+    f = followers(env)
+    for _ in range(5):
+        f.reach(leader.round())
+    port, epoch = env.server.port, env.server.state.epoch
+    env.chan.close()
+    env.server.stop(0)
+    checkpoint.checkpoint_path(ckpt, 5).unlink()  # the crash came before version 5 was checkpointed
+    env2 = start(replication_log=4, checkpoint_dir=str(ckpt), checkpoint_every=2, port=port)
+    assert env2.server.core.version == 4 and env2.server.state.epoch > epoch
+    wait_for("the standby to take the new leader's snapshot", lambda: f.f.snapshots == 2, 20.0)
+    assert f.f.version == 4 and f.f.standby.epoch == env2.server.state.epoch
+    assert same_bits(f.states[4], leader.states[4])
+    f.states.clear()  # what it recorded of the lost history
+    successor = Leader(env2)
+    for _ in range(2):
+        v = successor.round()
+        f.reach(v)
+        assert same_bits(f.states[v], successor.states[v])
+    assert not same_bits(successor.states[5], leader.states[5])  # a new history: another version 5
+    assert f.f.resyncs == 0 and not f.f.failed
+
+
+def test_with_sync_replicas_a_version_is_published_only_once_the_standby_holds_it(
+    start: Callable[..., Env], followers: Callable[..., Follower]
+) -> None:
+    env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=20.0)
+    leader = Leader(env)
+    f = followers(env)
+    f.reach(0)
+    for _ in range(4):
+        started = time.monotonic()
+        v = leader.round()
+        assert (f.f.version or 0) >= v, "the leader answered the round's submission before the standby held it"
+        assert time.monotonic() - started < 10.0  # acks, not the 20 s timeout
+        assert same_bits(f.states[v], leader.states[v])
+    f.stop()  # gone: the next rounds do not wait for it
+    started = time.monotonic()
+    leader.round()
+    assert time.monotonic() - started < 5.0
+
+
+def test_a_stalled_standby_costs_one_bounded_wait(start: Callable[..., Env]) -> None:
+    env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=1.0)
+    leader = Leader(env)
+    chan = channel(env.server.address)
+    stub = replication_pb2_grpc.ReplicationStub(chan)
+    request = rpb.FollowLogRequest(replica_id="stalled", fingerprint=env.server.task.fingerprint)
+    stream = stub.FollowLog(request, timeout=60)  # follows, never acknowledges
+    try:
+        first = next(stream)
+        assert first.WhichOneof("kind") == "snapshot" and first.snapshot.version == 0
+        started = time.monotonic()
+        leader.round()
+        waited = time.monotonic() - started
+        assert 1.0 <= waited < 6.0, f"the first round waited {waited:.2f} s for the stalled standby"
+        started = time.monotonic()
+        leader.round()
+        assert time.monotonic() - started < 1.0, "a lagging standby is not waited for again"
+        # it acknowledges the newest version (caught up): it is waited for again
+        version = env.server.core.version
+        with env.server.state.work:
+            held = digest_to_proto(digest(env.server.core.params, env.server.core.outer))
+        resp = stub.AckLog(rpb.AckLogRequest(replica_id="stalled", version=version, digest=held), timeout=T)
+        assert resp.leader_version == version
+        started = time.monotonic()
+        leader.round()
+        assert time.monotonic() - started >= 1.0
+    finally:
+        stream.cancel()
+        chan.close()
+
+
+def test_refusals(start: Callable[..., Env]) -> None:
+    env = start(replication_log=2)
+    Leader(env).round()
+    chan = channel(env.server.address)
+    stub = replication_pb2_grpc.ReplicationStub(chan)
+    fp = env.server.task.fingerprint
+    try:
+        parts = Fingerprint.parse(fp)
+        assert parts is not None
+        other = str(dataclasses.replace(parts, model="0" * len(parts.model)))
+        code, details = code_of(
+            lambda: next(stub.FollowLog(rpb.FollowLogRequest(replica_id="x", fingerprint=other), timeout=T))
+        )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "model" in details and "standby x" in details
+        code, _ = code_of(lambda: next(stub.FollowLog(rpb.FollowLogRequest(fingerprint=fp), timeout=T)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        code, details = code_of(
+            lambda: next(
+                stub.FollowLog(
+                    rpb.FollowLogRequest(replica_id="x", fingerprint=fp, epoch=env.server.state.epoch + 1), timeout=T
+                )
+            )
+        )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not the leader" in details
+        code, details = code_of(
+            lambda: stub.AckLog(
+                rpb.AckLogRequest(replica_id="x", version=1, digest=rpb.StateDigest(params_crc32=1)), timeout=T
+            )
+        )
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "resync" in details
+        code, _ = code_of(lambda: stub.AckLog(rpb.AckLogRequest(replica_id="x" * 300), timeout=T))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        chan.close()
+    plain = start()  # no --replication-log: no replication service
+    chan = channel(plain.server.address)
+    try:
+        stub = replication_pb2_grpc.ReplicationStub(chan)
+        code, _ = code_of(lambda: next(stub.FollowLog(rpb.FollowLogRequest(replica_id="x", fingerprint=fp), timeout=T)))
+        assert code == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        chan.close()
+
+
+def test_python_m_services_coordinator_follow_of_another_task_exits_2_naming_what_differs(
+    start: Callable[..., Env],
+) -> None:
+    env = start(replication_log=2)
+    # the default task: another model and data than the leader's tiny one
+    args = ["--follow", env.server.address, "--insecure", "--replica-id", "s-cli", "--max-bytes", "200000"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.coordinator", *args], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "refused this standby" in proc.stderr and "model" in proc.stderr
