@@ -8,7 +8,8 @@ resident memory (`VmHWM` of /proc/PID/status, read while it still runs, after th
 peak is what the model costs it; the report sets it against the fp32 model bytes:
 
 - the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
-  vectors); target ≤ 4.5x the fp32 model bytes;
+  vectors), and its evaluation model when it evaluates (a third run of the large model turns evaluation off);
+  target ≤ 4.5x the fp32 model bytes;
 - a learner holds the model, the AdamW state (2x) and its gradients, plus the round's base Θ̂ and decode buffers;
   target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes.
 
@@ -85,7 +86,9 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def run_one(model: str, s: LargeSettings, log: Log) -> dict[str, Any]:
+def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True) -> dict[str, Any]:
+    """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model)."""
+    eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
         cfg = ClusterConfig(
             workers=s.workers,
@@ -99,7 +102,7 @@ def run_one(model: str, s: LargeSettings, log: Log) -> dict[str, Any]:
             run_dir=Path(tmp),
             insecure=True,
             task_args=("--model", model, "--batch-size", str(s.batch_size), "--seq-len", str(s.seq_len)),
-            coordinator_args=("--eval-tokens", str(4 * s.seq_len)),
+            coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args),
         )
         started = time.monotonic()
         with LocalCluster(cfg) as cluster:
@@ -107,7 +110,7 @@ def run_one(model: str, s: LargeSettings, log: Log) -> dict[str, Any]:
             seconds_until("the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=1)
             wall = time.monotonic() - started
             peaks = {name: peak_rss(p.popen.pid) for name, p in cluster.procs.items() if p.alive}
-            status = cluster.final_status()
+            status = cluster.final_status() if evaluate else cluster.status()
             logs = {
                 name: [line.fields for line in LogFollower(cluster.run_dir / f"{name}.log").read()]
                 for name in cluster.procs
@@ -127,6 +130,7 @@ def run_one(model: str, s: LargeSettings, log: Log) -> dict[str, Any]:
         learner["receive"] += [float(f["seconds"]) for f in received if f.get("delta_from") is not None]
     result = {
         "model": model,
+        "evaluate": evaluate,
         "numel": model_numel(model, s.seq_len),
         "wall_s": round(wall, 1),
         "version": status.version,
@@ -153,6 +157,7 @@ def run_one(model: str, s: LargeSettings, log: Log) -> dict[str, Any]:
 def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     base = run_one(s.baseline_model, s, log)
     big = run_one(s.model, s, log)
+    no_eval = run_one(s.model, s, log, evaluate=False)  # the coordinator without its evaluation model
     model_bytes = 4 * big["numel"]
     rows = []
     for name in sorted(big["peak_rss"]):
@@ -166,9 +171,19 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
                 "x_model": net / model_bytes,
             }
         )
+    net = no_eval["peak_rss"]["coordinator"] - base["peak_rss"]["coordinator"]
+    rows.append(
+        {
+            "process": "coordinator (--eval-every 0)",
+            "peak": no_eval["peak_rss"]["coordinator"],
+            "baseline": base["peak_rss"]["coordinator"],
+            "net": net,
+            "x_model": net / model_bytes,
+        }
+    )
     checks = []
     for r in rows:
-        if r["process"] == "coordinator":
+        if r["process"].startswith("coordinator"):
             target = COORDINATOR_TARGET
         elif r["process"].startswith("worker"):
             target = LEARNER_TARGET
@@ -187,6 +202,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         "settings": asdict(s),
         "baseline": base,
         "large": big,
+        "large_no_eval": no_eval,
         "model_bytes": model_bytes,
         "memory": rows,
         "checks": checks,
@@ -210,7 +226,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"`{s['codec']}`, the default broadcast codec; `{big['model']}` has {big['numel']:,} parameters "
         f"({r['model_bytes'] / 1e9:.2f} GB in fp32). The baseline is the same cluster with `{base['model']}` "
         f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
-        "`VmHWM` after the last round."
+        "`VmHWM` after the last round. The coordinator evaluates every version by default, on its own evaluation "
+        "model (one more model-sized copy, so that rounds never wait for an evaluation); the row `--eval-every 0` "
+        "is a third run of the large model without evaluation."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],
