@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -866,3 +867,52 @@ def update_readme(results: dict[str, Any], readme: Path, sections: Sequence[Sect
     if new != text:
         readme.write_text(new)
     return new != text
+
+
+# --- energy, carbon and cost placement ----------------------------------------------------------------------------
+def energy_plot(r: dict[str, Any], out: Path) -> list[str]:
+    """Two figures: each policy's energy, emissions and cost against its wall time (one point per seed, the final
+    loss in the legend), and for seed 0 of each policy, how many learners of each zone trained over time (from the
+    `placement.changed` decisions)."""
+    rows = r["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for k, row in enumerate(rows):
+        runs = row["per_seed"]
+        label = f"{row['policy']} (loss {statistics.fmean(x['final_loss'] for x in runs):.3f})"
+        for ax, key, scale, unit in zip(
+            axes,
+            ("energy_j", "carbon_g", "cost"),
+            (3.6e6, 1000.0, 1.0),
+            ("energy (kWh)", "emissions (kgCO2)", "cost"),
+            strict=True,
+        ):
+            ax.scatter([x["time_s"] / 3600 for x in runs], [x[key] / scale for x in runs], color=f"C{k}", label=label)
+            ax.set_xlabel("wall time (h, virtual)")
+            ax.set_ylabel(unit)
+            ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    tradeoff = out / "energy_tradeoff.png"
+    fig.savefig(tradeoff, dpi=100)
+    plt.close(fig)
+
+    zones = [spec.split("@", 1)[1].split(":")[0] for spec in r["settings"]["fleet"].split(",")]
+    names = sorted(set(zones))
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 1.9 * len(rows)), sharex=True)
+    for ax, row in zip(axes, rows, strict=True):
+        run = row["per_seed"][0]
+        changes = run["placements"] or [{"time_s": 0.0, "paused": []}]
+        times = [float(c["time_s"]) / 3600 for c in changes] + [run["time_s"] / 3600]
+        for k, zone in enumerate(names):
+            counts = [sum(1 for i, z in enumerate(zones) if z == zone and i not in c["paused"]) for c in changes]
+            ax.step(times, [*counts, counts[-1]], where="post", label=zone, color=f"C{k}")
+        ax.set_ylabel(row["policy"])
+        ax.set_ylim(-0.2, max(zones.count(z) for z in names) + 0.2)
+        ax.grid(alpha=0.3)
+    axes[0].legend(title="learners training, per zone", fontsize=8, ncol=len(names))
+    axes[-1].set_xlabel("wall time (h, virtual; seed 0)")
+    fig.tight_layout()
+    timeline = out / "energy_timeline.png"
+    fig.savefig(timeline, dpi=100)
+    plt.close(fig)
+    return [tradeoff.name, timeline.name]

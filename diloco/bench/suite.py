@@ -123,7 +123,11 @@ SECTIONS: tuple[Section, ...] = (
         bench_sparse.markdown,
     ),
     Section(
-        "energy", "Energy-, carbon- and cost-aware placement (simulator)", bench_energy.section, bench_energy.markdown
+        "energy",
+        "Energy-, carbon- and cost-aware placement (simulator)",
+        bench_energy.section,
+        bench_energy.markdown,
+        report.energy_plot,
     ),
     Section(
         "large",
