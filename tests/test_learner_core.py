@@ -195,6 +195,19 @@ def test_sync_waits_for_the_round_then_loads() -> None:
     train(core, 1, 2.0)
 
 
+def test_sync_rounds_are_exactly_h_steps_even_when_the_version_outruns_the_upload_answer() -> None:
+    core = started("sync", version=2)
+    train(core, H)
+    submit(core)
+    # the coordinator closed the round inside the upload call and broadcast it before answering
+    core.params_arrived(2.0, 3, 7, applied=["p-1"])
+    assert core.next_action(2.0) == Load(3, 0, reset_codec=False)
+    train(core, H, 2.0)
+    assert core.next_action(2.0) == Wait(None)  # H steps done, the last upload's answer still due: no step H+1
+    core.upload_accepted(2.5, "p-1", pending_round=3)
+    assert submit(core, 2.5).draft.steps == H
+
+
 def test_the_broadcast_plan_is_adopted() -> None:
     core = started()
     train(core, 1)

@@ -14,6 +14,7 @@ States (`LearnerState`) and what moves between them (`[Action]`: what `next_acti
     TRAINING       --no shard left in the plan------------------------------------> SHARDLESS
     TRAINING       --[Train]... steps >= H_m, no submission outstanding: [Submit]-> TRAINING (decoupled, async)
                                                                                  | WAITING_ROUND (sync)
+                     (sync: H_m steps done while the last upload's answer is still due: [Wait] for it)
     WAITING_ROUND  --a version newer than the base: [Load]------------------------> TRAINING | SHARDLESS
     any registered --a refused upload (RESYNC, DROP_UPLOAD)----------------------> RESYNCING
     RESYNCING      --params known: [Load(reset_codec=True)], cursors forgotten----> SHARDLESS (fetches the plan now)
@@ -473,6 +474,10 @@ class LearnerCore:
             if self.mode == "sync":
                 self.state = LearnerState.WAITING_ROUND
             return submit
+        if self.progress.steps >= self.local_steps and self.mode == "sync":
+            # a sync round is exactly H_m steps: the next round's version can arrive before the answer to the upload
+            # that closed the previous one (the coordinator broadcasts it first); wait for that answer, not train on
+            return Wait(None)
         if not self.progress.cursors:
             self.state = LearnerState.SHARDLESS
             self._poll_at, self._poll_backoff_s = now, 0.0
