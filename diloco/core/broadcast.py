@@ -25,11 +25,11 @@ the codec is lossy (it may encode `Θ̂`), else under the bookkeeping lock (fp32
 from __future__ import annotations
 
 import enum
-import zlib
 from collections import deque
 from dataclasses import dataclass
 
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec
 
@@ -57,8 +57,9 @@ HISTORY_BYTES_RATIO = 0.5
 
 
 def params_checksum(flat: torch.Tensor) -> int:
-    """crc32 (zlib) of the fp32 little-endian bytes of a contiguous 1-D float32 CPU tensor."""
-    return zlib.crc32(flat.numpy().data.cast("B"))
+    """crc32 (zlib's, computed by zlib-ng: the same values, several times faster) of the fp32 little-endian bytes of
+    a contiguous 1-D float32 CPU tensor."""
+    return crc32(flat.numpy().data.cast("B"))
 
 
 def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
@@ -67,7 +68,7 @@ def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
     if x.dim() != 1:
         raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
     data = x.numpy().data.cast("B")
-    return data, EncodedMeta("fp32", x.numel(), len(data), zlib.crc32(data))
+    return data, EncodedMeta("fp32", x.numel(), len(data), crc32(data))
 
 
 @dataclass(frozen=True)
