@@ -38,6 +38,7 @@ from diloco.core.leadership import Duty, LeadershipConfig, duty
 from diloco.errors import not_leader
 from diloco.ha.driver import LeadershipDriver
 from diloco.ha.etcd import EtcdConfig, EtcdElection
+from diloco.rpc.status import details_of, status_of
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import SERVICE_NAME, CoordinatorServer
@@ -77,8 +78,8 @@ class NotLeaderServer:
                     return None
 
                 def refuse(_req: Any, ctx: grpc.ServicerContext) -> bytes:
-                    ctx.abort(grpc.StatusCode.UNAVAILABLE, str(not_leader(hint_of())))
-                    raise AssertionError("unreachable")  # abort raises
+                    err = not_leader(hint_of())
+                    ctx.abort(status_of(err), details_of(err))  # the one table: diloco.rpc.status
 
                 return grpc.stream_stream_rpc_method_handler(refuse)
 
