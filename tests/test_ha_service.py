@@ -166,3 +166,19 @@ def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
 class _Log:
     def warning(self, *_a: object, **_k: object) -> None:
         pass
+
+
+def test_a_leader_hint_that_breaks_the_security_rules_is_not_followed() -> None:
+    a, b = "127.0.0.1:7001", "127.0.0.1:7002"
+    warnings: list[str] = []
+
+    class Log:
+        def warning(self, event: str, **_k: object) -> None:
+            warnings.append(event)
+
+    coords = Coordinators(WorkerConfig(coordinator=f"{a},{b}"), lambda: Log())  # type: ignore[arg-type,return-value]
+    try:
+        coords.failover("not the leader; leader is at 10.1.2.3:7000")  # plaintext off loopback: refused
+        assert coords.address == b and "worker.leader_hint_refused" in warnings
+    finally:
+        coords.close()

@@ -46,6 +46,7 @@ from services.coordinator.standby import StandbyFollower, follower_from
 
 POLL_S = 0.05  # how often the replica looks at its leadership view
 EXIT_RETIRED = 3  # the process served and lost leadership
+EXIT_REFUSED = 2  # the leader refused this replica as a standby for good (another task's fingerprint)
 
 
 def free_port(host: str) -> int:
@@ -98,7 +99,8 @@ class NotLeaderServer:
 
 
 class HaReplica:
-    """One coordinator replica (`--etcd`). `run()` blocks until `stop()` (exit 0) or until it retires (exit 3)."""
+    """One coordinator replica (`--etcd`). `run()` blocks until `stop()` (exit 0), until it retires (exit 3), or
+    until the leader refuses it as a standby for good (another task: exit 2)."""
 
     def __init__(self, cfg: CoordinatorServiceConfig, leadership: LeadershipConfig = LeadershipConfig()) -> None:
         endpoint = cfg.etcd_endpoint()
@@ -140,6 +142,11 @@ class HaReplica:
         code = 0
         try:
             while not self._stop.wait(POLL_S):
+                follower = self._follower
+                if follower is not None and follower.failed:  # the leader refused it for good (another task)
+                    self.log.error("replica.refused", leader=self._following, error=follower.failed)
+                    code = EXIT_REFUSED
+                    break
                 view = self.driver.view()
                 d = duty(view, self.server is not None)
                 if d is Duty.RETIRE:

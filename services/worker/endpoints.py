@@ -19,6 +19,7 @@ import grpc
 import structlog
 
 from diloco.core.learner import failover_target, leader_hint
+from diloco.errors import ConfigError
 from diloco.v1 import coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
 
@@ -55,9 +56,14 @@ class Coordinators:
             now = self._clock()
             target = failover_target(self.addresses, self.address, details)
             hinted = bool(leader_hint(details))
+            if hinted:
+                try:
+                    self._cfg.security.check_client(target)  # a hint meets the rules of a configured address
+                except ConfigError as e:
+                    self._log().warning("worker.leader_hint_refused", address=target, error=str(e))
+                    target, hinted = failover_target(self.addresses, self.address, ""), False
             if target == self.address or (not hinted and now - self._switched_at < MIN_DWELL_S):
                 return
-            self._cfg.security.check_client(target)  # a hint must meet the same rules as a configured address
             old, previous = self._channel, self.address
             self._channel = self._cfg.security.channel(target)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
