@@ -478,9 +478,10 @@ class LocalCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM workers, then the coordinator and healthd; SIGKILL what is left after the grace period."""
-        order = [n for n in self.procs if n.startswith("worker")] + ["coordinator", "healthd"]
-        for group in (order[:-2], order[-2:]):
+        """SIGTERM workers, then the coordinator(s) and healthd; SIGKILL what is left after the grace period."""
+        workers = [n for n in self.procs if n.startswith("worker")]
+        services = [n for n in self.procs if n not in workers and n != "healthd"] + ["healthd"]  # coordinator(s)
+        for group in (workers, services):
             for name in group:
                 if name in self.procs:
                     self.signal(name, signal.SIGCONT)

@@ -53,6 +53,17 @@ class Unavailable(DilocoError):
     code = "UNAVAILABLE"
 
 
+class NotLeader(Unavailable):
+    """This coordinator replica does not lead (a standby, or a leader past its fence time): the message names the
+    leader when it is known ("not the leader; leader is at HOST:PORT"), which learners move to."""
+
+
+def not_leader(hint: str) -> NotLeader:
+    """The refusal of a replica that does not lead; `hint` is the leader's HOST:PORT ("" when unknown)."""
+    where = f"leader is at {hint}" if hint else "the leader is not known yet"
+    return NotLeader(f"not the leader; {where}")
+
+
 class Unauthenticated(DilocoError):
     """No valid credentials (a missing or unknown token)."""
 

@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 
 from diloco.core.leadership import (
     Action,
+    Duty,
     EpochCheck,
     LeaderInfo,
     Leadership,
     LeadershipConfig,
     Role,
     compare_epoch,
+    duty,
 )
 from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
@@ -340,3 +342,38 @@ def test_properties_over_random_histories(ops: list[tuple[str, float, float, int
         m.tick(now)
         deadline = m.next_deadline()
         assert (m.due(now) is Action.NONE) == (deadline is None or deadline > now)
+
+
+# --- what the replica's process does (duty) -----------------------------------------------------------------
+def test_duty_follows_the_role_and_a_replica_that_served_never_turns_back() -> None:
+    m = Leadership("a", "a:1", CFG)
+    assert duty(m.view(), serving=False) is Duty.WAIT  # nobody known: campaign first
+    m.campaign_started(0.0)
+    assert duty(m.view(), serving=False) is Duty.WAIT
+    m.lost(OTHER, 0.01)
+    assert duty(m.view(), serving=False) is Duty.FOLLOW and m.view().leader == OTHER
+    m.observed(None, 3.0)  # the leader's key is gone: campaign, keep what it holds meanwhile
+    assert duty(m.view(), serving=False) is Duty.WAIT
+    m.campaign_started(3.0)
+    m.won(9, 3.0, 3.01)
+    assert duty(m.view(), serving=False) is Duty.SERVE  # promotion
+    assert duty(m.view(), serving=True) is Duty.SERVE
+    m.tick(3.0 + CFG.fence_after_s)  # fenced: may_accept is already false, and the server retires
+    assert m.role is Role.FENCED and duty(m.view(), serving=True) is Duty.RETIRE
+    m.resigned(5.0)
+    assert duty(m.view(), serving=True) is Duty.RETIRE  # still retiring: its state may be behind the next leader
+    assert duty(m.view(), serving=False) is Duty.WAIT
+
+
+def test_duty_of_a_deposed_leader_and_of_a_stopped_replica() -> None:
+    m = leader(epoch=5)
+    m.observed(LeaderInfo("b", "b:1", 8), 0.2)
+    assert duty(m.view(), serving=True) is Duty.RETIRE
+    assert duty(m.view(), serving=False) is Duty.FOLLOW
+    m.close(0.3)
+    assert duty(m.view(), serving=False) is Duty.RETIRE
+    # a replica restarted under its own id while its old key still lives waits for that key to go
+    same = Leadership("a", "a:2", CFG)
+    same.campaign_started(0.0)
+    same.lost(LeaderInfo("a", "a:1", 4), 0.01)
+    assert duty(same.view(), serving=False) is Duty.WAIT

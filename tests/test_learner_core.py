@@ -25,6 +25,8 @@ from diloco.core.learner import (
     Submit,
     Train,
     Wait,
+    failover_target,
+    leader_hint,
     react,
 )
 from diloco.core.ledger import ShardRange
@@ -79,7 +81,7 @@ def test_every_rpc_has_a_reaction_for_every_status_code() -> None:
 @pytest.mark.parametrize(
     ("rpc", "code", "reaction"),
     [
-        (Rpc.REGISTER, "UNAVAILABLE", Reaction.RETRY),
+        (Rpc.REGISTER, "UNAVAILABLE", Reaction.FAILOVER),
         (Rpc.REGISTER, "NOT_FOUND", Reaction.RETRY),
         (Rpc.REGISTER, "INVALID_ARGUMENT", Reaction.RETRY),
         (Rpc.REGISTER, "UNIMPLEMENTED", Reaction.RETRY),
@@ -88,19 +90,37 @@ def test_every_rpc_has_a_reaction_for_every_status_code() -> None:
         (Rpc.GET_WORK_PLAN, "FAILED_PRECONDITION", Reaction.REREGISTER),
         (Rpc.GET_WORK_PLAN, "DEADLINE_EXCEEDED", Reaction.RETRY),
         (Rpc.WATCH_PARAMETERS, "NOT_FOUND", Reaction.REREGISTER),
-        (Rpc.SUBMIT, "UNAVAILABLE", Reaction.RETRY),
+        (Rpc.SUBMIT, "UNAVAILABLE", Reaction.FAILOVER),
+        (Rpc.WATCH_PARAMETERS, "UNAVAILABLE", Reaction.FAILOVER),
+        (Rpc.GET_UPLOAD_STATUS, "UNAVAILABLE", Reaction.FAILOVER),
+        (Rpc.HEARTBEAT, "UNAVAILABLE", Reaction.RETRY),  # healthd is not replicated
         (Rpc.SUBMIT, "RESOURCE_EXHAUSTED", Reaction.RETRY),
         (Rpc.SUBMIT, "FAILED_PRECONDITION", Reaction.RESYNC),
         (Rpc.SUBMIT, "NOT_FOUND", Reaction.REREGISTER),
         (Rpc.SUBMIT, "INVALID_ARGUMENT", Reaction.DROP_UPLOAD),
         (Rpc.GET_UPLOAD_STATUS, "NOT_FOUND", Reaction.RETRY),
         (Rpc.DEREGISTER, "NOT_FOUND", Reaction.SKIP),
-        (Rpc.DEREGISTER, "UNAVAILABLE", Reaction.RETRY),
+        (Rpc.DEREGISTER, "UNAVAILABLE", Reaction.FAILOVER),
         (Rpc.HEARTBEAT, "UNIMPLEMENTED", Reaction.RETRY),
     ],
 )
 def test_reaction_examples(rpc: Rpc, code: str, reaction: Reaction) -> None:
     assert react(rpc, code) is reaction
+
+
+def test_failover_goes_to_the_named_leader_else_round_robin() -> None:
+    addrs = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
+    assert failover_target(addrs, "127.0.0.1:1", "connection refused") == "127.0.0.1:2"
+    assert failover_target(addrs, "127.0.0.1:3", "") == "127.0.0.1:1"
+    assert failover_target(addrs, "10.0.0.9:5", "") == "127.0.0.1:1"  # a hint followed earlier, not in the list
+    named = "not the leader; leader is at 127.0.0.1:3"
+    assert failover_target(addrs, "127.0.0.1:1", named) == "127.0.0.1:3"
+    assert leader_hint("not the leader; leader is at [::1]:7070") == "[::1]:7070"
+    assert leader_hint("not the leader; the leader is not known yet") == ""
+    assert leader_hint("not the leader; leader is at evil host:1") == ""
+    assert Reaction.FAILOVER.retries and Reaction.RETRY.retries and not Reaction.RESYNC.retries
+    with pytest.raises(InvalidArgument):
+        failover_target((), "a:1", "")
 
 
 def test_an_unknown_code_is_an_error() -> None:
@@ -320,7 +340,7 @@ def test_losing_the_registration_registers_again(event: object) -> None:
 
 def test_retryable_failures_change_nothing_but_the_give_up_clock() -> None:
     core = started()
-    assert core.rpc_failed(1.0, Rpc.GET_WORK_PLAN, "UNAVAILABLE") is Reaction.RETRY
+    assert core.rpc_failed(1.0, Rpc.GET_WORK_PLAN, "UNAVAILABLE") is Reaction.FAILOVER
     assert core.rpc_failed(1.0, Rpc.REGISTER, "NOT_FOUND") is Reaction.RETRY
     assert state(core) is LearnerState.TRAINING and core.failing_since == 1.0
     assert core.next_deadline() is None  # never gives up by default

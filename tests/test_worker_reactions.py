@@ -218,7 +218,7 @@ def cases(rpc: Rpc) -> list[tuple[str, Reaction]]:
 def test_register(worker: Worker, proxy: FaultProxy, name: str, reaction: Reaction) -> None:
     proxy.fail("Register", code(name), details=UNKNOWN if name == "NOT_FOUND" else "")
     worker._register()
-    assert reaction is Reaction.RETRY  # no answer to Register ends a learner (issue #16)
+    assert reaction.retries  # no answer to Register ends a learner (issue #16)
     assert worker.core.worker_id and proxy.calls["Register"] == 2 and worker.core.exit is None
 
 
@@ -248,7 +248,7 @@ def test_get_work_plan(worker: Worker, proxy: FaultProxy, name: str, reaction: R
     wid = registered(worker)
     proxy.fail("GetWorkPlan", code(name))
     worker._fetch_plan()
-    if reaction is Reaction.RETRY:
+    if reaction.retries:
         assert worker.core.worker_id == wid and worker.core.failing_since is None
         assert proxy.calls["GetWorkPlan"] == 2
     else:
@@ -268,13 +268,13 @@ def test_watch_parameters(backend: CoordinatorServer, proxy: FaultProxy, name: s
         w = Watcher(stub, reg.worker_id, reg.coordinator_epoch, numel, inbox.put, structlog.get_logger())
         try:
             event = inbox.get(timeout=30)
-            if reaction is Reaction.RETRY:
+            if reaction.retries:
                 assert event == WatchFailed(reg.worker_id, name)  # counted toward giving up
                 event = inbox.get(timeout=30)
         finally:
             w.close()
             leave(backend, reg.worker_id)
-    expected = {Reaction.RETRY: Delivered, Reaction.REREGISTER: SessionLost}[reaction]
+    expected = {Reaction.RETRY: Delivered, Reaction.FAILOVER: Delivered, Reaction.REREGISTER: SessionLost}[reaction]
     assert isinstance(event, expected), event
 
 
@@ -284,14 +284,14 @@ def test_submit(worker: Worker, proxy: FaultProxy, name: str, reaction: Reaction
     job = worker._upload_job(until_submit(worker))
     proxy.fail("SubmitPseudoGradient", code(name))
     result = worker.uploader.upload(job)
-    assert result.reaction is (None if reaction is Reaction.RETRY else reaction)
-    if reaction is Reaction.RETRY:
+    assert result.reaction is (None if reaction.retries else reaction)
+    if reaction.retries:
         assert proxy.calls["SubmitPseudoGradient"] == 2 and proxy.calls["GetUploadStatus"] == 1
 
 
 @pytest.mark.parametrize(("name", "reaction"), cases(Rpc.GET_UPLOAD_STATUS))
 def test_get_upload_status(worker: Worker, proxy: FaultProxy, name: str, reaction: Reaction) -> None:
-    assert reaction is Reaction.RETRY  # the upload goes on from byte 0
+    assert reaction.retries  # the upload goes on from byte 0
     registered(worker)
     job = worker._upload_job(until_submit(worker))
     proxy.fail("SubmitPseudoGradient", grpc.StatusCode.UNAVAILABLE)
@@ -309,12 +309,12 @@ def test_deregister(
     worker._deregister(wid)  # never raises
     assert worker.heartbeats.left.is_set()  # no healthd here: nothing to tell
     left = backend.core.worker(wid).state == "left"
-    assert left is (reaction is Reaction.RETRY), (name, backend.core.worker(wid).state)
+    assert left is (reaction.retries), (name, backend.core.worker(wid).state)
 
 
 @pytest.mark.parametrize(("name", "reaction"), cases(Rpc.HEARTBEAT))
 def test_heartbeat(name: str, reaction: Reaction) -> None:
-    assert reaction is Reaction.RETRY
+    assert reaction.retries
     healthd = HealthdServer(HealthdConfig(heartbeat_interval_s=0.1, dead_after_s=5.0, metrics_port=-1))
     healthd.start()
     proxy = FaultProxy(healthd.address, "HealthDaemon")
@@ -412,7 +412,7 @@ def test_retry_while_decides_on_every_attempt() -> None:
         raise BulkError(answers[len(calls) - 1], UNKNOWN)
 
     def retry(e: grpc.RpcError) -> bool:
-        return REACTIONS[Rpc.GET_WORK_PLAN][e.code().name] is Reaction.RETRY
+        return REACTIONS[Rpc.GET_WORK_PLAN][e.code().name].retries
 
     fast = Backoff(BackoffConfig(0.001, 0.001))
     with pytest.raises(grpc.RpcError) as info:

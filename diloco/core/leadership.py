@@ -186,6 +186,31 @@ class LeadershipView:
     last_renewed_at: float | None
 
 
+class Duty(StrEnum):
+    """What a coordinator replica's process does, given its leadership view (`duty`)."""
+
+    SERVE = "serve"  # lead: serve learners under the view's epoch (a standby is promoted)
+    FOLLOW = "follow"  # a hot standby of `view.leader`
+    WAIT = "wait"  # nobody known to lead (a campaign is due or in flight): hold what it has
+    RETIRE = "retire"  # it served and lost leadership (fenced, deposed, stepped down): stop serving and exit
+
+
+def duty(view: LeadershipView, serving: bool) -> Duty:
+    """The process's duty in `view`; `serving`: it serves as leader now. A replica that served and lost
+    leadership retires: its state may be behind the new leader's, so it never turns back into a standby or a
+    leader in the same process (a supervisor restarts it, and it comes back as a standby)."""
+    if view.role is Role.LEADER:
+        return Duty.SERVE
+    if serving:
+        return Duty.RETIRE
+    if view.role is Role.STOPPED:
+        return Duty.RETIRE
+    leader = view.leader
+    if leader is not None and leader.replica_id != view.replica_id:
+        return Duty.FOLLOW
+    return Duty.WAIT
+
+
 def compare_epoch(message_epoch: int, known_epoch: int) -> EpochCheck:
     """How a message's leadership epoch relates to the one this replica knows."""
     if isinstance(message_epoch, bool) or not isinstance(message_epoch, int) or message_epoch < 0:

@@ -68,7 +68,8 @@ The core is not thread-safe; the caller serializes calls (the worker drives it f
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -117,6 +118,16 @@ class Reaction(str, Enum):
     RESYNC = "resync"  # the submission was refused: adopt the newest parameters and the ledger's cursors
     DROP_UPLOAD = "drop_upload"  # this upload can never be accepted: drop it, then resync like RESYNC
     SKIP = "skip"  # leaving only: the call is not needed to leave (Deregister of a registration that is gone)
+    # the coordinator is down or does not lead (a standby, a fenced leader): retry like RETRY, at the leader its
+    # refusal names ("not the leader; leader is at HOST:PORT") or else at the next of the learner's coordinator
+    # addresses (`failover_target`); with one address that is the same address. The new leader answers the old
+    # registration NOT_FOUND or FAILED_PRECONDITION (another epoch): the learner registers again (REREGISTER).
+    FAILOVER = "failover"
+
+    @property
+    def retries(self) -> bool:
+        """The same call is made again (at the same or another coordinator address)."""
+        return self in (Reaction.RETRY, Reaction.FAILOVER)
 
 
 _TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED", "UNKNOWN", "INTERNAL", "DATA_LOSS")
@@ -133,6 +144,11 @@ def _table(default: Reaction, **special: Reaction) -> dict[str, Reaction]:
     return out
 
 
+def _coordinator_table(default: Reaction, **special: Reaction) -> dict[str, Reaction]:
+    """A coordinator call's table: UNAVAILABLE (down, draining, or not the leader) moves to another address."""
+    return _table(default, **{"UNAVAILABLE": Reaction.FAILOVER, **special})
+
+
 R = Reaction
 # What a learner does on each status code of each RPC. Transient codes and overload are retried everywhere; a
 # learner the coordinator no longer knows (NOT_FOUND; FAILED_PRECONDITION on a plan or a watch: dead, left or a
@@ -141,7 +157,7 @@ R = Reaction
 # a coordinator of this protocol; INVALID_ARGUMENT on Register; authentication failures) is retried with capped
 # backoff and logged at each attempt, so the learner comes back by itself once the operator fixes the other side;
 # `give_up_after_s` is the operator's way to bound that.
-_SESSION_CALL = _table(  # a call that names this learner's registration (its worker id)
+_SESSION_CALL = _coordinator_table(  # a call that names this learner's registration (its worker id)
     R.RETRY,
     NOT_FOUND=R.REREGISTER,
     FAILED_PRECONDITION=R.REREGISTER,
@@ -149,11 +165,11 @@ _SESSION_CALL = _table(  # a call that names this learner's registration (its wo
     INVALID_ARGUMENT=R.REREGISTER,
 )
 REACTIONS: dict[Rpc, dict[str, Reaction]] = {
-    Rpc.REGISTER: _table(R.RETRY),
+    Rpc.REGISTER: _coordinator_table(R.RETRY),
     Rpc.WATCH_PARAMETERS: _SESSION_CALL,
     Rpc.GET_WORK_PLAN: _SESSION_CALL,
     # an upload is idempotent and resumable: transient codes resume it (from GetUploadStatus's offset)
-    Rpc.SUBMIT: _table(
+    Rpc.SUBMIT: _coordinator_table(
         R.RETRY,
         NOT_FOUND=R.REREGISTER,
         PERMISSION_DENIED=R.REREGISTER,
@@ -163,13 +179,38 @@ REACTIONS: dict[Rpc, dict[str, Reaction]] = {
         OUT_OF_RANGE=R.DROP_UPLOAD,
     ),
     # asked between upload attempts: whatever it answers, the upload is retried (from byte 0 unless it says more)
-    Rpc.GET_UPLOAD_STATUS: _table(R.RETRY),
+    Rpc.GET_UPLOAD_STATUS: _coordinator_table(R.RETRY),
     # best effort while leaving: retried until the drain deadline, otherwise skipped
-    Rpc.DEREGISTER: _table(R.SKIP, UNAVAILABLE=R.RETRY, DEADLINE_EXCEEDED=R.RETRY, ABORTED=R.RETRY),
+    Rpc.DEREGISTER: _coordinator_table(R.SKIP, DEADLINE_EXCEEDED=R.RETRY, ABORTED=R.RETRY),
     # training never waits on healthd; a DEAD verdict in a reply (not a status) means REREGISTER
     Rpc.HEARTBEAT: _table(R.RETRY),
 }
 del R
+
+
+MAX_COORDINATORS = 8  # addresses a learner may be given (--coordinator A,B,...)
+_LEADER_HINT = re.compile(
+    r"not the leader; leader is at ([A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:]{2,45}\]:[0-9]{1,5})"
+)
+
+
+def leader_hint(details: str) -> str:
+    """The leader's HOST:PORT a refusal names ("not the leader; leader is at HOST:PORT"), or ""."""
+    m = _LEADER_HINT.search(details[:512])
+    return m.group(1) if m else ""
+
+
+def failover_target(addresses: Sequence[str], current: str, details: str) -> str:
+    """Where a FAILOVER goes: the leader the refusal names, else the address after `current` in `addresses`
+    (round robin; the first when `current` is not one of them)."""
+    hint = leader_hint(details)
+    if hint:
+        return hint
+    if not addresses:
+        raise InvalidArgument("failover needs at least one coordinator address")
+    if current in addresses:
+        return addresses[(list(addresses).index(current) + 1) % len(addresses)]
+    return addresses[0]
 
 
 def react(rpc: Rpc, code: str) -> Reaction:

@@ -15,6 +15,7 @@ from diloco import log as logging
 from diloco.errors import ConfigError
 from diloco.rpc.server import tune_gc
 from services.coordinator.config import CoordinatorServiceConfig, parse
+from services.coordinator.ha import HaReplica
 from services.coordinator.server import CoordinatorServer, load_carbon
 from services.coordinator.standby import follower_from
 
@@ -30,6 +31,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     log = logging.configure("coordinator", level=cfg.log_level)
     if cfg.follow:
         return _standby(cfg, log)
+    if cfg.etcd:
+        return _replica(cfg, log)
     server = CoordinatorServer(cfg)
     try:
         port = server.start()
@@ -73,6 +76,22 @@ def _standby(cfg: CoordinatorServiceConfig, log: Any) -> int:
         print(f"diloco coordinator: the leader refused this standby: {follower.failed}", file=sys.stderr)
         return 2
     return 0
+
+
+def _replica(cfg: CoordinatorServiceConfig, log: Any) -> int:
+    """`--etcd`: campaign; lead (serve) or follow the leader as a hot standby, and take over when it is gone.
+    Exit 0 after SIGTERM/SIGINT, 3 after losing leadership (restart it: it comes back as a standby), 2 when the
+    leader refuses it as a standby (another task)."""
+    replica = HaReplica(cfg)
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        log.info("coordinator.signal", signal=signal.Signals(signum).name)
+        replica.stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    tune_gc()
+    return replica.run()
 
 
 if __name__ == "__main__":

@@ -108,6 +108,7 @@ class CoordinatorServiceConfig:
     replica_ack_timeout_s: float = 5.0  # the longest a round waits for standby acks before publishing anyway
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
+    etcd: str = ""  # http://HOST:PORT of etcd (loopback): campaign for leadership there (services/coordinator/ha.py)
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
@@ -179,6 +180,14 @@ class CoordinatorServiceConfig:
             raise ConfigError(f"follow must be HOST:PORT of the leading coordinator or '', got {self.follow!r}")
         if not isinstance(self.replica_id, str) or len(self.replica_id) > 256 or not self.replica_id.isprintable():
             raise ConfigError(f"replica_id must be at most 256 printable characters, got {self.replica_id!r}")
+        self.etcd_endpoint()
+        if self.etcd:
+            if self.follow:
+                raise ConfigError("etcd and follow exclude each other: with --etcd, etcd says whom to follow")
+            if not self.checkpoint_dir:
+                raise ConfigError("etcd needs checkpoint_dir (--checkpoint-dir): a promoted standby resumes from it")
+            if not self.replication_log:
+                raise ConfigError("etcd needs replication_log >= 1 (--replication-log): standbys follow the leader")
         if not isinstance(self.healthd_address, str):
             raise ConfigError(f"healthd_address must be HOST:PORT or '', got {self.healthd_address!r}")
         if not isinstance(self.task, TaskConfig):
@@ -191,6 +200,11 @@ class CoordinatorServiceConfig:
             )
         self.core_config()  # the core's own checks (outer lr/momentum, quorum against expected workers)
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
+
+    def etcd_endpoint(self) -> tuple[str, int] | None:
+        """`etcd` as (host, port); None when not set. `ConfigError` unless it is one http://HOST:PORT with a
+        loopback host (the etcd adapter speaks plain HTTP to one endpoint, so it must not leave the machine)."""
+        return parse_etcd_endpoints(self.etcd)
 
     def core_config(self) -> CoordinatorConfig:
         """The pure core's configuration."""
@@ -386,7 +400,14 @@ _SERVICE_FLAGS: list[Flag] = [
         "longest a round waits for standby acks; then it is published anyway (replication.degraded)",
     ),
     ("--follow", str, "", "HOST:PORT of the leading coordinator: run as its hot standby instead of serving"),
-    ("--replica-id", str, "", "this standby's name ('': standby-<hostname>)"),
+    ("--replica-id", str, "", "this replica's name ('': standby-<hostname>; with --etcd: coordinator-<host>-<port>)"),
+    (
+        "--etcd",
+        str,
+        "",
+        "http://HOST:PORT of etcd (loopback): campaign for leadership; the winner serves, the others follow it as "
+        "hot standbys and take over when its lease expires (needs --checkpoint-dir and --replication-log)",
+    ),
 ]
 _TASK_FLAGS: list[Flag] = [
     ("--task-json", str, "", "the whole task as JSON (TaskConfig.to_json); overrides the task flags below"),
@@ -411,6 +432,32 @@ _TASK_FLAGS: list[Flag] = [
     ),
     ("--tokenizer", str, "", "'' (bytes) or a local tokenizers JSON file (see `diloco data tokenize`)"),
 ]
+
+
+MAX_ETCD_ENDPOINTS = 1  # the adapter (diloco.ha.etcd) speaks to one endpoint
+_LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def parse_etcd_endpoints(value: object) -> tuple[str, int] | None:
+    """'' -> None; 'http://HOST:PORT' (HOST loopback) -> (HOST, PORT); anything else is a ConfigError."""
+    if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
+        raise ConfigError(f"etcd must be http://HOST:PORT (at most 512 printable characters), got {value!r}")
+    if not value:
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) > MAX_ETCD_ENDPOINTS:
+        raise ConfigError(
+            f"etcd: {len(parts)} endpoints given; the etcd adapter speaks to {MAX_ETCD_ENDPOINTS} (flag --etcd)"
+        )
+    m = re.fullmatch(r"http://(\[::1\]|[A-Za-z0-9.\-]+):([0-9]{1,5})/?", parts[0])
+    if m is None:
+        raise ConfigError(f"etcd endpoint must be http://HOST:PORT, got {parts[0]!r} (flag --etcd)")
+    host, port = m.group(1), int(m.group(2))
+    if host not in _LOOPBACK and not host.startswith("127."):
+        raise ConfigError(f"etcd endpoint must be on loopback (plain HTTP, no auth), got host {host!r} (flag --etcd)")
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"etcd port must be in 1..65535, got {port} (flag --etcd)")
+    return host.strip("[]"), port
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -58,8 +58,19 @@ class CoordinatorServer:
     """The coordinator service in-process: `start()` builds everything and returns the bound port,
     `stop(grace_s)` drains and writes a final checkpoint. Both are safe to call twice."""
 
-    def __init__(self, cfg: CoordinatorServiceConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        cfg: CoordinatorServiceConfig,
+        clock: Callable[[], float] = time.time,
+        *,
+        epoch: int | None = None,
+        fence: Callable[[], None] | None = None,
+    ) -> None:
+        """`epoch`: the coordinator epoch to serve under (with --etcd: the leadership epoch; None: a new one from
+        the clock); `fence`: raises NotLeader while this replica may not accept work or publish."""
         self.cfg = cfg
+        self._epoch = epoch
+        self._fence = fence
         self.clock = clock
         self.metrics = CoordinatorMetrics()
         self.log = logging.get("coordinator")
@@ -157,7 +168,7 @@ class CoordinatorServer:
                 self._last_ckpt_version = core.version
         started = self.clock()
         signal = CarbonSignal(trace, cfg.carbon_trace_origin_unix_s or started)
-        epoch = time.time_ns()
+        epoch = time.time_ns() if self._epoch is None else self._epoch
         state = CoordinatorState(
             core,
             coordinator_epoch=epoch,
@@ -175,6 +186,7 @@ class CoordinatorServer:
             energy=EnergyBook(signal),
             placement=cfg.policy_config(started),
         )
+        state.fence = self._fence
         if provider is not None:
             self._carbon = CarbonFeed(
                 provider,

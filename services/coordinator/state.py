@@ -51,7 +51,7 @@ from diloco.core.uploads import (
     UploadRefused,
     Uploads,
 )
-from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound
+from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader
 from diloco.rpc.payload import UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import J_PER_KWH, Charge, EnergyBook, LearnerEnergy
@@ -224,6 +224,8 @@ class CoordinatorState:
         self.metrics = metrics
         self.clock = clock
         self.on_round = on_round
+        # with leadership (--etcd): raises NotLeader while this replica may not accept work or publish a version
+        self.fence: Callable[[], None] | None = None
         self.log = logging.get("coordinator", epoch=coordinator_epoch)
         self.work = threading.RLock()
         self.lock = threading.Lock()
@@ -261,6 +263,7 @@ class CoordinatorState:
         if mismatch:
             raise FailedPrecondition(mismatch)
         e = energy or Joining()
+        self.check_leading()
         with self.lock:
             self.energy.check(e.zone)
             now = self.clock()
@@ -513,7 +516,10 @@ class CoordinatorState:
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
-        the new parameters under `work` alone, then publish them."""
+        the new parameters under `work` alone, then publish them. A replica that may not lead (`fence`) closes no
+        round, and one fenced between the step and the publication does not publish it (it is about to exit)."""
+        if not self.leading():
+            return None
         with self.lock:
             self._expire_locked()
             closed = self.core.close(now)
@@ -533,8 +539,23 @@ class CoordinatorState:
         self._merge_s = 0.0
         if self.on_round is not None:
             self.on_round(applied)
+        if not self.leading():
+            self.log.warning("round.unpublished", version=applied.version, reason="not the leader any more")
+            return applied
         self._publish(applied, delta)
         return applied
+
+    def check_leading(self) -> None:
+        """Raise NotLeader (UNAVAILABLE, naming the leader) unless this replica may accept work now."""
+        if self.fence is not None:
+            self.fence()
+
+    def leading(self) -> bool:
+        try:
+            self.check_leading()
+        except NotLeader:
+            return False
+        return True
 
     def _publish(self, applied: RoundApplied, delta: Delta | None) -> None:
         """After a round's step: its parameters go to the watchers, its outcome to the records and metrics."""
@@ -677,6 +698,7 @@ class CoordinatorState:
         """A stream starts with header `h`, checked before any payload byte is read. Returns the outcome of an
         earlier identical submission (idempotent), or the stream to feed."""
         sub = h.sub
+        self.check_leading()
         with self.lock:
             if h.coordinator_epoch != self.epoch:
                 raise self.reject(
@@ -759,6 +781,7 @@ class CoordinatorState:
             raise self.reject(e, e.code.lower()) from None
         with self.work:
             now = self.clock()
+            self.check_leading()  # last thing before the submission changes the round
             with self.lock:
                 try:
                     taken = self.core.take(sub, per_step, now)

@@ -9,6 +9,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from diloco.core.learner import MAX_COORDINATORS
 from diloco.errors import ConfigError
 from diloco.flags import Flag, config_from_flags, env_name, parse_bool
 from diloco.flags import build_parser as build_flag_parser
@@ -53,10 +54,16 @@ class WorkerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
     def __post_init__(self) -> None:
-        if not self.coordinator or ":" not in self.coordinator:
+        if (
+            not isinstance(self.coordinator, str)
+            or not self.coordinator
+            or len(self.coordinator) > 2048
+            or any(":" not in a for a in self.coordinators)
+            or len(self.coordinators) > MAX_COORDINATORS
+        ):
             raise ConfigError(
-                "coordinator: expected HOST:PORT (flag --coordinator or env DILOCO_COORDINATOR), "
-                f"got {self.coordinator!r}"
+                f"coordinator: expected HOST:PORT, or up to {MAX_COORDINATORS} of them comma-separated (replicas "
+                f"under etcd leadership), flag --coordinator or env DILOCO_COORDINATOR; got {self.coordinator!r}"
             )
         if len(self.name) > 128 or not self.name.isprintable():
             raise ConfigError(f"name must be at most 128 printable characters, got {self.name!r}")
@@ -102,7 +109,7 @@ class WorkerConfig:
             raise ConfigError(f"--nproc-per-node must be in [1, 1024], got {self.nproc_per_node}")
         if not 0 <= self.max_restarts <= 1000:
             raise ConfigError(f"--max-restarts must be in [0, 1000], got {self.max_restarts}")
-        for address in (self.coordinator, self.healthd):
+        for address in (*self.coordinators, self.healthd):
             if address:
                 self.security.check_client(address)
         if self.security.tls and not self.security.join_token:
@@ -110,6 +117,11 @@ class WorkerConfig:
                 "a worker needs the join token: --join-token-file FILE or DILOCO_JOIN_TOKEN "
                 "(`diloco certs` writes join.token)"
             )
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """The coordinator addresses (`coordinator` split at commas): replicas, the learner starts at the first."""
+        return tuple(a.strip() for a in self.coordinator.split(","))
 
     @property
     def display_name(self) -> str:
@@ -130,7 +142,13 @@ def _bounded(flag: str, value: object, hi: float, what: str) -> None:
 
 
 _FLAGS: list[Flag] = [
-    ("--coordinator", str, "", "the coordinator's HOST:PORT (required)"),
+    (
+        "--coordinator",
+        str,
+        "",
+        "the coordinator's HOST:PORT (required); replicas as A,B,...: on UNAVAILABLE the learner moves to the leader "
+        "a refusal names, else to the next address",
+    ),
     (
         "--name",
         str,

@@ -55,8 +55,10 @@ class Control:
         learner: core.LearnerCore,
         stopping: Callable[[], bool],
         log: Callable[[], structlog.stdlib.BoundLogger],
+        failover: Callable[[str], None] = lambda _details: None,
     ) -> None:
         self.stub, self.cfg, self.learner, self.stopping, self.log = stub, cfg, learner, stopping, log
+        self.failover = failover  # FAILOVER: move to another coordinator address (`endpoints.Coordinators`)
 
     def register(
         self, name: str, tp: Throughput | None, device_kind: str, power: Reading | None = None
@@ -93,9 +95,11 @@ class Control:
         def retry(e: grpc.RpcError) -> bool:
             now = time.monotonic()
             reaction = self.learner.rpc_failed(now, rpc, e.code().name, e.details() or "")
-            if reaction is not core.Reaction.RETRY:
+            if reaction is core.Reaction.FAILOVER:
+                self.failover(e.details() or "")
+            elif reaction is not core.Reaction.RETRY:
                 self.log().warning("worker.rpc_refused", call=rpc.value, code=e.code().name, action=reaction.value)
-            return reaction is core.Reaction.RETRY and not self.learner.give_up_due(now)
+            return reaction.retries and not self.learner.give_up_due(now)
 
         def wait(seconds: float) -> bool:
             end = time.monotonic() + seconds

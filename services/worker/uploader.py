@@ -54,8 +54,12 @@ class Uploader:
         metrics: Metrics,
         post: Callable[[object], None],
         log: Callable[[], structlog.stdlib.BoundLogger],
+        failover: Callable[[str], None] = lambda _details: None,
+        address: Callable[[], str] | None = None,
     ) -> None:
         self.stub, self.cfg, self.metrics, self.post, self.log = stub, cfg, metrics, post, log
+        self.failover = failover  # FAILOVER: move to another coordinator address (`endpoints.Coordinators`)
+        self.address = address or (lambda: cfg.coordinators[0])  # the coordinator in use (the bulk path's host)
         self._jobs: queue.Queue[UploadJob | None] = queue.Queue()
         self._closed = threading.Event()
         self._bulk_ssl: ssl.SSLContext | None = None  # built on the first bulk upload over TLS
@@ -91,7 +95,9 @@ class Uploader:
             except grpc.RpcError as e:  # a BulkError is one too, with the same codes
                 code = e.code().name
                 reaction = react(Rpc.SUBMIT, code)
-                if reaction is Reaction.RETRY and not self._closed.is_set():
+                if reaction is Reaction.FAILOVER:
+                    self.failover(e.details() or "")
+                if reaction.retries and not self._closed.is_set():
                     if time.monotonic() - started < self.cfg.retry_total_s:
                         sleep_s = backoff.next_s(e)
                         self.log().warning("worker.upload_retry", submission_id=sid, code=code, sleep_s=sleep_s)
@@ -151,7 +157,7 @@ class Uploader:
         self, port: int, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray, offset: int
     ) -> Response:
         """The payload over the coordinator's bulk upload port (same host, same TLS identity and token)."""
-        host = host_of(self.cfg.coordinator)
+        host = host_of(self.address())
         sec = self.cfg.security
         if sec.tls and self._bulk_ssl is None:
             self._bulk_ssl = client_ssl_context_from_dir(sec.tls_dir, sec.tls_name)

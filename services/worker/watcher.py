@@ -54,9 +54,11 @@ class Watcher:
         numel: int,
         post: Callable[[object], None],
         log: structlog.stdlib.BoundLogger,
+        failover: Callable[[str], None] = lambda _details: None,
     ) -> None:
         self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
         self.post, self.log = post, log
+        self.failover = failover  # FAILOVER: move to another coordinator address (`endpoints.Coordinators`)
         self.follower = BroadcastFollower()  # touched by the watch thread only
         self._closed = threading.Event()
         self._call: grpc.Future | None = None  # type: ignore[type-arg]
@@ -123,6 +125,8 @@ class Watcher:
                 if reaction is Reaction.REREGISTER:
                     self.post(SessionLost(self.worker_id, e.details() or e.code().name))
                     return
+                if reaction is Reaction.FAILOVER:
+                    self.failover(e.details() or "")
                 self.log.warning("worker.watch_retry", code=e.code().name, details=e.details())
                 self.post(WatchFailed(self.worker_id, e.code().name))  # counts toward giving up
                 after = 0  # the next stream starts with the current version: its arrival shows contact again

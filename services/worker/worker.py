@@ -16,6 +16,7 @@ import queue
 import sys
 import time
 import uuid
+from typing import cast
 
 import torch
 
@@ -28,6 +29,7 @@ from diloco.task.model import pick_device
 from diloco.v1 import coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.control import Control
+from services.worker.endpoints import Coordinators
 from services.worker.heartbeats import Beat, Heartbeats
 from services.worker.island import Island, device_kind
 from services.worker.metrics import Metrics
@@ -93,8 +95,8 @@ class Worker:
             watts=reading.watts if reading else None,
             not_used=self.power.note or None,
         )
-        self.channel = cfg.security.channel(cfg.coordinator)
-        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.coordinators = Coordinators(cfg, lambda: self.log)  # the address in use; moves on FAILOVER
+        self.stub = cast(coordinator_pb2_grpc.CoordinatorStub, self.coordinators)
         self.metrics = Metrics()
         self.round_phases: dict[str, float] = {}  # seconds per phase since the last submission
         self.inbox: queue.Queue[object] = queue.Queue()
@@ -103,9 +105,12 @@ class Worker:
         self.watcher: Watcher | None = None
         self.exit_reason = ""
         self._stop_requested = False
-        self.uploader = Uploader(self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log)
+        failover = self.coordinators.failover
+        self.uploader = Uploader(
+            self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log, failover, lambda: self.coordinators.address
+        )
         self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log)
-        self.control = Control(self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log)
+        self.control = Control(self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log, failover)
 
     def stop(self) -> None:
         """Drain: hand the unsent steps back, deregister, say "leaving" to healthd, return from `run`. Safe from a
@@ -119,7 +124,7 @@ class Worker:
             self.watcher = None
         self.uploader.close()
         self.heartbeats.close()
-        self.channel.close()
+        self.coordinators.close()
 
     def run(self) -> int:
         """Train until the job finishes or `stop()`; returns the exit status (0 finished or stopped, 1 gave up or
@@ -201,7 +206,7 @@ class Worker:
             self.watcher = w = None
         if w is None and wid and self.core.exit is None:
             epoch, numel = self.core.coordinator_epoch, self.replica.numel
-            self.watcher = Watcher(self.stub, wid, epoch, numel, self.inbox.put, self.log)
+            self.watcher = Watcher(self.stub, wid, epoch, numel, self.inbox.put, self.log, self.coordinators.failover)
 
     def _do(self, a: core.Action) -> None:
         """Carry out `a`, timing it into its phase of the round (`PHASES`); a submission logs the round's phases."""

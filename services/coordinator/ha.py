@@ -1,0 +1,214 @@
+"""A coordinator replica under etcd leadership (ALGORITHM.md section 11; `--etcd`): the wiring between the
+leadership driver (`diloco.ha.driver`), the hot standby (`services.coordinator.standby`) and the coordinator server.
+
+Every replica campaigns. What the process does follows `diloco.core.leadership.duty` of the driver's view, asked
+every `POLL_S`:
+
+- FOLLOW: a hot standby of the leader at the address its etcd key holds (`StandbyFollower`), writing checkpoints to
+  `--checkpoint-dir`; a new leader address means a new follower (it resumes from its own checkpoints).
+- SERVE: promotion. The follower stops, its state (the newest version it applied) is written as a checkpoint, and a
+  `CoordinatorServer` started on `--checkpoint-dir` resumes from it and serves on the address advertised in etcd,
+  under the leadership epoch as its coordinator epoch. Its state checks `may_accept()` (the fencing by time)
+  before accepting a registration or a submission, and before closing and publishing a round; when it is false
+  those calls get UNAVAILABLE "not the leader; leader is at HOST:PORT" (`diloco.errors.NotLeader`).
+- RETIRE: a replica that served and lost leadership stops serving (final checkpoint) and exits with status 3; a
+  supervisor restarts it and it comes back as a standby of the new leader.
+- WAIT: nobody is known to lead yet; keep what it holds.
+
+While not leading, the replica serves a stand-in on its advertised port (`NotLeaderServer`): every Coordinator
+call gets UNAVAILABLE naming the leader, and health says NOT_SERVING, so a learner that reached a standby moves to
+the leader. The stand-in is stopped just before the server binds the same port.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import replace
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from diloco import log as logging
+from diloco.core.leadership import Duty, LeadershipConfig, duty
+from diloco.errors import not_leader
+from diloco.ha.driver import LeadershipDriver
+from diloco.ha.etcd import EtcdConfig, EtcdElection
+from diloco.rpc.status import details_of, status_of
+from services.coordinator import checkpoint
+from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.server import SERVICE_NAME, CoordinatorServer
+from services.coordinator.standby import StandbyFollower, follower_from
+
+POLL_S = 0.05  # how often the replica looks at its leadership view
+EXIT_RETIRED = 3  # the process served and lost leadership
+EXIT_REFUSED = 2  # the leader refused this replica as a standby for good (another task's fingerprint)
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (the replica must advertise its address before it serves)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class NotLeaderServer:
+    """A replica's stand-in while it does not lead: every `diloco.v1.Coordinator` method answers UNAVAILABLE
+    naming the leader (`hint()`), health answers NOT_SERVING."""
+
+    def __init__(self, cfg: CoordinatorServiceConfig, hint: Callable[[], str]) -> None:
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="not-leader"))
+        hint_of = hint
+
+        class Handler(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+            def service(self, details: grpc.HandlerCallDetails) -> Any:
+                method: str = details.method
+                if method.startswith("/grpc.health.v1.Health/Check"):
+
+                    def health(_req: bytes, _ctx: grpc.ServicerContext) -> bytes:
+                        status = health_pb2.HealthCheckResponse.NOT_SERVING
+                        return health_pb2.HealthCheckResponse(status=status).SerializeToString()
+
+                    return grpc.unary_unary_rpc_method_handler(health)
+                if not method.startswith(f"/{SERVICE_NAME}/"):
+                    return None
+
+                def refuse(_req: Any, ctx: grpc.ServicerContext) -> bytes:
+                    err = not_leader(hint_of())
+                    ctx.abort(status_of(err), details_of(err))  # the one table: diloco.rpc.status
+
+                return grpc.stream_stream_rpc_method_handler(refuse)
+
+        self._server.add_generic_rpc_handlers((Handler(),))
+        where = f"{cfg.host}:{cfg.port}"
+        creds = cfg.security.server_credentials()
+        bound = self._server.add_insecure_port(where) if creds is None else self._server.add_secure_port(where, creds)
+        if bound != cfg.port:
+            raise OSError(f"the stand-in could not bind {cfg.host}:{cfg.port}")
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self) -> None:
+        self._server.stop(0).wait()
+
+
+class HaReplica:
+    """One coordinator replica (`--etcd`). `run()` blocks until `stop()` (exit 0), until it retires (exit 3), or
+    until the leader refuses it as a standby for good (another task: exit 2)."""
+
+    def __init__(self, cfg: CoordinatorServiceConfig, leadership: LeadershipConfig = LeadershipConfig()) -> None:
+        endpoint = cfg.etcd_endpoint()
+        assert endpoint is not None, "HaReplica needs cfg.etcd"
+        if cfg.port == 0:
+            cfg = replace(cfg, port=free_port(cfg.host))
+        self.cfg = cfg
+        self.address = f"{cfg.host}:{cfg.port}"
+        self.replica_id = cfg.replica_id or f"coordinator-{socket.gethostname()}-{cfg.port}"
+        self.driver = LeadershipDriver(
+            self.replica_id, self.address, EtcdElection(EtcdConfig(host=endpoint[0], port=endpoint[1])), leadership
+        )
+        self.server: CoordinatorServer | None = None
+        self.promoted_at: float | None = None  # monotonic time of the promotion (None: never led)
+        self._follower: StandbyFollower | None = None
+        self._channel: grpc.Channel | None = None
+        self._following = ""
+        self._standin: NotLeaderServer | None = None
+        self._stop = threading.Event()
+        self.log = logging.get("coordinator", role="replica", replica_id=self.replica_id)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def hint(self) -> str:
+        leader = self.driver.view().leader
+        return leader.address if leader is not None and leader.address != self.address else ""
+
+    def fence(self) -> None:
+        """Raise NotLeader unless this replica may accept work now (the state's `fence`)."""
+        if not self.driver.may_accept():
+            raise not_leader(self.hint())
+
+    def run(self) -> int:
+        self._standin = NotLeaderServer(self.cfg, self.hint)
+        self._standin.start()
+        self.driver.start()
+        self.log.info("replica.started", address=self.address, etcd=self.cfg.etcd)
+        code = 0
+        try:
+            while not self._stop.wait(POLL_S):
+                follower = self._follower
+                if follower is not None and follower.failed:  # the leader refused it for good (another task)
+                    self.log.error("replica.refused", leader=self._following, error=follower.failed)
+                    code = EXIT_REFUSED
+                    break
+                view = self.driver.view()
+                d = duty(view, self.server is not None)
+                if d is Duty.RETIRE:
+                    self.log.warning("replica.retiring", role=view.role.value, epoch=view.epoch)
+                    code = EXIT_RETIRED
+                    break
+                if d is Duty.SERVE and self.server is None:
+                    self._promote(view.epoch)
+                elif d is Duty.FOLLOW and view.leader is not None and view.leader.address != self._following:
+                    self._follow(view.leader.address)
+        finally:
+            self._shutdown()
+        return code
+
+    # --- duties ---------------------------------------------------------------------------------------------
+    def _follow(self, address: str) -> None:
+        self._stop_follower()
+        follower, chan = follower_from(replace(self.cfg, etcd="", follow=address, replica_id=self.replica_id))
+        self._follower, self._channel, self._following = follower, chan, address
+        follower.start()
+        self.log.info("replica.following", leader=address)
+
+    def _promote(self, epoch: int) -> None:
+        started = time.monotonic()
+        held = self._stop_follower()
+        if self._standin is not None:
+            self._standin.stop()
+            self._standin = None
+        server = CoordinatorServer(self.cfg, epoch=epoch, fence=self.fence)
+        server.start()
+        self.server, self.promoted_at = server, time.monotonic()
+        self.log.info(
+            "replica.promoted",
+            epoch=epoch,
+            version=server.core.version,
+            standby_version=held,
+            address=server.address,
+            seconds=round(self.promoted_at - started, 3),
+        )
+
+    def _stop_follower(self) -> int | None:
+        """Stop following; write what the standby holds as a checkpoint (the server resumes from it). Returns the
+        version it held."""
+        follower, chan = self._follower, self._channel
+        self._follower, self._channel, self._following = None, None, ""
+        if follower is None:
+            return None
+        follower.stop()
+        if chan is not None:
+            chan.close()
+        version = follower.version
+        if version is not None:
+            saved = checkpoint.list_checkpoints(self.cfg.checkpoint_dir)
+            if not saved or saved[0][0] < version:
+                checkpoint.save(self.cfg.checkpoint_dir, follower.standby.core_snapshot, keep=self.cfg.keep_checkpoints)
+        return version
+
+    def _shutdown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self._stop_follower()
+        if self._standin is not None:
+            self._standin.stop()
+            self._standin = None
+        self.driver.stop(resign=True)  # gives the key back only if it is still ours

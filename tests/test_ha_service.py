@@ -1,0 +1,184 @@
+"""The service side of coordinator leadership (issue #14), in-process on port 0: the state's fencing (a replica
+that may not lead accepts no registration or submission and closes no round, answering UNAVAILABLE naming the
+leader), the standby's stand-in server, the --etcd configuration, and the learner's coordinator addresses moving on
+FAILOVER."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from diloco.cluster import wait_for
+from diloco.errors import ConfigError, not_leader
+from diloco.rpc.server import channel
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.v1 import coordinator_pb2_grpc
+from services.coordinator.config import CoordinatorServiceConfig, parse, parse_etcd_endpoints
+from services.coordinator.ha import NotLeaderServer, free_port
+from services.worker.config import WorkerConfig
+from services.worker.endpoints import MIN_DWELL_S, Coordinators
+from tests.support import Clock, Env, code_of, frozen, make_upload, register, submit, tiny_task
+
+LEADER = "127.0.0.1:7001"
+
+
+class Fence:
+    """The state's `fence`: raises NotLeader while `leading` is False."""
+
+    def __init__(self) -> None:
+        self.leading = True
+
+    def __call__(self) -> None:
+        if not self.leading:
+            raise not_leader(LEADER)
+
+
+def test_a_fenced_replica_refuses_registrations_and_submissions_naming_the_leader(
+    start: Callable[..., Env],
+) -> None:
+    env = start(min_quorum=1, expected_workers=1)
+    fence = Fence()
+    env.server.state.fence = fence
+    reg = register(env, "a")
+    header, data, _ = make_upload(env, reg, "s1")
+    fence.leading = False
+    before = frozen(env)
+    code, details = code_of(lambda: submit(env, header, data))
+    assert code == grpc.StatusCode.UNAVAILABLE and details == f"not the leader; leader is at {LEADER}"
+    code, details = code_of(lambda: register(env, "b"))
+    assert code == grpc.StatusCode.UNAVAILABLE and LEADER in details
+    after = frozen(env)
+    assert after[0].equal(before[0]) and after[1:] == before[1:], "a refused call changed the state"
+    fence.leading = True
+    assert submit(env, header, data).version == 1  # leading again: taken, and the round closed (quorum 1)
+
+
+def test_a_fenced_replica_closes_no_round_and_publishes_nothing(start: Callable[..., Env]) -> None:
+    clock = Clock()
+    env = start(clock=clock, min_quorum=1, expected_workers=2, grace_max_s=5.0)
+    fence = Fence()
+    env.server.state.fence = fence
+    a, _b = register(env, "a"), register(env, "b")
+    header, data, _ = make_upload(env, a, "s1")
+    submit(env, header, data)  # quorum: the round waits for b until its grace deadline
+    fence.leading = False
+    clock.t += 3600.0  # far past every deadline
+    assert env.server.state.poll() is None
+    assert env.server.core.version == 0 and env.server.state.published().version == 0
+    fence.leading = True
+    env.server.state.poll()  # (or the poller thread, whichever comes first)
+    wait_for("the round closes once leading", lambda: env.server.state.published().version == 1, timeout_s=10)
+
+
+def test_the_standby_stand_in_refuses_every_coordinator_call_and_is_not_serving() -> None:
+    hint = [""]
+    cfg = CoordinatorServiceConfig(task=tiny_task(), port=free_port("127.0.0.1"))
+    standin = NotLeaderServer(cfg, lambda: hint[0])
+    standin.start()
+    try:
+        with channel(f"127.0.0.1:{cfg.port}") as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            code, details = code_of(lambda: stub.Register(pb.RegisterRequest(worker_name="w"), timeout=5))
+            assert code == grpc.StatusCode.UNAVAILABLE and details == "not the leader; the leader is not known yet"
+            hint[0] = LEADER
+            code, details = code_of(lambda: stub.GetStatus(pb.GetStatusRequest(), timeout=5))
+            assert code == grpc.StatusCode.UNAVAILABLE and details == f"not the leader; leader is at {LEADER}"
+            reqs = iter([pb.SubmitPseudoGradientRequest(data=b"x")])
+            code, _ = code_of(lambda: stub.SubmitPseudoGradient(reqs, timeout=5))
+            assert code == grpc.StatusCode.UNAVAILABLE
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        standin.stop()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("", None),
+        ("http://127.0.0.1:2379", ("127.0.0.1", 2379)),
+        ("http://localhost:1/", ("localhost", 1)),
+        ("http://[::1]:2379", ("::1", 2379)),
+    ],
+)
+def test_etcd_endpoint_parses(value: str, expected: tuple[str, int] | None) -> None:
+    assert parse_etcd_endpoints(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("127.0.0.1:2379", "http://HOST:PORT"),
+        ("https://127.0.0.1:2379", "http://HOST:PORT"),
+        ("http://10.0.0.1:2379", "loopback"),
+        ("http://127.0.0.1:99999", "1..65535"),
+        ("http://127.0.0.1:1,http://127.0.0.1:2", "2 endpoints"),
+        ("http://127.0.0.1:1" + "0" * 600, "512"),
+    ],
+)
+def test_bad_etcd_endpoints_are_refused(value: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_etcd_endpoints(value)
+
+
+def test_etcd_needs_checkpoints_and_the_replication_log_and_excludes_follow(tmp_path: Path) -> None:
+    etcd = ["--insecure", "--etcd", "http://127.0.0.1:2379"]
+    with pytest.raises(ConfigError, match="checkpoint_dir"):
+        parse([*etcd, "--replication-log", "4"], {})
+    with pytest.raises(ConfigError, match="replication_log"):
+        parse([*etcd, "--checkpoint-dir", str(tmp_path)], {})
+    with pytest.raises(ConfigError, match="exclude"):
+        parse([*etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", "--follow", "127.0.0.1:1"], {})
+    cfg = parse([*etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", "--replica-id", "r1"], {})
+    assert cfg.etcd_endpoint() == ("127.0.0.1", 2379) and cfg.replica_id == "r1"
+
+
+def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
+    a, b, c = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
+    now = [100.0]
+    coords = Coordinators(WorkerConfig(coordinator=f"{a}, {b},{c}"), lambda: _Log(), clock=lambda: now[0])
+    try:
+        assert coords.address == a and coords.addresses == (a, b, c)
+        coords.failover("connection refused")
+        assert coords.address == b
+        coords.failover("connection refused")  # the same outage seen by another thread: not moved again
+        assert coords.address == b
+        now[0] += MIN_DWELL_S
+        coords.failover("")
+        assert coords.address == c
+        coords.failover(f"not the leader; leader is at {a}")  # a named leader: at once
+        assert coords.address == a and coords.moves == 3
+        coords.failover(f"not the leader; leader is at {a}")  # already there
+        assert coords.address == a and coords.moves == 3
+        assert callable(coords.Register)  # the RPCs are the current stub's
+    finally:
+        coords.close()
+    with pytest.raises(ConfigError, match="up to 8"):
+        WorkerConfig(coordinator=",".join(f"127.0.0.1:{p}" for p in range(1, 10)))
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        WorkerConfig(coordinator=f"{a},nohost")
+
+
+class _Log:
+    def warning(self, *_a: object, **_k: object) -> None:
+        pass
+
+
+def test_a_leader_hint_that_breaks_the_security_rules_is_not_followed() -> None:
+    a, b = "127.0.0.1:7001", "127.0.0.1:7002"
+    warnings: list[str] = []
+
+    class Log:
+        def warning(self, event: str, **_k: object) -> None:
+            warnings.append(event)
+
+    coords = Coordinators(WorkerConfig(coordinator=f"{a},{b}"), lambda: Log())  # type: ignore[arg-type,return-value]
+    try:
+        coords.failover("not the leader; leader is at 10.1.2.3:7000")  # plaintext off loopback: refused
+        assert coords.address == b and "worker.leader_hint_refused" in warnings
+    finally:
+        coords.close()
