@@ -201,7 +201,9 @@ class CoordinatorServer:
         self.log = logging.get("coordinator", epoch=epoch)
         if self.resumed_from is not None:
             self.log.info("checkpoint.restored", path=str(self.resumed_from), version=core.version)
-        self._task, self._eval_model, self._state = task, model, state
+        # the built model is the evaluation model; a coordinator that never evaluates keeps only Θ (one copy less)
+        self._task, self._eval_model, self._state = task, model if cfg.eval_every else None, state
+        del model
         self._work = ThreadPoolExecutor(max_workers=cfg.work_threads, thread_name_prefix="coordinator-work")
         if cfg.replication_log:
             self._replication = ReplicationLog(
