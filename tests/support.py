@@ -136,11 +136,11 @@ def make_upload(
         payload=meta_to_proto(meta, env.specs),
         plan_seq=got.plan.plan_seq,
     )
-    return header, data, delta
+    return header, bytes(data), delta  # payloads may be any bytes-like; tests slice, mutate and join bytes
 
 
 def requests(
-    header: pb.SubmissionHeader | None, data: bytes | bytearray, offset: int = 0
+    header: pb.SubmissionHeader | None, data: bytes | bytearray | memoryview, offset: int = 0
 ) -> list[pb.SubmitPseudoGradientRequest]:
     msgs = [pb.SubmitPseudoGradientRequest(header=header)] if header is not None else []
     msgs += [pb.SubmitPseudoGradientRequest(data=bytes(data[i : i + CHUNK])) for i in range(offset, len(data), CHUNK)]

@@ -45,7 +45,7 @@ def _encode(
     codec = get_codec(name, block_size=block_size, topk_fraction=topk_fraction)
     x = torch.as_tensor(values, dtype=torch.float32)
     data, meta = codec.encode(x)
-    return codec, data, meta
+    return codec, bytes(data), meta  # payloads may be any bytes-like; the tests slice and join bytes
 
 
 def _stream(codec: Codec, data: bytes, meta: EncodedMeta, sizes: list[int]) -> torch.Tensor:

@@ -204,7 +204,7 @@ def _flipped(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader |
 
 
 def _extra(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:
-    return h, data + b"\0" * 8
+    return h, bytes(data) + b"\0" * 8
 
 
 def _oversized(h: pb.SubmissionHeader, data: bytes) -> tuple[pb.SubmissionHeader | None, bytes]:

@@ -55,7 +55,7 @@ def _row(name: str, numel: int, total_s: float, copy_s: float, **extra: Any) -> 
     }
 
 
-def _stream_decode(codec: Codec, data: bytes | bytearray, meta: Any, out: torch.Tensor) -> torch.Tensor:
+def _stream_decode(codec: Codec, data: bytes | bytearray | memoryview, meta: Any, out: torch.Tensor) -> torch.Tensor:
     decoder = codec.decoder(meta, out)
     for chunk in iter_chunks(data, CHUNK_BYTES):
         decoder.feed(chunk)

@@ -345,7 +345,7 @@ class Stream:
 def send_stream(
     stub: coordinator_pb2_grpc.CoordinatorStub,
     header: coordinator_pb2.SubmissionHeader,
-    payload: bytes | bytearray,
+    payload: bytes | bytearray | memoryview,
     metadata: Sequence[tuple[str, str]] = (),
 ) -> Stream:
     """One `SubmitPseudoGradient` call built exactly as the worker's `_upload` builds it."""
@@ -457,7 +457,9 @@ def submission_header(learner: Learner, meta: EncodedMeta) -> coordinator_pb2.Su
     )
 
 
-def send_bulk(learner: Learner, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray) -> Stream:
+def send_bulk(
+    learner: Learner, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray | memoryview
+) -> Stream:
     """The same submission over the coordinator's bulk upload port, as the worker sends it (`_bulk_upload`)."""
     first, first_unix = time.perf_counter(), time.time()
     resp = bulk_upload(
@@ -477,7 +479,7 @@ def upload(
     path: str,
     codec: str,
     repeat: int,
-    payload: bytes | bytearray,
+    payload: bytes | bytearray | memoryview,
     meta: EncodedMeta,
     interval_s: float = 0.002,
 ) -> UploadResult:
@@ -591,7 +593,7 @@ class Sink:
 
 def sink_upload(
     stub: coordinator_pb2_grpc.CoordinatorStub,
-    payload: bytes | bytearray,
+    payload: bytes | bytearray | memoryview,
     meta: EncodedMeta,
     specs: list[ParamSpec],
     decode: bool,
@@ -617,7 +619,7 @@ def _best(repeats: int, fn: Callable[[], object], setup: Callable[[], object] = 
 
 
 def breakdown(
-    payloads: dict[str, tuple[bytes | bytearray, EncodedMeta]], numel: int, repeats: int
+    payloads: dict[str, tuple[bytes | bytearray | memoryview, EncodedMeta]], numel: int, repeats: int
 ) -> list[dict[str, Any]]:
     """Per-byte stages of the upload, then the stages of accept + round close that follow it (the real
     `MergeAccumulator` and outer optimizer on `numel` elements, as `CoordinatorCore.accept`/`_apply` call them).
@@ -647,7 +649,7 @@ def breakdown(
     segments = [Segment(0, numel)]
     held: dict[str, EncodedDelta] = {}
 
-    def receive(name: str, data: bytes | bytearray, meta: EncodedMeta) -> Callable[[], None]:
+    def receive(name: str, data: bytes | bytearray | memoryview, meta: EncodedMeta) -> Callable[[], None]:
         def run() -> None:
             receiver = UploadReceiver(meta, numel, segments)
             for c in chunks(data, 0):

@@ -414,7 +414,7 @@ class Codec(ABC):
         return f"{type(self).__name__}()"
 
     @abstractmethod
-    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         """Encode a 1-D float32 tensor (any device). `meta.crc32` is `zlib.crc32` of the bytes."""
 
     @abstractmethod
@@ -452,7 +452,7 @@ class Codec(ABC):
         stream.feed(data)
         return stream.finish()
 
-    def encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         """Encode `target` (a contiguous 1-D float32 CPU tensor) and subtract what the receiver will decode
         from it in place, leaving the compression error. Used by `ErrorFeedback`."""
         _check_input(target)
@@ -460,14 +460,14 @@ class Codec(ABC):
             raise CodecError("encode_and_subtract works in place: pass a contiguous float32 CPU tensor")
         return self._encode_and_subtract(target)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         data, meta = self.encode(target)
         target.sub_(self.decode(data, meta))
         return data, meta
 
     def _finish(
         self, parts: Sequence[bytes | memoryview], numel: int, block_size: int = 0, topk_count: int = 0
-    ) -> tuple[bytes | bytearray, EncodedMeta]:
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         """The payload made of `parts`, and its meta."""
         data, crc = _join_with_crc(parts)
         return data, EncodedMeta(self.name, numel, len(data), crc, block_size, topk_count)
@@ -483,11 +483,11 @@ class FP32Codec(Codec):
     def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
         return 4 * numel
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         x = _check_input(flat)
         return self._finish([x.numpy().view(np.uint8).data], x.numel())
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         data, meta = self.encode(target)
         target.zero_()
         return data, meta
@@ -506,13 +506,13 @@ class BF16Codec(Codec):
     def payload_bytes(cls, numel: int, block_size: int, topk_count: int) -> int:
         return 2 * numel
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         return self._encode(target, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         parts = []
         for start in range(0, x.numel(), _SLAB):
             slab = x[start : start + _SLAB]
@@ -575,19 +575,20 @@ class _BlockCodec(Codec):
     def _packed_bytes(count: int) -> int:
         """Bytes that `count` values take."""
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         return self._encode(target, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytearray, EncodedMeta]:
-        """Quantize slab by slab straight into the payload: scales and packed values are written in place."""
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
+        """Quantize slab by slab straight into the payload: scales and packed values are written in place. The
+        payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL)."""
         bs, numel = self.block_size, x.numel()
         blocks, full = -(-numel // bs), numel // bs * bs
-        payload = bytearray(4 * blocks + self._packed_bytes(numel))
-        scales = torch.frombuffer(payload, dtype=torch.float32, count=blocks)
-        values = torch.frombuffer(payload, dtype=torch.uint8, offset=4 * blocks)
+        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
+        scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
+        values = torch.from_numpy(payload[4 * blocks :])
         scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
         for start in range(0, full, _SLAB):
             slab = x[start : min(start + _SLAB, full)].view(-1, bs)
@@ -605,7 +606,8 @@ class _BlockCodec(Codec):
             if subtract:
                 tail.copy_(padded[0, : tail.numel()])
         _check_finite(bool(torch.isfinite(scales).all()), self.name)
-        return payload, EncodedMeta(self.name, numel, len(payload), crc32(payload), bs)
+        data = payload.data
+        return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs)
 
     def _quantize(
         self, x: torch.Tensor, work: torch.Tensor, scales: torch.Tensor, subtract: bool, out: torch.Tensor
@@ -770,16 +772,16 @@ class TopKCodec(Codec):
         """How many entries are kept out of `numel`."""
         return min(numel, max(1, round(self.fraction * numel)))
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         data, meta, _ = self._encode(_check_input(flat))
         return data, meta
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         data, meta, index = self._encode(target)
         target[index] = 0.0
         return data, meta
 
-    def _encode(self, x: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta, torch.Tensor]:
+    def _encode(self, x: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta, torch.Tensor]:
         numel = x.numel()
         if numel > MAX_TOPK_NUMEL:
             raise CodecError(f"topk supports at most {MAX_TOPK_NUMEL} elements, got {numel}; use int8")
@@ -921,13 +923,13 @@ class SparseCodec(Codec):
     def __repr__(self) -> str:
         return f"SparseCodec(block_size={self.block_size}, fraction={self.fraction})"
 
-    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         return self._encode(_check_input(flat), subtract=False)
 
-    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         return self._encode(target, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray, EncodedMeta]:
+    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         bs, k, numel = self.block_size, self.per_chunk, x.numel()
         full = numel // bs * bs
         parts: list[bytes] = []
@@ -1105,7 +1107,7 @@ class ErrorFeedback:
         self.decay = float(decay)
         self.residual = torch.zeros(numel, dtype=torch.float32)
 
-    def compress(self, delta: torch.Tensor) -> tuple[bytes | bytearray, EncodedMeta]:
+    def compress(self, delta: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         """Encode `delta` plus the carried residual and keep the new residual.
 
         If encoding fails (e.g. a NaN in `delta`), the residual is reset to zero so that one bad step cannot

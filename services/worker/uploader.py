@@ -32,7 +32,7 @@ Response = coordinator_pb2.SubmitPseudoGradientResponse
 @dataclass(frozen=True)
 class UploadJob:
     header: coordinator_pb2.SubmissionHeader
-    payload: bytes | bytearray
+    payload: bytes | bytearray | memoryview
     bulk_port: int  # 0: over gRPC
 
 
@@ -142,7 +142,7 @@ class Uploader:
             return 0
         return size if st.complete else min(size, max(0, st.received_bytes))
 
-    def _grpc(self, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray) -> Response:
+    def _grpc(self, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray | memoryview) -> Response:
         offset = header.resume_offset
 
         def requests() -> Iterator[coordinator_pb2.SubmitPseudoGradientRequest]:
@@ -154,7 +154,7 @@ class Uploader:
         return resp
 
     def _bulk(
-        self, port: int, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray, offset: int
+        self, port: int, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray | memoryview, offset: int
     ) -> Response:
         """The payload over the coordinator's bulk upload port (same host, same TLS identity and token)."""
         host = host_of(self.address())
