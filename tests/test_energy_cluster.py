@@ -20,10 +20,12 @@ def test_energy_placement_pauses_a_power_hungry_slow_learner(tmp_path: Path) -> 
     cfg = cluster_config(
         tmp_path,
         workers=2,
-        outer_steps=12,
+        # rounds slow enough (10x) that the pause, decided once the slow learner is measured, lasts seconds before the
+        # run ends (at 1x the 12-round run ended 0.17 s after it on a loaded host, between two polls)
+        outer_steps=24,
         local_steps=5,
         min_quorum=1,
-        slowdowns=(1.0, 30.0),  # worker 1 delivers about 1/30 of worker 0's tokens: pausing it costs ~3% speed
+        slowdowns=(10.0, 300.0),  # worker 1 delivers about 1/30 of worker 0's tokens: pausing it costs ~3% speed
         worker_args={0: ("--power-w", "100", "--power-meter", "declared"), 1: ("--power-w", "900")},
         coordinator_args=("--placement", "energy"),
     )
@@ -49,7 +51,9 @@ def test_energy_placement_pauses_a_power_hungry_slow_learner(tmp_path: Path) -> 
         status = c.final_status()
         assert math.isfinite(status.validation_loss)
         used = {w.worker_name: w.energy_kwh for w in c.workers().workers}
-        assert len(used) == 2 and all(kwh > 0 for kwh in used.values())  # both learners' accepted work drew energy
+        # the trained learner's accepted work drew energy; the slow one may be paused by its claimed speed before any
+        # of its work is accepted (test_energy_accounting checks several learners' sums)
+        assert len(used) == 2 and used["worker0"] > 0 and used["worker1"] >= 0
         assert status.energy_kwh == pytest.approx(sum(used.values()), rel=1e-9)
         assert_exactly_once(c)
         assert "placement.changed" in (tmp_path / "coordinator.log").read_text()
