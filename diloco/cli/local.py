@@ -8,6 +8,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,28 +76,34 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def parse_slowdowns(text: str, workers: int) -> tuple[float, ...]:
+def _per_worker(
+    text: str, workers: int, flag: str, example: str, ok: Callable[[float], bool], rule: str
+) -> tuple[float, ...]:
+    """A comma-separated number per worker (fewer than `workers` allowed), each passing `ok`; "" gives ()."""
     if not text:
         return ()
     try:
         values = tuple(float(x) for x in text.split(","))
     except ValueError as e:
-        raise ConfigError(f"--slowdown: expected numbers like 1,1,2,4, got {text!r}") from e
-    if len(values) > workers or any(not v >= 1 for v in values):
-        raise ConfigError(f"--slowdown: at most {workers} values, each >= 1 (1 = full speed), got {text!r}")
+        raise ConfigError(f"{flag}: expected numbers like {example}, got {text!r}") from e
+    if len(values) > workers or any(not ok(v) for v in values):
+        raise ConfigError(f"{flag}: at most {workers} values, each {rule}, got {text!r}")
     return values
+
+
+def parse_slowdowns(text: str, workers: int) -> tuple[float, ...]:
+    return _per_worker(text, workers, "--slowdown", "1,1,2,4", lambda v: v >= 1, ">= 1 (1 = full speed)")
 
 
 def parse_watts(text: str, workers: int) -> tuple[float, ...]:
-    if not text:
-        return ()
-    try:
-        values = tuple(float(x) for x in text.split(","))
-    except ValueError as e:
-        raise ConfigError(f"--power-w: expected numbers like 300,300,1200, got {text!r}") from e
-    if len(values) > workers or any(not (math.isfinite(v) and 0 <= v <= MAX_WATTS) for v in values):
-        raise ConfigError(f"--power-w: at most {workers} values, each in [0, {MAX_WATTS:g}] watts, got {text!r}")
-    return values
+    return _per_worker(
+        text,
+        workers,
+        "--power-w",
+        "300,300,1200",
+        lambda v: math.isfinite(v) and 0 <= v <= MAX_WATTS,
+        f"in [0, {MAX_WATTS:g}] watts",
+    )
 
 
 def config_from_args(a: argparse.Namespace) -> ClusterConfig:
