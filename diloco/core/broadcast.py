@@ -63,7 +63,8 @@ def params_checksum(flat: torch.Tensor) -> int:
 
 
 def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
-    """A private copy of `flat` laid out as the fp32 codec does, and its meta (crc32 = `params_checksum`)."""
+    """A private copy of `flat` laid out as the fp32 codec does, and its meta (crc32 = `params_checksum`). The copy
+    (torch) and the checksum release the GIL, where joining bytes would hold it for the whole copy."""
     x = flat.detach().to("cpu", torch.float32).contiguous().clone()
     if x.dim() != 1:
         raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")

@@ -10,7 +10,6 @@ from typing import TypeVar
 
 import numpy as np
 import torch
-from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values
 
 from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, WindowSink, iter_chunks, payload_decoder
 from diloco.core.merge import EncodedDelta, Segment, SegmentSquares
@@ -58,21 +57,6 @@ def check_layout(spec: pb.PayloadSpec, expected: Sequence[ParamSpec]) -> None:
         )
     if any(t.dtype not in ("", "float32") for t in spec.tensors):
         raise CodecError("tensor dtype must be float32")
-
-
-def encode_params(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
-    """Global parameters travel uncompressed (fp32), so every learner adopts exactly the same values: the bytes
-    of a private copy of `flat`, as the fp32 codec lays them out (`get_codec("fp32").encode`), and their meta.
-
-    Built without holding the GIL for long: the copy (torch) and the checksum (zlib, on a buffer) release it,
-    where joining the bytes into one `bytes` object would hold it for the whole copy (seconds for a large model),
-    stalling every other thread of the service (control calls included)."""
-    x = flat.detach().to("cpu", torch.float32).contiguous().clone()
-    if x.dim() != 1:
-        raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
-    data = x.numpy().data.cast("B")
-    meta = EncodedMeta("fp32", x.numel(), len(data), crc32(data))
-    return data, meta
 
 
 def chunks(
