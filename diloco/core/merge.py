@@ -122,6 +122,7 @@ class _Fold(_Segmented):
     def __init__(self, segments: Sequence[Segment], acc: torch.Tensor, alpha: Sequence[float]) -> None:
         super().__init__(segments)
         self.acc, self.alpha = acc, list(alpha)
+        self._alpha = torch.tensor(self.alpha, dtype=torch.float32)  # per segment, for sparse windows
 
     def dense(self, start: int, values: torch.Tensor) -> None:
         for i, at, n in self.parts(start, values.numel()):
@@ -129,8 +130,7 @@ class _Fold(_Segmented):
                 self.acc.narrow(0, start + at, n).add_(values.narrow(0, at, n), alpha=self.alpha[i])
 
     def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
-        scale = torch.tensor(self.alpha, dtype=torch.float32)[self.segment_of(index)]
-        self.acc.index_add_(0, index, values.mul(scale))
+        self.acc.index_add_(0, index, values.mul(self._alpha[self.segment_of(index)]))
 
 
 class MergeAccumulator:
