@@ -1,5 +1,6 @@
 """The coordinator's energy book (`services.coordinator.energy`) as a pure object with explicit times: the carbon
-signal (provider over trace), and the accounting of energy, carbon and cost, paused learners included."""
+signal (provider over trace), the accounting of energy, carbon and cost, paused learners included, and the fleet's
+totals as a checkpoint holds them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 
 from diloco.core.energy import CarbonTrace, PowerSource
 from diloco.errors import InvalidArgument
-from services.coordinator.energy import CarbonSignal, Charge, EnergyBook, Reweighed
+from services.coordinator.energy import SNAPSHOT_KEY, CarbonSignal, Charge, EnergyBook, Reweighed, Totals
 
 pytestmark = pytest.mark.timeout(30)
 TRACE = CarbonTrace({"DE": ((0.0, 3600.0), (400.0, 100.0)), "FR": ((0.0,), (50.0,))})
@@ -71,3 +72,32 @@ def test_policy_inputs() -> None:
     assert infos["a"].spot and infos["a"].zone == "DE" and book.learners["a"].intensity == 100.0
     assert infos["new"].watts == 0.0 and infos["new"].speed == 500.0
     assert book.zones() == {"DE"} and book.zones(["new"]) == set()
+
+
+def test_a_book_goes_on_from_the_totals_it_is_given() -> None:
+    book = EnergyBook(totals=Totals(joules=7.2e6, grams=900.0, cost=12.5))  # a checkpoint's
+    book.join("a", 0.0, price_per_hour=3.6, watts=1000.0, source=PowerSource.DECLARED)
+    book.work("a", 3600.0, 3600.0)
+    book.accrue(3600.0)
+    assert book.totals() == Totals(joules=7.2e6 + 3.6e6, grams=900.0, cost=pytest.approx(12.5 + 3.6))
+    a = book.learners["a"]
+    assert (a.joules, a.cost) == (3.6e6, pytest.approx(3.6))  # a learner's own figures start from zero
+
+
+def test_totals_in_a_checkpoint() -> None:
+    totals = Totals(joules=3.6e6, grams=250.0, cost=4)
+    assert Totals.from_snapshot({"version": 3, SNAPSHOT_KEY: totals.to_snapshot()}) == totals
+    assert Totals.from_snapshot({"version": 3}) == Totals()  # written before the totals were kept
+    newer = {SNAPSHOT_KEY: {**totals.to_snapshot(), "per_zone": {"DE": 1.0}}}  # a newer writer's extra keys
+    assert Totals.from_snapshot(newer) == totals
+    for bad in (
+        [1.0, 2.0, 3.0],
+        {"joules": 1.0, "grams": 2.0},
+        {"joules": -1.0, "grams": 0.0, "cost": 0.0},
+        {"joules": math.nan, "grams": 0.0, "cost": 0.0},
+        {"joules": 0.0, "grams": math.inf, "cost": 0.0},
+        {"joules": 0.0, "grams": 0.0, "cost": "12"},
+        {"joules": True, "grams": 0.0, "cost": 0.0},
+    ):
+        with pytest.raises(InvalidArgument, match="checkpoint"):
+            Totals.from_snapshot({SNAPSHOT_KEY: bad})

@@ -1,13 +1,14 @@
 """Energy-, carbon- and cost-aware placement in the coordinator service (issue #15), in-process on port 0 through
 real channels: the power, zone, price and capacity learners send (bad values refused with INVALID_ARGUMENT and
 nothing changed), the placement policy pausing a learner, the accounting counters, the carbon provider's
-fallbacks, and what GetStatus / ListWorkers / `diloco ctl` show."""
+fallbacks, what GetStatus / ListWorkers / `diloco ctl` show, and the fleet's totals across a restart."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,8 +22,10 @@ from diloco.cli.main import main as cli_main
 from diloco.core.energy import PowerSource
 from diloco.errors import ConfigError
 from diloco.v1 import common_pb2
+from services.coordinator import checkpoint
 from services.coordinator.__main__ import main as coordinator_main
 from services.coordinator.config import parse as parse_coordinator
+from services.coordinator.energy import SNAPSHOT_KEY, Totals
 from services.worker.config import parse as parse_worker
 from services.worker.control import register_request
 from services.worker.power import open_meter
@@ -392,3 +395,68 @@ def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: 
         assert a.worker_id
     finally:
         CARBON.release.set()
+
+
+# --- across a restart -------------------------------------------------------------------------------------------
+def fleet(env: Env) -> Totals:
+    """The fleet's counters."""
+    return Totals(
+        sample(env, "diloco_fleet_energy_joules_total"),
+        sample(env, "diloco_fleet_carbon_grams_total"),
+        sample(env, "diloco_fleet_cost_total"),
+    )
+
+
+def test_the_fleets_totals_survive_a_restart_from_a_checkpoint(start: Callable[..., Env], tmp_path: Path) -> None:
+    clock, ckpt = Clock(), tmp_path / "ckpt"
+    flags = dict(clock=clock, checkpoint_dir=str(ckpt), checkpoint_every=1000, mode="async", min_quorum=1)
+    env = start(carbon_trace=str(trace(tmp_path)), **flags)
+    a = join(env, "a", power(300.0), zone="DE", price_per_hour=3.6)
+    clock.t = 1000.1
+    upload(env, a, "a1")  # 300 W x 0.1 s at 400 gCO2/kWh
+    clock.t = 1100.0
+    saved = env.stub.Checkpoint(pb.CheckpointRequest(), timeout=T)
+    expected = Totals(30.0, 30.0 / 3.6e6 * 400.0, 3.6 * 100.0 / 3600)  # costs charged up to the checkpoint
+    assert astuple(Totals.from_snapshot(checkpoint.load(saved.path))) == pytest.approx(astuple(expected))
+    env.server.stop(1.0)
+    with structlog.testing.capture_logs() as logs:
+        again = start(carbon_trace=str(trace(tmp_path)), **flags)
+    assert again.server.resumed_from == Path(saved.path)
+    (restored,) = [r for r in logs if r["event"] == "checkpoint.restored"]
+    assert (restored["energy_kwh"], restored["carbon_g"], restored["cost"]) == pytest.approx(
+        (expected.joules / 3.6e6, expected.grams, expected.cost)
+    )
+    status = again.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
+    assert (status.energy_kwh, status.carbon_g, status.cost) == pytest.approx(
+        (expected.joules / 3.6e6, expected.grams, expected.cost)
+    )
+    assert astuple(fleet(again)) == pytest.approx(astuple(expected))  # the counters resume from the checkpoint's totals
+    # and go on from there; the learner registers again as a new incarnation, whose own figures start at zero
+    b = join(again, "a", power(300.0), zone="DE", price_per_hour=3.6)
+    assert b.worker_id != a.worker_id
+    clock.t = 1100.2
+    upload(again, b, "b1")
+    assert sample(again, "diloco_energy_joules_total", worker=b.worker_id) == pytest.approx(300.0 * 0.2)
+    assert fleet(again).joules == pytest.approx(expected.joules + 300.0 * 0.2)
+    assert again.stub.GetStatus(pb.GetStatusRequest(), timeout=T).energy_kwh == pytest.approx(90.0 / 3.6e6)
+
+
+@pytest.mark.parametrize("energy", [None, {"joules": "lots", "grams": 1.0, "cost": 1.0}], ids=["older", "malformed"])
+def test_a_checkpoint_without_readable_totals_resumes_from_zero(
+    start: Callable[..., Env], tmp_path: Path, energy: object
+) -> None:
+    env = start(checkpoint_dir=str(tmp_path / "first"), checkpoint_every=1000, mode="async", min_quorum=1)
+    upload(env, join(env, "a", power(300.0)), "a1")
+    snap = checkpoint.load(env.stub.Checkpoint(pb.CheckpointRequest(), timeout=T).path)
+    assert Totals.from_snapshot(snap).joules > 0
+    snap.pop(SNAPSHOT_KEY)  # as written before the totals were kept
+    if energy is not None:
+        snap[SNAPSHOT_KEY] = energy
+    path, _ = checkpoint.save(tmp_path / "second", snap)
+    with structlog.testing.capture_logs() as logs:
+        again = start(checkpoint_dir=str(tmp_path / "second"))
+    assert again.server.resumed_from == path and again.server.core.version == 1  # the run resumes all the same
+    assert fleet(again) == Totals() and again.stub.GetStatus(pb.GetStatusRequest(), timeout=T).energy_kwh == 0.0
+    dropped = [r for r in logs if r["event"] == "checkpoint.energy_totals_dropped"]
+    assert len(dropped) == (energy is not None)
+    assert all("joules must be a finite number" in r["error"] and r["log_level"] == "warning" for r in dropped)

@@ -21,8 +21,8 @@ import torch
 from diloco.core.replication import digest
 from diloco.rpc.server import channel
 from diloco.task.factory import Fingerprint
+from diloco.v1 import common_pb2, replication_pb2_grpc
 from diloco.v1 import replication_pb2 as rpb
-from diloco.v1 import replication_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.replication import digest_to_proto
 from services.coordinator.server import CoordinatorServer
@@ -31,6 +31,7 @@ from tests.support import Env, T, code_of, config, make_upload, pb, register, su
 
 pytestmark = pytest.mark.timeout(90)
 State = tuple[torch.Tensor, dict[str, Any]]
+DECLARED = common_pb2.POWER_SOURCE_DECLARED
 
 
 def copy_state(params: torch.Tensor, outer: dict[str, Any]) -> State:
@@ -51,11 +52,12 @@ def same_bits(a: State, b: State) -> bool:
 
 
 class Leader:
-    """The leader in process, one learner, and a copy of Θ and the outer state at every version it publishes."""
+    """The leader in process, one learner (declaring its power: its work is counted in joules), and a copy of Θ and
+    the outer state at every version it publishes."""
 
     def __init__(self, env: Env) -> None:
         self.env = env
-        self.reg = register(env)
+        self.reg = register(env, throughput=common_pb2.Throughput(watts=300.0, power_source=DECLARED))
         self.states: dict[int, State] = {}
         self._keep()
         self.n = 0
@@ -175,6 +177,8 @@ def test_a_restarted_standby_catches_up_from_its_checkpoint_or_else_from_a_snaps
         state = copy_state(successor.core.params, successor.core.outer.state_dict())
         assert same_bits(state, leader.states[v])
         assert successor.core.ledger.committed_tokens() == env.server.core.ledger.committed_tokens()
+        # the fleet's energy came with the round log's bookkeeping, into the standby's checkpoints
+        assert successor.state.energy.joules == env.server.state.energy.joules > 0
     finally:
         successor.stop(0)
     assert checkpoint.load_latest(ckpt) is not None

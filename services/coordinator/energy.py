@@ -23,20 +23,55 @@ Accounting, per learner (and in total):
   provider's value is taken as constant over it).
 - cost: price per hour x the hours it was registered and not paused by the placement policy (a paused learner is
   assumed released, as the `cost` policy assumes).
-Nothing here is kept across a coordinator restart: the counters start again from zero.
+
+Across a restart: the fleet's totals (`Totals`) are part of every checkpoint (`CoordinatorState.snapshot`, under
+`SNAPSHOT_KEY`; the standbys get them with the round log's bookkeeping) and a coordinator resumed from one starts its
+book, and so its counters, from them; what was used after that checkpoint is lost with the process. A learner's own
+figures are not kept: they belong to its registration, and after a restart every learner registers again, as a new
+incarnation whose figures start from zero.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from diloco.core.energy import CarbonTrace, LearnerInfo, PowerSource
 from diloco.errors import InvalidArgument
 
 J_PER_KWH = 3.6e6
 _ZONES_SHOWN = 12  # zones an error message lists
+SNAPSHOT_KEY = "energy"  # the fleet's totals in a checkpoint
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What the whole fleet used since the run began: joules, grams of CO2 and cost (kept in checkpoints)."""
+
+    joules: float = 0.0
+    grams: float = 0.0
+    cost: float = 0.0
+
+    def to_snapshot(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_snapshot(cls, snap: Mapping[str, Any]) -> Totals:
+        """The totals a checkpoint holds: zero for one written before they were kept; `InvalidArgument` when its
+        section is malformed (keys other than these three are left for newer writers)."""
+        section = snap.get(SNAPSHOT_KEY)
+        if section is None:
+            return cls()
+        names = [f.name for f in fields(cls)]
+        if not isinstance(section, Mapping) or any(n not in section for n in names):
+            raise InvalidArgument(f"the checkpoint's {SNAPSHOT_KEY!r} section must map {', '.join(names)} to numbers")
+        for n in names:
+            x = section[n]
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x >= 0):
+                raise InvalidArgument(f"the checkpoint's energy total {n} must be a finite number >= 0, got {x!r:.40}")
+        return cls(**{n: float(section[n]) for n in names})
 
 
 @dataclass
@@ -116,13 +151,16 @@ class CarbonSignal:
 class EnergyBook:
     """Per learner: its energy inputs and what it used. Not thread-safe (the caller holds its lock)."""
 
-    def __init__(self, signal: CarbonSignal | None = None) -> None:
+    def __init__(self, signal: CarbonSignal | None = None, totals: Totals | None = None) -> None:
+        """`totals`: the fleet's totals so far (a checkpoint's, when the coordinator resumes from one)."""
         self.signal = signal or CarbonSignal()
         self.learners: dict[str, LearnerEnergy] = {}
-        self.joules = 0.0
-        self.grams = 0.0
-        self.cost = 0.0
+        t = totals or Totals()
+        self.joules, self.grams, self.cost = t.joules, t.grams, t.cost
         self.paused = 0  # live learners at weight 0
+
+    def totals(self) -> Totals:
+        return Totals(self.joules, self.grams, self.cost)
 
     def check(self, zone: str) -> None:
         """Everything about a registration that can be refused, before anything changes."""

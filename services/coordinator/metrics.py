@@ -63,7 +63,8 @@ class CoordinatorMetrics:
         )
         self.streaming_uploads = Gauge(_PREFIX + "streaming_uploads", "Uploads with a stream feeding them", registry=r)
         # energy, carbon and cost (issue #15; services/coordinator/energy.py): per learner while the coordinator
-        # holds its record (ListWorkers), and for the whole fleet since the coordinator started
+        # holds its record (ListWorkers), and for the whole fleet since the run began (a resumed coordinator's start
+        # from its checkpoint's totals: CoordinatorState)
         self.energy_joules = Counter(
             "diloco_energy_joules", "Energy a learner drew while working (watts x work seconds)", ["worker"], registry=r
         )

@@ -31,7 +31,7 @@ from services.coordinator import checkpoint
 from services.coordinator.bulk import BulkUploads
 from services.coordinator.carbon import CarbonFeed, Provider, load_provider
 from services.coordinator.config import CoordinatorServiceConfig
-from services.coordinator.energy import CarbonSignal, EnergyBook
+from services.coordinator.energy import J_PER_KWH, CarbonSignal, EnergyBook, Totals
 from services.coordinator.metrics import CoordinatorMetrics
 from services.coordinator.replication import SERVICE_NAME as REPLICATION_SERVICE_NAME
 from services.coordinator.replication import ReplicationLog, ReplicationServicer
@@ -153,6 +153,7 @@ class CoordinatorServer:
         specs = param_specs(model)
         shard_lengths = [task.corpus.shard_length(i) for i in range(task.corpus.num_shards)]
         core = CoordinatorCore(cfg.core_config(), params, shard_lengths, merge_segments(model))
+        totals = Totals()
         if cfg.checkpoint_dir:
             found = checkpoint.load_latest(cfg.checkpoint_dir)
             if found is not None:
@@ -166,6 +167,7 @@ class CoordinatorServer:
                     ) from e
                 self.resumed_from = path
                 self._last_ckpt_version = core.version
+                totals = self._restored_totals(snap, path)
         started = self.clock()
         signal = CarbonSignal(trace, cfg.carbon_trace_origin_unix_s or started)
         epoch = time.time_ns() if self._epoch is None else self._epoch
@@ -183,7 +185,7 @@ class CoordinatorServer:
             metrics=self.metrics,
             clock=self.clock,
             on_round=self._on_round,
-            energy=EnergyBook(signal),
+            energy=EnergyBook(signal, totals),
             placement=cfg.policy_config(started),
         )
         state.fence = self._fence
@@ -200,7 +202,14 @@ class CoordinatorServer:
             state.on_new_zone = self._carbon.wake
         self.log = logging.get("coordinator", epoch=epoch)
         if self.resumed_from is not None:
-            self.log.info("checkpoint.restored", path=str(self.resumed_from), version=core.version)
+            self.log.info(
+                "checkpoint.restored",
+                path=str(self.resumed_from),
+                version=core.version,
+                energy_kwh=totals.joules / J_PER_KWH,
+                carbon_g=totals.grams,
+                cost=totals.cost,
+            )
         # the built model is the evaluation model; a coordinator that never evaluates keeps only Θ (one copy less)
         self._task, self._eval_model, self._state = task, model if cfg.eval_every else None, state
         del model
@@ -277,6 +286,15 @@ class CoordinatorServer:
             shards=len(shard_lengths),
             fingerprint=task.fingerprint,
         )
+
+    def _restored_totals(self, snap: dict[str, Any], path: Path) -> Totals:
+        """The fleet's energy, carbon and cost totals in checkpoint `snap` (zero in one written before they were
+        kept). Malformed ones are logged and the totals start from zero: the run resumes all the same."""
+        try:
+            return Totals.from_snapshot(snap)
+        except InvalidArgument as e:
+            self.log.warning("checkpoint.energy_totals_dropped", path=str(path), error=str(e))
+            return Totals()
 
     def stop(self, grace_s: float | None = None) -> None:
         """Drain: health NOT_SERVING, end parameter streams, let in-flight calls finish for `grace_s`, stop the

@@ -54,7 +54,7 @@ from diloco.core.uploads import (
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader
 from diloco.rpc.payload import UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
-from services.coordinator.energy import J_PER_KWH, Charge, EnergyBook, LearnerEnergy
+from services.coordinator.energy import J_PER_KWH, SNAPSHOT_KEY, Charge, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
 
 __all__ = [
@@ -250,6 +250,10 @@ class CoordinatorState:
         self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
         self._published = Published(core.version, self.epoch, (), core.finished)
         self._refresh_gauges()
+        # the fleet's counters go on from the book's totals (a checkpoint's, when resumed from one)
+        metrics.fleet_energy_joules.inc(self.energy.joules)
+        metrics.fleet_carbon_grams.inc(self.energy.grams)
+        metrics.fleet_cost.inc(self.energy.cost)
 
     # --- membership ---------------------------------------------------------------------------------------------
     def register(
@@ -951,9 +955,11 @@ class CoordinatorState:
         """A checkpoint of the applied state, for the caller holding `work` (no round steps meanwhile, so the
         tensors match the version): the bookkeeping taken under `lock`, the tensors the core's own, not copied
         (a model-sized copy of Θ and of the outer state each, at the peak, otherwise). Serialise it before
-        releasing `work` (`checkpoint.save(..., hold=state.work)`)."""
+        releasing `work` (`checkpoint.save(..., hold=state.work)`). It carries the fleet's energy, carbon and cost
+        totals, costs charged up to now (`services.coordinator.energy.Totals`)."""
         with self.work, self.lock:
-            return self.core.snapshot()
+            self._charge(self.energy.accrue(self.clock()))
+            return {**self.core.snapshot(), SNAPSHOT_KEY: self.energy.totals().to_snapshot()}
 
     def stop(self) -> None:
         with self.lock:
