@@ -1,21 +1,28 @@
 """The learner's power meter (`services.worker.power`): RAPL counters read from a sysfs tree written in tmp_path
 (real files, read by the real reader), the training windows driven by explicit times, the sources' order and
-their refusals. NVML is exercised only where a CUDA device and pynvml are present."""
+their refusals, and a learner whose counter breaks while it trains (against a real in-process coordinator). NVML is
+exercised only where a CUDA device and pynvml are present."""
 
 from __future__ import annotations
 
 import importlib.util
 import math
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from diloco.core.energy import PowerSource
 from diloco.errors import ConfigError
 from diloco.rpc.limits import MAX_WATTS
+from services.worker.config import WorkerConfig
 from services.worker.power import (
     JOIN_GAP_S,
+    OUT_OF_RANGE,
+    UNREADABLE,
     NvmlCounter,
     PowerMeter,
     RaplCounter,
@@ -24,6 +31,8 @@ from services.worker.power import (
     rapl_zones,
     wrap_delta,
 )
+from services.worker.worker import Worker
+from tests.support import Env, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 MAX_RANGE = 262_143_328_850  # a real package's max_energy_range_uj
@@ -130,6 +139,8 @@ def test_back_to_back_steps_reuse_the_last_read(powercap: Path) -> None:
 def test_a_broken_or_absurd_window_is_dropped_and_the_last_figure_stays(powercap: Path) -> None:
     pkg = powercap / "intel-rapl:0"
     meter = PowerMeter(RaplCounter(powercap), window_s=1.0)
+    drops: list[tuple[str, str, int]] = []
+    meter.on_drop = lambda *drop: drops.append(drop)
     meter.begin(0.0)
     set_energy(pkg, 1_000_000 + 100_000_000)
     meter.end(1.0)
@@ -143,6 +154,12 @@ def test_a_broken_or_absurd_window_is_dropped_and_the_last_figure_stays(powercap
     set_energy(pkg, 1_000_000 + 100_000_000 + int(2 * MAX_WATTS * 1e6))  # 2 x the limit in one second
     meter.end(11.0)
     assert meter.reading() == Reading(100.0, PowerSource.RAPL) and meter.dropped == 2
+    assert [(reason, in_a_row) for reason, _, in_a_row in drops] == [(UNREADABLE, 1), (OUT_OF_RANGE, 2)]
+    assert "invalid literal" in drops[0][1] and "200000 W over 1 s" in drops[1][1]
+    meter.begin(20.0)
+    set_energy(pkg, 1_000_000 + 100_000_000 + int(2 * MAX_WATTS * 1e6) + 50_000_000)
+    meter.end(21.0)  # a window measured again ends the run of drops
+    assert meter.reading() == Reading(50.0, PowerSource.RAPL) and meter.dropped_in_a_row == 0
 
 
 def test_declared_figure_and_bad_declarations() -> None:
@@ -166,6 +183,35 @@ def test_open_meter_modes(powercap: Path, tmp_path: Path) -> None:
         open_meter("nvml", 0.0, [], root=powercap)
     with pytest.raises(ConfigError, match="--power-meter"):
         open_meter("psu", 0.0, [], root=powercap)
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_whose_counter_breaks_counts_logs_and_trains_on(powercap: Path, start: Callable[..., Env]) -> None:
+    env = start(min_quorum=1, local_steps=2, min_local_steps=1, grace_max_s=0.0, bulk_port=-1)
+    meter = PowerMeter(RaplCounter(powercap), window_s=0.01)  # the counters stand still: 0 W measured
+
+    def dropped() -> float:
+        value = w.metrics.registry.get_sample_value("diloco_worker_power_windows_dropped_total", {"reason": UNREADABLE})
+        return value or 0.0
+
+    with structlog.testing.capture_logs() as logs:
+        w = Worker(WorkerConfig(coordinator=env.server.address, upload_path="grpc"), power=meter)
+        t = threading.Thread(target=w.run, daemon=True)
+        try:
+            t.start()
+            wait_for("a window measured", lambda: meter.reading() is not None, timeout_s=60)
+            (powercap / "intel-rapl:0" / "energy_uj").write_text("gone\n")
+            wait_for("windows dropped", lambda: dropped() >= 3, timeout_s=60)
+            version = env.server.core.version
+            wait_for("training to go on", lambda: env.server.core.version >= version + 2, timeout_s=60)
+            assert meter.reading() == Reading(0.0, PowerSource.RAPL)  # the last good figure
+        finally:
+            w.stop()
+            t.join(timeout=40)
+    warned = [r for r in logs if r["event"] == "power.window_dropped"]
+    assert len(warned) == 1, "the first drop of a run is logged, the rest counted"
+    assert (warned[0]["reason"], warned[0]["kept_watts"], warned[0]["kept_source"]) == (UNREADABLE, 0.0, "rapl")
+    assert "gone" in warned[0]["detail"] and warned[0]["log_level"] == "warning"
 
 
 @pytest.mark.skipif(

@@ -23,3 +23,9 @@ class Metrics:
             registry=r,
         )
         self.tokens_per_s = Gauge("diloco_worker_tokens_per_second", "Measured throughput", registry=r)
+        self.power_windows_dropped = Counter(
+            "diloco_worker_power_windows_dropped",
+            "Power meter windows dropped (the counter unreadable, or a figure out of range); the last figure stayed",
+            ["reason"],
+            registry=r,
+        )

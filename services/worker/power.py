@@ -20,8 +20,10 @@ up energy and seconds over those windows and, once they hold `window_s` seconds 
 energy / seconds as the learner's watts (`reading()`), which go to the coordinator with the registration and
 every heartbeat. So a learner that waits (for a broadcast, a plan, or paused by the placement policy) still
 reports what it draws while it trains: the figure joules per token needs. A window whose figure is not a finite
-number in [0, MAX_WATTS] (a counter reset, a driver glitch), or whose counter could not be read, is dropped and
-the previous figure stays; until a first window is measured the declared figure (if any) is reported.
+number in [0, MAX_WATTS] (`out_of_range`: a counter reset, a driver glitch), or whose counter could not be read
+(`unreadable`), is dropped and the previous figure stays; until a first window is measured the declared figure (if
+any) is reported. `on_drop` hears of each dropped window (the worker counts them in
+`diloco_worker_power_windows_dropped_total{reason}` and logs the first of each run of drops).
 
 Time is a parameter (`now`, seconds of a monotonic clock); the counters read their files or NVML when asked.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -44,6 +46,7 @@ METER_MODES = ("auto", "nvml", "rapl", "declared")
 WINDOW_S = 1.0  # seconds of training a published figure averages over
 JOIN_GAP_S = 0.05  # a window opened this soon after the last one closed reuses that read (one read per step)
 _RAPL_ZONE = re.compile(r"intel-rapl(:\d+)+$")
+UNREADABLE, OUT_OF_RANGE = "unreadable", "out_of_range"  # why a window was dropped
 
 
 class MeterUnavailable(Exception):
@@ -197,6 +200,9 @@ class PowerMeter:
         self.window_s = window_s
         self.note = ""  # why the sources tried before this one were not used (for the log)
         self.dropped = 0  # windows dropped: a counter that could not be read, or a figure out of range
+        self.dropped_in_a_row = 0  # since the last window measured
+        # told of each dropped window: (reason, detail, dropped_in_a_row); called on the training thread
+        self.on_drop: Callable[[str, str, int], None] | None = None
         self._open: tuple[float, float] | None = None  # (now, joules) at `begin`
         self._closed: tuple[float, float] | None = None  # (now, joules) at the last `end`
         self._joules = 0.0
@@ -229,20 +235,27 @@ class PowerMeter:
         self._seconds += max(0.0, now - t0)
         if self._seconds < self.window_s:
             return
-        watts = self._joules / self._seconds
+        watts, seconds = self._joules / self._seconds, self._seconds
         self._joules = self._seconds = 0.0
         if math.isfinite(watts) and 0 <= watts <= MAX_WATTS:
             self._measured = watts
+            self.dropped_in_a_row = 0
         else:
-            self.dropped += 1
+            self._drop(OUT_OF_RANGE, f"{watts:g} W over {seconds:g} s; expected 0 to {MAX_WATTS:g} W")
 
     def _read(self, now: float) -> float | None:
         assert self.counter is not None
         try:
             return self.counter.read_j(now)
-        except Exception:  # a meter must never stop training: the window is dropped, the last figure stays
-            self.dropped += 1
+        except Exception as e:  # a meter must never stop training: the window is dropped, the last figure stays
+            self._drop(UNREADABLE, repr(e)[:200])
             return None
+
+    def _drop(self, reason: str, detail: str) -> None:
+        self.dropped += 1
+        self.dropped_in_a_row += 1
+        if self.on_drop is not None:
+            self.on_drop(reason, detail, self.dropped_in_a_row)
 
     def reading(self) -> Reading | None:
         """The learner's watts and their source: the last measured window, else the declared figure, else None."""

@@ -98,6 +98,7 @@ class Worker:
         self.coordinators = Coordinators(cfg, lambda: self.log)  # the address in use; moves on FAILOVER
         self.stub = cast(coordinator_pb2_grpc.CoordinatorStub, self.coordinators)
         self.metrics = Metrics()
+        self.power.on_drop = self._power_window_dropped
         self.round_phases: dict[str, float] = {}  # seconds per phase since the last submission
         self.inbox: queue.Queue[object] = queue.Queue()
         self.replica = Replica(cfg, self.device, self.metrics, island)
@@ -301,3 +302,16 @@ class Worker:
             self.device_kind,
             self.power.reading(),
         )
+
+    def _power_window_dropped(self, reason: str, detail: str, in_a_row: int) -> None:
+        """The power meter dropped a window (`power.py`): counted; the first of a run of drops is logged."""
+        self.metrics.power_windows_dropped.labels(reason=reason).inc()
+        if in_a_row == 1:
+            kept = self.power.reading()
+            self.log.warning(
+                "power.window_dropped",
+                reason=reason,
+                detail=detail,
+                kept_watts=kept.watts if kept else None,
+                kept_source=kept.source.value if kept else None,
+            )
