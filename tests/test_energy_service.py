@@ -161,11 +161,35 @@ def test_coordinator_exits_2_on_a_bad_trace_or_provider(tmp_path: Path, capsys: 
     assert coordinator_main(["--insecure", "--carbon-trace", str(tmp_path / "missing.csv")], {}) == 2
     assert "carbon trace" in capsys.readouterr().err
     bad = tmp_path / "bad.csv"
-    bad.write_text("zone,time_s,gco2_per_kwh\nDE,0,-5\n")
-    assert coordinator_main(["--insecure", "--carbon-trace", str(bad)], {}) == 2
-    assert "line 2" in capsys.readouterr().err
+    for rows, says in (
+        ("DE,0,-5\n", "line 2"),
+        ("DE,0,100\nDE,3600,100\nDE,1800,100\n", "line 4: time 1800.0 of zone 'DE' is not after"),  # not monotonic
+        ("DE,0,100\nDE,3600,100\nDE,7200,100\nDE,36000,100\n", "line 5: a gap in zone 'DE'"),
+    ):
+        bad.write_text("zone,time_s,gco2_per_kwh\n" + rows)
+        assert coordinator_main(["--insecure", "--carbon-trace", str(bad)], {}) == 2
+        assert says in capsys.readouterr().err
     assert coordinator_main(["--insecure", "--carbon-provider", "tests.nowhere:intensity"], {}) == 2
     assert "--carbon-provider tests.nowhere:intensity" in capsys.readouterr().err
+
+
+def test_coordinator_exits_2_on_a_provider_module_that_raises_or_hangs_as_it_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "grid_raises.py").write_text("raise RuntimeError('no API key')\n")
+    (tmp_path / "grid_hangs.py").write_text("from tests.support import CARBON\nCARBON.release.wait(30)\n")
+    CARBON.release = type(CARBON.release)()
+    flags = ["--insecure", "--carbon-provider-timeout-s", "0.3", "--carbon-provider"]
+    try:
+        assert coordinator_main([*flags, "grid_raises:intensity"], {}) == 2
+        assert "cannot import grid_raises (RuntimeError('no API key'))" in capsys.readouterr().err
+        started = time.monotonic()
+        assert coordinator_main([*flags, "grid_hangs:intensity"], {}) == 2
+        assert time.monotonic() - started < 10.0
+        assert "importing grid_hangs took more than 0.3 s" in capsys.readouterr().err
+    finally:
+        CARBON.release.set()  # the import left behind ends
 
 
 # --- placement --------------------------------------------------------------------------------------------------

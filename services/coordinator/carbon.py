@@ -12,6 +12,8 @@ everything that matters:
 - a call that raises, times out or returns anything but a finite number >= 0 is reported through `on_failure`
   (the coordinator logs a warning and counts it by reason) and the zone keeps its last good value (or, with none
   yet, the carbon trace's value, else 0). Nothing it does stops the feed or the coordinator.
+- its module is imported once, at start-up (`load_provider`), bounded by the same `timeout_s`: a module that
+  cannot be imported, raises as it loads or takes longer (waits on a network) is a start-up error.
 """
 
 from __future__ import annotations
@@ -29,14 +31,30 @@ ERROR, TIMEOUT, BAD_VALUE, STILL_RUNNING = "error", "timeout", "bad_value", "sti
 FAILURE_REASONS = (ERROR, TIMEOUT, BAD_VALUE, STILL_RUNNING)
 
 
-def load_provider(spec: str) -> Provider:
-    """The function `spec` ('package.module:function') names; `ConfigError` naming --carbon-provider otherwise."""
+def load_provider(spec: str, timeout_s: float) -> Provider:
+    """The function `spec` ('package.module:function') names; `ConfigError` naming --carbon-provider otherwise: its
+    module cannot be imported (missing, or raising as it loads), has no such function, or takes longer than
+    `timeout_s` to import (it waits on a network, say: the import is left behind in a daemon thread)."""
     module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or the module raising as it loads
-        raise ConfigError(f"--carbon-provider {spec}: cannot import {module_name} ({e!r})") from None
-    fn = getattr(module, attr, None)
+    box: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            box["module"] = importlib.import_module(module_name)
+        except BaseException as e:  # ImportError, or whatever the module raises as it loads
+            box["error"] = e
+
+    t = threading.Thread(target=load, name="carbon-provider-import", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        raise ConfigError(
+            f"--carbon-provider {spec}: importing {module_name} took more than {timeout_s:g} s "
+            "(--carbon-provider-timeout-s); a provider's module must not wait on a network as it loads"
+        )
+    if "error" in box:
+        raise ConfigError(f"--carbon-provider {spec}: cannot import {module_name} ({box['error']!r})")
+    fn = getattr(box["module"], attr, None)
     if not callable(fn):
         raise ConfigError(f"--carbon-provider {spec}: {module_name} has no function {attr}")
     return fn

@@ -50,7 +50,7 @@ def load_carbon(cfg: CoordinatorServiceConfig) -> tuple[CarbonTrace | None, Prov
     """The carbon trace and provider the flags name (None: not given). `ConfigError` naming the flag, the file
     and line, or the import that failed."""
     trace = CarbonTrace.load(cfg.carbon_trace) if cfg.carbon_trace else None
-    provider = load_provider(cfg.carbon_provider) if cfg.carbon_provider else None
+    provider = load_provider(cfg.carbon_provider, cfg.carbon_provider_timeout_s) if cfg.carbon_provider else None
     return trace, provider
 
 
