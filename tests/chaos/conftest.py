@@ -54,14 +54,21 @@ def docker_client() -> Iterator[Any]:
         client.close()
 
 
+def logs_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(tmp_path_factory.getbasetemp()) / "chaos-logs"
+
+
 @pytest.fixture(scope="session")
 def chaos_config(docker_client: Any) -> ChaosConfig:
     return ChaosConfig(image=IMAGE, session=SESSION)
 
 
 @pytest.fixture
-def make_cluster(docker_client: Any, chaos_config: ChaosConfig) -> Iterator[Callable[..., DockerCluster]]:
-    """`make_cluster(name, **overrides)` starts a cluster; every one is torn down after the test, pass or fail."""
+def make_cluster(
+    docker_client: Any, chaos_config: ChaosConfig, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., DockerCluster]]:
+    """`make_cluster(name, **overrides)` starts a cluster; every one is torn down after the test, pass or fail, its
+    containers' logs kept in pytest's base temp folder under `chaos-logs/`."""
     made: list[DockerCluster] = []
 
     def make(name: str, **overrides: Any) -> DockerCluster:
@@ -73,18 +80,24 @@ def make_cluster(docker_client: Any, chaos_config: ChaosConfig) -> Iterator[Call
 
     yield make
     for cluster in made:
-        cluster.stop()
+        try:
+            cluster.save_logs(logs_folder(tmp_path_factory))
+        finally:
+            cluster.stop()
 
 
 @pytest.fixture(scope="session")
-def baseline(docker_client: Any, chaos_config: ChaosConfig) -> ScenarioResult:
+def baseline(docker_client: Any, chaos_config: ChaosConfig, tmp_path_factory: pytest.TempPathFactory) -> ScenarioResult:
     """One fault-free run of the same configuration and length, for the loss and goodput comparisons."""
     cluster = DockerCluster(docker_client, chaos_config, "baseline")
     try:
         cluster.start()
         result = finish_and_check(cluster, ScenarioResult("baseline", "none"), None)
     finally:
-        cluster.stop()
+        try:
+            cluster.save_logs(logs_folder(tmp_path_factory))
+        finally:
+            cluster.stop()
     RESULTS.insert(0, result)
     return result
 

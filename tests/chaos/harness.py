@@ -313,6 +313,13 @@ class DockerCluster:
     def all_logs(self) -> dict[str, str]:
         return {role: self.logs(role) for role in self.containers}
 
+    def save_logs(self, folder: Path) -> None:
+        """Every container's `docker logs` into `folder/<run>/<role>.log`, for a look after the run (pass or fail)."""
+        out = folder / self.run_id
+        out.mkdir(parents=True, exist_ok=True)
+        for role, text in self.all_logs().items():
+            (out / f"{role}.log").write_text(text)
+
     def stop(self) -> None:
         """Remove every container, the network and the volume of this run; safe to call twice."""
         if self._channel is not None:
