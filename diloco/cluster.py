@@ -332,10 +332,12 @@ class LocalCluster:
         self.procs[name] = proc
         return proc
 
-    def start_healthd(self) -> Proc:
+    def start_healthd(self, coordinators: str | None = None) -> Proc:
         """Start healthd on its port (0 before the first start); it reports to the coordinator once that has a
-        port (before, it only tracks heartbeats)."""
+        port (before, it only tracks heartbeats), or to `coordinators` (replicas: HOST:PORT,HOST:PORT...)."""
         c = self.cfg
+        if coordinators is None:
+            coordinators = self.coordinator_address if self.coordinator_port else ""
         return self._spawn(
             "healthd",
             "services.healthd",
@@ -343,7 +345,7 @@ class LocalCluster:
                 "--port",
                 str(self.healthd_port),
                 "--coordinator-address",
-                self.coordinator_address if self.coordinator_port else "",
+                coordinators,
                 "--heartbeat-interval-s",
                 str(c.heartbeat_interval_s),
                 "--dead-after-s",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
@@ -34,4 +34,15 @@ def configure(service: str, level: str = "info", json: bool = True) -> structlog
 
 def get(service: str, **fields: Any) -> structlog.stdlib.BoundLogger:
     logger: structlog.stdlib.BoundLogger = structlog.get_logger().bind(service=service, **fields)
+    return logger
+
+
+def to_stream(stream: TextIO, service: str, level: str = "warning") -> structlog.stdlib.BoundLogger:
+    """A logger of its own, apart from `configure`: plain `event key=value` lines at `level` and above to `stream`
+    (a command-line tool's stderr, whose stdout holds its output)."""
+    logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
+        structlog.PrintLogger(file=stream),
+        processors=[structlog.processors.add_log_level, structlog.dev.ConsoleRenderer(colors=False)],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+    ).bind(service=service)
     return logger

@@ -12,6 +12,7 @@ conftest.py, never from another test module):
 
 from __future__ import annotations
 
+import datetime
 import math
 import queue
 import threading
@@ -33,6 +34,8 @@ from diloco.cluster import (  # noqa: F401  (wait_for and the rest are re-export
     TRANSIENT,
     ClusterConfig,
     LocalCluster,
+    LogFollower,
+    Proc,
     describe,
     ledger_problems,
     ledger_shards,
@@ -415,6 +418,31 @@ def running(cfg: ClusterConfig, start_timeout_s: float = 60.0) -> Iterator[Local
         yield c
     finally:
         c.stop(grace_s=10)
+
+
+class Events:
+    """Every structured line of a child's log, read as it grows; `first(event)` raises once the child has exited
+    without writing it."""
+
+    def __init__(self, path: Path, proc: Proc | None = None) -> None:
+        self._follower = LogFollower(path)
+        self.proc = proc
+        self.lines: list[tuple[str, dict[str, object]]] = []
+
+    def first(self, event: str) -> dict[str, object] | None:
+        return next(iter(self.all(event)), None)
+
+    def all(self, event: str) -> list[dict[str, object]]:
+        self.lines.extend((x.event, x.fields) for x in self._follower.read())
+        found = [f for e, f in self.lines if e == event]
+        if not found and self.proc is not None and not self.proc.alive:
+            raise RuntimeError(f"{self.proc.name} exited with {self.proc.popen.returncode}: {self.lines[-5:]}")
+        return found
+
+
+def when(fields: dict[str, object]) -> float:
+    """The unix time of a log line (its `timestamp`)."""
+    return datetime.datetime.fromisoformat(str(fields["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def worker_state(c: LocalCluster, name: str) -> str:

@@ -230,6 +230,7 @@ def valid_request(c: Coordinator, rpc: Rpc) -> Message:
         ),
         "ReportThroughput": pb.ReportThroughputRequest(worker_id=wid, throughput=tp),
         "EvictWorker": pb.EvictWorkerRequest(worker_id=wid, reason="fuzz"),
+        "StepDown": pb.StepDownRequest(reason="fuzz"),
     }
     if rpc.name in known:
         return known[rpc.name]

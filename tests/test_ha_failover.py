@@ -7,7 +7,6 @@ ledger must hold every committed range exactly once."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import time
@@ -30,28 +29,9 @@ from diloco.cluster import (
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from tests.etcd_server import EtcdServer
+from tests.support import Events, when
 
 TARGET = 16
-
-
-class Events:
-    """Every structured line of a child's log, read as it grows."""
-
-    def __init__(self, path: Path, proc: Proc | None = None) -> None:
-        self._follower = LogFollower(path)
-        self.proc = proc
-        self.lines: list[tuple[str, dict[str, object]]] = []
-
-    def first(self, event: str) -> dict[str, object] | None:
-        self.lines.extend((x.event, x.fields) for x in self._follower.read())
-        found = next((f for e, f in self.lines if e == event), None)
-        if found is None and self.proc is not None and not self.proc.alive:
-            raise RuntimeError(f"{self.proc.name} exited with {self.proc.popen.returncode}: {self.lines[-5:]}")
-        return found
-
-
-def _when(fields: dict[str, object]) -> float:
-    return datetime.datetime.fromisoformat(str(fields["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 @pytest.mark.timeout(150)
@@ -145,11 +125,11 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             got = [x.fields for x in lines if x.event == "worker.broadcast_received"]
             seen = [int(str(f["version"])) for f in got]
             assert seen == sorted(seen), f"worker{i} received a version that went backwards: {seen}"
-            received_before_kill += [int(str(f["version"])) for f in got if _when(f) < killed_at]
+            received_before_kill += [int(str(f["version"])) for f in got if when(f) < killed_at]
         assert any(m["address"] == b_addr for m in moved), moved
         # every version a learner received from coord-a is in coord-b's history (--sync-replicas 1)
         assert int(str(promoted_b["version"])) >= max(received_before_kill)
-        takeover_s = _when(promoted_b) - killed_at
+        takeover_s = when(promoted_b) - killed_at
         b_log.first("")
         resumed = next(
             f
@@ -159,6 +139,6 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         print(
             f"failover: coord-a killed at version {last_a}; coord-b leads epoch {epoch_b} (was {epoch_a}) at version "
             f"{promoted_b['version']} {takeover_s:.2f} s after the kill (promotion itself {promoted_b['seconds']} s); "
-            f"its first round (version {resumed['version']}) closed {_when(resumed) - killed_at:.2f} s after the kill"
+            f"its first round (version {resumed['version']}) closed {when(resumed) - killed_at:.2f} s after the kill"
         )
         assert takeover_s < 10

@@ -14,13 +14,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cluster import wait_for
 from diloco.errors import ConfigError, not_leader
+from diloco.rpc.coordinators import MIN_DWELL_S, Coordinators
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig, parse, parse_etcd_endpoints
 from services.coordinator.ha import NotLeaderServer, free_port
 from services.worker.config import WorkerConfig
-from services.worker.endpoints import MIN_DWELL_S, Coordinators
 from tests.support import Clock, Env, code_of, frozen, make_upload, register, submit, tiny_task
 
 LEADER = "127.0.0.1:7001"
@@ -140,7 +140,8 @@ def test_etcd_needs_checkpoints_and_the_replication_log_and_excludes_follow(tmp_
 def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
     a, b, c = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
     now = [100.0]
-    coords = Coordinators(WorkerConfig(coordinator=f"{a}, {b},{c}"), lambda: _Log(), clock=lambda: now[0])
+    cfg = WorkerConfig(coordinator=f"{a}, {b},{c}")
+    coords = Coordinators(cfg.coordinators, cfg.security, who="worker", log=lambda: _Log(), clock=lambda: now[0])
     try:
         assert coords.address == a and coords.addresses == (a, b, c)
         coords.failover("connection refused")
@@ -176,7 +177,8 @@ def test_a_leader_hint_that_breaks_the_security_rules_is_not_followed() -> None:
         def warning(self, event: str, **_k: object) -> None:
             warnings.append(event)
 
-    coords = Coordinators(WorkerConfig(coordinator=f"{a},{b}"), lambda: Log())  # type: ignore[arg-type,return-value]
+    cfg = WorkerConfig(coordinator=f"{a},{b}")
+    coords = Coordinators(cfg.coordinators, cfg.security, who="worker", log=lambda: Log())  # type: ignore[arg-type,return-value]
     try:
         coords.failover("not the leader; leader is at 10.1.2.3:7000")  # plaintext off loopback: refused
         assert coords.address == b and "worker.leader_hint_refused" in warnings

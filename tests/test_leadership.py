@@ -19,7 +19,10 @@ from diloco.core.leadership import (
     LeadershipConfig,
     Role,
     compare_epoch,
+    coordinator_addresses,
     duty,
+    failover_target,
+    leader_hint,
 )
 from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
@@ -377,3 +380,32 @@ def test_duty_of_a_deposed_leader_and_of_a_stopped_replica() -> None:
     same.campaign_started(0.0)
     same.lost(LeaderInfo("a", "a:1", 4), 0.01)
     assert duty(same.view(), serving=False) is Duty.WAIT
+
+
+def test_failover_goes_to_the_named_leader_else_round_robin() -> None:
+    addrs = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
+    assert failover_target(addrs, "127.0.0.1:1", "connection refused") == "127.0.0.1:2"
+    assert failover_target(addrs, "127.0.0.1:3", "") == "127.0.0.1:1"
+    assert failover_target(addrs, "10.0.0.9:5", "") == "127.0.0.1:1"  # a hint followed earlier, not in the list
+    named = "not the leader; leader is at 127.0.0.1:3"
+    assert failover_target(addrs, "127.0.0.1:1", named) == "127.0.0.1:3"
+    assert leader_hint("not the leader; leader is at [::1]:7070") == "[::1]:7070"
+    assert leader_hint("not the leader; the leader is not known yet") == ""
+    assert leader_hint("not the leader; leader is at evil host:1") == ""
+    with pytest.raises(InvalidArgument):
+        failover_target((), "a:1", "")
+
+
+def test_coordinator_address_lists() -> None:
+    assert coordinator_addresses("127.0.0.1:1") == ("127.0.0.1:1",)
+    assert coordinator_addresses(" a:1, [::1]:2 ") == ("a:1", "[::1]:2")
+    for bad, says in [
+        ("", "HOST:PORT"),
+        ("a:1,,b:2", "'' is not one"),
+        ("a:1,nohost", "'nohost' is not one"),
+        ("a:1,b :2", "is not one"),
+        (",".join(f"h:{p}" for p in range(9)), "9 addresses; give up to 8"),
+        ("a:" + "1" * 3000, "at most 2048 characters"),
+    ]:
+        with pytest.raises(InvalidArgument, match=says):
+            coordinator_addresses(bad)

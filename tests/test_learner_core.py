@@ -25,8 +25,6 @@ from diloco.core.learner import (
     Submit,
     Train,
     Wait,
-    failover_target,
-    leader_hint,
     react,
 )
 from diloco.core.ledger import ShardRange
@@ -108,19 +106,11 @@ def test_reaction_examples(rpc: Rpc, code: str, reaction: Reaction) -> None:
     assert react(rpc, code) is reaction
 
 
-def test_failover_goes_to_the_named_leader_else_round_robin() -> None:
-    addrs = ("127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3")
-    assert failover_target(addrs, "127.0.0.1:1", "connection refused") == "127.0.0.1:2"
-    assert failover_target(addrs, "127.0.0.1:3", "") == "127.0.0.1:1"
-    assert failover_target(addrs, "10.0.0.9:5", "") == "127.0.0.1:1"  # a hint followed earlier, not in the list
-    named = "not the leader; leader is at 127.0.0.1:3"
-    assert failover_target(addrs, "127.0.0.1:1", named) == "127.0.0.1:3"
-    assert leader_hint("not the leader; leader is at [::1]:7070") == "[::1]:7070"
-    assert leader_hint("not the leader; the leader is not known yet") == ""
-    assert leader_hint("not the leader; leader is at evil host:1") == ""
+def test_failover_retries_and_is_what_unavailable_means_for_every_coordinator_call() -> None:
     assert Reaction.FAILOVER.retries and Reaction.RETRY.retries and not Reaction.RESYNC.retries
-    with pytest.raises(InvalidArgument):
-        failover_target((), "a:1", "")
+    coordinator_calls = [rpc for rpc in Rpc if rpc is not Rpc.HEARTBEAT]
+    assert all(react(rpc, "UNAVAILABLE") is Reaction.FAILOVER for rpc in coordinator_calls)
+    assert react(Rpc.HEARTBEAT, "UNAVAILABLE") is Reaction.RETRY  # healthd is not replicated
 
 
 def test_an_unknown_code_is_an_error() -> None:

@@ -237,6 +237,7 @@ def test_admin_commands_need_the_admin_token(
         lambda: as_worker.EvictWorker(coordinator_pb2.EvictWorkerRequest(worker_id="x"), timeout=T),
         lambda: as_worker.ReleaseWorker(coordinator_pb2.ReleaseWorkerRequest(worker_id="x"), timeout=T),
         lambda: as_worker.ReportNodeFailure(coordinator_pb2.ReportNodeFailureRequest(worker_id="x"), timeout=T),
+        lambda: as_worker.StepDown(coordinator_pb2.StepDownRequest(), timeout=T),
     ]
     for call in refused:
         with pytest.raises(grpc.RpcError) as e:

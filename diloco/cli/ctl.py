@@ -1,4 +1,7 @@
-"""`diloco ctl`: the operator's tool over the coordinator RPCs."""
+"""`diloco ctl`: the operator's tool over the coordinator RPCs. Given every replica's address (`--coordinator A,B`),
+it follows the leader like a learner does (`diloco.rpc.coordinators`): a replica that does not lead answers
+UNAVAILABLE naming the leader and the call is made there; an unreachable address moves it to the next one. Only
+UNAVAILABLE is retried (the call did not run), within `--timeout-s` in all."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,10 +20,17 @@ from google.protobuf.message import Message
 from rich.console import Console
 from rich.table import Table
 
+from diloco import log as logging
+from diloco.core.leadership import coordinator_addresses
 from diloco.errors import InvalidArgument
 from diloco.rpc import security
+from diloco.rpc.coordinators import MOVES_ON, Coordinators
+from diloco.rpc.retry import RetryConfig
 from diloco.rpc.vocab import MODES, POWER_SOURCES, WORKER_STATES
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+ACTIONS = ("status", "workers", "ledger", "checkpoint", "drain", "evict", "release", "pause", "resume", "step-down")
+Stub = coordinator_pb2_grpc.CoordinatorStub
 
 
 def state_name(value: int) -> str:
@@ -34,42 +45,65 @@ def power_text(tp: Any) -> str:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("ctl", help="operate a running coordinator", description="Call coordinator RPCs.")
-    p.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    p.add_argument("--timeout-s", type=float, default=10.0)
-    p.add_argument("--json", action="store_true", help="print the reply as JSON")
     p.add_argument(
-        "action",
-        choices=("status", "workers", "ledger", "checkpoint", "drain", "evict", "release", "pause", "resume"),
+        "--coordinator",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the coordinator, or every replica's address (it follows the leader among them)",
     )
+    p.add_argument("--timeout-s", type=float, default=10.0, help="for the whole command, moves included")
+    p.add_argument("--json", action="store_true", help="print the reply as JSON")
+    p.add_argument("action", choices=ACTIONS)
     p.add_argument("worker_id", nargs="?", help="for drain, evict and release")
-    p.add_argument("--reason", default="evicted by operator")
+    p.add_argument("--reason", default="", help="for evict (default 'evicted by operator') and step-down")
     security.add_flags(p, os.environ, tls_name="admin", tokens=("admin",))
     p.set_defaults(func=run)
 
 
-def call(args: argparse.Namespace) -> Message:
-    sec = security.from_args(args, os.environ)
-    stub = coordinator_pb2_grpc.CoordinatorStub(sec.channel(args.coordinator, admin=True))
-    t = args.timeout_s
+def request(args: argparse.Namespace) -> Callable[[Stub, float], Message]:
+    """The action's call: `(stub, timeout_s) -> reply`."""
     needs_id = {"drain", "evict", "release"}
     if args.action in needs_id and not args.worker_id:
         raise SystemExit(f"diloco ctl {args.action}: give a WORKER_ID (see `diloco ctl ... workers`)")
-    calls: dict[str, Callable[[], Message]] = {
-        "status": lambda: stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=t),
-        "workers": lambda: stub.ListWorkers(coordinator_pb2.ListWorkersRequest(), timeout=t),
-        "ledger": lambda: stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=t),
-        "checkpoint": lambda: stub.Checkpoint(coordinator_pb2.CheckpointRequest(), timeout=t),
-        "drain": lambda: stub.DrainWorker(coordinator_pb2.DrainWorkerRequest(worker_id=args.worker_id), timeout=t),
-        "evict": lambda: stub.EvictWorker(
-            coordinator_pb2.EvictWorkerRequest(worker_id=args.worker_id, reason=args.reason), timeout=t
+    pb, wid = coordinator_pb2, args.worker_id
+    calls: dict[str, Callable[[Stub, float], Message]] = {
+        "status": lambda s, t: s.GetStatus(pb.GetStatusRequest(), timeout=t),
+        "workers": lambda s, t: s.ListWorkers(pb.ListWorkersRequest(), timeout=t),
+        "ledger": lambda s, t: s.GetLedger(pb.GetLedgerRequest(), timeout=t),
+        "checkpoint": lambda s, t: s.Checkpoint(pb.CheckpointRequest(), timeout=t),
+        "drain": lambda s, t: s.DrainWorker(pb.DrainWorkerRequest(worker_id=wid), timeout=t),
+        "evict": lambda s, t: s.EvictWorker(
+            pb.EvictWorkerRequest(worker_id=wid, reason=args.reason or "evicted by operator"), timeout=t
         ),
-        "release": lambda: stub.ReleaseWorker(
-            coordinator_pb2.ReleaseWorkerRequest(worker_id=args.worker_id), timeout=t
-        ),
-        "pause": lambda: stub.Pause(coordinator_pb2.PauseRequest(), timeout=t),
-        "resume": lambda: stub.Resume(coordinator_pb2.ResumeRequest(), timeout=t),
+        "release": lambda s, t: s.ReleaseWorker(pb.ReleaseWorkerRequest(worker_id=wid), timeout=t),
+        "pause": lambda s, t: s.Pause(pb.PauseRequest(), timeout=t),
+        "resume": lambda s, t: s.Resume(pb.ResumeRequest(), timeout=t),
+        "step-down": lambda s, t: s.StepDown(pb.StepDownRequest(reason=args.reason), timeout=t),
     }
-    return calls[args.action]()
+    return calls[args.action]
+
+
+def call(args: argparse.Namespace) -> Message:
+    """The action at the leader among `--coordinator`'s addresses, within `--timeout-s` in all."""
+    if not (math.isfinite(args.timeout_s) and args.timeout_s > 0):
+        raise SystemExit(f"diloco ctl: --timeout-s must be a number of seconds > 0, got {args.timeout_s}")
+    try:
+        addresses = coordinator_addresses(args.coordinator)
+    except InvalidArgument as e:
+        raise SystemExit(f"diloco ctl: --coordinator: {e}") from None
+    fn = request(args)
+    log = logging.to_stream(sys.stderr, "ctl")  # moves and retries, apart from the reply on stdout
+    coordinators = Coordinators(addresses, security.from_args(args, os.environ), admin=True, who="ctl", log=lambda: log)
+    deadline = time.monotonic() + args.timeout_s
+    retry = RetryConfig(
+        max_attempts=4 * len(addresses), max_total_s=args.timeout_s, initial_backoff_s=0.05, max_backoff_s=1.0
+    )
+    try:
+        return coordinators.call(
+            lambda stub: fn(stub, max(0.01, deadline - time.monotonic())), args.action, retry, codes=MOVES_ON
+        )
+    finally:
+        coordinators.close()
 
 
 def to_dict(msg: Message) -> dict[str, Any]:
@@ -104,6 +138,14 @@ def render(console: Console, action: str, msg: Any) -> None:
         for k, v in rows.items():
             t.add_row(k, v)
         console.print(t)
+        if msg.HasField("ha"):
+            render_ha(console, msg.ha)
+    elif action == "step-down":
+        new = msg.leader_id and f"{msg.leader_id} at {msg.leader_address}, epoch {msg.leader_epoch}"
+        console.print(
+            f"stepped down at version {msg.version} (held by {', '.join(msg.held_by)}); new leader: "
+            + (new or "not seen yet, see `diloco ctl status`")
+        )
     elif action == "workers":
         t = Table(title="workers")
         cols = ("id", "state", "device", "tokens/s measured", "claimed", "H_m", "shards", "submissions", "tokens")
@@ -147,6 +189,33 @@ def render(console: Console, action: str, msg: Any) -> None:
         console.print(t)
     else:
         console.print(to_dict(msg) or "ok")
+
+
+def render_ha(console: Console, ha: Any) -> None:
+    """Leadership and the standbys following the round log (GetStatusResponse.ha)."""
+    t = Table(title="high availability", show_header=False)
+    leader = f"{ha.leader_id} at {ha.leader_address}" if ha.leader_id else (ha.leader_address or "not known")
+    rows = {
+        "leader": leader,
+        "this replica": f"{ha.replica_id or '-'} ({'leads' if ha.is_leader else 'does not lead'})",
+        "leadership epoch": str(ha.leader_epoch),
+        "sync replicas": str(ha.sync_replicas),
+        "round log version": str(ha.log_version),
+    }
+    for k, v in rows.items():
+        t.add_row(k, v)
+    console.print(t)
+    if not ha.replicas:
+        console.print("no standby follows this coordinator's round log")
+        return
+    r = Table(title="standbys")
+    for col in ("replica", "acked version", "lag (versions)", "state"):
+        r.add_column(col)
+    for x in ha.replicas:
+        state = "lagging" if x.lagging else ("in sync" if x.lag_versions == 0 else "catching up")
+        acked = str(x.acked_version) if x.HasField("acked_version") else "-"
+        r.add_row(x.replica_id, acked, str(x.lag_versions), state)
+    console.print(r)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -50,6 +50,8 @@ The machine is not thread-safe; the caller serializes calls.
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -470,3 +472,68 @@ class Leadership:
 def _check_epoch_value(epoch: int) -> None:
     if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
         raise InvalidArgument(f"epoch must be an integer >= 1 (an etcd revision), got {epoch!r}")
+
+
+# --- clients following the leader ---------------------------------------------------------------------------------
+# Learners, healthd and `diloco ctl` are given every replica's address (`--coordinator A,B,...`) and move to the
+# leader by these rules (`diloco.rpc.coordinators.Coordinators` carries them out).
+
+MAX_COORDINATORS = 8  # coordinator addresses a client may be given (--coordinator A,B,...)
+MAX_ADDRESS_LIST_CHARS = 2048
+# The status codes of a coordinator call that move a client to another address: the replica is down, draining, or
+# does not lead (a standby, a fenced leader). The learner's reaction table calls this FAILOVER.
+FAILOVER_CODES = ("UNAVAILABLE",)
+_LEADER_HINT = re.compile(
+    r"not the leader; leader is at ([A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:]{2,45}\]:[0-9]{1,5})"
+)
+
+
+def coordinator_addresses(text: str) -> tuple[str, ...]:
+    """The addresses of a comma-separated list of HOST:PORT (the replicas a client may reach; it starts at the
+    first). InvalidArgument says what is wrong."""
+    if not isinstance(text, str) or not text.strip() or len(text) > MAX_ADDRESS_LIST_CHARS:
+        raise InvalidArgument(
+            f"expected HOST:PORT, or up to {MAX_COORDINATORS} of them comma-separated (replicas under etcd "
+            f"leadership), at most {MAX_ADDRESS_LIST_CHARS} characters"
+        )
+    addresses = tuple(a.strip() for a in text.split(","))
+    if len(addresses) > MAX_COORDINATORS:
+        raise InvalidArgument(f"{len(addresses)} addresses; give up to {MAX_COORDINATORS} (HOST:PORT, comma-separated)")
+    for a in addresses:
+        if ":" not in a or not a.isprintable() or any(c.isspace() for c in a) or len(a) > MAX_ADDRESS_CHARS:
+            raise InvalidArgument(
+                f"expected HOST:PORT, or up to {MAX_COORDINATORS} of them comma-separated; {a[:64]!r} is not one"
+            )
+    return addresses
+
+
+def leader_hint(details: str) -> str:
+    """The leader's HOST:PORT a refusal names ("not the leader; leader is at HOST:PORT", `diloco.errors.not_leader`),
+    or ""."""
+    m = _LEADER_HINT.search(details[:512])
+    return m.group(1) if m else ""
+
+
+def failover_target(addresses: Sequence[str], current: str, details: str) -> str:
+    """Where a client goes after a FAILOVER code: the leader the refusal names, else the address after `current` in
+    `addresses` (round robin; the first when `current` is not one of them)."""
+    hint = leader_hint(details)
+    if hint:
+        return hint
+    if not addresses:
+        raise InvalidArgument("failover needs at least one coordinator address")
+    if current in addresses:
+        return addresses[(list(addresses).index(current) + 1) % len(addresses)]
+    return addresses[0]
+
+
+# --- step-down ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Handover:
+    """What a leader's step-down achieved: the newest `version` it applied, the standbys holding it when the key was
+    given back (`held_by`), and the leader that took over when it was seen before the step-down returned (None:
+    not yet)."""
+
+    version: int
+    held_by: tuple[str, ...]
+    successor: LeaderInfo | None

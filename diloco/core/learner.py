@@ -68,12 +68,12 @@ The core is not thread-safe; the caller serializes calls (the worker drives it f
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
 from diloco.core.coordinator import WorkPlan
+from diloco.core.leadership import FAILOVER_CODES
 from diloco.core.ledger import ShardRange
 from diloco.core.progress import ReadProgress
 from diloco.core.rounds import MODES
@@ -120,8 +120,9 @@ class Reaction(str, Enum):
     SKIP = "skip"  # leaving only: the call is not needed to leave (Deregister of a registration that is gone)
     # the coordinator is down or does not lead (a standby, a fenced leader): retry like RETRY, at the leader its
     # refusal names ("not the leader; leader is at HOST:PORT") or else at the next of the learner's coordinator
-    # addresses (`failover_target`); with one address that is the same address. The new leader answers the old
-    # registration NOT_FOUND or FAILED_PRECONDITION (another epoch): the learner registers again (REREGISTER).
+    # addresses (`diloco.core.leadership.failover_target`); with one address that is the same address. The new
+    # leader answers the old registration NOT_FOUND or FAILED_PRECONDITION (another epoch): the learner registers
+    # again (REREGISTER).
     FAILOVER = "failover"
 
     @property
@@ -145,8 +146,9 @@ def _table(default: Reaction, **special: Reaction) -> dict[str, Reaction]:
 
 
 def _coordinator_table(default: Reaction, **special: Reaction) -> dict[str, Reaction]:
-    """A coordinator call's table: UNAVAILABLE (down, draining, or not the leader) moves to another address."""
-    return _table(default, **{"UNAVAILABLE": Reaction.FAILOVER, **special})
+    """A coordinator call's table: the FAILOVER codes (UNAVAILABLE: down, draining, or not the leader) move to another
+    address (`diloco.core.leadership.FAILOVER_CODES`, the rule every client of the coordinator follows)."""
+    return _table(default, **{**{code: Reaction.FAILOVER for code in FAILOVER_CODES}, **special})
 
 
 R = Reaction
@@ -186,31 +188,6 @@ REACTIONS: dict[Rpc, dict[str, Reaction]] = {
     Rpc.HEARTBEAT: _table(R.RETRY),
 }
 del R
-
-
-MAX_COORDINATORS = 8  # addresses a learner may be given (--coordinator A,B,...)
-_LEADER_HINT = re.compile(
-    r"not the leader; leader is at ([A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:]{2,45}\]:[0-9]{1,5})"
-)
-
-
-def leader_hint(details: str) -> str:
-    """The leader's HOST:PORT a refusal names ("not the leader; leader is at HOST:PORT"), or ""."""
-    m = _LEADER_HINT.search(details[:512])
-    return m.group(1) if m else ""
-
-
-def failover_target(addresses: Sequence[str], current: str, details: str) -> str:
-    """Where a FAILOVER goes: the leader the refusal names, else the address after `current` in `addresses`
-    (round robin; the first when `current` is not one of them)."""
-    hint = leader_hint(details)
-    if hint:
-        return hint
-    if not addresses:
-        raise InvalidArgument("failover needs at least one coordinator address")
-    if current in addresses:
-        return addresses[(list(addresses).index(current) + 1) % len(addresses)]
-    return addresses[0]
 
 
 def react(rpc: Rpc, code: str) -> Reaction:

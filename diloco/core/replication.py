@@ -564,6 +564,17 @@ class GateDecision:
     deadline: float = math.inf  # WAIT: when to decide again at the latest
 
 
+@dataclass(frozen=True)
+class ReplicaLag:
+    """One standby as the leader sees it: the newest version it acknowledged (None: none yet), how many versions it
+    is behind the newest appended (`newest + 1` while it acknowledged none), and whether it missed a deadline."""
+
+    replica_id: str
+    acked: int | None
+    lag: int
+    lagging: bool
+
+
 @dataclass
 class _Replica:
     acked: int = -1
@@ -609,6 +620,17 @@ class SyncGate:
     def acked(self, replica_id: str) -> int:
         r = self._replicas.get(replica_id)
         return -1 if r is None else r.acked
+
+    def replicas(self) -> tuple[ReplicaLag, ...]:
+        """The standbys following now, by id."""
+        return tuple(
+            ReplicaLag(w, r.acked if r.acked >= 0 else None, self.newest - r.acked, r.lagging)
+            for w, r in sorted(self._replicas.items())
+        )
+
+    def holding(self, version: int) -> tuple[str, ...]:
+        """The standbys following now that acknowledged `version` or a newer one (those a step-down may hand to)."""
+        return tuple(sorted(w for w, r in self._replicas.items() if r.acked >= version))
 
     def decide(self, version: int, since: float, now: float) -> GateDecision:
         """May `version` (appended at `since`) be published at `now`? A DEGRADED decision marks the followers that

@@ -67,6 +67,7 @@ METHOD_ROLES: Mapping[str, Mapping[str, Role]] = {
         "ReleaseWorker": Role.ADMIN,
         "Pause": Role.ADMIN,
         "Resume": Role.ADMIN,
+        "StepDown": Role.ADMIN,
     },
     HEALTHD_SERVICE: {
         "Heartbeat": Role.WORKER,

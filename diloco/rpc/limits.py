@@ -226,6 +226,7 @@ LIMITS: Mapping[str, Bound] = {
     _P + "EvictWorkerRequest.worker_id": _WORKER_ID,
     _P + "EvictWorkerRequest.reason": _REASON,
     _P + "ReleaseWorkerRequest.worker_id": _WORKER_ID,
+    _P + "StepDownRequest.reason": _REASON,
     # --- HealthDaemon ---------------------------------------------------------------------------------------------
     _P + "HeartbeatRequest.node_id": _text(
         MAX_ID_CHARS, "the worker id the coordinator assigned (healthd's MAX_NODE_ID_CHARS)", _ID_ADVICE

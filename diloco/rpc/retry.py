@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -63,27 +63,40 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, grpc.RpcError) and exc.code() in RETRYABLE
 
 
-def _log_retry(what: str) -> Callable[[RetryCallState], None]:
+def _log_retry(what: str, logger: Any) -> Callable[[RetryCallState], None]:
     def before_sleep(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         code = exc.code().name if isinstance(exc, grpc.RpcError) else type(exc).__name__
-        log.warning(
+        logger.warning(
             "rpc.retry", call=what, attempt=state.attempt_number, code=code, sleep_s=round(state.upcoming_sleep, 3)
         )
 
     return before_sleep
 
 
-def call_with_retry(fn: Callable[[], T], what: str, cfg: RetryConfig = RetryConfig()) -> T:
-    """Call `fn` until it succeeds, a non-retryable error is raised, or the attempts or time run out (the last
-    error is raised)."""
+def call_with_retry(
+    fn: Callable[[], T],
+    what: str,
+    cfg: RetryConfig = RetryConfig(),
+    codes: frozenset[grpc.StatusCode] = RETRYABLE,
+    logger: Any = None,
+) -> T:
+    """Call `fn` until it succeeds, an error with a status outside `codes` is raised, or the attempts or time run
+    out (the last error is raised). `codes` may only narrow `RETRYABLE` (e.g. to UNAVAILABLE alone, for an operator's
+    command that must not run twice); `logger` takes the retry lines (None: this module's)."""
+    if not codes <= RETRYABLE:
+        raise ConfigError(f"retry: only {sorted(c.name for c in RETRYABLE)} may be retried")
+
+    def retryable(exc: BaseException) -> bool:
+        return isinstance(exc, grpc.RpcError) and exc.code() in codes
+
     retrying = Retrying(
-        retry=retry_if_exception(is_retryable),
+        retry=retry_if_exception(retryable),
         stop=stop_after_attempt(cfg.max_attempts) | stop_after_delay(cfg.max_total_s),
         wait=wait_exponential_jitter(
             multiplier=cfg.initial_backoff_s, max=cfg.max_backoff_s, jitter=cfg.initial_backoff_s
         ),
-        before_sleep=_log_retry(what),
+        before_sleep=_log_retry(what, logger if logger is not None else log),
         reraise=True,
     )
     return retrying(fn)

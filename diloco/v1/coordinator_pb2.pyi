@@ -239,7 +239,7 @@ class GetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatusResponse(_message.Message):
-    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s", "validation_tokens", "placement", "placement_reason", "paused_workers", "watts", "energy_kwh", "carbon_g", "cost")
+    __slots__ = ("mode", "version", "coordinator_epoch", "paused", "live_workers", "pending_submissions", "tokens_applied", "last_round_unix_s", "validation_loss", "bytes_received", "bytes_sent", "target_outer_steps", "finished", "codec", "min_quorum", "rejected_submissions", "started_unix_s", "validation_tokens", "placement", "placement_reason", "paused_workers", "watts", "energy_kwh", "carbon_g", "cost", "ha")
     MODE_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +265,7 @@ class GetStatusResponse(_message.Message):
     ENERGY_KWH_FIELD_NUMBER: _ClassVar[int]
     CARBON_G_FIELD_NUMBER: _ClassVar[int]
     COST_FIELD_NUMBER: _ClassVar[int]
+    HA_FIELD_NUMBER: _ClassVar[int]
     mode: RoundMode
     version: int
     coordinator_epoch: int
@@ -290,7 +291,40 @@ class GetStatusResponse(_message.Message):
     energy_kwh: float
     carbon_g: float
     cost: float
-    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ..., placement: _Optional[str] = ..., placement_reason: _Optional[str] = ..., paused_workers: _Optional[int] = ..., watts: _Optional[float] = ..., energy_kwh: _Optional[float] = ..., carbon_g: _Optional[float] = ..., cost: _Optional[float] = ...) -> None: ...
+    ha: HaStatus
+    def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ..., placement: _Optional[str] = ..., placement_reason: _Optional[str] = ..., paused_workers: _Optional[int] = ..., watts: _Optional[float] = ..., energy_kwh: _Optional[float] = ..., carbon_g: _Optional[float] = ..., cost: _Optional[float] = ..., ha: _Optional[_Union[HaStatus, _Mapping]] = ...) -> None: ...
+
+class HaStatus(_message.Message):
+    __slots__ = ("replica_id", "leader_id", "leader_address", "leader_epoch", "is_leader", "sync_replicas", "log_version", "replicas")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    IS_LEADER_FIELD_NUMBER: _ClassVar[int]
+    SYNC_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    LOG_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    leader_id: str
+    leader_address: str
+    leader_epoch: int
+    is_leader: bool
+    sync_replicas: int
+    log_version: int
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, replica_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., sync_replicas: _Optional[int] = ..., log_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("replica_id", "acked_version", "lag_versions", "lagging")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    ACKED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAG_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    LAGGING_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    acked_version: int
+    lag_versions: int
+    lagging: bool
+    def __init__(self, replica_id: _Optional[str] = ..., acked_version: _Optional[int] = ..., lag_versions: _Optional[int] = ..., lagging: _Optional[bool] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "worker_name", "state", "throughput", "local_steps", "shards", "submissions", "tokens", "last_base_version", "last_submit_unix_s", "registered_unix_s", "state_reason", "measured_tokens_per_s", "zone", "price_per_hour", "spot", "placement_weight", "carbon_intensity", "energy_kwh", "carbon_g", "cost")
@@ -427,6 +461,26 @@ class ReleaseWorkerResponse(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     state: _common_pb2.WorkerState
     def __init__(self, state: _Optional[_Union[_common_pb2.WorkerState, str]] = ...) -> None: ...
+
+class StepDownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StepDownResponse(_message.Message):
+    __slots__ = ("version", "held_by", "leader_id", "leader_address", "leader_epoch")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_BY_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    held_by: _containers.RepeatedScalarFieldContainer[str]
+    leader_id: str
+    leader_address: str
+    leader_epoch: int
+    def __init__(self, version: _Optional[int] = ..., held_by: _Optional[_Iterable[str]] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_epoch: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()

@@ -119,6 +119,11 @@ class CoordinatorStub:
                 request_serializer=diloco_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_coordinator__pb2.ResumeResponse.FromString,
                 _registered_method=True)
+        self.StepDown = channel.unary_unary(
+                '/diloco.v1.Coordinator/StepDown',
+                request_serializer=diloco_dot_v1_dot_coordinator__pb2.StepDownRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_coordinator__pb2.StepDownResponse.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -236,6 +241,16 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepDown(self, request, context):
+        """The leader of replicas under etcd leadership hands leadership to a standby (e.g. for an upgrade): it stops
+        accepting, waits until a standby holds its newest version, writes a final checkpoint and gives its etcd key
+        back; a standby takes over and the old leader exits (docs/ha.md). FAILED_PRECONDITION when no standby can take
+        over; UNAVAILABLE naming the leader on a replica that does not lead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -323,6 +338,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=diloco_dot_v1_dot_coordinator__pb2.ResumeRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_coordinator__pb2.ResumeResponse.SerializeToString,
+            ),
+            'StepDown': grpc.unary_unary_rpc_method_handler(
+                    servicer.StepDown,
+                    request_deserializer=diloco_dot_v1_dot_coordinator__pb2.StepDownRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_coordinator__pb2.StepDownResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -784,6 +804,33 @@ class Coordinator:
             '/diloco.v1.Coordinator/Resume',
             diloco_dot_v1_dot_coordinator__pb2.ResumeRequest.SerializeToString,
             diloco_dot_v1_dot_coordinator__pb2.ResumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepDown(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.Coordinator/StepDown',
+            diloco_dot_v1_dot_coordinator__pb2.StepDownRequest.SerializeToString,
+            diloco_dot_v1_dot_coordinator__pb2.StepDownResponse.FromString,
             options,
             channel_credentials,
             insecure,

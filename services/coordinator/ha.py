@@ -15,6 +15,13 @@ every `POLL_S`:
   supervisor restarts it and it comes back as a standby of the new leader.
 - WAIT: nobody is known to lead yet; keep what it holds.
 
+Step-down (the StepDown RPC, `diloco ctl step-down`; `step_down`): the leader stops accepting registrations,
+submissions and rounds (its fence refuses them), waits until a standby acknowledged its newest version, writes a
+final checkpoint and gives its etcd key back (delete, revoke the lease), so a standby takes over at once; the RPC
+answers with the successor once it is seen, and then the old leader stops serving and exits with status 0 (a planned
+exit: start it again, e.g. on the new version, and it comes back as a standby). With no standby following, or none
+catching up in time, the step-down is refused (FAILED_PRECONDITION) and the leader goes on leading.
+
 While not leading, the replica serves a stand-in on its advertised port (`NotLeaderServer`): every Coordinator
 call gets UNAVAILABLE naming the leader, and health says NOT_SERVING, so a learner that reached a standby moves to
 the leader. The stand-in is stopped just before the server binds the same port.
@@ -34,19 +41,25 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from diloco import log as logging
-from diloco.core.leadership import Duty, LeadershipConfig, duty
-from diloco.errors import not_leader
+from diloco.core.leadership import Duty, Handover, LeaderInfo, LeadershipConfig, duty
+from diloco.errors import FailedPrecondition, not_leader
 from diloco.ha.driver import LeadershipDriver
 from diloco.ha.etcd import EtcdConfig, EtcdElection
 from diloco.rpc.status import details_of, status_of
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.replication import ReplicationLog
 from services.coordinator.server import SERVICE_NAME, CoordinatorServer
 from services.coordinator.standby import StandbyFollower, follower_from
 
 POLL_S = 0.05  # how often the replica looks at its leadership view
 EXIT_RETIRED = 3  # the process served and lost leadership
 EXIT_REFUSED = 2  # the leader refused this replica as a standby for good (another task's fingerprint)
+SUCCESSOR_WAIT_S = 3.0  # how long a step-down waits to see who took over before it answers
+NO_STANDBY = (
+    "no standby follows this leader, so none could take over; start another replica with the same flags and --etcd "
+    "(it follows this one), wait until `diloco ctl status` lists it with lag 0, then step down again"
+)
 
 
 def free_port(host: str) -> int:
@@ -120,6 +133,10 @@ class HaReplica:
         self._following = ""
         self._standin: NotLeaderServer | None = None
         self._stop = threading.Event()
+        self._step_down_call = threading.Lock()  # one step-down at a time
+        self._stepping_down = threading.Event()  # a step-down call is running: the replica does not retire yet
+        self._handing_over = threading.Event()  # a step-down fences the leader (it accepts nothing)
+        self.stepped_down = False  # leadership was handed over on request: the process exits 0
         self.log = logging.get("coordinator", role="replica", replica_id=self.replica_id)
 
     def stop(self) -> None:
@@ -131,7 +148,7 @@ class HaReplica:
 
     def fence(self) -> None:
         """Raise NotLeader unless this replica may accept work now (the state's `fence`)."""
-        if not self.driver.may_accept():
+        if self._handing_over.is_set() or not self.driver.may_accept():
             raise not_leader(self.hint())
 
     def run(self) -> int:
@@ -149,6 +166,11 @@ class HaReplica:
                     break
                 view = self.driver.view()
                 d = duty(view, self.server is not None)
+                if self._stepping_down.is_set():
+                    continue  # the step-down answers its caller before this replica stops serving
+                if self.stepped_down:
+                    self.log.info("replica.stepped_down", epoch=view.epoch, leader=self.hint() or None)
+                    break
                 if d is Duty.RETIRE:
                     self.log.warning("replica.retiring", role=view.role.value, epoch=view.epoch)
                     code = EXIT_RETIRED
@@ -175,7 +197,9 @@ class HaReplica:
         if self._standin is not None:
             self._standin.stop()
             self._standin = None
-        server = CoordinatorServer(self.cfg, epoch=epoch, fence=self.fence)
+        server = CoordinatorServer(
+            self.cfg, epoch=epoch, fence=self.fence, leadership=self.driver.view, step_down=self.step_down
+        )
         server.start()
         self.server, self.promoted_at = server, time.monotonic()
         self.log.info(
@@ -186,6 +210,73 @@ class HaReplica:
             address=server.address,
             seconds=round(self.promoted_at - started, 3),
         )
+
+    def step_down(self, reason: str) -> Handover:
+        """Hand leadership to a standby (module docstring); blocks for up to the replica ack timeout plus
+        `SUCCESSOR_WAIT_S`. NotLeader when this replica does not lead; FailedPrecondition when no standby could
+        take over (nothing changed: it goes on leading)."""
+        if not self._step_down_call.acquire(blocking=False):
+            raise FailedPrecondition("a step-down is already in progress; `diloco ctl status` shows who leads")
+        self._stepping_down.set()
+        try:
+            self.fence()
+            server = self.server
+            log = server.replication if server is not None else None
+            if server is None or log is None:
+                raise not_leader(self.hint())
+            if not log.replicas():
+                raise FailedPrecondition(NO_STANDBY)
+            epoch = self.driver.view().epoch
+            version, held = self._catch_up(server, log)
+            self.stepped_down = True
+            self.driver.step_down(f"step-down: {reason}")
+            successor = self._successor(epoch)
+            self.log.info(
+                "replica.handed_over",
+                version=version,
+                held_by=list(held),
+                successor=successor.replica_id if successor else None,
+                reason=reason,
+            )
+            return Handover(version, held, successor)
+        finally:
+            self._stepping_down.clear()
+            self._step_down_call.release()
+
+    def _catch_up(self, server: CoordinatorServer, log: ReplicationLog) -> tuple[int, tuple[str, ...]]:
+        """Fence this leader, wait until a standby holds its newest version and write a final checkpoint; on
+        failure the fence is lifted and FailedPrecondition raised. The fence is set holding the state's `work` lock,
+        under which a round closes, steps and publishes: no round is between its checks then, so none is left
+        stepped but unpublished, and none closes after."""
+        with server.state.work:
+            self._handing_over.set()
+            version = log.newest
+        wait_s = self.cfg.replica_ack_timeout_s
+        try:
+            held = log.wait_held(version, wait_s)
+            if not held:
+                behind = ", ".join(f"{r.replica_id} lag {r.lag}" for r in log.replicas()) or "none follows now"
+                raise FailedPrecondition(
+                    f"no standby acknowledged version {version} within {wait_s:g} s ({behind}); this replica goes on "
+                    "leading; step down again once `diloco ctl status` shows a replica with lag 0"
+                )
+            server.checkpoint_now()
+        except BaseException:
+            self._handing_over.clear()
+            raise
+        return version, held
+
+    def _successor(self, epoch: int) -> LeaderInfo | None:
+        """The replica leading after `epoch`, once this replica's driver has seen it (None: not within
+        `SUCCESSOR_WAIT_S`)."""
+        deadline = time.monotonic() + SUCCESSOR_WAIT_S
+        while time.monotonic() < deadline:
+            leader = self.driver.view().leader
+            if leader is not None and leader.replica_id != self.replica_id and leader.epoch > epoch:
+                return leader
+            if self._stop.wait(POLL_S):
+                break
+        return None
 
     def _stop_follower(self) -> int | None:
         """Stop following; write what the standby holds as a checkpoint (the server resumes from it). Returns the

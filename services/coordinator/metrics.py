@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # replication imports the state, which imports this module
+    from services.coordinator.replication import HaView
 
 _PREFIX = "diloco_coordinator_"
 
@@ -102,3 +109,40 @@ class CoordinatorMetrics:
         for metric in (self.energy_joules, self.carbon_grams, self.cost, self.worker_watts, self.placement_weight):
             with contextlib.suppress(KeyError):
                 metric.remove(worker_id)
+
+
+class HaCollector(Collector):
+    """High availability at scrape time (docs/ha.md), from `view()` (None: nothing to show): `diloco_leader_epoch`,
+    `diloco_is_leader` and `diloco_replica_lag_versions{replica=...}`, one series per standby following now (a
+    standby that left has none)."""
+
+    def __init__(self, view: Callable[[], HaView | None]) -> None:
+        self._view = view
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        epoch, leader, lag = self._families()
+        v = self._view()
+        if v is None:
+            return
+        epoch.add_metric([], v.epoch)
+        leader.add_metric([], 1.0 if v.is_leader else 0.0)
+        for r in v.replicas:
+            lag.add_metric([r.replica_id], r.lag)
+        yield from (epoch, leader, lag)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily(
+                "diloco_leader_epoch", "Leadership epoch (the etcd key's creation revision; 0: no --etcd)"
+            ),
+            GaugeMetricFamily("diloco_is_leader", "1 while this coordinator replica holds leadership, else 0"),
+            GaugeMetricFamily(
+                "diloco_replica_lag_versions",
+                "Versions a standby following the round log is behind its newest entry",
+                labels=["replica"],
+            ),
+        )

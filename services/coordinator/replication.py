@@ -11,9 +11,9 @@ wait ends (`SyncGate`): while it waits, uploads are not folded in (control calls
 are copied under `work` on the coordinator's work executor, never on the event loop; the log's own condition
 (`_cond`) is a leaf lock.
 
-Epoch. Leadership (`diloco.core.leadership`) is not wired into the coordinator yet: the coordinator epoch (a new
-one at every start) stands in for the leadership epoch, so a restarted leader's messages are newer than its
-previous incarnation's and a standby never goes back to an older one.
+Epoch. The coordinator epoch is the log's: under etcd leadership (`--etcd`) it is the leadership epoch; without
+it, a new one at every start, so a restarted leader's messages are newer than its previous incarnation's and a
+standby never goes back to an older one.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -30,11 +31,13 @@ import torch
 
 from diloco import log as logging
 from diloco.core.coordinator import RoundApplied
+from diloco.core.leadership import LeadershipView, Role
 from diloco.core.replication import (
     Digest,
     EntryMeta,
     Gate,
     LogEntry,
+    ReplicaLag,
     RoundLog,
     Snapshot,
     SnapshotMeta,
@@ -259,6 +262,23 @@ class ReplicationLog:
             self._cond.notify_all()
         return newest
 
+    def replicas(self) -> tuple[ReplicaLag, ...]:
+        """The standbys following now and how far behind the newest entry each is."""
+        with self._cond:
+            return self._gate.replicas()
+
+    def wait_held(self, version: int, timeout_s: float) -> tuple[str, ...]:
+        """Wait up to `timeout_s` until a following standby acknowledged `version` (or a newer one); returns those
+        holding it (empty: none did in time, or the log stopped)."""
+        deadline = self.clock() + timeout_s
+        with self._cond:
+            while True:
+                held = self._gate.holding(version)
+                left = deadline - self.clock()
+                if held or left <= 0 or self.stopping:
+                    return held
+                self._cond.wait(left)
+
     def add_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` after every appended entry and on stop; it must not block."""
         with self._cond:
@@ -272,6 +292,42 @@ class ReplicationLog:
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
+
+
+# --- what operators see -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HaView:
+    """High availability as GetStatus and the metrics show it (docs/ha.md): who leads under which epoch, and the
+    standbys following this coordinator's round log with their lag."""
+
+    replica_id: str  # "" without --etcd
+    leader_id: str  # "" without --etcd, or when nobody is known to lead
+    leader_address: str
+    epoch: int  # the leadership epoch (0 without --etcd)
+    is_leader: bool  # this replica holds the leader key (without --etcd: it leads its standbys)
+    sync_replicas: int
+    log_version: int  # the newest version in the round log (lag counts from it)
+    replicas: tuple[ReplicaLag, ...]
+
+
+def ha_view(leadership: LeadershipView | None, log: ReplicationLog | None, address: str) -> HaView | None:
+    """The view of a coordinator at `address` under `leadership` (None: no --etcd) keeping `log` (None: no round
+    log); None when it has neither."""
+    if leadership is None and log is None:
+        return None
+    leader = leadership.leader if leadership is not None else None
+    return HaView(
+        replica_id=leadership.replica_id if leadership is not None else "",
+        leader_id=leader.replica_id if leader is not None else "",
+        leader_address=leader.address if leader is not None else ("" if leadership is not None else address),
+        epoch=leadership.epoch if leadership is not None else 0,
+        is_leader=leadership.role is Role.LEADER if leadership is not None else True,
+        sync_replicas=log.sync_replicas if log is not None else 0,
+        log_version=log.newest if log is not None else 0,
+        replicas=log.replicas() if log is not None else (),
+    )
 
 
 # --- the servicer -------------------------------------------------------------------------------------------------

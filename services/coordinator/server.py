@@ -18,6 +18,7 @@ from torch import nn
 from diloco import log as logging
 from diloco.core.coordinator import CoordinatorCore, RoundApplied
 from diloco.core.energy import CarbonTrace
+from diloco.core.leadership import Handover, LeadershipView
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
@@ -32,9 +33,9 @@ from services.coordinator.bulk import BulkUploads
 from services.coordinator.carbon import CarbonFeed, Provider, load_provider
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.energy import J_PER_KWH, CarbonSignal, EnergyBook, Totals
-from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.metrics import CoordinatorMetrics, HaCollector
 from services.coordinator.replication import SERVICE_NAME as REPLICATION_SERVICE_NAME
-from services.coordinator.replication import ReplicationLog, ReplicationServicer
+from services.coordinator.replication import HaView, ReplicationLog, ReplicationServicer, ha_view
 from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.state import CoordinatorState
 
@@ -65,12 +66,18 @@ class CoordinatorServer:
         *,
         epoch: int | None = None,
         fence: Callable[[], None] | None = None,
+        leadership: Callable[[], LeadershipView] | None = None,
+        step_down: Callable[[str], Handover] | None = None,
     ) -> None:
         """`epoch`: the coordinator epoch to serve under (with --etcd: the leadership epoch; None: a new one from
-        the clock); `fence`: raises NotLeader while this replica may not accept work or publish."""
+        the clock); `fence`: raises NotLeader while this replica may not accept work or publish; `leadership`: the
+        replica's leadership view (GetStatus, metrics); `step_down`: hands leadership to a standby (the StepDown
+        RPC; None: refused, there is no leadership to hand over)."""
         self.cfg = cfg
         self._epoch = epoch
         self._fence = fence
+        self._leadership = leadership
+        self._step_down = step_down
         self.clock = clock
         self.metrics = CoordinatorMetrics()
         self.log = logging.get("coordinator")
@@ -116,6 +123,16 @@ class CoordinatorServer:
     def carbon(self) -> CarbonFeed | None:
         """The carbon provider's feed (None without --carbon-provider)."""
         return self._carbon
+
+    @property
+    def replication(self) -> ReplicationLog | None:
+        """The round log for standbys (None without --replication-log)."""
+        return self._replication
+
+    def ha_status(self) -> HaView | None:
+        """Leadership and the standbys' lag (None: neither --etcd nor a round log)."""
+        leadership = self._leadership() if self._leadership is not None else None
+        return ha_view(leadership, self._replication, self._grpc.address if self._grpc else "")
 
     @property
     def task(self) -> Task:
@@ -229,6 +246,8 @@ class CoordinatorServer:
             healthd_address=cfg.healthd_address,
             checkpoint=self.checkpoint_now,
             work=self._work,
+            ha=self.ha_status,
+            step_down=self._step_down,
         )
         replication = self._replication
         service = GrpcService(
@@ -254,6 +273,8 @@ class CoordinatorServer:
         if cfg.eval_every:
             with state.work:  # the model still holds the initial parameters unless a checkpoint was restored
                 self._request_eval(core.version)
+        if self._leadership is not None or self._replication is not None:
+            self.metrics.registry.register(HaCollector(self.ha_status))
         self._grpc = service
         service.start()
         if cfg.bulk_port >= 0:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 
 from diloco.core.coordinator import Submission, WorkerRecord, WorkPlan
+from diloco.core.leadership import Handover
 from diloco.core.ledger import ShardRange
 from diloco.core.states import WorkerState
 from diloco.core.uploads import Outcome, UploadHeader
@@ -40,6 +41,7 @@ from diloco.task.factory import TaskConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.energy import J_PER_KWH, LearnerEnergy
+from services.coordinator.replication import HaView
 from services.coordinator.state import Broadcast, CoordinatorState, Joining, Report, UploadStream
 
 T = TypeVar("T")
@@ -67,6 +69,24 @@ def _require_id(value: str, field: str) -> str:
     if len(value) > MAX_ID_CHARS or not value.isprintable():
         raise InvalidArgument(f"{field} must be at most {MAX_ID_CHARS} printable characters")
     return value
+
+
+def ha_to_proto(v: HaView) -> coordinator_pb2.HaStatus:
+    return coordinator_pb2.HaStatus(
+        replica_id=v.replica_id,
+        leader_id=v.leader_id,
+        leader_address=v.leader_address,
+        leader_epoch=v.epoch,
+        is_leader=v.is_leader,
+        sync_replicas=v.sync_replicas,
+        log_version=v.log_version,
+        replicas=[
+            coordinator_pb2.ReplicaStatus(
+                replica_id=r.replica_id, acked_version=r.acked, lag_versions=r.lag, lagging=r.lagging
+            )
+            for r in v.replicas
+        ],
+    )
 
 
 def header_from_proto(h: coordinator_pb2.SubmissionHeader, specs: list[ParamSpec]) -> UploadHeader:
@@ -163,7 +183,9 @@ def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Thin gRPC layer over `CoordinatorState`. `checkpoint` writes a checkpoint now and returns its path
-    and version (None when checkpoints are off); `work`: the executor for upload decoding and checkpoints."""
+    and version (None when checkpoints are off); `work`: the executor for upload decoding and checkpoints; `ha`:
+    leadership and the standbys' lag for GetStatus (None: nothing to show); `step_down`: hands leadership to a
+    standby, blocking (None: not under etcd leadership)."""
 
     def __init__(
         self,
@@ -176,8 +198,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         checkpoint: Callable[[], tuple[Path, int] | None],
         work: Executor,
         chunk_bytes: int = CHUNK_BYTES,
+        ha: Callable[[], HaView | None] = lambda: None,
+        step_down: Callable[[str], Handover] | None = None,
     ) -> None:
         self.state = state
+        self.ha = ha
+        self.step_down = step_down
         self.specs = specs
         self.mode = mode
         self.healthd_address = healthd_address
@@ -386,7 +412,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self, request: coordinator_pb2.GetStatusRequest, context: Context
     ) -> coordinator_pb2.GetStatusResponse:
         s = self.state.status(self.mode)
+        ha = self.ha()
         return coordinator_pb2.GetStatusResponse(
+            ha=ha_to_proto(ha) if ha is not None else None,
             mode=MODES.to_proto(s.mode),
             version=s.version,
             coordinator_epoch=s.coordinator_epoch,
@@ -477,6 +505,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     ) -> coordinator_pb2.ReleaseWorkerResponse:
         rec = self.state.release(_require_id(request.worker_id, "worker_id"))
         return coordinator_pb2.ReleaseWorkerResponse(state=WORKER_STATES.to_proto(rec.state))
+
+    @status.unary
+    async def StepDown(
+        self, request: coordinator_pb2.StepDownRequest, context: Context
+    ) -> coordinator_pb2.StepDownResponse:
+        self.state.check_leading()  # a replica that may not lead now: UNAVAILABLE naming the leader
+        if self.step_down is None:
+            raise FailedPrecondition(
+                "this coordinator does not run under etcd leadership (--etcd): there is no leadership to hand over; "
+                "stop it with SIGTERM (it writes a final checkpoint) and start the next one on its --checkpoint-dir"
+            )
+        done = await asyncio.to_thread(self.step_down, request.reason or "asked by an operator")
+        new = done.successor
+        return coordinator_pb2.StepDownResponse(
+            version=done.version,
+            held_by=list(done.held_by),
+            leader_id=new.replica_id if new else "",
+            leader_address=new.address if new else "",
+            leader_epoch=new.epoch if new else 0,
+        )
 
     @status.unary
     async def Pause(self, request: coordinator_pb2.PauseRequest, context: Context) -> coordinator_pb2.PauseResponse:

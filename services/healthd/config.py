@@ -13,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.core.failure import DetectorConfig
-from diloco.errors import ConfigError
+from diloco.core.leadership import coordinator_addresses
+from diloco.errors import ConfigError, InvalidArgument
 from diloco.flags import Flag, config_from_flags
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
@@ -30,7 +31,9 @@ class HealthdConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     metrics_port: int = -1  # -1: no metrics endpoint; 0: a free port
-    coordinator_address: str = ""  # HOST:PORT to report dead workers and throughput to; "": track only
+    # HOST:PORT to report dead workers and throughput to, or every replica's, comma-separated (healthd follows the
+    # leader among them); "": track only
+    coordinator_address: str = ""
     heartbeat_interval_s: float = 0.5
     suspect_after_missed: int = 2
     dead_after_s: float = 2.0
@@ -55,8 +58,12 @@ class HealthdConfig:
         _int_in("port", self.port, 0, 65535)
         _int_in("metrics_port", self.metrics_port, -1, 65535)
         addr = self.coordinator_address
-        if not isinstance(addr, str) or (addr and (addr != addr.strip() or ":" not in addr)):
-            raise ConfigError(f"coordinator_address must be HOST:PORT or '' (no reporting), got {addr!r}")
+        try:
+            if not isinstance(addr, str) or addr != addr.strip():
+                raise InvalidArgument("expected HOST:PORT, comma-separated HOST:PORTs, or '' (no reporting)")
+            self.coordinators  # noqa: B018 - parsed here to refuse a bad list at start
+        except InvalidArgument as e:
+            raise ConfigError(f"coordinator_address (--coordinator-address): {e}; got {addr!r:.80}") from None
         _positive("report_timeout_s", self.report_timeout_s)
         if not (isinstance(self.shutdown_grace_s, (int, float)) and math.isfinite(self.shutdown_grace_s)) or (
             self.shutdown_grace_s < 0
@@ -70,8 +77,13 @@ class HealthdConfig:
             raise ConfigError(f"log_level: unknown value {self.log_level!r}; allowed: {', '.join(LOG_LEVELS)}")
         self.detector()  # the detector's own checks (dead_after_s above the suspect threshold, ...)
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
-        if self.coordinator_address:
-            self.security.check_client(self.coordinator_address)
+        for address in self.coordinators:
+            self.security.check_client(address)
+
+    @property
+    def coordinators(self) -> tuple[str, ...]:
+        """The coordinator addresses to report to (every replica's under etcd leadership; none: track only)."""
+        return coordinator_addresses(self.coordinator_address) if self.coordinator_address else ()
 
     def admission(self) -> AdmissionLimits:
         return AdmissionLimits(self.max_calls, self.max_calls_per_client)
@@ -107,7 +119,12 @@ _FLAGS: list[Flag] = [
     ("--host", str, _d.host, "address to bind"),
     ("--port", int, _d.port, "gRPC port (0: a free port)"),
     ("--metrics-port", int, _d.metrics_port, "Prometheus port (-1: disabled, 0: a free port)"),
-    ("--coordinator-address", str, _d.coordinator_address, "HOST:PORT of the coordinator ('': do not report)"),
+    (
+        "--coordinator-address",
+        str,
+        _d.coordinator_address,
+        "HOST:PORT of the coordinator, or of each replica comma-separated (it follows the leader; '': do not report)",
+    ),
     ("--heartbeat-interval-s", float, _d.heartbeat_interval_s, "expected time between heartbeats"),
     ("--suspect-after-missed", int, _d.suspect_after_missed, "missed heartbeats before a node is suspect"),
     ("--dead-after-s", float, _d.dead_after_s, "silence before a node is declared dead"),

@@ -1,5 +1,7 @@
 """Calls from healthd to the coordinator, on a thread of their own so a slow or absent coordinator never blocks
-heartbeats.
+heartbeats. Given several coordinator addresses (replicas under etcd leadership), healthd follows the leader like a
+learner does (`diloco.rpc.coordinators.Coordinators`): a call refused by a standby with UNAVAILABLE naming the
+leader is made again there, an unreachable address moves it to the next one.
 
 - Dead workers (`ReportNodeFailure`): queued, retried (`diloco.rpc.retry`, deadline on every call) and, when a
   round of retries fails, put back and tried again after `retry_pause_s` until delivered or healthd stops. A
@@ -16,18 +18,19 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from diloco.core.failure import Throughput
+from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.limits import MAX_REPORTS
-from diloco.rpc.retry import RetryConfig, call_with_retry, is_retryable
-from diloco.rpc.server import channel
+from diloco.rpc.retry import RetryConfig, is_retryable
+from diloco.rpc.security import SecurityConfig
 from diloco.rpc.vocab import throughput_to_proto
-from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
+from diloco.v1 import coordinator_pb2
 from services.healthd.metrics import HealthdMetrics
 
 # Reconnect quickly after the coordinator comes back (gRPC's default backoff grows to two minutes).
@@ -49,9 +52,12 @@ class _Pending:
 
 
 class CoordinatorReporter:
+    """Reports to the coordinator at `addresses` (one, or every replica's), with the admin identity of `security`."""
+
     def __init__(
         self,
-        address: str,
+        addresses: Sequence[str],
+        security: SecurityConfig,
         timeout_s: float,
         metrics: HealthdMetrics,
         log: Any,
@@ -60,10 +66,9 @@ class CoordinatorReporter:
         retry_pause_s: float = 1.0,
         throughput_interval_s: float = 1.0,
         monotonic: Callable[[], float] = time.monotonic,
-        make_channel: Callable[[str], grpc.Channel] = channel,
     ) -> None:
-        self.address = address
-        self._make_channel = make_channel  # TLS identity and admin token (diloco.rpc.security)
+        self.addresses = tuple(addresses)
+        self._security = security  # TLS identity and admin token
         self.timeout_s = timeout_s
         self.metrics = metrics
         self.log = log
@@ -82,8 +87,7 @@ class CoordinatorReporter:
         self._stopping = False
         self._busy = False
         self._thread: threading.Thread | None = None
-        self._channel: grpc.Channel | None = None
-        self._stub: coordinator_pb2_grpc.CoordinatorStub | None = None
+        self._coordinators: Coordinators | None = None
 
     # --- producer side (any thread, never blocks on the network) ----------------------------------------------
     def report_failure(self, report: FailureReport) -> None:
@@ -128,8 +132,9 @@ class CoordinatorReporter:
         with self._cond:
             if self._thread is not None:
                 return
-            self._channel = self._make_channel(self.address)
-            self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+            self._coordinators = Coordinators(
+                self.addresses, self._security, admin=True, who="healthd", log=lambda: self.log
+            )
             self._thread = threading.Thread(target=self._run, name="healthd-reporter", daemon=True)
             self._thread.start()
 
@@ -139,10 +144,10 @@ class CoordinatorReporter:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            thread, chan = self._thread, self._channel
-            self._channel = None
-        if chan is not None:
-            chan.close()  # cancels a call in flight
+            thread, coordinators = self._thread, self._coordinators
+            self._coordinators = None
+        if coordinators is not None:
+            coordinators.close()  # cancels a call in flight
         if thread is not None:
             thread.join(timeout_s)
         with self._cond:
@@ -191,8 +196,8 @@ class CoordinatorReporter:
 
     def _send_failure(self, pending: _Pending) -> None:
         r = pending.report
-        stub = self._stub
-        if stub is None:
+        coordinators = self._coordinators
+        if coordinators is None:
             return
         req = coordinator_pb2.ReportNodeFailureRequest(
             worker_id=r.worker_id,
@@ -202,8 +207,8 @@ class CoordinatorReporter:
         )
         pending.attempts += 1
         try:
-            resp = call_with_retry(
-                lambda: stub.ReportNodeFailure(req, timeout=self.timeout_s), "ReportNodeFailure", self.retry
+            resp = coordinators.call(
+                lambda stub: stub.ReportNodeFailure(req, timeout=self.timeout_s), "ReportNodeFailure", self.retry
             )
         except grpc.RpcError as e:
             if self._stopping:
@@ -233,12 +238,13 @@ class CoordinatorReporter:
             silence_s=round(r.declared_dead_unix_s - r.last_seen_unix_s, 3),
             report_latency_s=round(self.clock() - r.declared_dead_unix_s, 3),
             attempts=pending.attempts,
+            coordinator=coordinators.address,
         )
 
     def _send_throughput(self, batch: list[tuple[str, Throughput]]) -> None:
         """One call for every learner heard since the last one (the coordinator skips those it no longer knows)."""
-        stub = self._stub
-        if stub is None:
+        coordinators = self._coordinators
+        if coordinators is None:
             return
         req = coordinator_pb2.ReportThroughputRequest(
             reports=[
@@ -247,8 +253,9 @@ class CoordinatorReporter:
             ]
         )
         try:
-            stub.ReportThroughput(req, timeout=self.timeout_s)
+            coordinators.stub.ReportThroughput(req, timeout=self.timeout_s)
         except grpc.RpcError as e:
+            coordinators.moved_by(e)  # the next batch goes to the leader
             self.metrics.throughput_dropped.inc(len(batch))
             self.log.debug("throughput.dropped", nodes=len(batch), code=e.code().name)
             return

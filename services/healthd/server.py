@@ -31,13 +31,13 @@ class HealthdServer:
         self.reporter: CoordinatorReporter | None = None
         if cfg.coordinator_address:
             self.reporter = CoordinatorReporter(
-                cfg.coordinator_address,
+                cfg.coordinators,
+                cfg.security,
                 cfg.report_timeout_s,
                 self.metrics,
                 self.log,
                 clock=clock,
                 retry_pause_s=min(1.0, cfg.heartbeat_interval_s * 2),
-                make_channel=lambda address: cfg.security.channel(address, admin=True),
             )
         self.monitor = Monitor(cfg.detector(), self.metrics, self.log, self.reporter, clock)
         self.grpc = GrpcService(

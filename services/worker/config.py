@@ -9,8 +9,8 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from diloco.core.learner import MAX_COORDINATORS
-from diloco.errors import ConfigError
+from diloco.core.leadership import coordinator_addresses
+from diloco.errors import ConfigError, InvalidArgument
 from diloco.flags import Flag, config_from_flags, env_name, parse_bool
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import auth, security
@@ -54,17 +54,12 @@ class WorkerConfig:
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.coordinator, str)
-            or not self.coordinator
-            or len(self.coordinator) > 2048
-            or any(":" not in a for a in self.coordinators)
-            or len(self.coordinators) > MAX_COORDINATORS
-        ):
+        try:
+            coordinator_addresses(self.coordinator)
+        except InvalidArgument as e:
             raise ConfigError(
-                f"coordinator: expected HOST:PORT, or up to {MAX_COORDINATORS} of them comma-separated (replicas "
-                f"under etcd leadership), flag --coordinator or env DILOCO_COORDINATOR; got {self.coordinator!r}"
-            )
+                f"coordinator (flag --coordinator or env DILOCO_COORDINATOR): {e}; got {self.coordinator!r:.80}"
+            ) from None
         if len(self.name) > 128 or not self.name.isprintable():
             raise ConfigError(f"name must be at most 128 printable characters, got {self.name!r}")
         if self.ef_decay != 0.0 and not (math.isfinite(self.ef_decay) and 0.0 < self.ef_decay <= 1.0):
@@ -121,7 +116,7 @@ class WorkerConfig:
     @property
     def coordinators(self) -> tuple[str, ...]:
         """The coordinator addresses (`coordinator` split at commas): replicas, the learner starts at the first."""
-        return tuple(a.strip() for a in self.coordinator.split(","))
+        return coordinator_addresses(self.coordinator)
 
     @property
     def display_name(self) -> str:

@@ -58,7 +58,7 @@ class Control:
         failover: Callable[[str], None] = lambda _details: None,
     ) -> None:
         self.stub, self.cfg, self.learner, self.stopping, self.log = stub, cfg, learner, stopping, log
-        self.failover = failover  # FAILOVER: move to another coordinator address (`endpoints.Coordinators`)
+        self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
 
     def register(
         self, name: str, tp: Throughput | None, device_kind: str, power: Reading | None = None

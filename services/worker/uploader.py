@@ -58,7 +58,7 @@ class Uploader:
         address: Callable[[], str] | None = None,
     ) -> None:
         self.stub, self.cfg, self.metrics, self.post, self.log = stub, cfg, metrics, post, log
-        self.failover = failover  # FAILOVER: move to another coordinator address (`endpoints.Coordinators`)
+        self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
         self.address = address or (lambda: cfg.coordinators[0])  # the coordinator in use (the bulk path's host)
         self._jobs: queue.Queue[UploadJob | None] = queue.Queue()
         self._closed = threading.Event()

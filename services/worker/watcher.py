@@ -58,7 +58,7 @@ class Watcher:
     ) -> None:
         self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
         self.post, self.log = post, log
-        self.failover = failover  # FAILOVER: move to another coordinator address (`endpoints.Coordinators`)
+        self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
         self.follower = BroadcastFollower()  # touched by the watch thread only
         self._closed = threading.Event()
         self._call: grpc.Future | None = None  # type: ignore[type-arg]

@@ -23,13 +23,13 @@ import torch
 from diloco import log as logging
 from diloco.core import learner as core
 from diloco.errors import ConfigError
+from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.limits import MAX_REASON_CHARS
 from diloco.rpc.metrics import serve_metrics
 from diloco.task.model import pick_device
 from diloco.v1 import coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.control import Control
-from services.worker.endpoints import Coordinators
 from services.worker.heartbeats import Beat, Heartbeats
 from services.worker.island import Island, device_kind
 from services.worker.metrics import Metrics
@@ -95,7 +95,8 @@ class Worker:
             watts=reading.watts if reading else None,
             not_used=self.power.note or None,
         )
-        self.coordinators = Coordinators(cfg, lambda: self.log)  # the address in use; moves on FAILOVER
+        # the address in use; moves on FAILOVER
+        self.coordinators = Coordinators(cfg.coordinators, cfg.security, who="worker", log=lambda: self.log)
         self.stub = cast(coordinator_pb2_grpc.CoordinatorStub, self.coordinators)
         self.metrics = Metrics()
         self.power.on_drop = self._power_window_dropped
