@@ -52,7 +52,7 @@ from diloco.core.uploads import (
     Uploads,
 )
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader
-from diloco.rpc.payload import UploadReceiver
+from diloco.rpc.payload import BufferPool, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import J_PER_KWH, Charge, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
@@ -72,6 +72,7 @@ __all__ = [
 T = TypeVar("T")
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
 _STRIPES = 64  # locks for the uploads' decoders, by submission id
+_POOLED_PAYLOADS = 2  # idle upload buffers kept for reuse: at most this many of the largest payloads' bytes
 _REMOVED_EVENTS = {
     WorkerState.LEFT: "worker.left",
     WorkerState.DEAD: "worker.dead",
@@ -217,11 +218,14 @@ class CoordinatorState:
         self.fingerprint = fingerprint
         self.codec = codec
         self.numel = core.params.numel()
-        self.uploads = Uploads(  # uploads are held encoded, measured on arrival, decoded again by the merge
+        # uploads are held encoded (in reused buffers), measured on arrival, decoded again by the merge
+        self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
+        self.uploads = Uploads(
             UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
-            lambda meta: UploadReceiver(meta, self.numel, core.acc.segments),
+            lambda meta: UploadReceiver(meta, self.numel, core.acc.segments, self.buffers),
         )
         self.metrics = metrics
+        metrics.idle_upload_buffer_bytes.set_function(lambda: self.buffers.idle[1])
         self.clock = clock
         self.on_round = on_round
         # with leadership (--etcd): raises NotLeader while this replica may not accept work or publish a version
@@ -818,7 +822,7 @@ class CoordinatorState:
             )
             if taken.released:
                 self.log.info("worker.released", worker_id=sub.worker_id, by="clean_submission")
-            del payload, done  # the encoded bytes go before a round closes
+            del payload, done  # the encoded bytes go (back to the pool) before a round closes
             applied = self._close_round(now)
         with self.lock:
             version = self.core.version
