@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
@@ -254,6 +255,26 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[
     # a version this coordinator never had (it restarted from an older checkpoint): a full snapshot of the current
     header, _ = read_one(iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=99), timeout=T)), numel)
     assert header.version == 3 and not header.HasField("delta_from")
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int4"])
+def test_a_version_s_bytes_are_held_once_and_never_change(start: Callable[..., Env], codec: str) -> None:
+    """Watchers send a delta from the broadcast history's own bytes (no copy per version or per watcher), an fp32
+    snapshot from the bytes made with its version; a lossy snapshot is a copy of Θ̂, which later rounds move."""
+    env = start(broadcast_codec=codec)
+    state = env.server.state
+    reg = register(env)
+    rounds(env, reg, 1)
+    snap = state.snapshot_broadcast()
+    assert snap.version == 1 and zlib.crc32(snap.data) == snap.checksum
+    if codec == "fp32":
+        assert snap.data is state.shadow.snapshot().data
+    else:
+        _, chain = state.broadcasts_since(0)
+        history = state.shadow.updates_since(0, 1)
+        assert chain is not None and history is not None and chain[0].data is history[0].data
+    rounds(env, reg, 1, start=1)
+    assert state.published().version == 2 and zlib.crc32(snap.data) == snap.checksum  # as it was sent
 
 
 class CorruptingProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]

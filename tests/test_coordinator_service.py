@@ -154,6 +154,21 @@ def test_submission_closes_a_round_and_commits_the_ledger(env: Env, codec: str) 
     torch.testing.assert_close(params, env.server.core.params, rtol=0, atol=2e-2)
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_uploads_of_one_size_land_in_one_reused_buffer(env: Env, codec: str) -> None:
+    reg = register(env)
+    assert gauge(env, "idle_upload_buffer_bytes") == 0
+    h, data, _ = make_upload(env, reg, "bad", codec=codec)
+    header, corrupt = _flipped(h, data)
+    assert code_of(lambda: submit(env, header, corrupt))[0] == INVALID  # type: ignore[arg-type]
+    wait_for("the refused upload's buffer back", lambda: gauge(env, "idle_upload_buffer_bytes") == len(data))
+    for i in range(3):
+        h, data, _ = make_upload(env, reg, f"s{i}", codec=codec, seed=i)
+        assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+        # folded in before the reply: the one buffer is back (a new one per upload would make this grow)
+        assert gauge(env, "idle_upload_buffer_bytes") == len(data)
+
+
 Mutation = Callable[[pb.SubmissionHeader, bytes], tuple[pb.SubmissionHeader | None, bytes]]
 
 

@@ -69,6 +69,9 @@ class CoordinatorMetrics:
             _PREFIX + "partial_uploads", "Uploads held: streaming, or interrupted and kept for a resume", registry=r
         )
         self.streaming_uploads = Gauge(_PREFIX + "streaming_uploads", "Uploads with a stream feeding them", registry=r)
+        self.idle_upload_buffer_bytes = Gauge(
+            _PREFIX + "idle_upload_buffer_bytes", "Upload buffers kept for the next uploads (bytes)", registry=r
+        )
         # energy, carbon and cost (issue #15; services/coordinator/energy.py): per learner while the coordinator
         # holds its record (ListWorkers), and for the whole fleet since the run began (a resumed coordinator's start
         # from its checkpoint's totals: CoordinatorState)

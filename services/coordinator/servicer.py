@@ -3,8 +3,9 @@
 Control calls run on the event loop (they take only the state's short bookkeeping lock); upload work (opening,
 decoding chunks, finishing) and checkpoints run on a bounded executor, so control calls keep answering while
 pseudo-gradients arrive. A parameter watch is a coroutine waiting on `LoopSignal`; it sends a watcher what it needs
-from the version it holds (`CoordinatorState.broadcasts_since`: the deltas since, or a full snapshot), and every
-watcher sends the same encoded chunks of a delta or snapshot (built once, off the event loop).
+from the version it holds (`CoordinatorState.broadcasts_since`: the deltas since, or a full snapshot). Every watcher
+sends from the same encoded bytes, held once: a delta's are the broadcast history's, a snapshot's are made once per
+version (off the event loop) and kept while it is the newest; each data message is made as it is sent.
 
 Domain errors (`diloco.errors`) become status codes in `diloco.rpc.status`; nothing here decides policy.
 """
@@ -51,7 +52,6 @@ T = TypeVar("T")
 SEND_SLOTS = 32
 SEND_SLOT_LEASE_S = 0.05
 Context = grpc.aio.ServicerContext[Any, Any]
-_Encoded = tuple[coordinator_pb2.ParametersHeader, list[coordinator_pb2.ParametersChunk]]
 
 
 def plan_to_proto(plan: WorkPlan) -> common_pb2.WorkPlan:
@@ -214,8 +214,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
         self.params_changed = LoopSignal()
         state.add_listener(self.params_changed.notify)
-        self._deltas: dict[int, asyncio.Future[_Encoded]] = {}  # by version: its encoded delta (from version - 1)
-        self._snapshot: tuple[int, asyncio.Future[_Encoded]] | None = None  # (newest version when asked, snapshot)
+        self._snapshot: tuple[int, asyncio.Future[Broadcast]] | None = None  # (newest version when asked, snapshot)
         self._send = SendSlots(SEND_SLOTS, SEND_SLOT_LEASE_S)
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -260,6 +259,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         while not self.state.stopping:
             changed = self.params_changed.waiter()  # before reading: a version published after this wakes it
             newest, chain = self.state.broadcasts_since(held)
+            if self._snapshot is not None and self._snapshot[0] != newest.version:
+                self._snapshot = None  # an older version's snapshot (model-sized) is not kept; senders hold theirs
             if chain == []:
                 if not request.follow:
                     return
@@ -268,44 +269,30 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 continue
             for item in chain if chain is not None else [None]:  # None: a full snapshot
                 async with self._send.slot():  # the header is built in the slot too: it is the loop's work
-                    base, data = await self._encoded(item, newest.version)
-                    first = coordinator_pb2.ParametersChunk()
-                    first.header.CopyFrom(base)
+                    b = item if item is not None else await self._newest_snapshot(newest.version)
+                    first = coordinator_pb2.ParametersChunk(header=self._header(b))
                     if worker_id:
                         first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
                     yield first
-                for chunk in data:
+                for part in chunks(b.data, chunk_bytes=self.chunk_bytes):
                     async with self._send.slot():
-                        yield chunk
-                    self.state.count_sent(len(chunk.data))
-                held = base.version
+                        yield coordinator_pb2.ParametersChunk(data=bytes(part))  # a copy of one chunk, while sent
+                    self.state.count_sent(len(part))
+                held = b.version
             if not request.follow:
                 return
 
-    async def _encoded(self, item: Broadcast | None, newest: int) -> _Encoded:
-        """The header (without a plan) and data messages of a delta, or of a full snapshot (`item` None) of the
-        newest version (`newest` when asked), built once off the event loop (a large model's chunks are a copy of
-        hundreds of MB) and shared by every watcher."""
-        if self._snapshot is not None and self._snapshot[0] != newest:
-            self._snapshot = None  # an older version's snapshot (a model-sized message set) is not kept
-        if item is None:
-            cached = self._snapshot
-            if cached is None:
-                cached = (newest, asyncio.ensure_future(self._blocking(self._encode_snapshot)))
-                self._snapshot = cached
-            return await asyncio.shield(cached[1])
-        future = self._deltas.get(item.version)
-        if future is None:
-            future = self._deltas[item.version] = asyncio.ensure_future(self._blocking(self._encode, item))
-            oldest = self.state.shadow.oldest_delta or newest
-            for old in [v for v in self._deltas if v < oldest]:  # as the shadow's history: trimmed by bytes
-                del self._deltas[old]
-        return await asyncio.shield(future)
+    async def _newest_snapshot(self, newest: int) -> Broadcast:
+        """The full snapshot of the newest version (`newest` when asked), made once off the event loop (a lossy
+        codec's is a model-sized copy of the shadow) and shared by every watcher."""
+        cached = self._snapshot
+        if cached is None or cached[0] != newest:
+            cached = (newest, asyncio.ensure_future(self._blocking(self.state.snapshot_broadcast)))
+            self._snapshot = cached
+        return await asyncio.shield(cached[1])
 
-    def _encode_snapshot(self) -> _Encoded:
-        return self.state.snapshot_broadcast(self._encode)  # `_encode` copies the bytes into messages
-
-    def _encode(self, b: Broadcast) -> _Encoded:
+    def _header(self, b: Broadcast) -> coordinator_pb2.ParametersHeader:
+        """The header of a delta or snapshot, without a plan."""
         header = coordinator_pb2.ParametersHeader(
             version=b.version,
             coordinator_epoch=b.coordinator_epoch,
@@ -316,8 +303,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         if b.delta_from is not None:
             header.delta_from = b.delta_from
-        parts = chunks(b.data, chunk_bytes=self.chunk_bytes)
-        return header, [coordinator_pb2.ParametersChunk(data=bytes(c)) for c in parts]
+        return header
 
     def _act_as(self, context: Context, worker_id: str) -> str:
         """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`); returns it."""

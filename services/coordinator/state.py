@@ -24,8 +24,10 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
 
 from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
@@ -52,7 +54,7 @@ from diloco.core.uploads import (
     Uploads,
 )
 from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader
-from diloco.rpc.payload import UploadReceiver
+from diloco.rpc.payload import BufferPool, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import J_PER_KWH, SNAPSHOT_KEY, Charge, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
@@ -69,9 +71,9 @@ __all__ = [
     "WorkerView",
 ]
 
-T = TypeVar("T")
 _APPLIED_VERSIONS = 256  # versions whose applied submission ids are remembered
 _STRIPES = 64  # locks for the uploads' decoders, by submission id
+_POOLED_PAYLOADS = 2  # idle upload buffers kept for reuse: at most this many of the largest payloads' bytes
 _REMOVED_EVENTS = {
     WorkerState.LEFT: "worker.left",
     WorkerState.DEAD: "worker.dead",
@@ -98,7 +100,7 @@ class Broadcast:
     coordinator_epoch: int
     delta_from: int | None
     checksum: int
-    data: bytes | bytearray | memoryview  # read-only by convention: every watcher sends from it
+    data: bytes | bytearray | memoryview  # never written: every watcher sends from these bytes, not a copy
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool
@@ -217,11 +219,14 @@ class CoordinatorState:
         self.fingerprint = fingerprint
         self.codec = codec
         self.numel = core.params.numel()
-        self.uploads = Uploads(  # uploads are held encoded, measured on arrival, decoded again by the merge
+        # uploads are held encoded (in reused buffers), measured on arrival, decoded again by the merge
+        self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
+        self.uploads = Uploads(
             UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
-            lambda meta: UploadReceiver(meta, self.numel, core.acc.segments),
+            lambda meta: UploadReceiver(meta, self.numel, core.acc.segments, self.buffers),
         )
         self.metrics = metrics
+        metrics.idle_upload_buffer_bytes.set_function(lambda: self.buffers.idle[1])
         self.clock = clock
         self.on_round = on_round
         # with leadership (--etcd): raises NotLeader while this replica may not accept work or publish a version
@@ -661,19 +666,18 @@ class CoordinatorState:
         finished = pub.finished and d.version == pub.version
         return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
 
-    def snapshot_broadcast(self, encode: Callable[[Broadcast], T]) -> T:
-        """`encode(b)` of the shadow of the newest version in full. Lossy broadcasts: `b.data` is a view of `Θ̂`
-        itself (no copy), so `encode` runs under `work` and must copy what it keeps (heavy: it waits behind a
-        round or an upload being folded in); fp32 ones made their bytes with the version."""
+    def snapshot_broadcast(self) -> Broadcast:
+        """The shadow of the newest version in full. Lossy broadcasts: a copy of `Θ̂` (which moves with every
+        round), made under `work` (heavy: it waits behind a round or an upload being folded in); fp32 ones: the
+        bytes made with the version."""
         if self.shadow.lossy:
             with self.work:
                 snap = self.shadow.snapshot()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
+                data = torch.frombuffer(snap.data, dtype=torch.uint8).clone().numpy().data  # releases the GIL
                 with self.lock:
-                    b = self._snapshot_locked(snap)
-                return encode(b)
+                    return replace(self._snapshot_locked(snap), data=data)
         with self.lock:
-            b = self._snapshot_locked(self.shadow.snapshot())
-        return encode(b)
+            return self._snapshot_locked(self.shadow.snapshot())
 
     def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
         ids = self._applied_by_version.get(snap.version, ())
@@ -822,7 +826,7 @@ class CoordinatorState:
             )
             if taken.released:
                 self.log.info("worker.released", worker_id=sub.worker_id, by="clean_submission")
-            del payload, done  # the encoded bytes go before a round closes
+            del payload, done  # the encoded bytes go (back to the pool) before a round closes
             applied = self._close_round(now)
         with self.lock:
             version = self.core.version

@@ -1,0 +1,175 @@
+"""The coordinator's upload buffers (`diloco.rpc.payload.BufferPool`, `UploadReceiver`): a buffer is reused once
+nothing refers to it, never while anything does (a view, an upload, a merge replaying it), idle ones are bounded,
+and a reused buffer holds exactly the new upload's bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from diloco.core.codecs import CodecError, get_codec
+from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
+from diloco.errors import ConfigError
+from diloco.rpc.payload import BufferPool, UploadReceiver, chunks
+
+pytestmark = pytest.mark.timeout(30)
+SEGMENTS = [Segment(0, 300, embedding=True), Segment(300, 700)]
+NUMEL = 1000
+
+
+def address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def received(pool: BufferPool, codec: str, seed: int) -> tuple[EncodedDelta, torch.Tensor]:
+    """A random pseudo-gradient uploaded in pieces into a buffer of `pool`, handed over; and what it decodes to."""
+    delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed))
+    data, meta = get_codec(codec).encode(delta)
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, pool)
+    for piece in chunks(data, chunk_bytes=333):
+        receiver.feed(piece)
+    return receiver.finish(), get_codec(codec).decode(data, meta)
+
+
+def test_a_buffer_nothing_refers_to_is_handed_out_again() -> None:
+    pool = BufferPool(4, 1 << 20)
+    a = pool.take(5000)
+    at = address(a)
+    a[:] = 7  # written through the array handed out
+    assert pool.idle == (0, 0)
+    del a
+    assert pool.idle == (1, 5000)
+    other = pool.take(4000)  # another size: a new buffer
+    assert address(other) != at and pool.idle == (1, 5000)
+    again = pool.take(5000)
+    assert address(again) == at and bool((again == 7).all())  # the same memory, not zeroed
+    assert pool.idle == (0, 0)
+
+
+VIEWS: dict[str, Callable[[np.ndarray], Any]] = {
+    "numpy slice": lambda a: a[10:20],
+    "slice of a slice": lambda a: a[10:20][2:5],
+    "memoryview": lambda a: a.data,
+    "memoryview slice": lambda a: a.data[5:9],
+    "tensor": lambda a: torch.frombuffer(a.data, dtype=torch.uint8),
+    "tensor of a memoryview slice": lambda a: torch.frombuffer(a.data[8:16], dtype=torch.float32),
+}
+
+
+@pytest.mark.parametrize("kind", list(VIEWS))
+def test_a_view_keeps_its_buffer_out_of_the_pool(kind: str) -> None:
+    pool = BufferPool(4, 1 << 20)
+    a = pool.take(1000)
+    at = address(a)
+    view = VIEWS[kind](a)
+    del a
+    assert pool.idle == (0, 0)
+    b = pool.take(1000)
+    assert address(b) != at  # still referenced: a new buffer
+    del view
+    assert pool.idle == (1, 1000)
+    assert address(pool.take(1000)) == at
+
+
+def test_idle_buffers_are_bounded_in_count_and_bytes() -> None:
+    pool = BufferPool(2, 2500)
+    a, b, c = (pool.take(1000) for _ in range(3))
+    at_b, at_c = address(b), address(c)
+    del a, b, c
+    assert pool.idle == (2, 2000)  # at most 2: the longest idle went
+    first, second = pool.take(1000), pool.take(1000)
+    assert address(first) == at_c and address(second) == at_b  # the newest first
+    assert pool.idle == (0, 0)
+    del first, second
+    x, y = pool.take(1000), pool.take(2000)
+    del x, y
+    assert pool.idle == (1, 2000)  # at most 2500 bytes: the longest idle went
+    huge = pool.take(3000)
+    del huge
+    assert pool.idle == (1, 2000)  # larger than the pool holds: not kept, the others stay
+    unpooled = BufferPool(0, 0)
+    one = unpooled.take(10)
+    del one
+    assert unpooled.idle == (0, 0)
+    with pytest.raises(ConfigError, match=">= 0"):
+        BufferPool(-1, 0)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8", "topk"])
+def test_a_reused_buffer_holds_exactly_the_next_upload(codec: str) -> None:
+    pool = BufferPool(4, 1 << 20)
+    first, _ = received(pool, codec, seed=1)
+    at = address(np.frombuffer(first.data, dtype=np.uint8))
+    acc = MergeAccumulator(NUMEL, "mean", SEGMENTS)
+    acc.add(first, 3)
+    del first  # folded in and let go: its buffer goes back
+    second, decoded = received(pool, codec, seed=2)
+    assert address(np.frombuffer(second.data, dtype=np.uint8)) == at
+    acc.reset()
+    acc.add(second, 3)
+    ref = MergeAccumulator(NUMEL, "mean", SEGMENTS)
+    ref.add(decoded, 3)
+    assert torch.equal(acc.result(), ref.result())
+
+
+class _Taking:
+    """A window sink that folds like the merge and, at every window, takes a buffer of the size being replayed."""
+
+    def __init__(self, pool: BufferPool, nbytes: int, acc: torch.Tensor) -> None:
+        self.pool, self.nbytes, self.acc = pool, nbytes, acc
+        self.addresses: list[int] = []
+
+    def dense(self, start: int, values: torch.Tensor) -> None:
+        self.acc[start : start + values.numel()].add_(values)
+        self.addresses.append(address(self.pool.take(self.nbytes)))
+
+    def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        self.acc.index_add_(0, index, values)
+        self.addresses.append(address(self.pool.take(self.nbytes)))
+
+
+def test_a_buffer_is_never_handed_out_while_a_merge_replays_it() -> None:
+    pool = BufferPool(4, 1 << 20)
+    delta, decoded = received(pool, "int8", seed=3)
+    nbytes = len(delta.data)
+    at = address(np.frombuffer(delta.data, dtype=np.uint8))
+    _ = pool.take(nbytes)  # an idle buffer of the same size, returned below: the pool is not empty meanwhile
+    del _
+    assert pool.idle == (1, nbytes)
+    sink = _Taking(pool, nbytes, torch.zeros(NUMEL))
+    delta.replay(sink)  # the merge in flight: every take meanwhile gets another buffer
+    assert sink.addresses and at not in sink.addresses
+    assert torch.equal(sink.acc, decoded)
+    del delta
+    assert address(pool.take(nbytes)) == at
+
+
+def test_an_upload_kept_for_a_resume_keeps_its_buffer_until_dropped() -> None:
+    pool = BufferPool(4, 1 << 20)
+    data, meta = get_codec("fp32").encode(torch.ones(NUMEL))
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, pool)
+    receiver.feed(memoryview(data)[:1000])
+    assert pool.idle == (0, 0)
+    del receiver  # the upload dropped (expired, evicted, its learner gone)
+    assert pool.idle == (1, len(data))
+
+
+def test_bad_bytes_let_go_of_the_buffer_at_once() -> None:
+    pool = BufferPool(4, 1 << 20)
+    data, meta = get_codec("int8").encode(torch.ones(NUMEL))
+    corrupt = bytearray(data)
+    corrupt[-1] ^= 0xFF
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, pool)
+    receiver.feed(bytes(corrupt))
+    with pytest.raises(CodecError, match="crc32"):
+        receiver.finish()
+    assert pool.idle == (1, len(data))  # the receiver is still referenced (its refusal's traceback may keep it)
+    again = UploadReceiver(meta, NUMEL, SEGMENTS, pool)
+    assert pool.idle == (0, 0)
+    with pytest.raises(CodecError):
+        again.feed(bytes(data) + b"\0")
+    assert pool.idle == (1, len(data))
