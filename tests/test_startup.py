@@ -9,6 +9,7 @@ uses) is in `sys.modules`: what the process imported while it served, not only a
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -51,7 +52,10 @@ class Child:
     def __init__(self, argv: Sequence[str], log: Path) -> None:
         self.log = log
         self._file = log.open("wb")
-        self.popen = subprocess.Popen(list(argv), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # SIGABRT (see `stop`) prints every thread's stack
+        self.popen = subprocess.Popen(
+            list(argv), stdout=self._file, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -71,10 +75,18 @@ class Child:
         raise AssertionError(f"no {event} (exit {self.popen.poll()}); output:\n{self.output()[-3000:]}")
 
     def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, then its exit status. A child still running after `timeout_s` is sent SIGABRT, so that the
+        failure shows where each of its threads hung."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
         try:
             return self.popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.popen.send_signal(signal.SIGABRT)
+            self.popen.wait(timeout=30)
+            raise AssertionError(
+                f"still running {timeout_s:g} s after SIGTERM; output:\n{self.output()[-6000:]}"
+            ) from None
         finally:
             self.close()
 
