@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import signal
 import sys
-import threading
 from collections.abc import Mapping, Sequence
-from types import FrameType
 from typing import Any
 
 import torch
@@ -14,6 +11,7 @@ import torch
 from diloco import log as logging
 from diloco.errors import ConfigError
 from diloco.rpc.server import tune_gc
+from diloco.signals import on_stop_signal
 from services.coordinator.config import CoordinatorServiceConfig, parse
 from services.coordinator.ha import HaReplica
 from services.coordinator.server import CoordinatorServer, load_carbon
@@ -42,13 +40,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     tune_gc()
     log.info("coordinator.started", port=port, address=server.address, metrics_port=server.metrics_port)
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("coordinator.signal", signal=signal.Signals(signum).name)
-        # stop() blocks for the grace period; never block inside a signal handler
-        threading.Thread(target=server.stop, name="coordinator-stop", daemon=True).start()
+    def stop(name: str) -> None:
+        log.info("coordinator.signal", signal=name)
+        server.stop()  # blocks for the grace period, on the signal's own thread
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    on_stop_signal(stop, "coordinator-stop")
     server.wait()
     return 0
 
@@ -62,12 +58,11 @@ def _standby(cfg: CoordinatorServiceConfig, log: Any) -> int:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("coordinator.signal", signal=signal.Signals(signum).name)
-        threading.Thread(target=follower.stop, name="standby-stop", daemon=True).start()
+    def stop(name: str) -> None:
+        log.info("coordinator.signal", signal=name)
+        follower.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    on_stop_signal(stop, "standby-stop")
     log.info("standby.started", leader=cfg.follow, replica_id=follower.cfg.replica_id)
     follower.start()
     follower.wait()
@@ -84,12 +79,11 @@ def _replica(cfg: CoordinatorServiceConfig, log: Any) -> int:
     leader refuses it as a standby (another task)."""
     replica = HaReplica(cfg)
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("coordinator.signal", signal=signal.Signals(signum).name)
+    def stop(name: str) -> None:
+        log.info("coordinator.signal", signal=name)
         replica.stop()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+    on_stop_signal(stop, "replica-stop")
     tune_gc()
     return replica.run()
 

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import threading
 from collections.abc import Sequence
-from types import FrameType
 
 from diloco import log as dlog
 from diloco.errors import ConfigError
 from diloco.rpc.server import tune_gc
+from diloco.signals import on_stop_signal
 from services.healthd.config import parse
 from services.healthd.server import HealthdServer
 
@@ -25,12 +24,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = HealthdServer(cfg)
     stop = threading.Event()
 
-    def on_signal(signum: int, _frame: FrameType | None) -> None:
-        log.info("healthd.signal", signal=signal.Signals(signum).name)
+    def on_signal(name: str) -> None:
+        log.info("healthd.signal", signal=name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signal(on_signal, "healthd-stop")
     try:
         port = server.start()
     except OSError as e:

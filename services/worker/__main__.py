@@ -9,7 +9,6 @@ ranks with the same flags, and passes SIGTERM/SIGINT on to the ranks (`island.la
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -17,6 +16,7 @@ import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
+from diloco.signals import on_stop_signal
 from services.worker.config import WorkerConfig, parse
 from services.worker.island import Island, Rank, launch, resolve_device
 from services.worker.metrics import Metrics
@@ -102,8 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_worker(worker: Worker) -> int:
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: worker.stop())
+    on_stop_signal(lambda _name: worker.stop(), "worker-stop")
     return worker.run()
 
 
