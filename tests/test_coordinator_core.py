@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submission
+from diloco.core.coordinator import Accepted, CoordinatorConfig, CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
 from diloco.core.rounds import RoundConfig
 from diloco.core.states import DEAD, EVICTED, LEFT, LIVE_STATES
@@ -144,8 +144,17 @@ def test_snapshot_restore_rolls_back_pending_and_forgets_learners() -> None:
     assert [s.accepted for s in fresh.ledger.states()] == [s.committed for s in fresh.ledger.states()]
     assert fresh.ledger.committed_tokens() == 20
     assert not fresh.workers and all(s.owner is None for s in fresh.ledger.states())
+    # the outcomes of applied submissions are in the checkpoint (a duplicate is answered as before); the pending
+    # one is not: it was lost with the restart, and its learner trains the range again
+    assert fresh.accepted("s1") == c.accepted("s1") == Accepted(a, 1, 0, applied=True)
+    assert fresh.accepted("s2") == Accepted(b, 1, 0, applied=True)
+    assert c.accepted("s3") == Accepted(a, 2, 0, applied=False) and fresh.accepted("s3") is None
     with pytest.raises(InvalidArgument, match="malformed"):
         fresh.restore({"params": c.params})
+    for bad in ([["s9", a, 0, 0]], [["s9", a, 1, -1]], [["", a, 1, 0]], [["s9", a, True, 0]], {"s9": a}):
+        with pytest.raises(InvalidArgument, match=r"malformed.*applied"):
+            fresh.restore({**snap, "applied": bad})
+    assert fresh.accepted("s1") is not None and fresh.accepted("s9") is None  # a refused restore changed nothing
 
 
 def test_config_errors() -> None:
@@ -247,7 +256,7 @@ def test_the_service_s_steps_match_accept_and_split_bookkeeping_from_tensor_work
     assert split.version == 0
     closed = split.close(1.0)
     assert closed is not None and closed.close.version == split.version == 1
-    assert split.ledger.committed_tokens() == 20 and "s-a-1" in split.applied_ids
+    assert split.ledger.committed_tokens() == 20 and split.accepted("s-a-1") == Accepted("a-1", 1, 0, applied=True)
     assert torch.equal(split.params, params_before)  # not stepped yet
     applied = split.step(closed)
     assert applied.version == 1 and applied.tokens == 20
@@ -311,7 +320,7 @@ def test_departed_records_are_bounded_oldest_first_without_touching_ledger_or_du
     gone: list[str] = []
     for i in range(4):
         w = c.register(f"w{i}", float(i)).worker_id
-        if i == 0:  # applied: its id is in applied_ids
+        if i == 0:  # applied: its outcome is in `applied`
             c.accept(submission(c, w, "applied"), torch.ones(N), now=0.5)
             c.accept(submission(c, keeper, "k1"), torch.ones(N), now=0.5)
             assert c.version == 1

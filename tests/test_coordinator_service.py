@@ -31,7 +31,7 @@ from diloco.task.params import load_flat_
 from diloco.v1 import common_pb2, coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.__main__ import main
-from services.coordinator.config import parse
+from services.coordinator.config import CrashFault, parse
 from tests.support import (
     CHUNK,
     Env,
@@ -658,6 +658,9 @@ def test_parse_reads_flags_with_env_fallbacks() -> None:
     assert (cfg.mode, cfg.codec, cfg.port) == ("sync", "bf16", 7001)
     assert cfg.task.data.num_shards == 4 and cfg.task.model.d_model == 32
     assert parse([], {"DILOCO_TASK_JSON": tiny_task().to_json(), "DILOCO_INSECURE": "1"}).task == tiny_task()
+    crash = parse(["--fault-crash-before-answer", "accepted@7", "--insecure"], {}).crash_fault()
+    assert crash == CrashFault(applied=False, round=7) and crash.matches(False, 8) and not crash.matches(True, 8)
+    assert parse(["--insecure"], {}).crash_fault() is None
 
 
 @pytest.mark.parametrize(
@@ -669,6 +672,9 @@ def test_parse_reads_flags_with_env_fallbacks() -> None:
         (["--min-local-steps", "99"], {}, "min_local_steps"),
         (["--expected-workers", "40"], {}, "expected_workers"),
         (["--bogus"], {}, "bogus"),
+        (["--fault-crash-before-answer", "applied"], {}, "--fault-crash-before-answer"),
+        (["--fault-crash-before-answer", "dropped@3"], {}, "--fault-crash-before-answer"),
+        ([], {"DILOCO_FAULT_CRASH_BEFORE_ANSWER": "accepted@0"}, "--fault-crash-before-answer"),
     ],
 )
 def test_bad_configuration_names_the_field(argv: list[str], env: dict[str, str], field: str) -> None:

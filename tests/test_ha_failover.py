@@ -3,7 +3,13 @@
 hot standby with `--sync-replicas 1`), healthd and two learners given both coordinator addresses
 (`--coordinator A,B`). The leader is SIGKILLed mid-run: the standby must take over under a higher epoch without
 any version going backwards, the learners must move to it by themselves, the job must reach its target and the
-ledger must hold every committed range exactly once."""
+ledger must hold every committed range exactly once.
+
+Nothing acknowledged is lost (issue #14 point 3): the leader crashes (`--fault-crash-before-answer`, a SIGKILL of
+itself) right after applying a learner's submission, before answering it: the learner resends it to the new leader
+and gets the same outcome (applied, in the same round), and it is not applied again; or right after accepting one
+into a round still open: that submission is refused at the new leader (the old epoch), the learner registers again
+and its range is trained again, once."""
 
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from diloco.cluster import (
     ClusterConfig,
     LocalCluster,
     LogFollower,
+    LogLine,
     Proc,
     coordinator_flags,
     ledger_problems,
@@ -32,6 +39,20 @@ from tests.etcd_server import EtcdServer
 from tests.support import Events, when
 
 TARGET = 16
+
+
+def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, tmp_path: Path, name: str, *extra: str) -> Proc:
+    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task."""
+    cfg = cluster.cfg
+    args = [
+        *coordinator_flags(cfg, 0, cluster.healthd_address, str(tmp_path / f"ckpt-{name}")),
+        *("--etcd", etcd.url, "--replica-id", name, "--replication-log", "16"),
+        *("--sync-replicas", "1", "--replica-ack-timeout-s", "2"),
+        *TINY_TASK_ARGS,
+        "--insecure",
+        *extra,
+    ]
+    return cluster._spawn(name, "services.coordinator", args)
 
 
 @pytest.mark.timeout(150)
@@ -53,14 +74,7 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
 
         def replica(name: str) -> Proc:
-            args = [
-                *coordinator_flags(cfg, 0, cluster.healthd_address, str(tmp_path / f"ckpt-{name}")),
-                *("--etcd", etcd_server.url, "--replica-id", name, "--replication-log", "16"),
-                *("--sync-replicas", "1", "--replica-ack-timeout-s", "2"),
-                *TINY_TASK_ARGS,
-                "--insecure",
-            ]
-            return cluster._spawn(name, "services.coordinator", args)
+            return spawn_replica(cluster, etcd_server, tmp_path, name)
 
         a_log = Events(cfg.run_dir / "coord-a.log", replica("coord-a"))
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
@@ -142,3 +156,111 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             f"its first round (version {resumed['version']}) closed {when(resumed) - killed_at:.2f} s after the kill"
         )
         assert takeover_s < 10
+
+
+CRASH_ROUND = 4
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("kind", ["applied", "accepted"])
+def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trained_again(
+    kind: str, etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """Two learners, rounds of both (K = 2: the second submission of a wave closes its round in its own call). The
+    leader kills itself instead of answering the first submission it applied in round CRASH_ROUND or later
+    (`applied`: with --sync-replicas 1 the standby holds that round) or the first it accepted into such a round
+    (`accepted`: the round is open, only the dead leader held it)."""
+    cfg = ClusterConfig(
+        workers=2,
+        mode="decoupled",
+        slowdowns=(2.0, 2.0),
+        outer_steps=12,
+        local_steps=10,
+        min_local_steps=2,
+        min_quorum=2,
+        checkpoint_every=2,
+        run_dir=tmp_path / "run",
+        task_args=TINY_TASK_ARGS,
+        insecure=True,
+    )
+    with LocalCluster(cfg) as cluster:
+        cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
+        fault = ("--fault-crash-before-answer", f"{kind}@{CRASH_ROUND}")
+        a_proc = spawn_replica(cluster, etcd_server, tmp_path, "coord-a", *fault)
+        a_log = Events(cfg.run_dir / "coord-a.log", a_proc)
+        promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
+        b_log = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, tmp_path, "coord-b"))
+        wait_for("coord-b follows coord-a", lambda: b_log.first("replication.snapshot_loaded"), timeout_s=60)
+        b_addr = str(wait_for("coord-b's address", lambda: b_log.first("replica.started"))["address"])
+        cfg.worker_args.update({i: ("--coordinator", f"{promoted_a['address']},{b_addr}") for i in range(2)})
+        for i in range(cfg.workers):
+            cluster.start_worker(i)
+
+        assert a_proc.popen.wait(timeout=90) == -signal.SIGKILL
+        a_log.proc = None  # it exited on purpose
+        crash = a_log.first("fault.crash")
+        assert crash is not None and crash["applied"] == (kind == "applied"), crash
+        sid, round_ = str(crash["submission_id"]), int(str(crash["round"]))
+        assert round_ >= CRASH_ROUND
+        promoted_b = wait_for("coord-b leads", lambda: b_log.first("replica.promoted"), timeout_s=30, interval_s=0.05)
+        assert int(str(promoted_b["epoch"])) > int(str(promoted_a["epoch"]))
+        # applied: the standby held the round before the leader answered anyone; accepted: the round never closed
+        assert int(str(promoted_b["version"])) == (round_ if kind == "applied" else round_ - 1)
+
+        versions: list[int] = []
+
+        def version_at(address: str) -> int:
+            with channel(address) as ch:
+                v = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=3)
+            versions.append(v.version)
+            return v.version
+
+        wait_for("the job finishes at coord-b", lambda: version_at(b_addr) >= cfg.outer_steps, 90, interval_s=0.2)
+        assert versions == sorted(versions), f"a version went backwards at coord-b: {versions}"
+        with channel(b_addr) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            status = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=5)
+            ledger = stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=5)
+        assert status.finished and status.version == cfg.outer_steps
+        shards = ledger_shards(ledger)
+        assert not ledger_problems(shards, status.tokens_applied), "exactly-once ledger broken"
+        for i in range(cfg.workers):
+            seen = [int(str(x.fields["version"])) for x in worker_lines(cfg, i, "worker.broadcast_received")]
+            assert seen == sorted(seen), f"worker{i} received a version that went backwards: {seen}"
+
+        b_log.first("")
+        at_b = [(e, f) for e, f in b_log.lines if f.get("submission_id") == sid]
+        learner = int(str(crash["worker_id"]).rpartition("-")[0].removeprefix("worker"))
+        mine = [x.fields for x in worker_lines(cfg, learner, "") if x.fields.get("submission_id") == sid]
+        events = [f["event"] for f in mine]
+        assert "worker.upload_retry" in events, events  # the answer never came: the learner sent it again
+        if kind == "applied":
+            # the new leader answered it from the round log: applied in the round it went into, not applied again
+            dups = [f for e, f in at_b if e == "submission.duplicate"]
+            assert dups, at_b
+            dup = dups[0]
+            assert dup["applied"] is True and int(str(dup["round"])) == round_
+            assert int(str(dup["named_epoch"])) == int(str(promoted_a["epoch"]))
+            assert not [e for e, _ in at_b if e == "submission.accepted"]
+            answered = [f for f in mine if f["event"] == "worker.submitted"]
+            assert answered and answered[-1]["applied"] is True and int(str(answered[-1]["round"])) == round_
+        else:
+            # only the dead leader held it: refused at the new one (old epoch); its range was trained again, once
+            assert not [f for f in mine if f["event"] == "worker.submitted"], mine
+            assert [f for f in mine if f["event"] == "worker.submission_refused"], mine
+            assert not [e for e, _ in at_b if e in ("submission.accepted", "submission.duplicate")]
+            ranges = crash["ranges"]
+            assert isinstance(ranges, list) and ranges
+            for shard_id, _epoch, start, _end in ranges:
+                committed = next(s for s in shards if s.shard_id == shard_id).committed
+                assert committed > start, f"shard {shard_id}: [{start}, ...) was never trained again"
+        print(
+            f"{kind}: coord-a crashed before answering {sid} (round {round_}); coord-b leads at version "
+            f"{promoted_b['version']} {when(promoted_b) - when(crash):.2f} s later; learner events for it: {events}"
+        )
+
+
+def worker_lines(cfg: ClusterConfig, i: int, event: str) -> list[LogLine]:
+    """Learner `i`'s log lines of `event` ("": all)."""
+    lines = LogFollower(cfg.run_dir / f"worker{i}.log").read()
+    return [x for x in lines if not event or x.event == event]

@@ -415,7 +415,7 @@ def fingerprint(core: CoordinatorCore) -> Any:
         core.policy.quorum_at,
         core.acc.tokens,
         core.tokens_applied,
-        list(core.applied_ids),
+        list(core.applied.items()),
     )
 
 

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submission
+from diloco.core.codecs import get_codec
+from diloco.core.coordinator import Accepted, CoordinatorConfig, CoordinatorCore, Submission, applied_from_json
 from diloco.core.ledger import ShardRange
 from diloco.core.outer import OuterConfig
 from diloco.core.replication import (
@@ -30,7 +31,9 @@ from diloco.core.replication import (
     digest,
 )
 from diloco.core.rounds import RoundConfig
-from diloco.errors import FailedPrecondition
+from diloco.core.uploads import Outcome, UploadHeader, UploadLimits, Uploads
+from diloco.errors import AlreadyExists, FailedPrecondition
+from diloco.rpc.payload import PayloadReceiver
 
 pytestmark = pytest.mark.timeout(60)
 N = 4099  # not a multiple of any vector width: the scalar tail of the elementwise kernels is exercised too
@@ -62,13 +65,13 @@ class Leader:
         self._keep()
 
     def snapshot(self) -> Snapshot:
-        return Snapshot.of_core(self.core.snapshot(), list(self.core.applied_ids), EPOCH)
+        return Snapshot.of_core(self.core.snapshot(), EPOCH)
 
     def _keep(self) -> None:
         state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.core.outer.state_dict().items()}
         self.states[self.core.version] = (self.core.params.clone(), state)
 
-    def submit(self, worker: int, sid: str, steps: int = 1) -> None:
+    def submit(self, worker: int, sid: str, steps: int = 1) -> Submission:
         c, w = self.core, self.workers[worker]
         lease = c.plan(w).shards[0]
         tokens = 16 * steps
@@ -79,6 +82,7 @@ class Leader:
         applied = c.accept(sub, delta, self.now).applied
         if applied is not None:
             self._entry(applied.version, [p.submission_id for p in applied.submissions])
+        return sub
 
     def poll(self) -> None:
         self.now += 1.0  # past every grace window
@@ -90,7 +94,8 @@ class Leader:
         assert self._step is not None and self._step[0] == version
         _, delta, learners = self._step
         c = self.core
-        e = LogEntry.make(version, EPOCH, learners, delta, c.snapshot(), ids, digest(c.params, c.outer))
+        outcomes = {sid: c.applied[sid] for sid in ids}
+        e = LogEntry.make(version, EPOCH, learners, delta, c.snapshot(), outcomes, digest(c.params, c.outer))
         self.entries.append(e)
         self.log.append(e)
         self._keep()
@@ -135,7 +140,7 @@ def assert_holds(standby: Standby, leader: Leader, version: int) -> None:
 
 def frozen(s: Standby) -> tuple[Any, ...]:
     outer = {k: bits(v) if isinstance(v, torch.Tensor) else v for k, v in s.outer.state_dict().items()}
-    return s.version, s.epoch, s.digest, bits(s.params), outer, s.applied_ids, repr(s.core_snapshot()["ledger"])
+    return s.version, s.epoch, s.digest, bits(s.params), outer, dict(s.applied), repr(s.core_snapshot()["ledger"])
 
 
 def assert_frozen(s: Standby, before: tuple[Any, ...]) -> None:
@@ -171,7 +176,8 @@ def test_a_standby_replaying_the_log_holds_the_leaders_bits_at_every_version(mod
     assert restored.ledger.committed_tokens() == leader.core.ledger.committed_tokens() > 0
     assert restored.tokens_applied == leader.core.tokens_applied
     assert digest(restored.params, restored.outer) == digest(leader.core.params, leader.core.outer)
-    assert list(standby.applied_ids) == list(leader.core.applied_ids)
+    assert list(standby.applied.items()) == list(leader.core.applied.items())
+    assert list(restored.applied.items()) == list(leader.core.applied.items())
 
 
 def test_partial_rounds_were_scaled_so_the_replay_covers_the_scaled_step() -> None:
@@ -199,7 +205,7 @@ def test_snapshot_then_tail_catches_a_new_standby_up() -> None:
     assert e.value.reason is ResyncReason.NO_STATE and "resync from a snapshot" in str(e.value)
     late.load(leader.snapshot())
     assert_holds(late, leader, 3)
-    assert list(late.applied_ids) == list(leader.core.applied_ids)
+    assert list(late.applied.items()) == list(leader.core.applied.items())
     leader.rounds(3)
     for entry in leader.log.since(late.version, late.digest) or []:
         late.apply(entry)
@@ -231,6 +237,49 @@ def test_a_snapshot_crosses_the_wire_and_an_entry_too() -> None:
     assert_holds(s, leader, 3)
 
 
+# --- outcomes survive a takeover ---------------------------------------------------------------------------------
+
+
+def test_a_core_restored_from_a_standby_answers_a_resubmission_as_the_leader_did() -> None:
+    """ALGORITHM.md section 11, "Submission ids are in the log, so a resubmission to the new leader is answered as
+    before and never applied twice": the leader applies w0's submission `a` in round 1 and dies before its answer
+    arrives; a core restored from the standby (what a promoted replica resumes from) answers the resubmission, under
+    the old coordinator epoch, with the same outcome, and refuses to apply it again. A submission the leader held
+    pending (`p`, its round not closed) is unknown there: its range is not committed, so it is trained again."""
+    leader = Leader(workers=2, k=2)  # a round waits for both learners
+    standby = Standby(N)
+    standby.load(leader.first)
+    a = leader.submit(0, "a")
+    leader.submit(1, "b")  # both in: round 1 closes
+    first = leader.core.accepted("a")
+    assert first == Accepted(a.worker_id, round=1, staleness=0, applied=True)
+    p = leader.submit(0, "p")  # pending in round 2 when the leader dies
+    assert leader.core.version == 1 and leader.core.accepted("p") == Accepted(p.worker_id, 2, 0, applied=False)
+    for entry in leader.entries:
+        standby.apply(entry)
+    assert standby.applied == {"a": first, "b": leader.core.accepted("b")}
+
+    new = CoordinatorCore(leader.core.cfg, torch.zeros(N), [100_000] * 6)
+    new.restore(standby.core_snapshot())  # what a promoted replica resumes from (it writes it as a checkpoint)
+    assert new.version == 1 and new.accepted("a") == first and not new.workers  # learners register again
+    table = Uploads(UploadLimits(N, 4 * N + 64, 10.0, 4), lambda meta: PayloadReceiver(meta, N))
+    _, meta = get_codec("fp32").encode(torch.zeros(N))
+    resent = UploadHeader(a, EPOCH, meta, resume_offset=0)  # the old coordinator epoch: the lookup comes first
+    assert table.open(resent, 5.0, new.accepted("a"), new.version) == Outcome(True, 1, 0, 1)
+    with pytest.raises(AlreadyExists):  # never applied twice
+        new.admit(a)
+    committed = new.ledger.committed_tokens()
+    assert committed == leader.core.ledger.committed_tokens() == a.tokens + 16  # a and b, once each
+
+    assert new.accepted("p") is None  # lost with the leader: not applied, not pending
+    (rng,) = p.ranges
+    shard = new.ledger.state(rng.shard_id)
+    assert shard.committed == shard.accepted == rng.start and shard.epoch > rng.epoch  # its range, fenced off
+    learners = [new.register(f"w{i}", 6.0).worker_id for i in range(2)]  # new incarnations
+    leases = {lease.shard_id: lease for w in learners for lease in new.plan(w).shards}
+    assert leases[rng.shard_id].cursor == rng.start  # trained again, from its start
+
+
 # --- refusals change nothing ------------------------------------------------------------------------------------
 
 
@@ -248,8 +297,22 @@ def wrong_delta_right_crc(e: LogEntry) -> LogEntry:
     """A Δ that checks out as sent (its payload checksum recomputed) but is not the leader's: the replay differs."""
     delta = e.delta.clone()
     delta[3] *= 2
+    return with_outcomes(dataclasses.replace(e, delta=delta), lambda applied: applied)
+
+
+def with_outcomes(e: LogEntry, change: Any) -> LogEntry:
+    """`e` with its outcomes changed by `change(outcomes as JSON)`, consistent as sent (checksum recomputed)."""
     book = json.loads(e.bookkeeping)
-    return LogEntry.make(e.version, e.epoch, e.learners, delta, book["core"], book["applied_ids"], e.digest)
+    applied = applied_from_json(change(book["applied"]))
+    return LogEntry.make(e.version, e.epoch, e.learners, e.delta, book["core"], applied, e.digest)
+
+
+def bad_outcomes(e: LogEntry) -> LogEntry:
+    """Outcomes that are not `[id, worker, round, staleness]` lists, with a payload checksum that checks out."""
+    book = json.loads(e.bookkeeping)
+    data = json.dumps({"core": book["core"], "applied": [["s", "w", "one", 0]]}).encode()
+    crc = zlib.crc32(data, zlib.crc32(e.delta.numpy().tobytes()))
+    return dataclasses.replace(e, bookkeeping=data, payload_crc32=crc)
 
 
 @pytest.mark.parametrize(
@@ -263,6 +326,8 @@ def wrong_delta_right_crc(e: LogEntry) -> LogEntry:
         (lambda es: wrong_delta_right_crc(es[0]), ResyncReason.CHECKSUM),
         (lambda es: dataclasses.replace(es[0], bookkeeping=b"{not json"), ResyncReason.CORRUPT),
         (lambda es: dataclasses.replace(es[0], learners=0), ResyncReason.CORRUPT),
+        (lambda es: with_outcomes(es[0], lambda a: [[*x[:2], x[2] + 1, x[3]] for x in a]), ResyncReason.CORRUPT),
+        (lambda es: bad_outcomes(es[0]), ResyncReason.CORRUPT),
     ],
     ids=[
         "gap",
@@ -273,6 +338,8 @@ def wrong_delta_right_crc(e: LogEntry) -> LogEntry:
         "other-delta",
         "bad-json",
         "no-learners",
+        "outcomes-of-another-round",
+        "malformed-outcomes",
     ],
 )
 def test_a_refused_entry_changes_nothing(make: Any, reason: ResyncReason) -> None:

@@ -55,8 +55,9 @@ class Leader:
     """The leader in process, one learner (declaring its power: its work is counted in joules), and a copy of Θ and
     the outer state at every version it publishes."""
 
-    def __init__(self, env: Env) -> None:
+    def __init__(self, env: Env, ids: str = "s") -> None:
         self.env = env
+        self.ids = ids  # submission ids are ids + a count: unique per learner, as a real learner's (a uuid prefix)
         self.reg = register(env, throughput=common_pb2.Throughput(watts=300.0, power_source=DECLARED))
         self.states: dict[int, State] = {}
         self._keep()
@@ -70,7 +71,7 @@ class Leader:
     def round(self, codec: str = "fp32") -> int:
         """One learner submission, which closes a round (the only learner): returns the version it made."""
         self.n += 1
-        h, data, _ = make_upload(self.env, self.reg, f"s{self.n}", codec=codec, seed=self.n)
+        h, data, _ = make_upload(self.env, self.reg, f"{self.ids}{self.n}", codec=codec, seed=self.n)
         resp = submit(self.env, h, data)
         assert resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED
         self._keep()
@@ -138,7 +139,7 @@ def test_a_standby_holds_the_leaders_bits_at_every_version(
         assert same_bits(state, leader.states[v]), f"version {v} differs"
     assert "buf" in leader.states[7][1] and leader.states[7][1]["buf"] is not None  # momentum was compared too
     assert f.f.snapshots == 1 and f.f.resyncs == 0 and not f.f.failed
-    assert list(f.f.standby.applied_ids) == [f"s{i}" for i in range(1, 8)]
+    assert list(f.f.standby.applied) == [f"s{i}" for i in range(1, 8)]
 
 
 def test_a_restarted_standby_catches_up_from_its_checkpoint_or_else_from_a_snapshot(
@@ -205,7 +206,7 @@ def test_a_standby_ahead_of_a_restarted_leader_goes_back_to_its_state(
     assert f.f.version == 4 and f.f.standby.epoch == env2.server.state.epoch
     assert same_bits(f.states[4], leader.states[4])
     f.states.clear()  # what it recorded of the lost history
-    successor = Leader(env2)
+    successor = Leader(env2, ids="b")  # another learner: its own ids (the restart remembers s1..s4 as applied)
     for _ in range(2):
         v = successor.round()
         f.reach(v)

@@ -8,11 +8,10 @@ import pytest
 import torch
 
 from diloco.core.codecs import EncodedMeta, get_codec
-from diloco.core.coordinator import Submission
+from diloco.core.coordinator import Accepted, Submission
 from diloco.core.uploads import (
     Complete,
     Decoder,
-    Known,
     Opened,
     Outcome,
     Stream,
@@ -160,20 +159,23 @@ def test_a_bad_spec_or_an_oversized_payload_is_refused_before_a_decoder_is_made(
 
 
 def test_a_duplicate_is_answered_with_the_earlier_outcome() -> None:
+    """What the round's side holds of the id (`Accepted`) is the answer, whether this table saw the upload or not
+    (a coordinator that took over holds only the outcome, from the round log)."""
     t = Table()
     data, meta, _ = payload()
     sub = header("s1", meta, base=3).sub
-    t.uploads.accepted(sub, len(data), staleness=1, round_=5)
-    pending = t.uploads.open(header("s1", meta, base=3), 1.0, Known.PENDING, 4)
+    t.uploads.accepted(sub, len(data))
+    pending = t.uploads.open(header("s1", meta, base=3), 1.0, Accepted("w-1", 5, 1, applied=False), 4)
     assert pending == Outcome(applied=False, version=4, staleness=1, round=5)
-    t.uploads.round_applied(6, ("s1",))  # the round closed later than expected
-    applied = t.uploads.open(header("s1", meta, base=3), 2.0, Known.APPLIED, 6)
-    assert applied == Outcome(applied=True, version=6, staleness=1, round=6)
-    assert t.uploads.status("w-1", "s1", Known.APPLIED, 2.0) == (len(data), True)
+    applied = t.uploads.open(header("s1", meta, base=3), 2.0, Accepted("w-1", 5, 1, applied=True), 6)
+    assert applied == Outcome(applied=True, version=6, staleness=1, round=5)
+    assert t.uploads.status("w-1", "s1", Accepted("w-1", 5, 1, True), 2.0) == (len(data), True)
     with pytest.raises(AlreadyExists, match="another learner"):
-        t.uploads.open(header("s1", meta, worker="w-2"), 2.0, Known.APPLIED, 6)
-    # an id the round's side knows but whose record is gone (e.g. many submissions later): from the versions
-    assert t.uploads.open(header("old", meta, base=2), 3.0, Known.APPLIED, 6) == Outcome(True, 6, 4, 6)
+        t.uploads.open(header("s1", meta, worker="w-2"), 2.0, Accepted("w-1", 5, 1, True), 6)
+    # an id applied elsewhere (at the leader this coordinator took over from): the outcome, the size unknown
+    elsewhere = Accepted("w-1", 3, 0, applied=True)
+    assert t.uploads.open(header("old", meta, base=2), 3.0, elsewhere, 6) == Outcome(True, 6, 0, 3)
+    assert t.uploads.status("w-1", "old", elsewhere, 3.0) == (0, True)
     assert t.made == 0
 
 

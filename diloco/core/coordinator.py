@@ -22,8 +22,14 @@ The registry is bounded: at most `max_workers` live learners (one more is refuse
 nothing changed), and the records of departed ones (left, dead, evicted) are kept for operators only for the
 `max_departed` most recent departures: older ones are dropped, oldest departure first, when a learner
 registers, so the registry never holds more than `max_workers + max_departed` records. A departed learner owns
-no shard (its shards moved when it departed), and accepted submission ids are remembered apart from the
-records (`applied_ids`, `receipts`), so dropping a record changes neither the ledger nor duplicate detection.
+no shard (its shards moved when it departed), and accepted submissions are remembered apart from the
+records (`applied`, `receipts`), so dropping a record changes neither the ledger nor duplicate detection.
+
+Outcomes of applied submissions (`Accepted`, the most recent `APPLIED_KEPT`) are part of the state: in every
+checkpoint (`snapshot`, `restore`) and, through the round log, on every standby (`diloco.core.replication`). So a
+coordinator resumed from either answers a duplicate of a submission applied before it took over as the first one
+was answered (applied, in the same round, with the same staleness), and never applies it twice (ALGORITHM.md
+section 11: "Submission ids are in the log").
 
 Robust merge (`diloco.core.guard`): a pseudo-gradient with a non-finite norm, a norm above what AdamW can
 produce (the ceiling) or an outlier norm against the recent median is refused and its learner is
@@ -39,7 +45,7 @@ operator releases it.
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -82,6 +88,7 @@ from diloco.errors import (
 )
 
 _PUBLISHED_VERSIONS = 64  # versions whose close time is remembered (the measured rule's `sync` term)
+APPLIED_KEPT = 4096  # outcomes of applied submissions remembered (checkpointed and replicated with them)
 
 
 class SubmissionRejected(FailedPrecondition):
@@ -201,6 +208,52 @@ class Submission:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """What became of an accepted submission: whose it is, its round (the version that round produces, or
+    produced), its staleness at admission (the version then, which is `round - 1`, minus its base version) and
+    whether the round was applied. A duplicate of it is answered with this (`diloco.core.uploads`)."""
+
+    worker_id: str
+    round: int
+    staleness: int
+    applied: bool
+
+    @classmethod
+    def of(cls, p: Pending, round_: int, applied: bool) -> Accepted:
+        return cls(p.worker_id, round_, round_ - 1 - p.base_version, applied)
+
+
+def applied_to_json(applied: Mapping[str, Accepted]) -> list[list[Any]]:
+    """Applied outcomes as JSON, oldest first: `[submission_id, worker_id, round, staleness]` each."""
+    return [[sid, a.worker_id, a.round, a.staleness] for sid, a in applied.items()]
+
+
+def applied_from_json(value: object) -> dict[str, Accepted]:
+    """The inverse of `applied_to_json`; InvalidArgument naming what is wrong."""
+    if not isinstance(value, list):
+        raise InvalidArgument(f"applied outcomes must be a list, got {type(value).__name__}")
+    out: dict[str, Accepted] = {}
+    for item in value:
+        match item:
+            case [str(sid), str(worker_id), int(round_), int(staleness)] if (
+                sid and worker_id and round_ >= 1 and staleness >= 0 and bool not in (type(round_), type(staleness))
+            ):
+                out[sid] = Accepted(worker_id, round_, staleness, applied=True)
+            case _:
+                raise InvalidArgument(
+                    f"an applied outcome must be [submission_id, worker_id, round >= 1, staleness >= 0], got {item!r}"
+                )
+    return out
+
+
+def keep_applied(kept: OrderedDict[str, Accepted], new: Mapping[str, Accepted]) -> None:
+    """Add `new` (in its order) to `kept` as its newest, then drop the oldest beyond `APPLIED_KEPT`."""
+    kept.update(new)
+    while len(kept) > APPLIED_KEPT:
+        kept.popitem(last=False)
+
+
+@dataclass(frozen=True)
 class RoundApplied:
     version: int
     submissions: tuple[Pending, ...]
@@ -256,7 +309,7 @@ class CoordinatorCore:
         self.receipts: dict[str, AcceptReceipt] = {}  # submission id -> receipt, open round
         self._healthd_seen_at: float | None = None  # when healthd last forwarded a throughput report
         self._healthd_since: float | None = None  # when it started reporting after its last silence
-        self.applied_ids: deque[str] = deque(maxlen=4096)  # recent applied submission ids (idempotency)
+        self.applied: OrderedDict[str, Accepted] = OrderedDict()  # recent applied submissions, oldest first
         self.staged: dict[int, tuple[str, int]] = {}  # shard -> (target worker, plan_seq it was staged at)
         self.plan_seq = 0
         self.registered_ever = 0
@@ -530,9 +583,19 @@ class CoordinatorCore:
         return local_steps(self.cfg.local_steps, speed, fastest, self.cfg.min_local_steps)
 
     # --- submissions ------------------------------------------------------------------------------------------
+    def accepted(self, submission_id: str) -> Accepted | None:
+        """What became of submission `submission_id`: applied (one of the last `APPLIED_KEPT`, wherever it was
+        applied: here, or at the leader whose round log or checkpoint this state came from), pending in the open
+        round, or None: not accepted (or forgotten)."""
+        done = self.applied.get(submission_id)
+        if done is not None or submission_id not in self.receipts:
+            return done
+        p = next(p for p in self.policy.pending if p.submission_id == submission_id)  # every receipt is pending
+        return Accepted.of(p, self.version + 1, False)
+
     def admit(self, sub: Submission) -> int:
         """Everything checkable before the payload is read. Returns the staleness; raises on refusal."""
-        if sub.submission_id in self.applied_ids or sub.submission_id in self.receipts:
+        if sub.submission_id in self.applied or sub.submission_id in self.receipts:
             raise AlreadyExists(f"submission {sub.submission_id} was already accepted")
         self._live_worker(sub.worker_id)
         if sub.tokens <= 0 or sub.steps <= 0:
@@ -688,7 +751,7 @@ class CoordinatorCore:
         scale = self._round_fraction(close)
         for p in close.submissions:
             self.ledger.commit(self.receipts.pop(p.submission_id))
-            self.applied_ids.append(p.submission_id)
+        keep_applied(self.applied, {p.submission_id: Accepted.of(p, close.version, True) for p in close.submissions})
         self.tokens_applied += sum(p.tokens for p in close.submissions)
         self._published[close.version] = now
         self._published.pop(close.version - _PUBLISHED_VERSIONS, None)
@@ -795,11 +858,13 @@ class CoordinatorCore:
             "tokens_applied": self.tokens_applied,
             "incarnation": self._incarnation,
             "guard_norms": self.guard.snapshot(),
+            "applied": applied_to_json(self.applied),
         }
 
     def restore(self, snap: dict[str, Any]) -> None:
         """Adopt a checkpoint. Pending submissions are gone: the ledger rolls accepted cursors back to
-        committed and every learner must register again (its shards are released)."""
+        committed and every learner must register again (its shards are released). The outcomes of applied
+        submissions it holds are kept: a duplicate of one is answered as before."""
         try:
             params = snap["params"]
             if not isinstance(params, torch.Tensor) or params.shape != self.params.shape:
@@ -809,6 +874,7 @@ class CoordinatorCore:
                 raise InvalidArgument(
                     f"checkpoint has {ledger.num_shards} shards; this run has {self.ledger.num_shards}"
                 )
+            applied = applied_from_json(snap.get("applied", []))  # none in checkpoints written before they were kept
             self.outer.load_state_dict(snap["outer"])
             version = int(snap["version"])
         except (KeyError, TypeError, ValueError) as e:
@@ -825,6 +891,8 @@ class CoordinatorCore:
         self.tokens_applied = int(snap.get("tokens_applied", 0))
         self._incarnation = int(snap.get("incarnation", 0))
         self.guard.restore(snap.get("guard_norms", ()))
+        self.applied = OrderedDict()
+        keep_applied(self.applied, applied)
         self.registered_ever = 0
         self.workers = {}
         self._departed.clear()

@@ -8,7 +8,8 @@ merged pseudo-gradient Δ exactly as the outer step took it (merged, scaled by t
 coordinator passed to `OuterOptimizer.step`), the number of live learners given to the optimizer
 (`set_num_learners`, which Delayed Nesterov uses), the bookkeeping (the non-tensor part of
 `CoordinatorCore.snapshot()` after the round: ledger, tokens applied, incarnation counter, guard norms; and the
-round's applied submission ids) and the `Digest` of Θ and of the outer optimizer's state after the step. A standby
+outcomes of the round's applied submissions) and the `Digest` of Θ and of the outer optimizer's state after the
+step. A standby
 runs the same `outer.step(Θ, Δ)` on the same bits and must get the same digest: replay is bit-exact on the same
 torch build and CPU kind (an elementwise step does not depend on the number of threads). A standby that got
 different bits (another build, a corrupt message, a divergent history) is told to resync from a snapshot.
@@ -18,8 +19,13 @@ different bits (another build, a corrupt message, a divergent history) is told t
 computes the step on copies of Θ and of the outer state and compares the digest; only when all of that holds does
 it adopt the result. Any refusal is `ResyncRequired` naming the reason (`ResyncReason`) and leaves the standby
 exactly as it was. A standby holding nothing, or refused, asks for a `Snapshot` (Θ, the outer optimizer's state,
-the bookkeeping, the recent applied submission ids) and then tails entries again. Memory: applying an entry holds a
-second copy of Θ and of the outer state until the digest is checked.
+the bookkeeping, the outcomes of the recent applied submissions) and then tails entries again. Memory: applying an
+entry holds a second copy of Θ and of the outer state until the digest is checked.
+
+**Outcomes.** A standby keeps the outcomes of the last `APPLIED_KEPT` applied submissions (`Accepted`: whose, the
+round, the staleness; ALGORITHM.md section 11, "Submission ids are in the log"), as the leader's core does, and
+`core_snapshot()` hands them on: a coordinator resumed from it answers a learner resending a submission applied at
+the old leader with that outcome, and never applies it again.
 
 **What the leader keeps.** `RoundLog` keeps the last `max_entries` entries and the digest of every version from
 the one just before the oldest entry to the newest. `since(held, digest)` says what a standby holding `held` with
@@ -34,7 +40,8 @@ the newest version appended at the time of the ack). So a stalled or slow standb
 round.
 
 Byte layouts (little-endian; `n` = numel; crc32 = `zlib.crc32`):
-- entry payload: Δ (n float32) ‖ bookkeeping (UTF-8 JSON); `payload_crc32` covers both, in that order.
+- entry payload: Δ (n float32) ‖ bookkeeping (UTF-8 JSON: {"core": ..., "applied": the round's outcomes, each
+  `[submission_id, worker_id, round, staleness]` with round = the entry's version}); `payload_crc32` covers both.
 - snapshot payload: Θ (n float32) ‖ one n-float32 tensor per name in `outer_tensors`, in that order ‖ bookkeeping
   (UTF-8 JSON, which also holds the outer optimizer's scalars); `payload_crc32` covers it all.
 - digest: `params_crc32` = crc32 of Θ's bytes; `outer_crc32` = crc32 chained over the outer optimizer's
@@ -47,23 +54,25 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import torch
 from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values
 
 from diloco.core.broadcast import params_checksum
+from diloco.core.coordinator import APPLIED_KEPT, Accepted, applied_from_json, applied_to_json, keep_applied
 from diloco.core.outer import OUTER_NAMES, OuterConfig, OuterOptimizer, build_outer
-from diloco.errors import ConfigError, FailedPrecondition
+from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
-APPLIED_IDS = 4096  # applied submission ids a standby remembers (as `CoordinatorCore.applied_ids`)
 MAX_OUTER_TENSORS = 4  # tensors an outer optimizer's state holds (Nesterov: 1, Delayed Nesterov: 2)
 MAX_BOOKKEEPING_BYTES = 64 << 20  # a bookkeeping JSON larger than this is refused as corrupt
-# keys of a core snapshot that are not bookkeeping: its tensors, and the applied ids a standby's snapshot adds
-_NOT_BOOKKEEPING = ("params", "outer", "applied_ids")
+# keys of a core snapshot that are not bookkeeping: its tensors, and the applied outcomes (an entry carries only its
+# round's, a snapshot all it holds)
+_NOT_BOOKKEEPING = ("params", "outer", "applied")
 
 
 class ResyncReason(enum.Enum):
@@ -145,7 +154,8 @@ def _parse(data: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 
 def core_bookkeeping(core_snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """The non-tensor part of `CoordinatorCore.snapshot()` (or of `Standby.core_snapshot()`, less its ids)."""
+    """The non-tensor part of `CoordinatorCore.snapshot()` (or of `Standby.core_snapshot()`), less the applied
+    outcomes."""
     return {k: v for k, v in core_snapshot.items() if k not in _NOT_BOOKKEEPING}
 
 
@@ -177,7 +187,7 @@ class LogEntry:
     epoch: int
     learners: int
     delta: torch.Tensor
-    bookkeeping: bytes  # UTF-8 JSON: {"core": ..., "applied_ids": [...]}
+    bookkeeping: bytes  # UTF-8 JSON: {"core": ..., "applied": [...]}
     digest: Digest
     payload_crc32: int
 
@@ -189,12 +199,12 @@ class LogEntry:
         learners: int,
         delta: torch.Tensor,
         core_snapshot: Mapping[str, Any],
-        applied_ids: Sequence[str],
+        applied: Mapping[str, Accepted],
         after: Digest,
     ) -> LogEntry:
         """The leader's entry for `version`: `delta` (kept, not copied), the core's snapshot after the round (its
-        tensors are left out), the round's applied submission ids and the digest after the step."""
-        book = _json({"core": core_bookkeeping(core_snapshot), "applied_ids": list(applied_ids)})
+        tensors and outcomes are left out), the outcomes of the round's submissions and the digest after the step."""
+        book = _json({"core": core_bookkeeping(core_snapshot), "applied": applied_to_json(applied)})
         return cls(version, epoch, learners, delta, book, after, _crc((_fp32(delta), book)))
 
     @property
@@ -227,7 +237,8 @@ class SnapshotMeta:
 @dataclass(frozen=True)
 class Snapshot:
     """The whole replicated state at `version`: Θ, the outer optimizer's tensors (by name) and the bookkeeping
-    (JSON: {"core": ..., "outer": the optimizer's scalars, "applied_ids": the recent applied submission ids})."""
+    (JSON: {"core": ..., "outer": the optimizer's scalars, "applied": the outcomes of the recent applied
+    submissions})."""
 
     version: int
     epoch: int
@@ -238,14 +249,15 @@ class Snapshot:
     payload_crc32: int
 
     @classmethod
-    def of_core(cls, core_snapshot: Mapping[str, Any], applied_ids: Sequence[str], epoch: int) -> Snapshot:
-        """A snapshot from `CoordinatorCore.snapshot()`, its tensors copied (call it where the core cannot step
-        meanwhile: the coordinator's `work` lock)."""
+    def of_core(cls, core_snapshot: Mapping[str, Any], epoch: int) -> Snapshot:
+        """A snapshot from `CoordinatorCore.snapshot()` (or `Standby.core_snapshot()`), its tensors copied (call it
+        where the core cannot step meanwhile: the coordinator's `work` lock)."""
         outer_state = dict(core_snapshot["outer"])
         params = core_snapshot["params"].detach().clone()
         tensors = tuple((k, v.detach().clone()) for k, v in sorted(outer_state.items()) if isinstance(v, torch.Tensor))
         scalars = {k: v for k, v in outer_state.items() if not isinstance(v, torch.Tensor) and v is not None}
-        book = _json({"core": core_bookkeeping(core_snapshot), "outer": scalars, "applied_ids": list(applied_ids)})
+        applied = core_snapshot.get("applied", [])  # none in a checkpoint written before they were kept
+        book = _json({"core": core_bookkeeping(core_snapshot), "outer": scalars, "applied": applied})
         outer = _outer_from(scalars, dict(tensors))
         crc = _crc((_fp32(params), *(_fp32(t) for _, t in tensors), book))
         return cls(int(core_snapshot["version"]), epoch, params, tensors, book, digest(params, outer), crc)
@@ -380,7 +392,7 @@ class _Held:
     outer: OuterOptimizer
     core: dict[str, Any]
     digest: Digest
-    applied_ids: deque[str] = field(default_factory=lambda: deque(maxlen=APPLIED_IDS))
+    applied: OrderedDict[str, Accepted] = field(default_factory=OrderedDict)  # the recent ones, oldest first
 
 
 class Standby:
@@ -411,8 +423,9 @@ class Standby:
         return self._require().outer
 
     @property
-    def applied_ids(self) -> tuple[str, ...]:
-        return tuple(self._require().applied_ids)
+    def applied(self) -> Mapping[str, Accepted]:
+        """The outcomes of the recent applied submissions (at most `APPLIED_KEPT`), by submission id, oldest first."""
+        return MappingProxyType(self._require().applied)
 
     def _require(self) -> _Held:
         if self._held is None:
@@ -445,7 +458,7 @@ class Standby:
         if got != snap.digest:
             raise ResyncRequired(ResyncReason.CHECKSUM, f"snapshot of version {snap.version}: its digest differs")
         held = _Held(snap.version, params, outer, core, got)
-        held.applied_ids.extend(_ids(book))
+        keep_applied(held.applied, _applied(book, None))
         self._held, self.epoch = held, max(self.epoch, snap.epoch)
 
     def apply(self, entry: LogEntry) -> None:
@@ -465,7 +478,7 @@ class Standby:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version} holds bookkeeping of another version")
         if entry.learners < 1:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: learners must be >= 1")
-        ids = _ids(book)
+        applied = _applied(book, entry.version)
         params, outer = held.params.clone(), _copy_outer(held.outer)
         outer.set_num_learners(entry.learners)
         outer.step(params, entry.delta)  # not scratch: the entry's Δ stays as it came (same bits either way)
@@ -476,28 +489,34 @@ class Standby:
                 f"entry {entry.version}: the replayed step gives crc32 {got.params_crc32:#010x}/{got.outer_crc32:#010x}"
                 f", the leader had {entry.digest.params_crc32:#010x}/{entry.digest.outer_crc32:#010x}",
             )
-        held.applied_ids.extend(ids)  # nothing above raised: adopt it all
+        keep_applied(held.applied, applied)  # nothing above raised: adopt it all
         held.version, held.params, held.outer, held.core, held.digest = entry.version, params, outer, book["core"], got
         self.epoch = max(self.epoch, entry.epoch)
 
     def core_snapshot(self) -> dict[str, Any]:
-        """What `CoordinatorCore.restore` takes (and `services.coordinator.checkpoint.save` writes), plus the recent
-        applied submission ids under "applied_ids". The tensors are the standby's own: serialise them before the
+        """What `CoordinatorCore.restore` takes (and `services.coordinator.checkpoint.save` writes), the outcomes
+        of the recent applied submissions included. The tensors are the standby's own: serialise them before the
         next `apply`/`load`."""
         held = self._require()
         return {
             **held.core,
             "params": held.params,
             "outer": held.outer.state_dict(),
-            "applied_ids": list(held.applied_ids),
+            "applied": applied_to_json(held.applied),
         }
 
 
-def _ids(book: Mapping[str, Any]) -> list[str]:
-    ids = book.get("applied_ids", [])
-    if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise ResyncRequired(ResyncReason.CORRUPT, "applied_ids must be a list of strings")
-    return ids
+def _applied(book: Mapping[str, Any], version: int | None) -> dict[str, Accepted]:
+    """The applied outcomes a message's bookkeeping holds; an entry's (`version` given) must all be of its round."""
+    try:
+        applied = applied_from_json(book.get("applied", []))
+    except InvalidArgument as e:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"the bookkeeping's outcomes are malformed ({e})") from None
+    if len(applied) > APPLIED_KEPT:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"{len(applied)} applied outcomes (at most {APPLIED_KEPT})")
+    if version is not None and any(a.round != version for a in applied.values()):
+        raise ResyncRequired(ResyncReason.CORRUPT, f"entry {version} holds outcomes of another round")
+    return applied
 
 
 # --- the leader's log -------------------------------------------------------------------------------------------

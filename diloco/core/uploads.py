@@ -4,7 +4,8 @@ No gRPC, no clock reads (`now` is a parameter), no threads, no locks. Both trans
 raw-TCP bulk port) drive the same `Uploads` with one call per transport event:
 
     open(header, now, known, version)   a stream starts: a new upload, a resume at a byte offset, or a
-                                        duplicate of an accepted submission (answered with its earlier outcome)
+                                        duplicate of an accepted submission (answered with its earlier outcome:
+                                        `known`, what the round's side holds of it, `CoordinatorCore.accepted`)
     chunk(stream, data, now)            payload bytes: checked (decoded) at once and kept by the upload's receiver
     end(stream)                         the stream ended: verify the payload and hand it over (`Complete`)
     broken(stream)                      the stream broke mid-payload: the bytes held stay for a resume
@@ -12,7 +13,12 @@ raw-TCP bulk port) drive the same `Uploads` with one call per transport event:
     status(worker_id, id, known, now)   (bytes held, complete), for a client deciding where to resume
     tick(now)                           expire uploads idle for `ttl_s`
 
-and three calls from the round's side: `accepted` (record the outcome for duplicates), `round_applied`, `drop_worker`.
+and two calls from the round's side: `accepted` (an upload was accepted: its size, for `status`) and `drop_worker`.
+
+What a duplicate is answered with comes from the round's side alone (`Accepted`: whose it is, its round, its
+staleness, applied or not), not from this table: the table is this process's, while applied outcomes are in the
+coordinator's checkpoints and round log, so a coordinator that took over from another answers a duplicate of a
+submission applied there the same way (ALGORITHM.md section 11).
 
 An upload's life, per submission id:
 
@@ -29,7 +35,7 @@ Idle ones are evicted oldest first to make room; when every upload in the way is
 refused (RESOURCE_EXHAUSTED).
 
 Concurrency is the caller's: calls about one submission id must not run at the same time, and the table calls
-(`open`, `closed`, `status`, `tick`, `accepted`, `round_applied`, `drop_worker`, `counts`) must not run at the
+(`open`, `closed`, `status`, `tick`, `accepted`, `drop_worker`, `counts`) must not run at the
 same time as each other; `chunk`, `end` and `broken` touch only their own upload, so uploads of different
 submissions decode in parallel. Refusals are `UploadRefused`, carrying the domain error and a short reason for
 metrics; the caller decides how to count and log them.
@@ -40,13 +46,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import Enum
 from typing import Protocol
 
 import torch
 
 from diloco.core.codecs import CodecError, EncodedMeta
-from diloco.core.coordinator import Submission
+from diloco.core.coordinator import Accepted, Submission
 from diloco.core.merge import EncodedDelta
 from diloco.errors import (
     AlreadyExists,
@@ -57,14 +62,7 @@ from diloco.errors import (
     ResourceExhausted,
 )
 
-_DONE_RECORDS = 8192  # outcomes of accepted submissions remembered for duplicates
-
-
-class Known(Enum):
-    """What the round's side knows of a submission id."""
-
-    PENDING = "pending"  # accepted, waiting for its round
-    APPLIED = "applied"  # its round was applied
+_DONE_RECORDS = 8192  # sizes of accepted uploads remembered (GetUploadStatus of a duplicate)
 
 
 class UploadRefused(Exception):
@@ -182,14 +180,6 @@ class Complete:
     started_at: float
 
 
-@dataclass
-class _Done:
-    worker_id: str
-    staleness: int
-    round: int
-    encoded_bytes: int
-
-
 class Uploads:
     """The upload table (see the module docstring). `decoder(meta)` makes the decoder of a new upload."""
 
@@ -197,13 +187,13 @@ class Uploads:
         self.limits = limits
         self._decoder = decoder
         self._table: OrderedDict[str, Upload] = OrderedDict()  # oldest first
-        self._done: OrderedDict[str, _Done] = OrderedDict()
+        self._done: OrderedDict[str, int] = OrderedDict()  # submission id -> encoded bytes, of accepted uploads
 
     # --- transport events -------------------------------------------------------------------------------------
-    def open(self, h: UploadHeader, now: float, known: Known | None, version: int) -> Outcome | Opened:
-        """A stream starts with header `h`. `known`: what the round's side knows of the submission id (the caller
-        has admitted a submission it does not know); `version`: the newest global version. Returns the earlier
-        outcome of a duplicate, or the stream to feed."""
+    def open(self, h: UploadHeader, now: float, known: Accepted | None, version: int) -> Outcome | Opened:
+        """A stream starts with header `h`. `known`: what the round's side holds of the submission id (None: the
+        caller has admitted a submission it does not know); `version`: the newest global version. Returns the
+        earlier outcome of a duplicate, or the stream to feed."""
         earlier = self._earlier(h.sub, known, version)
         if earlier is not None:
             return earlier
@@ -302,11 +292,11 @@ class Uploads:
         if up.over and self._table.get(up.sub.submission_id) is up:
             del self._table[up.sub.submission_id]
 
-    def status(self, worker_id: str, submission_id: str, known: Known | None, now: float) -> tuple[int, bool]:
-        """(bytes held, complete) of learner `worker_id`'s upload; (0, False) for one not held."""
+    def status(self, worker_id: str, submission_id: str, known: Accepted | None, now: float) -> tuple[int, bool]:
+        """(bytes held, complete) of learner `worker_id`'s upload; (0, False) for one not held. An accepted one is
+        complete (its size is known only where it was uploaded: 0 elsewhere)."""
         if known is not None:
-            done = self._done.get(submission_id)
-            return (done.encoded_bytes if done else 0), True
+            return self._done.get(submission_id, 0), True
         self._prune(now)
         up = self._table.get(submission_id)
         if up is None or up.sub.worker_id != worker_id:
@@ -318,17 +308,11 @@ class Uploads:
         return self._prune(now)
 
     # --- the round's side -------------------------------------------------------------------------------------
-    def accepted(self, sub: Submission, encoded_bytes: int, staleness: int, round_: int) -> None:
-        """`sub` was accepted into round `round_`: remember the outcome for its duplicates."""
-        self._done[sub.submission_id] = _Done(sub.worker_id, staleness, round_, encoded_bytes)
+    def accepted(self, sub: Submission, encoded_bytes: int) -> None:
+        """`sub`'s upload of `encoded_bytes` was accepted: remember its size for `status`."""
+        self._done[sub.submission_id] = encoded_bytes
         while len(self._done) > _DONE_RECORDS:
             self._done.popitem(last=False)
-
-    def round_applied(self, version: int, submission_ids: tuple[str, ...]) -> None:
-        for sid in submission_ids:
-            done = self._done.get(sid)
-            if done is not None:
-                done.round = version
 
     def drop_worker(self, worker_id: str) -> None:
         """The learner is gone: its partial uploads go too."""
@@ -341,21 +325,17 @@ class Uploads:
         return len(live), sum(u.streams > 0 for u in live)
 
     # --- rules ------------------------------------------------------------------------------------------------
-    def _earlier(self, sub: Submission, known: Known | None, version: int) -> Outcome | None:
+    def _earlier(self, sub: Submission, known: Accepted | None, version: int) -> Outcome | None:
         """The outcome of an accepted submission id, for a duplicate of it (None: not accepted)."""
         if known is None:
             return None
-        done = self._done.get(sub.submission_id)
-        if done is not None and done.worker_id != sub.worker_id:
+        if known.worker_id != sub.worker_id:
             raise AlreadyExists(
                 f"submission id {sub.submission_id!r} was used by another learner; make submission ids unique"
             )
-        pending = known is Known.PENDING
-        staleness = done.staleness if done else max(0, version - sub.base_version)
-        round_ = done.round if done else (version + 1 if pending else version)
-        return Outcome(not pending, version, staleness, round_)
+        return Outcome(known.applied, version, known.staleness, known.round)
 
-    def earlier(self, sub: Submission, known: Known, version: int) -> Outcome:
+    def earlier(self, sub: Submission, known: Accepted, version: int) -> Outcome:
         """The earlier outcome of a submission the round's side already holds (an upload that lost a race
         with another stream of the same submission)."""
         outcome = self._earlier(sub, known, version)

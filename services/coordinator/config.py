@@ -34,6 +34,7 @@ from diloco.task.inner import InnerConfig
 from diloco.task.model import ModelConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+CRASH_FAULT = re.compile(r"(applied|accepted)@([0-9]{1,9})")  # --fault-crash-before-answer
 PROVIDER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function
 
 
@@ -44,6 +45,33 @@ def default_task() -> TaskConfig:
         data=DataConfig(num_shards=16, max_bytes=2_000_000),
         inner=InnerConfig(batch_size=8),
     )
+
+
+@dataclass(frozen=True)
+class CrashFault:
+    """A fault for tests (`--fault-crash-before-answer applied@V` or `accepted@V`): the coordinator kills itself
+    (SIGKILL, a crash) instead of answering the first upload that its own call applied in round V or later
+    (`applied`), or accepted into round V or later while that round is still open (`accepted`). What a crash can
+    leave behind, made deterministic: the submission is in the round log (or only in the dead leader's memory) and
+    its learner never got the answer."""
+
+    applied: bool
+    round: int
+
+    @classmethod
+    def parse(cls, value: str) -> CrashFault | None:
+        if not value:
+            return None
+        m = CRASH_FAULT.fullmatch(value)
+        if m is None or int(m.group(2)) < 1:
+            raise ConfigError(
+                f"fault_crash_before_answer must be applied@VERSION or accepted@VERSION (VERSION >= 1) or '', got "
+                f"{value!r} (flag --fault-crash-before-answer)"
+            )
+        return cls(m.group(1) == "applied", int(m.group(2)))
+
+    def matches(self, applied: bool, round_: int) -> bool:
+        return applied == self.applied and round_ >= self.round
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,7 @@ class CoordinatorServiceConfig:
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
     etcd: str = ""  # http://HOST:PORT of etcd (loopback): campaign for leadership there (services/coordinator/ha.py)
+    fault_crash_before_answer: str = ""  # fault tests only: `CrashFault` ("": never)
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
 
@@ -181,6 +210,7 @@ class CoordinatorServiceConfig:
         if not isinstance(self.replica_id, str) or len(self.replica_id) > 256 or not self.replica_id.isprintable():
             raise ConfigError(f"replica_id must be at most 256 printable characters, got {self.replica_id!r}")
         self.etcd_endpoint()
+        self.crash_fault()
         if self.etcd:
             if self.follow:
                 raise ConfigError("etcd and follow exclude each other: with --etcd, etcd says whom to follow")
@@ -205,6 +235,12 @@ class CoordinatorServiceConfig:
         """`etcd` as (host, port); None when not set. `ConfigError` unless it is one http://HOST:PORT with a
         loopback host (the etcd adapter speaks plain HTTP to one endpoint, so it must not leave the machine)."""
         return parse_etcd_endpoints(self.etcd)
+
+    def crash_fault(self) -> CrashFault | None:
+        """The crash `fault_crash_before_answer` asks for (None: none)."""
+        if not isinstance(self.fault_crash_before_answer, str):
+            raise ConfigError(f"fault_crash_before_answer must be a string, got {self.fault_crash_before_answer!r}")
+        return CrashFault.parse(self.fault_crash_before_answer)
 
     def core_config(self) -> CoordinatorConfig:
         """The pure core's configuration."""
@@ -407,6 +443,13 @@ _SERVICE_FLAGS: list[Flag] = [
         "",
         "http://HOST:PORT of etcd (loopback): campaign for leadership; the winner serves, the others follow it as "
         "hot standbys and take over when its lease expires (needs --checkpoint-dir and --replication-log)",
+    ),
+    (
+        "--fault-crash-before-answer",
+        str,
+        "",
+        "fault tests only: applied@V (or accepted@V): kill this process (SIGKILL) instead of answering the first "
+        "upload whose own call applied round V or later (or that is accepted into round V or later, still open)",
     ),
 ]
 _TASK_FLAGS: list[Flag] = [

@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from diloco import log as logging
-from diloco.core.coordinator import RoundApplied
+from diloco.core.coordinator import Accepted, RoundApplied
 from diloco.core.leadership import LeadershipView, Role
 from diloco.core.replication import (
     Digest,
@@ -184,8 +184,8 @@ class ReplicationLog:
         core = self.state.core
         after = digest(core.params, core.outer)
         snap = self.state.snapshot()  # the bookkeeping (its tensors are not used)
-        ids = [p.submission_id for p in applied.submissions]
-        entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, ids, after)
+        outcomes = {p.submission_id: Accepted.of(p, applied.version, True) for p in applied.submissions}
+        entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, outcomes, after)
         with self._cond:
             self._log.append(entry)
             self._gate.appended(entry.version)
@@ -224,10 +224,7 @@ class ReplicationLog:
     def snapshot(self) -> Snapshot:
         """The whole state at the newest version, copied under `work` (heavy: run it off the event loop)."""
         with self.state.work:
-            snap = self.state.snapshot()
-            with self.state.lock:
-                ids = list(self.state.core.applied_ids)
-            return Snapshot.of_core(snap, ids, self.epoch)
+            return Snapshot.of_core(self.state.snapshot(), self.epoch)
 
     def since(self, held: int | None, held_digest: Digest | None) -> list[LogEntry] | None:
         with self._cond:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,9 +18,10 @@ import torch
 from torch import nn
 
 from diloco import log as logging
-from diloco.core.coordinator import CoordinatorCore, RoundApplied
+from diloco.core.coordinator import CoordinatorCore, RoundApplied, Submission
 from diloco.core.energy import CarbonTrace
 from diloco.core.leadership import Handover, LeadershipView
+from diloco.core.uploads import Outcome
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
@@ -31,7 +34,7 @@ from diloco.v1 import coordinator_pb2_grpc, replication_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.bulk import BulkUploads
 from services.coordinator.carbon import CarbonFeed, Provider, load_provider
-from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.config import CoordinatorServiceConfig, CrashFault
 from services.coordinator.energy import J_PER_KWH, CarbonSignal, EnergyBook, Totals
 from services.coordinator.metrics import CoordinatorMetrics, HaCollector
 from services.coordinator.replication import SERVICE_NAME as REPLICATION_SERVICE_NAME
@@ -206,6 +209,9 @@ class CoordinatorServer:
             placement=cfg.policy_config(started),
         )
         state.fence = self._fence
+        crash = cfg.crash_fault()
+        if crash is not None:
+            state.before_answer = lambda sub, outcome: self._crash_if(crash, sub, outcome)
         if provider is not None:
             self._carbon = CarbonFeed(
                 provider,
@@ -354,6 +360,22 @@ class CoordinatorServer:
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until `stop` has finished (or the timeout passes)."""
         return self._stopped.wait(timeout_s)
+
+    def _crash_if(self, fault: CrashFault, sub: Submission, outcome: Outcome) -> None:
+        """--fault-crash-before-answer: die as a crash does (SIGKILL: no drain, no final checkpoint, the call never
+        answered) once an upload's outcome matches."""
+        if not fault.matches(outcome.applied, outcome.round):
+            return
+        self.log.warning(
+            "fault.crash",
+            worker_id=sub.worker_id,
+            submission_id=sub.submission_id,
+            applied=outcome.applied,
+            round=outcome.round,
+            version=outcome.version,
+            ranges=[[r.shard_id, r.epoch, r.start, r.end] for r in sub.ranges],
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
 
     # --- after every round ----------------------------------------------------------------------------------------
     def _on_round(self, applied: RoundApplied) -> None:

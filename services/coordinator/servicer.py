@@ -161,13 +161,22 @@ def open_submission(
         raise state.reject(e, "bad_header") from None
     if identity is not None:
         try:
-            auth.act_as(identity, state.worker_name(header.sub.worker_id))
+            auth.act_as(identity, learner_name(state, header.sub.worker_id, header.sub.submission_id))
         except PermissionDenied as e:
             raise state.reject(e, "identity") from None
     opened = state.open_upload(header)
     if isinstance(opened, Outcome):
         return submit_response(opened)
     return opened
+
+
+def learner_name(state: CoordinatorState, worker_id: str, submission_id: str = "") -> str:
+    """The learner name a call about `worker_id` acts as (`auth.act_as`): its registered name (NOT_FOUND when this
+    coordinator does not know it), or, for a call about one of its accepted submissions, the name in its id (the
+    learner may have registered with the leader this coordinator took over from)."""
+    if submission_id and state.submitted_by(worker_id, submission_id):
+        return auth.worker_name_of(worker_id)
+    return state.worker_name(worker_id)
 
 
 def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
@@ -305,11 +314,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             header.delta_from = b.delta_from
         return header
 
-    def _act_as(self, context: Context, worker_id: str) -> str:
-        """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`); returns it."""
+    def _act_as(self, context: Context, worker_id: str, submission_id: str = "") -> str:
+        """Check that the caller's certificate may act as learner `worker_id` (see `auth.act_as`; `learner_name`
+        for a call about its submission `submission_id`); returns it."""
         identity = auth.peer_identity(context)
         if identity is not None:
-            auth.act_as(identity, self.state.worker_name(worker_id))
+            auth.act_as(identity, learner_name(self.state, worker_id, submission_id))
         return worker_id
 
     @status.unary
@@ -346,8 +356,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetUploadStatus(
         self, request: coordinator_pb2.GetUploadStatusRequest, context: Context
     ) -> coordinator_pb2.GetUploadStatusResponse:
-        worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"))
-        held, complete = self.state.upload_status(worker_id, _require_id(request.submission_id, "submission_id"))
+        sid = _require_id(request.submission_id, "submission_id")
+        worker_id = self._act_as(context, _require_id(request.worker_id, "worker_id"), sid)
+        held, complete = self.state.upload_status(worker_id, sid)
         return coordinator_pb2.GetUploadStatusResponse(received_bytes=held, complete=complete)
 
     @status.unary

@@ -132,9 +132,8 @@ class StandbyFollower:
             return
         snap, path = found
         try:
-            ids = snap.get("applied_ids", [])
             with self._lock:
-                self.standby.load(Snapshot.of_core(snap, ids if isinstance(ids, list) else [], 0))
+                self.standby.load(Snapshot.of_core(snap, 0))
         except (ResyncRequired, KeyError, TypeError, ValueError) as e:
             self.log.warning("replication.resume_failed", path=str(path), error=str(e))
             return

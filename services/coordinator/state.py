@@ -33,6 +33,7 @@ from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
 from diloco.core.codecs import EncodedMeta
 from diloco.core.coordinator import (
+    Accepted,
     CoordinatorCore,
     RoundApplied,
     Submission,
@@ -45,7 +46,6 @@ from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
     Dropped,
-    Known,
     Outcome,
     Stream,
     UploadHeader,
@@ -231,6 +231,9 @@ class CoordinatorState:
         self.on_round = on_round
         # with leadership (--etcd): raises NotLeader while this replica may not accept work or publish a version
         self.fence: Callable[[], None] | None = None
+        # called with each accepted upload's outcome just before it is answered (fault tests: the server's
+        # --fault-crash-before-answer)
+        self.before_answer: Callable[[Submission, Outcome], None] | None = None
         self.log = logging.get("coordinator", epoch=coordinator_epoch)
         self.work = threading.RLock()
         self.lock = threading.Lock()
@@ -316,6 +319,13 @@ class CoordinatorState:
         """The name learner `worker_id` registered under (NOT_FOUND when unknown)."""
         with self.lock:
             return self.core.worker(worker_id).name
+
+    def submitted_by(self, worker_id: str, submission_id: str) -> bool:
+        """Whether `submission_id` is an accepted submission of learner `worker_id`: pending here, or applied here
+        or at the leader this coordinator took over from (which may have registered a learner unknown here)."""
+        with self.lock:
+            known = self.core.accepted(submission_id)
+        return known is not None and known.worker_id == worker_id
 
     def plan(self, worker_id: str) -> tuple[WorkPlan, int]:
         with self.lock:
@@ -569,8 +579,6 @@ class CoordinatorState:
     def _publish(self, applied: RoundApplied, delta: Delta | None) -> None:
         """After a round's step: its parameters go to the watchers, its outcome to the records and metrics."""
         ids = tuple(p.submission_id for p in applied.submissions)
-        with self._table_lock:
-            self.uploads.round_applied(applied.version, ids)
         with self.lock:
             self.last_round_at = self.clock()
             self._applied_by_version[applied.version] = ids
@@ -704,21 +712,27 @@ class CoordinatorState:
     # --- submissions ----------------------------------------------------------------------------------------------
     def open_upload(self, h: UploadHeader) -> Outcome | UploadStream:
         """A stream starts with header `h`, checked before any payload byte is read. Returns the outcome of an
-        earlier identical submission (idempotent), or the stream to feed."""
+        earlier identical submission (idempotent), or the stream to feed.
+
+        A submission this coordinator holds is answered with its outcome whatever coordinator epoch it names: one
+        applied at the leader this coordinator took over from (a learner resending after a failover, the first
+        answer lost) gets "applied in round v", as it would have there, and is never applied again. Only a
+        submission not held must name the current epoch: its learner's registration, shards and cursors are of
+        an earlier coordinator, so it registers again."""
         sub = h.sub
         self.check_leading()
         with self.lock:
-            if h.coordinator_epoch != self.epoch:
-                raise self.reject(
-                    FailedPrecondition(
-                        f"coordinator restarted (epoch {self.epoch}, the submission names {h.coordinator_epoch}); "
-                        "register again"
-                    ),
-                    "stale_coordinator_epoch",
-                )
-            known = self._known_locked(sub.submission_id)
+            known = self.core.accepted(sub.submission_id)
             version = self.core.version
             if known is None:
+                if h.coordinator_epoch != self.epoch:
+                    raise self.reject(
+                        FailedPrecondition(
+                            f"coordinator restarted (epoch {self.epoch}, the submission names "
+                            f"{h.coordinator_epoch}); register again"
+                        ),
+                        "stale_coordinator_epoch",
+                    )
                 if self.core.finished:
                     raise self.reject(
                         FailedPrecondition(
@@ -741,9 +755,22 @@ class CoordinatorState:
             self._log_dropped(refused.dropped)
             raise self.reject(refused.error, refused.reason) from None
         if isinstance(opened, Outcome):
+            self._log_duplicate(h, opened)
             return opened
         self._log_dropped(opened.dropped)
         return UploadStream(self, opened.stream)
+
+    def _log_duplicate(self, h: UploadHeader, outcome: Outcome) -> None:
+        self.log.info(
+            "submission.duplicate",
+            worker_id=h.sub.worker_id,
+            submission_id=h.sub.submission_id,
+            applied=outcome.applied,
+            round=outcome.round,
+            staleness=outcome.staleness,
+            version=outcome.version,
+            named_epoch=h.coordinator_epoch,  # another than this coordinator's: it was accepted before a takeover
+        )
 
     def _stripe(self, submission_id: str) -> threading.Lock:
         return self._stripes[hash(submission_id) % _STRIPES]
@@ -794,7 +821,7 @@ class CoordinatorState:
                 try:
                     taken = self.core.take(sub, per_step, now)
                 except AlreadyExists:  # a concurrent stream of the same submission won
-                    known = self._known_locked(sub.submission_id)
+                    known = self.core.accepted(sub.submission_id)
                     if known is None:
                         raise
                     with self._table_lock:
@@ -807,7 +834,7 @@ class CoordinatorState:
                 seconds = self.core.workers[sub.worker_id].speed_samples[-1][1]  # this submission's work
                 self._charge([self.energy.work(sub.worker_id, seconds, now)])
                 with self._table_lock:
-                    self.uploads.accepted(sub, done.meta.encoded_bytes, taken.staleness, taken.round)
+                    self.uploads.accepted(sub, done.meta.encoded_bytes)
                 self.metrics.submission_tokens.observe(sub.tokens)
                 self.metrics.upload_seconds.observe(max(0.0, now - done.started_at))
                 self._refresh_gauges()
@@ -830,20 +857,19 @@ class CoordinatorState:
             applied = self._close_round(now)
         with self.lock:
             version = self.core.version
-        return Outcome(applied is not None, version, taken.staleness, applied.version if applied else taken.round)
-
-    def _known_locked(self, submission_id: str) -> Known | None:
-        if submission_id in self.core.receipts:
-            return Known.PENDING
-        if submission_id in self.core.applied_ids:
-            return Known.APPLIED
-        return None
+        outcome = Outcome(applied is not None, version, taken.staleness, applied.version if applied else taken.round)
+        if self.before_answer is not None:
+            self.before_answer(sub, outcome)
+        return outcome
 
     def upload_status(self, worker_id: str, submission_id: str) -> tuple[int, bool]:
-        """(bytes held, complete) of an upload; (0, False) for one the coordinator does not hold."""
+        """(bytes held, complete) of an upload; (0, False) for one the coordinator does not hold. An accepted
+        submission of `worker_id` is complete even when this coordinator does not know the learner (it registered
+        with the leader this one took over from); otherwise an unknown learner is NOT_FOUND."""
         with self.lock:
-            self.core.worker(worker_id)
-            known = self._known_locked(submission_id)
+            known: Accepted | None = self.core.accepted(submission_id)
+            if known is None or known.worker_id != worker_id:
+                self.core.worker(worker_id)
         with self._table_lock:
             expired = self.uploads.tick(self.clock())
             held = self.uploads.status(worker_id, submission_id, known, self.clock())

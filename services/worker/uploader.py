@@ -119,6 +119,7 @@ class Uploader:
                 "worker.submitted",
                 submission_id=sid,
                 path="bulk" if bulk_port else "grpc",
+                applied=applied,
                 version=resp.version,
                 round=resp.round,
                 staleness=resp.staleness,
