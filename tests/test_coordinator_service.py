@@ -494,6 +494,18 @@ def test_checkpoint_files_are_atomic_checksummed_and_pruned(tmp_path: Path) -> N
     assert checkpoint.load_latest(tmp_path / "missing") is None
 
 
+def test_a_standby_taking_over_writes_its_state_as_the_newest_checkpoint(tmp_path: Path) -> None:
+    # files from the replica's earlier life as leader: versions 5 and 6 of a history the new leader never had
+    for v in (4, 5, 6):
+        checkpoint.save(tmp_path, {"version": v, "params": torch.full((3,), -1.0)}, keep=5)
+    standby = {"version": 5, "params": torch.full((3,), 5.0)}
+    path, stale = checkpoint.save_as_newest(tmp_path, standby, 5, keep=5)
+    assert stale == [checkpoint.checkpoint_path(tmp_path, 6)]
+    snap, newest = checkpoint.load_latest(tmp_path) or ({}, None)
+    assert newest == path == checkpoint.checkpoint_path(tmp_path, 5)
+    assert torch.equal(snap["params"], torch.full((3,), 5.0))  # the standby's version 5 replaced the other one
+
+
 def test_a_checkpoint_of_live_tensors_is_serialised_under_the_lock_given(tmp_path: Path) -> None:
     lock = threading.Lock()
     live = torch.arange(4, dtype=torch.float32)

@@ -289,10 +289,12 @@ class HaReplica:
         if chan is not None:
             chan.close()
         version = follower.version
-        if version is not None:
-            saved = checkpoint.list_checkpoints(self.cfg.checkpoint_dir)
-            if not saved or saved[0][0] < version:
-                checkpoint.save(self.cfg.checkpoint_dir, follower.standby.core_snapshot, keep=self.cfg.keep_checkpoints)
+        if version is not None:  # always written: an older file of that version may be another history's
+            _, stale = checkpoint.save_as_newest(
+                self.cfg.checkpoint_dir, follower.standby.core_snapshot, version, keep=self.cfg.keep_checkpoints
+            )
+            if stale:
+                self.log.warning("replica.checkpoints_discarded", version=version, paths=[str(p) for p in stale])
         return version
 
     def _shutdown(self) -> None:
