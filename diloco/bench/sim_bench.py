@@ -88,7 +88,8 @@ EQUAL_LOSS_RULE = (
     "reached at the budget (its loss at budget), and each of it and the data-parallel run of the same profile and "
     "seed is charged the bytes it had sent on the learner links when its validation loss first got that low, "
     "linear in bytes between the last evaluation above that loss and the first one at or below it (for DiLoCo: "
-    "its bytes at the budget, or fewer if an earlier evaluation was already that low). Where data-parallel never "
+    "its bytes at the budget, or fewer if an earlier evaluation was already that low; a DiLoCo version is scored "
+    "on the coordinator, so its own broadcast is not counted). Where data-parallel never "
     "got that low within the budget, its bytes for the whole budget stand in and the ratio is a lower bound "
     "(marked ≥)."
 )
