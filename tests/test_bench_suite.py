@@ -81,7 +81,9 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         for run in results["sections"][name]["runs"]:
             assert run["seeds"] == [0, 1] and len(run["per_seed"]) == 2, (name, run.get("seeds"))
     assert "## Targets" in readme and ("**pass**" in readme or "**FAIL**" in readme)
-    for png in ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer", "layout"):
+    assert rows_of(readme, "**int4 up, int4 down, H = 40**"), "bytes-per-token: no row for the chosen configuration"
+    pngs = ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer", "layout")
+    for png in (*pngs, "bytes_per_token"):
         path = out / f"{png}.png"
         assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000, f"{png}.png missing or empty"
         assert f"]({png}.png)" in readme, f"{png}.png not linked from the report"

@@ -127,6 +127,14 @@ def test_codec_settings_reach_the_learners() -> None:
     assert r.rounds == 1 and all(learner.ef is not None and learner.ef.decay == 0.7 for learner in sim.learners)
 
 
+@pytest.mark.parametrize("mode", ["sync", "dp"])
+def test_history_counts_the_bytes_sent_by_each_evaluation(mode: str) -> None:
+    r = simulate(cfg(mode=mode, speeds=(1.0, 1.0), outer_steps=3, codec="int8"))
+    sent = [p["bytes"] for p in r.history]
+    assert sent[0] == 0 and len(sent) == 4 and sent[-1] == r.bytes_up + r.bytes_down
+    assert sent == sorted(set(sent)), sent  # every round sent something
+
+
 def test_history_reports_the_tokens_scored_and_the_seed_orders_the_data() -> None:
     a, b = Simulator(cfg(mode="sync", speeds=(1.0, 1.0), outer_steps=2)), Simulator(cfg(outer_steps=2, seed=1))
     assert a.corpus is not None and b.corpus is not None

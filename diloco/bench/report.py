@@ -19,6 +19,7 @@ from matplotlib.patches import Patch
 from diloco.bench.cluster_bench import rate
 from diloco.bench.section import table
 from diloco.bench.seeds import RULE, fmt, values
+from diloco.bench.sim_bench import EQUAL_LOSS_RULE, equal_loss_fmt
 
 if TYPE_CHECKING:
     from diloco.bench.section import Section
@@ -106,6 +107,7 @@ def unstable_note(run: dict[str, Any]) -> str:
 def time_to_target_md(r: dict[str, Any]) -> str:
     s = r["settings"]
     targets: dict[str, float] = r["targets"]
+    equal = all("equal_loss_ratios" in run for run in r["runs"] if run["mode"] != "dp")  # not in older results
     rows = []
     for run in r["runs"]:
         rows.append(
@@ -121,6 +123,7 @@ def time_to_target_md(r: dict[str, Any]) -> str:
                 mb(run["bytes"]),
                 f"{run['bytes_per_token']:,.1f}",
                 "-" if run["mode"] == "dp" else f"{run['dp_bytes_ratio']:,.0f}x",
+                *([] if not equal else ["-" if run["mode"] == "dp" else equal_loss_fmt(run)]),
                 "-" if run["mode"] == "dp" else f"{run.get('shardless_s', 0.0):,.0f}",
             ]
         )
@@ -152,8 +155,9 @@ def time_to_target_md(r: dict[str, Any]) -> str:
             "entries). Both are reported. Time to target is the virtual time of the first evaluation at or "
             "below it (every round; data-parallel: every H steps). Loss at budget is interpolated at exactly the "
             "budget, so every mode is compared at equal tokens. Bytes are the traffic on the learner links, both "
-            "directions (DiLoCo: compressed uploads and fp32 parameter broadcasts; data-parallel: what each learner "
-            "sends and receives in the ring all-reduce).",
+            f"directions (DiLoCo: compressed uploads and {broadcasts(s)}; data-parallel: what each learner sends and "
+            "receives in the ring all-reduce); `DP bytes ÷ this` compares bytes per token at equal tokens."
+            + (" " + EQUAL_LOSS_RULE if equal else ""),
             table(
                 [
                     "profile",
@@ -167,6 +171,7 @@ def time_to_target_md(r: dict[str, Any]) -> str:
                     "bytes (MB)",
                     "bytes/token",
                     "DP bytes ÷ this",
+                    *(["DP bytes ÷ this at equal loss"] if equal else []),
                     "learner-s without shards",
                 ],
                 rows,
@@ -189,6 +194,16 @@ def time_to_target_md(r: dict[str, Any]) -> str:
             "![loss against virtual time and tokens](time_to_target.png)",
         ]
     )
+
+
+def broadcasts(s: dict[str, Any]) -> str:
+    """How a section's runs broadcast the parameters (older results do not say)."""
+    codec = s.get("broadcast_codec")
+    if codec is None:
+        return "parameter broadcasts"
+    if codec == "fp32":
+        return "fp32 parameter broadcasts"
+    return f"parameter broadcasts as {codec} deltas after one fp32 snapshot per learner"
 
 
 def time_to_target_readme(r: dict[str, Any]) -> str:

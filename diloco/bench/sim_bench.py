@@ -3,7 +3,8 @@
 Every run is deterministic for its seed. Every loss comparison runs each configuration with each of the settings'
 `seeds` and reports one row per configuration: means, the min–max spread and the per-seed runs; its targets are
 judged by `diloco.bench.seeds.target_met` (the mean and every seed). A run is summarized as a JSON-ready dict;
-the loss history is kept as `[virtual time, tokens, loss]` points for the plots.
+the loss history is kept as `[virtual time, tokens, loss, bytes]` points (bytes on the learner links so far) for
+the plots and for bytes at equal loss (`equal_loss`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from diloco.bench.seeds import aggregate, check, fmt, spread, target_met, values
 from diloco.bench.settings import PROFILES, ScaleSettings, SimSettings
+from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC
 from diloco.core.outer import OuterConfig
 from diloco.sim.config import SimConfig
 from diloco.sim.engine import simulate
@@ -66,8 +68,66 @@ def first_time_at_or_below(history: list[list[float]], target: float) -> float |
     return next((p[0] for p in history if p[2] <= target), None)
 
 
+def at_first_reach(history: list[list[float]], loss: float, index: int) -> float | None:
+    """Column `index` of the history (1: tokens, 3: bytes) when the validation loss first reached `loss`: linear
+    between the last evaluation above it and the first one at or below it (None: never)."""
+    prev = history[0]
+    for point in history:
+        if point[2] <= loss:
+            if point is prev or point[2] == prev[2]:
+                return point[index]
+            w = (prev[2] - loss) / (prev[2] - point[2])
+            return prev[index] + w * (point[index] - prev[index])
+        prev = point
+    return None
+
+
+# One rule for "bytes against data-parallel at equal loss", stated in the report before its figures.
+EQUAL_LOSS_RULE = (
+    "`DP bytes ÷ this at equal loss` compares bytes at equal loss, seed by seed: the loss is the one the DiLoCo run "
+    "reached at the budget (its loss at budget), and each of it and the data-parallel run of the same profile and "
+    "seed is charged the bytes it had sent on the learner links when its validation loss first got that low, "
+    "linear in bytes between the last evaluation above that loss and the first one at or below it (for DiLoCo: "
+    "its bytes at the budget, or fewer if an earlier evaluation was already that low; a DiLoCo version is scored "
+    "on the coordinator, so its own broadcast is not counted). Where data-parallel never "
+    "got that low within the budget, its bytes for the whole budget stand in and the ratio is a lower bound "
+    "(marked ≥)."
+)
+
+
+def equal_loss(dp: dict[str, Any], run: dict[str, Any]) -> None:
+    """Bytes against data-parallel at equal loss (`EQUAL_LOSS_RULE`), seed by seed: sets each seed's
+    `equal_loss` (`loss`, `bytes`, `dp_bytes`, `dp_tokens`, `dp_reached`, `ratio`) and the row's
+    `equal_loss_ratios` and their mean, `dp_bytes_ratio_equal_loss`."""
+    ratios = []
+    for one, theirs in zip(run["per_seed"], values(dp, "history"), strict=True):
+        loss = one["loss_at_budget"]
+        own = at_first_reach(one["history"], loss, 3)  # its loss at the budget: reached by the budget at the latest
+        hit_bytes, hit_tokens = at_first_reach(theirs, loss, 3), at_first_reach(theirs, loss, 1)
+        dp_bytes = hit_bytes if hit_bytes is not None else theirs[-1][3]  # never: its whole budget, a lower bound
+        dp_tokens = hit_tokens if hit_tokens is not None else theirs[-1][1]
+        ratio = dp_bytes / own if own else math.nan
+        one["equal_loss"] = {
+            "loss": loss,
+            "bytes": own,
+            "dp_bytes": dp_bytes,
+            "dp_tokens": dp_tokens,
+            "dp_reached": hit_bytes is not None,
+            "ratio": ratio,
+        }
+        ratios.append(ratio)
+    run["equal_loss_ratios"] = ratios
+    run["dp_bytes_ratio_equal_loss"] = statistics.fmean(ratios)
+
+
+def equal_loss_fmt(run: dict[str, Any]) -> str:
+    """`mean (min–max)x` of a row's ratios at equal loss, `≥` in front when a seed's is a lower bound."""
+    bound = any(not one["equal_loss"]["dp_reached"] for one in run["per_seed"])
+    return ("≥ " if bound else "") + fmt(run["equal_loss_ratios"], ",.0f", "x")
+
+
 def summarize(r: SimResult, wall_s: float, budget: int) -> dict[str, Any]:
-    history = [[p["time_s"], p["tokens"], p["val_loss"]] for p in r.history]
+    history = [[p["time_s"], p["tokens"], p["val_loss"], p["bytes"]] for p in r.history]
     total = r.bytes_up + r.bytes_down
     return {
         "mode": r.mode,
@@ -237,6 +297,7 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             row = by[(profile, mode)]
             per = [a / b for a, b in _paired(dp, row, "bytes_per_token")]
             row["dp_bytes_ratio"] = statistics.fmean(per)
+            equal_loss(dp, row)
             ratios.append((min(per), f"{profile}/{mode}", per))
     worst = min(ratios)
     checks.append(
@@ -249,7 +310,8 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             n,
         )
     )
-    return {"settings": _sim_settings_dict(s), "targets": targets, "runs": runs, "checks": checks}
+    settings = {**_sim_settings_dict(s), "broadcast_codec": DEFAULT_BROADCAST_CODEC}
+    return {"settings": settings, "targets": targets, "runs": runs, "checks": checks}
 
 
 # --- 2. scale sweep -------------------------------------------------------------------------------------------

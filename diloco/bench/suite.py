@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from diloco.bench import (
+    bench_bytes,
     bench_control,
     bench_core,
     bench_energy,
@@ -134,6 +135,13 @@ SECTIONS: tuple[Section, ...] = (
         "A ~100M-parameter model through the real services: memory and round time",
         bench_large.section,
         bench_large.markdown,
+    ),
+    Section(
+        "bytes-per-token",
+        "Bytes against data-parallel at equal loss (simulator)",
+        bench_bytes.section,
+        bench_bytes.markdown,
+        bench_bytes.plots,
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)

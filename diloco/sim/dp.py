@@ -112,7 +112,14 @@ class DataParallelSimulator(EventLoop):
         cfg = self.cfg
         initial = self.evaluate()
         self.history.append(
-            {"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial.loss, "eval_tokens": initial.tokens}
+            {
+                "time_s": 0.0,
+                "tokens": 0,
+                "version": 0,
+                "bytes": 0,
+                "val_loss": initial.loss,
+                "eval_tokens": initial.tokens,
+            }
         )
         for peer in self.peers:
             self.join(peer, rejoin=False)
@@ -251,6 +258,7 @@ class DataParallelSimulator(EventLoop):
             "time_s": self.now,
             "tokens": float(self.tokens),
             "version": float(self.steps),
+            "bytes": float(self.bytes_up + self.bytes_down),
         }
         ev = self.evaluate()
         point.update(val_loss=ev.loss, eval_tokens=ev.tokens)

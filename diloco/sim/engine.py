@@ -164,7 +164,14 @@ class Simulator(EventLoop):
         cfg = self.cfg
         initial = self.evaluate()
         self.history.append(
-            {"time_s": 0.0, "tokens": 0, "version": 0, "val_loss": initial.loss, "eval_tokens": initial.tokens}
+            {
+                "time_s": 0.0,
+                "tokens": 0,
+                "version": 0,
+                "bytes": 0,
+                "val_loss": initial.loss,
+                "eval_tokens": initial.tokens,
+            }
         )
         for learner in self.learners:
             self.join(learner)
@@ -538,6 +545,7 @@ class Simulator(EventLoop):
             "time_s": self.now,
             "tokens": float(self.core.tokens_applied),
             "version": float(v),
+            "bytes": float(self.bytes_up + self.bytes_down),
         }
         ev = self.evaluate()
         point.update(val_loss=ev.loss, eval_tokens=ev.tokens)

@@ -12,8 +12,9 @@ from diloco.core.codecs import Codec
 
 @dataclass
 class SimResult:
-    """`history` holds one point per evaluation: `time_s`, `tokens` (applied), `version`, `val_loss` and
-    `eval_tokens` (the validation tokens the loss was scored on)."""
+    """`history` holds one point per evaluation: `time_s`, `tokens` (applied), `version`, `bytes` (on the learner
+    links so far, both directions, as `bytes_up + bytes_down`), `val_loss` and `eval_tokens` (the validation tokens
+    the loss was scored on)."""
 
     mode: str
     history: list[dict[str, float]]
