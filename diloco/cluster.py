@@ -4,6 +4,7 @@ benchmarks. Every child is reaped on exit, whatever happens."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -189,6 +190,12 @@ def ledger_problems(shards: Iterable[LedgerShard], tokens_applied: int) -> list[
     return problems
 
 
+def logged_at(fields: dict[str, Any]) -> float:
+    """When a service wrote a log line (its `timestamp`, ISO 8601 in UTC), in seconds since the epoch: the same
+    clock as `time.time()` in this machine's other processes."""
+    return datetime.datetime.fromisoformat(str(fields["timestamp"]).replace("Z", "+00:00")).timestamp()
+
+
 @dataclass(frozen=True)
 class LogLine:
     read_at: float  # time.monotonic() when the follower read it
@@ -197,6 +204,11 @@ class LogLine:
     @property
     def event(self) -> str:
         return str(self.fields.get("event", ""))
+
+    @property
+    def logged_at(self) -> float:
+        """When the service wrote it (`logged_at`); KeyError for a line without a timestamp (a traceback)."""
+        return logged_at(self.fields)
 
 
 class LogFollower:
@@ -363,6 +375,27 @@ class LocalCluster:
                 *coordinator_flags(c, self.coordinator_port, self.healthd_address, str(self.run_dir / "checkpoints")),
                 *c.task_args,
                 *c.coordinator_args,
+                *self.security_args("coordinator"),
+            ],
+        )
+
+    def start_replica(self, name: str, etcd: str, port: int = 0, args: Sequence[str] = ()) -> Proc:
+        """Start coordinator replica `name` under etcd leadership (`--etcd`, docs/ha.md): it campaigns, then leads
+        or follows the leader as a hot standby. Port 0: a free port, advertised in etcd and logged in its
+        `replica.started` line; start it again on that port after it ended (a supervisor's restart) and it comes
+        back as a standby, from its checkpoints in `run_dir/checkpoints-<name>`. `args`: replication flags and the
+        like, after the run's own (`--sync-replicas 1`, ...)."""
+        c = self.cfg
+        checkpoints = str(self.run_dir / f"checkpoints-{name}")
+        return self._spawn(
+            name,
+            "services.coordinator",
+            [
+                *coordinator_flags(c, port, self.healthd_address, checkpoints),
+                *("--etcd", etcd, "--replica-id", name),
+                *c.task_args,
+                *c.coordinator_args,
+                *args,
                 *self.security_args("coordinator"),
             ],
         )

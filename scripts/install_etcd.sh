@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make an etcd binary available for the leadership tests (tests/etcd_server.py starts it as a child process on
+# Make an etcd binary available for the leadership tests (diloco/ha/etcd_server.py starts it as a child process on
 # free loopback ports; nothing here starts a server). Installs Debian's etcd-server when `etcd` is missing;
 # does nothing when it is there. Installing needs root.
 set -euo pipefail

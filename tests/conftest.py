@@ -1,5 +1,5 @@
 """Shared fixtures: one torch thread per test process, an in-process coordinator on port 0, and a real etcd
-(tests/etcd_server.py). Shared helpers live in tests/support.py."""
+(diloco/ha/etcd_server.py). Shared helpers live in tests/support.py."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 
+from diloco.ha.etcd_server import EtcdServer, etcd_binary
 from diloco.rpc.server import channel
 from diloco.task.params import param_specs
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.server import CoordinatorServer
-from tests.etcd_server import EtcdServer, etcd_binary
 from tests.support import Env, config, tiny_task
 
 

@@ -12,7 +12,6 @@ conftest.py, never from another test module):
 
 from __future__ import annotations
 
-import datetime
 import math
 import queue
 import threading
@@ -438,11 +437,6 @@ class Events:
         if not found and self.proc is not None and not self.proc.alive:
             raise RuntimeError(f"{self.proc.name} exited with {self.proc.popen.returncode}: {self.lines[-5:]}")
         return found
-
-
-def when(fields: dict[str, object]) -> float:
-    """The unix time of a log line (its `timestamp`)."""
-    return datetime.datetime.fromisoformat(str(fields["timestamp"]).replace("Z", "+00:00")).timestamp()
 
 
 def worker_state(c: LocalCluster, name: str) -> str:

@@ -1,5 +1,5 @@
 """Coordinator failover under etcd leadership (issue #14, ALGORITHM.md section 11), with real processes: a real etcd
-(tests/etcd_server.py), two coordinators started with `--etcd` (each campaigns; the loser follows the winner as a
+(diloco/ha/etcd_server.py), two coordinators started with `--etcd` (each campaigns; the loser follows the winner as a
 hot standby with `--sync-replicas 1`), healthd and two learners given both coordinator addresses
 (`--coordinator A,B`). The leader is SIGKILLed mid-run: the standby must take over under a higher epoch without
 any version going backwards, the learners must move to it by themselves, the job must reach its target and the
@@ -28,31 +28,23 @@ from diloco.cluster import (
     LogFollower,
     LogLine,
     Proc,
-    coordinator_flags,
     ledger_problems,
     ledger_shards,
+    logged_at,
     wait_for,
 )
+from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.etcd_server import EtcdServer
-from tests.support import Events, when
+from tests.support import Events
 
 TARGET = 16
 
 
-def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, tmp_path: Path, name: str, *extra: str) -> Proc:
+def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str) -> Proc:
     """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task."""
-    cfg = cluster.cfg
-    args = [
-        *coordinator_flags(cfg, 0, cluster.healthd_address, str(tmp_path / f"ckpt-{name}")),
-        *("--etcd", etcd.url, "--replica-id", name, "--replication-log", "16"),
-        *("--sync-replicas", "1", "--replica-ack-timeout-s", "2"),
-        *TINY_TASK_ARGS,
-        "--insecure",
-        *extra,
-    ]
-    return cluster._spawn(name, "services.coordinator", args)
+    args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra)
+    return cluster.start_replica(name, etcd.url, args=args)
 
 
 @pytest.mark.timeout(150)
@@ -74,7 +66,7 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
 
         def replica(name: str) -> Proc:
-            return spawn_replica(cluster, etcd_server, tmp_path, name)
+            return spawn_replica(cluster, etcd_server, name)
 
         a_log = Events(cfg.run_dir / "coord-a.log", replica("coord-a"))
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
@@ -139,11 +131,11 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             got = [x.fields for x in lines if x.event == "worker.broadcast_received"]
             seen = [int(str(f["version"])) for f in got]
             assert seen == sorted(seen), f"worker{i} received a version that went backwards: {seen}"
-            received_before_kill += [int(str(f["version"])) for f in got if when(f) < killed_at]
+            received_before_kill += [int(str(f["version"])) for f in got if logged_at(f) < killed_at]
         assert any(m["address"] == b_addr for m in moved), moved
         # every version a learner received from coord-a is in coord-b's history (--sync-replicas 1)
         assert int(str(promoted_b["version"])) >= max(received_before_kill)
-        takeover_s = when(promoted_b) - killed_at
+        takeover_s = logged_at(promoted_b) - killed_at
         b_log.first("")
         resumed = next(
             f
@@ -153,7 +145,8 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         print(
             f"failover: coord-a killed at version {last_a}; coord-b leads epoch {epoch_b} (was {epoch_a}) at version "
             f"{promoted_b['version']} {takeover_s:.2f} s after the kill (promotion itself {promoted_b['seconds']} s); "
-            f"its first round (version {resumed['version']}) closed {when(resumed) - killed_at:.2f} s after the kill"
+            f"its first round (version {resumed['version']}) closed {logged_at(resumed) - killed_at:.2f} s after the "
+            "kill"
         )
         assert takeover_s < 10
 
@@ -186,10 +179,10 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
     with LocalCluster(cfg) as cluster:
         cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
         fault = ("--fault-crash-before-answer", f"{kind}@{CRASH_ROUND}")
-        a_proc = spawn_replica(cluster, etcd_server, tmp_path, "coord-a", *fault)
+        a_proc = spawn_replica(cluster, etcd_server, "coord-a", *fault)
         a_log = Events(cfg.run_dir / "coord-a.log", a_proc)
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
-        b_log = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, tmp_path, "coord-b"))
+        b_log = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, "coord-b"))
         wait_for("coord-b follows coord-a", lambda: b_log.first("replication.snapshot_loaded"), timeout_s=60)
         b_addr = str(wait_for("coord-b's address", lambda: b_log.first("replica.started"))["address"])
         cfg.worker_args.update({i: ("--coordinator", f"{promoted_a['address']},{b_addr}") for i in range(2)})
@@ -256,7 +249,8 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
                 assert committed > start, f"shard {shard_id}: [{start}, ...) was never trained again"
         print(
             f"{kind}: coord-a crashed before answering {sid} (round {round_}); coord-b leads at version "
-            f"{promoted_b['version']} {when(promoted_b) - when(crash):.2f} s later; learner events for it: {events}"
+            f"{promoted_b['version']} {logged_at(promoted_b) - logged_at(crash):.2f} s later; learner events for it: "
+            f"{events}"
         )
 
 

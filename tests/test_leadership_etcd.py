@@ -18,7 +18,7 @@ import requests
 from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
 from diloco.ha.driver import LeadershipDriver
 from diloco.ha.etcd import EtcdConfig, EtcdElection, EtcdUnavailable
-from tests.etcd_server import EtcdServer
+from diloco.ha.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -25,6 +25,7 @@ from diloco.bench import (
     bench_control,
     bench_core,
     bench_energy,
+    bench_ha,
     bench_island,
     bench_large,
     bench_load,
@@ -142,6 +143,12 @@ SECTIONS: tuple[Section, ...] = (
         bench_bytes.section,
         bench_bytes.markdown,
         bench_bytes.plots,
+    ),
+    Section(
+        "ha",
+        "Coordinator high availability: leader-kill soak, standby lag, cost of synchronous replication",
+        bench_ha.section,
+        bench_ha.markdown,
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)

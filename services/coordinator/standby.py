@@ -190,6 +190,8 @@ class StandbyFollower:
                 self.log.info("replication.snapshot_loaded", version=got.version, epoch=got.epoch)
             else:
                 self.standby.apply(got)
+                # one line per version, as the leader's `round.closed`: what the standby holds and when
+                self.log.info("replication.applied", version=got.version, epoch=got.epoch)
             version = got.version
         if self.on_version is not None:
             self.on_version(version)

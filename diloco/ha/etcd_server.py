@@ -1,5 +1,6 @@
-"""A real etcd for tests: Debian's `etcd` binary (package etcd-server) as a child process on free loopback ports,
-with its data in a temporary folder. conftest.py's `etcd_server` fixture starts one per test and always reaps it.
+"""A real etcd on this machine, for the tests and the benchmarks: Debian's `etcd` binary (package etcd-server) as a
+child process on free loopback ports, with its data in a folder of the caller's. The tests' `etcd_server` fixture
+(tests/conftest.py) starts one per test and the `ha` benchmark one per run; both always reap it.
 
 `kill()` ends it with SIGKILL (a crash), `pause()`/`resume()` freeze it with SIGSTOP/SIGCONT (a hang: calls time
 out instead of being refused), `start()` again restarts it on the same ports with the same data (leases and
