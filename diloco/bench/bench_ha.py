@@ -58,6 +58,7 @@ from typing import Any
 
 import grpc
 
+from diloco.bench.bench_load import cpu_s
 from diloco.bench.section import Context, Log, table
 from diloco.cluster import (
     TINY_TASK_ARGS,
@@ -228,7 +229,8 @@ class HaCluster:
             raise ConfigError(NO_ETCD)
         self.cluster = LocalCluster(cfg)
         self.etcd = EtcdServer(binary, cfg.run_dir / "etcd")
-        self.replicas = {n: Replica(n, self.cluster.follow(n), args=tuple(replica_args)) for n in REPLICAS}
+        self.replica_args = tuple(replica_args)
+        self.replicas = {n: Replica(n, self.cluster.follow(n), args=self.replica_args) for n in REPLICAS}
         self.learners = {f"worker{i}": self.cluster.follow(f"worker{i}") for i in range(cfg.workers)}
         self.restart_delay_s = restart_delay_s
         self.killed: set[str] = set()  # replicas this process ended (SIGKILL, SIGTERM) and not yet restarted
@@ -474,20 +476,29 @@ class Soak:
             rec = self.kill_once(self.rng.choice(points))
             self.kills.append(rec)
             self.log(f"  kill {n}/{self.s.kills}: {describe(rec)}")
-        leader, standby = self.wait_in_step()
-        # past the rounds the leader closes while the standby stops, restarts and catches up (twice the median
-        # restart, with the leader not paused by a failover meanwhile), and the final kill's drawn delay
-        back = _median([k.standby_back_s for k in self.kills if k.standby_back_s is not None]) or 0.0
-        ahead = math.ceil(self.rounds_per_s * (2 * back + self.s.max_delay_s))
-        target = self.target = leader.newest + self.s.finish_rounds + ahead
-        for r in self.ha.replicas.values():
-            r.args = (*r.args, "--target-outer-steps", str(target))
         self.early_exits = dict(self.ha.learner_exits)  # the job cannot finish before this last failover
-        self.ha.stop_replica(standby)
+        self._set_target()
         rec = self.kill_once(KillPoint.DELAY)
         self.kills.append(rec)
-        self.log(f"  final kill (the new leader ends the job at version {target}): {describe(rec)}")
+        self.log(f"  final kill (the new leader ends the job at version {self.target}): {describe(rec)}")
         return self.kills[0].at, rec.at
+
+    def _set_target(self) -> None:
+        """Restart the standby with the job's target: far enough ahead that the final kill meets a running job
+        (`finish_rounds` past the version when the standby is back in step, plus the rounds of the kill's longest
+        delay), guessed from the rounds a restart took so far and raised by another restart when too close."""
+        back = _median([k.standby_back_s for k in self.kills if k.standby_back_s is not None]) or 0.0
+        margin = self.s.finish_rounds + math.ceil(self.rounds_per_s * self.s.max_delay_s)
+        for _ in range(3):
+            leader, standby = self.wait_in_step()
+            self.target = leader.newest + margin + math.ceil(self.rounds_per_s * back)
+            for r in self.ha.replicas.values():
+                r.args = (*r.args[: len(self.ha.replica_args)], "--target-outer-steps", str(self.target))
+            self.ha.stop_replica(standby)
+            leader, _ = self.wait_in_step()
+            if self.target - leader.newest >= margin:
+                return
+            back *= 2
 
 
 def describe(r: KillRecord) -> str:
@@ -655,7 +666,13 @@ def cost_run(c: CostSettings, replicated: bool, run_dir: Path) -> dict[str, Any]
         with HaCluster(cfg, args) as ha:
             ha.start(timeout_s=c.timeout_s, healthd_reports=True)
             leader = ha.replicas[REPLICAS[0]]
-            ha.until("the job to finish", lambda: leader.newest >= c.rounds, c.timeout_s, 0.1)
+
+            def reached(version: int) -> bool:
+                ha.pump()
+                return leader.newest >= version
+
+            etcd = ha.etcd.proc.pid if ha.etcd.proc is not None else -1
+            cores = cores_while(lambda: {**pids(ha.cluster), "etcd": etcd}, reached, c)
             lines = LogFollower(leader.log.path).read()
             lead = standby_lead_s(ha, 0.0, math.inf)
             exits = list(ha.unplanned)
@@ -664,11 +681,11 @@ def cost_run(c: CostSettings, replicated: bool, run_dir: Path) -> dict[str, Any]
             cluster.start(timeout_s=c.timeout_s)
             follower, lines = cluster.follow("coordinator"), []
 
-            def finished() -> bool:  # its last `round.closed` line written
+            def reached(version: int) -> bool:  # its `round.closed` line written
                 lines.extend(follower.read())
-                return any(x.event == "round.closed" and int(x.fields["version"]) >= c.rounds for x in lines)
+                return any(x.event == "round.closed" and int(x.fields["version"]) >= version for x in lines)
 
-            wait_for("the job to finish", finished, c.timeout_s, 0.1)
+            cores = cores_while(lambda: pids(cluster), reached, c)
             exits = []
     closed = sorted((x for x in lines if x.event == "round.closed"), key=lambda x: int(x.fields["version"]))
     times = [x.logged_at for x in closed]
@@ -678,9 +695,26 @@ def cost_run(c: CostSettings, replicated: bool, run_dir: Path) -> dict[str, Any]
         "intervals_s": [round(b - a, 4) for a, b in itertools.pairwise(times)][c.warmup_rounds :],
         "close_s": close_latencies(lines)[c.warmup_rounds :],
         "applied_to_published_s": lead,
+        "cores": cores,
         "unplanned_exits": exits,
         "wall_s": round(time.monotonic() - started, 1),
     }
+
+
+def pids(cluster: LocalCluster) -> dict[str, int]:
+    return {name: p.popen.pid for name, p in cluster.procs.items() if p.alive}
+
+
+def cores_while(
+    processes: Callable[[], dict[str, int]], reached: Callable[[int], bool], c: CostSettings
+) -> dict[str, float]:
+    """Wait for the job's last round; returns the cores each process used over the timed rounds (after the first
+    `warmup_rounds`): what shares the machine with the learners."""
+    wait_for("the timed rounds to start", lambda: reached(c.warmup_rounds + 1), c.timeout_s, 0.1)
+    before, t0 = {name: cpu_s(pid) for name, pid in processes().items()}, time.monotonic()
+    wait_for("the job to finish", lambda: reached(c.rounds), c.timeout_s, 0.1)
+    after, dt = {name: cpu_s(pid) for name, pid in processes().items()}, time.monotonic() - t0
+    return {name: round((after[name] - x) / dt, 3) for name, x in before.items() if name in after and dt > 0}
 
 
 def close_latencies(lines: list[LogLine]) -> list[float]:
@@ -699,10 +733,16 @@ def close_latencies(lines: list[LogLine]) -> list[float]:
 def cost(c: CostSettings, log: Log) -> dict[str, Any]:
     """`c.repeats` pairs of runs (one coordinator, then two replicas), pooled per kind."""
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    errors = []
     for _ in range(c.repeats):
         for replicated in (False, True):
             with tempfile.TemporaryDirectory(prefix="diloco-bench-ha-cost-") as tmp:
-                r = cost_run(c, replicated, Path(tmp))
+                try:
+                    r = cost_run(c, replicated, Path(tmp))
+                except (TimeoutError, RuntimeError) as e:  # reported, not raised: the soak still runs
+                    errors.append(str(e))
+                    log(f"  {c.label}: a run failed: {e}")
+                    continue
             runs[replicated].append(r)
             what = "2 replicas, --sync-replicas 1" if replicated else "one coordinator"
             log(
@@ -719,6 +759,9 @@ def cost(c: CostSettings, log: Log) -> dict[str, Any]:
             "close_s": _median(close),
             "rounds_timed": len(intervals),
             "applied_to_published_s": [x for r in runs[kind] for x in r["applied_to_published_s"]],
+            "cores": {n: statistics.fmean(r["cores"][n] for r in runs[kind]) for n in runs[kind][0]["cores"]}
+            if runs[kind]
+            else {},
             "wall_s": sum(r["wall_s"] for r in runs[kind]),
             "runs": runs[kind],
         }
@@ -730,6 +773,7 @@ def cost(c: CostSettings, log: Log) -> dict[str, Any]:
         "settings": asdict(c),
         "plain": plain,
         "replicated": repl,
+        "errors": errors,
         "ratio": ratio,
         "close_extra_s": extra,  # the replication's own latency on the critical path
         "close_extra_fraction": extra / plain["round_s"] if extra is not None and plain["round_s"] else None,
@@ -1000,7 +1044,36 @@ def markdown(r: dict[str, Any]) -> str:
                 rows,
             )
         )
+        parts.append(cores_text(r["cost"]))
+        parts += [
+            f"**{c['settings']['label']}: a run failed:** {'; '.join(c['errors'])}" for c in r["cost"] if c["errors"]
+        ]
     return "\n\n".join(parts)
+
+
+def cores_text(costs: list[dict[str, Any]]) -> str:
+    """What shared the machine with the learners while the rounds were timed, in cores (of 2)."""
+
+    def learners(cores: dict[str, float]) -> str:
+        xs = [v for n, v in cores.items() if n.startswith("worker")]
+        return f"learners {statistics.fmean(xs):.2f} each" if xs else "learners –"
+
+    out = []
+    for c in costs:
+        p, q = c["plain"]["cores"], c["replicated"]["cores"]
+        if not p or not q:
+            continue
+        out.append(
+            f"{c['settings']['label']}: one coordinator {p.get('coordinator', math.nan):.2f}, {learners(p)}; "
+            f"replicated: leader {q.get(REPLICAS[0], math.nan):.2f}, standby {q.get(REPLICAS[1], math.nan):.2f}, "
+            f"etcd {q.get('etcd', math.nan):.2f}, {learners(q)}"
+        )
+    return (
+        "CPU while the rounds were timed, in cores of the 2 (mean over the runs; the rest of the machine's load is "
+        "other jobs): " + "; ".join(out) + "."
+        if out
+        else ""
+    )
 
 
 def ms(x: float | None) -> float | None:
