@@ -16,6 +16,7 @@ import pytest
 
 from diloco.cli.main import main
 from diloco.errors import ConfigError, not_leader
+from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.task.params import flatten_params
 from diloco.v1 import coordinator_pb2_grpc, replication_pb2_grpc
@@ -25,7 +26,6 @@ from services.coordinator.ha import HaReplica, NotLeaderServer, free_port
 from services.coordinator.server import CoordinatorServer
 from services.coordinator.standby import StandbyConfig, StandbyFollower
 from services.healthd.server import HealthdServer
-from tests.etcd_server import EtcdServer
 from tests.support import (
     DEAD_AFTER_S,
     Beater,

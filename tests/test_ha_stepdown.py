@@ -1,5 +1,5 @@
 """Operating coordinator replicas under etcd leadership (issue #14), with real processes: a real etcd
-(tests/etcd_server.py), two coordinators started with `--etcd` (the second follows the first as a hot standby with
+(diloco/ha/etcd_server.py), two coordinators started with `--etcd` (the second follows the first as a hot standby with
 `--sync-replicas 1`), healthd and two learners, every one of them given both coordinator addresses. `diloco ctl`
 (given the standby's address first) shows the leader, its epoch and the standby's lag, and the leader's metrics say
 the same; `diloco ctl step-down` hands leadership to the standby, which takes over at the old leader's newest
@@ -24,14 +24,13 @@ from diloco.cluster import (
     LocalCluster,
     LogFollower,
     Proc,
-    coordinator_flags,
     ledger_problems,
     ledger_shards,
     wait_for,
 )
+from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.etcd_server import EtcdServer
 from tests.support import Events
 
 TARGET = 1000  # not reached: the test ends once the new leader has made rounds of its own
@@ -76,14 +75,8 @@ def test_step_down_moves_leadership_and_ctl_healthd_and_learners_follow(
         cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
 
         def replica(name: str) -> Proc:
-            args = [
-                *coordinator_flags(cfg, 0, cluster.healthd_address, str(tmp_path / f"ckpt-{name}")),
-                *("--etcd", etcd_server.url, "--replica-id", name, "--replication-log", "16"),
-                *("--sync-replicas", "1", "--replica-ack-timeout-s", "2", "--metrics-port", "0"),
-                *TINY_TASK_ARGS,
-                "--insecure",
-            ]
-            return cluster._spawn(name, "services.coordinator", args)
+            args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2")
+            return cluster.start_replica(name, etcd_server.url, args=(*args, "--metrics-port", "0"))
 
         a = Events(cfg.run_dir / "coord-a.log", replica("coord-a"))
         promoted_a = wait_for("coord-a leads", lambda: a.first("replica.promoted"), timeout_s=60, interval_s=0.05)

@@ -1,10 +1,10 @@
 """Coordinator high availability, measured (issue #14): a soak of leader kills, the standby's lag, and what
 synchronous replication costs a round. Every process is real and on loopback, in plaintext: a real etcd
 (`diloco.ha.etcd_server`), coordinator replicas under its leadership (`diloco coordinator --etcd`, docs/ha.md),
-healthd, and learners given every replica's address (`--coordinator A,B`).
+healthd and learners, each given every replica's address (`--coordinator-address A,B`, `--coordinator A,B`).
 
-1. **Soak.** Two replicas (`--replication-log 16 --sync-replicas 1`), healthd (heartbeats only: it follows no
-   leader) and `workers` tiny-task learners in decoupled rounds. The benchmark is the replicas' supervisor: a
+1. **Soak.** Two replicas (`--replication-log 16 --sync-replicas 1`), healthd and `workers` tiny-task learners in
+   decoupled rounds. The benchmark is the replicas' supervisor: a
    replica that exits, or that it killed, is started again on its port and checkpoint folder after
    `restart_delay_s` (it comes back as a standby). After a steady phase the leader is SIGKILLed `kills` times. Each
    kill waits until the standby holds the leader's newest version under its epoch (`replication.applied` or
@@ -23,8 +23,9 @@ healthd, and learners given every replica's address (`--coordinator A,B`).
    resumed at or above every version any learner had received before the kill; no version was committed twice and
    commits never went backwards; epochs rose at every promotion; the ledger is exactly once
    (`diloco.cluster.ledger_problems`); the job finished at its target and no learner exited before.
-2. **Standby lag** during the steady phase: every `lag_poll_s`, the leader's applied version (GetStatus) against
-   the standby's newest; and per version, from the standby applying it to the leader publishing it.
+2. **Standby lag** during the steady phase: every `lag_poll_s`, the standby's lag in versions as the leader's
+   GetStatus reports it (what `diloco ctl status` shows: the newest version in the round log minus the newest
+   the standby acknowledged); and per version, from the standby applying it to the leader publishing it.
 3. **Cost of synchronous replication**: the same cluster shape in `sync` rounds (every learner H steps, then the
    round closes on the last learner's submission) with one plain coordinator, then with two replicas and
    `--sync-replicas 1`, alternating `repeats` times; round time is the interval between two `round.closed` lines,
@@ -248,23 +249,19 @@ class HaCluster:
         finally:
             self.etcd.stop()
 
-    def start(self, timeout_s: float, healthd_reports: bool = False) -> None:
-        """healthd, coord-a until it leads, coord-b until it follows, then the learners. healthd follows no leader
-        (docs/ha.md): it only takes heartbeats, or with `healthd_reports` reports to coord-a (for runs without
-        failover: a coordinator hearing from no healthd declares a learner dead that has not submitted within
-        `--confirm-timeout-s` of registering)."""
+    def start(self, timeout_s: float) -> None:
+        """healthd, coord-a until it leads, coord-b until it follows, healthd again with both addresses (it follows
+        the leader), then the learners."""
         c = self.cluster
         c.healthd_port = c.bound_port(c.start_healthd(), "healthd.started", timeout_s)
         a, b = self.replicas.values()
         self._start(a)
         self.until("coord-a to lead", lambda: a.promoted is not None, timeout_s)
-        if healthd_reports:
-            c.coordinator_port = a.port
-            c.stop_child("healthd", grace_s=10)
-            c.start_healthd()
         self._start(b)
         self.until("coord-b to follow coord-a", lambda: b.held is not None, timeout_s)
         both = f"{a.address},{b.address}"
+        c.stop_child("healthd", grace_s=10)
+        c.start_healthd(both)
         c.cfg.worker_args.update({i: ("--coordinator", both) for i in range(c.cfg.workers)})
         for i in range(c.cfg.workers):
             c.start_worker(i)
@@ -376,7 +373,7 @@ class Soak:
         self.ha, self.s, self.log = ha, s, log
         self.rng = random.Random(s.seed)
         self.kills: list[KillRecord] = []
-        self.lag: list[int] = []  # sampled: leader's applied version - standby's held version
+        self.lag: list[int] = []  # sampled: the standby's lag as the leader's GetStatus says (`ctl status`)
         self.rounds_per_s = 0.0  # in the steady phase
         self.early_exits: dict[str, str] = {}  # learners that exited before the job could finish
         self.target = 0  # the job's target, set for the final kill
@@ -409,14 +406,12 @@ class Soak:
         start, first = time.time(), leader.newest
         end_mono = time.monotonic() + self.s.steady_s
         while time.monotonic() < end_mono:
-            self.ha.pump()  # the standby first: a version applied between the two reads counts as lag, not lead
-            held = standby.held
+            self.ha.pump()
             try:
-                applied = self.ha.status(leader, timeout_s=1.0).version
+                status = self.ha.status(leader, timeout_s=1.0).ha
             except grpc.RpcError:
                 continue
-            if held is not None:
-                self.lag.append(applied - held[1])
+            self.lag += [r.lag_versions for r in status.replicas if r.replica_id == standby.name]
             time.sleep(self.s.lag_poll_s)
         end = time.time()
         self.rounds_per_s = (leader.newest - first) / (end - start)
@@ -645,8 +640,7 @@ def cycles(commits: list[tuple[float, int, int]], kills: list[KillRecord]) -> li
 
 
 def cost_run(c: CostSettings, replicated: bool, run_dir: Path) -> dict[str, Any]:
-    """One `sync` job of `c.rounds` rounds: one plain coordinator, or two replicas with `--sync-replicas 1` (healthd
-    reporting to the leader in both)."""
+    """One `sync` job of `c.rounds` rounds: one plain coordinator, or two replicas with `--sync-replicas 1`."""
     cfg = ClusterConfig(
         workers=c.workers,
         mode="sync",
@@ -664,7 +658,7 @@ def cost_run(c: CostSettings, replicated: bool, run_dir: Path) -> dict[str, Any]
     if replicated:
         args = ("--replication-log", str(c.replication_log), "--sync-replicas", "1")
         with HaCluster(cfg, args) as ha:
-            ha.start(timeout_s=c.timeout_s, healthd_reports=True)
+            ha.start(timeout_s=c.timeout_s)
             leader = ha.replicas[REPLICAS[0]]
 
             def reached(version: int) -> bool:
@@ -929,7 +923,7 @@ def markdown(r: dict[str, Any]) -> str:
         "Command: `python -m diloco.bench.bench_ha` (`diloco/bench/bench_ha.py`; its docstring says what each step "
         "waits for). Real processes on loopback, plaintext: etcd (Debian's etcd-server), two coordinator replicas "
         f"under its leadership (`--etcd`, `--replication-log {s['replication_log']} --sync-replicas 1`, lease TTL "
-        f"2 s), healthd and {s['workers']} learners of the tiny task (`diloco.cluster.TINY_TASK_ARGS`) given both "
+        f"2 s), healthd and {s['workers']} learners of the tiny task (`diloco.cluster.TINY_TASK_ARGS`), all given both "
         f"addresses, decoupled rounds (K = {s['min_quorum']}, H = {s['local_steps']}, learners slowed "
         f"{s['slowdown']:g}x), a checkpoint every {s['checkpoint_every']} rounds. The benchmark supervises the "
         f"replicas: one that ends is started again on its port {s['restart_delay_s']:g} s later, and comes back as "
@@ -971,11 +965,12 @@ def markdown(r: dict[str, Any]) -> str:
         hist = ", ".join(f"{k} behind: {v}" for k, v in lag["histogram"].items())
         a2p = m["applied_to_published_s"]
         parts.append(
-            f"Standby lag in the steady phase ({lag['samples']} samples every {s['lag_poll_s']:g} s of the leader's "
-            f"applied version, GetStatus, against the standby's newest `replication.applied`): {hist}; max "
-            f"{lag['max']}, mean {_s(lag['mean'])} versions. With `--sync-replicas 1` the leader publishes a version "
-            "only once the standby acknowledged it, so the standby is never behind a published version; the version "
-            "it lags is the one the leader has stepped and is waiting on. Standby applied a version → the leader "
+            f"Standby lag in the steady phase ({lag['samples']} samples every {s['lag_poll_s']:g} s of the lag the "
+            "leader's GetStatus reports, as `diloco ctl status` shows it: the round log's newest version minus the "
+            f"standby's newest acknowledged): {hist}; max {lag['max']}, mean {_s(lag['mean'])} versions. With "
+            "`--sync-replicas 1` the leader publishes a version only once the standby acknowledged it, so the standby "
+            "is never behind a published version; the version it lags is the one the leader has stepped and is "
+            "waiting on. Standby applied a version → the leader "
             f"published it: median {_s(ms(a2p['median']), 1)} ms, p90 {_s(ms(a2p['p90']), 1)} ms, max "
             f"{_s(ms(a2p['max']), 1)} ms ({a2p['n']} versions)."
         )
@@ -1016,16 +1011,16 @@ def markdown(r: dict[str, Any]) -> str:
         parts.append(
             "Cost of synchronous replication: the same job in `sync` rounds (every learner H steps, the round "
             "closes on the last learner's submission, learners wait for the new version), with one plain "
-            "coordinator and with two replicas under etcd and `--sync-replicas 1` (healthd reporting to the leader "
-            "in both), alternating in this run. Round: median interval between the leader's `round.closed` lines "
-            "after the first rounds (per run, and pooled over the runs of a kind). Close: median time from the "
-            "submission that closed a round to its publication (merge, outer step and, replicated, the log entry "
-            "and the wait for the standby's ack); its increase over one coordinator, as a share of the plain round, "
-            "is the replication's own latency on a round, and what the target is checked on: whole rounds are "
-            "mostly the learners' compute, which on this shared 2-core machine varies between two runs of the same "
-            "kind by more than the effect (compare the per-run medians). Ack wait: the standby applied a version → "
-            "the leader published it. The standby here shares the cores with the learners and the leader; on its "
-            "own machine its work (receiving, replaying and checking each version) would not slow them."
+            "coordinator and with two replicas under etcd and `--sync-replicas 1`, alternating in this run. Round: "
+            "median interval between the leader's `round.closed` lines after the first rounds (per run, and pooled "
+            "over the runs of a kind). Close: median time from the submission that closed a round to its "
+            "publication (merge, outer step and, replicated, the log entry and the wait for the standby's ack); its "
+            "increase over one coordinator, as a share of the plain round, is the replication's own latency on a "
+            "round, and what the target is checked on: whole rounds are mostly the learners' compute, which on this "
+            "shared 2-core machine varies between two runs of the same kind by more than the effect (compare the "
+            "per-run medians). Ack wait: the standby applied a version → the leader published it. The standby here "
+            "shares the cores with the learners and the leader; on its own machine its work (receiving, replaying "
+            "and checking each version) would not slow them."
         )
         parts.append(
             table(
