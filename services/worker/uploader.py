@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from diloco.core.leadership import leader_hint
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.rpc.bulk import bulk_upload, client_ssl_context_from_dir
 from diloco.rpc.payload import chunks
@@ -97,6 +98,8 @@ class Uploader:
                 reaction = react(Rpc.SUBMIT, code)
                 if reaction is Reaction.FAILOVER:
                     self.failover(e.details() or "")
+                    if leader_hint(e.details() or ""):
+                        backoff.reset()  # a leader named: the first try there is prompt, not this outage's n-th
                 if reaction.retries and not self._closed.is_set():
                     if time.monotonic() - started < self.cfg.retry_total_s:
                         sleep_s = backoff.next_s(e)
