@@ -36,7 +36,7 @@ from tests.chaos.ha_cluster import (
 )
 from tests.chaos.harness import RESULTS, DockerCluster, ScenarioResult, finish_and_check, unavailable
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(420)]  # the first to run also runs the baseline
 
 TAKEOVER_S = 10.0  # the bound: fault -> first round committed by the new leader
 REJOIN_S = 90.0  # reconnected (or started again) -> following the new leader
