@@ -100,10 +100,6 @@ class HaDockerCluster(DockerCluster):
             *("--host", self.cname(role), "--replica-id", role),
             *("--etcd", f"http://{self.cname('etcd')}:{ETCD_PORT}", "--etcd-private-network", "true"),
             *("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2"),
-            # healthd reports to the first replica only: at the second, after a failover, a learner would be
-            # confirmed only by a submission, and one planned a round longer than the 10 s lease is declared dead
-            # every 10 s (seen: 38 times in a run). Off until healthd follows the leader (docs/ha.md).
-            *("--confirm-timeout-s", "0"),
             *TASK_ARGS,
         ]
 
@@ -114,12 +110,11 @@ class HaDockerCluster(DockerCluster):
         self._security = security_of(self.tls_dir)
         self.network = self.client.networks.create(self.prefix, driver="bridge", labels=self.labels)
         self.start_etcd()
-        reports_to = f"{self.cname(REPLICAS[0])}:{COORDINATOR_PORT}"  # healthd reports to one coordinator
         self._run(
             "healthd",
             [
                 "healthd",
-                *("--port", str(HEALTHD_PORT), "--coordinator-address", reports_to),
+                *("--port", str(HEALTHD_PORT), "--coordinator-address", self.replica_addresses),  # follows the leader
                 *("--heartbeat-interval-s", str(c.heartbeat_interval_s), "--dead-after-s", str(c.dead_after_s)),
             ],
             "healthd",
