@@ -1,7 +1,9 @@
 """Container HEALTHCHECK: exit 0 when the service in this container is healthy, 1 when not.
 
-coordinator, healthd: `grpc.health.v1.Health/Check` on localhost:PORT must answer SERVING, PORT being the
-`--port` flag of the container's command or `DILOCO_PORT`. With a TLS folder (`--tls-dir` or `DILOCO_TLS_DIR`) the
+coordinator, healthd: `grpc.health.v1.Health/Check` on HOST:PORT must answer SERVING, PORT being the `--port` flag
+of the container's command or `DILOCO_PORT`, HOST the address it binds (`--host` or `DILOCO_HOST`; 127.0.0.1 for a
+wildcard address). A coordinator replica under etcd leadership (`--etcd` or `DILOCO_ETCD`) is healthy also when it
+answers NOT_SERVING: that is a standby (docker-compose.ha.yml). With a TLS folder (`--tls-dir` or `DILOCO_TLS_DIR`) the
 check is mutual TLS as the service's own identity (`--tls-name` or `DILOCO_TLS_NAME`, else the service's name),
 checking the server certificate against that name (every certificate `diloco certs` issues names itself); health
 checks need no token. Without one (`--insecure`, `DILOCO_INSECURE=1`), plaintext.
@@ -67,13 +69,19 @@ def grpc_channel(address: str, tls_dir: str, tls_name: str) -> grpc.Channel:
     return grpc.secure_channel(address, credentials, options=[("grpc.ssl_target_name_override", tls_name)])
 
 
-def check_grpc(port: str, tls_dir: str = "", tls_name: str = "") -> str:
-    """'' when SERVING, else what is wrong."""
+WILDCARDS = ("", "0.0.0.0", "::", "[::]")  # addresses a server binds to listen on every interface
+
+
+def check_grpc(port: str, tls_dir: str = "", tls_name: str = "", host: str = "", standby_ok: bool = False) -> str:
+    """'' when SERVING (or NOT_SERVING with `standby_ok`: a standby replica) on `host` (a wildcard address or '':
+    127.0.0.1), else what is wrong."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    if host in WILDCARDS:
+        host = "127.0.0.1"
     try:
-        channel = grpc_channel(f"127.0.0.1:{port}", tls_dir, tls_name)
+        channel = grpc_channel(f"{host}:{port}", tls_dir, tls_name)
     except OSError as e:
         return f"TLS files in {tls_dir} for {tls_name!r}: {e}"
     with channel:
@@ -81,7 +89,10 @@ def check_grpc(port: str, tls_dir: str = "", tls_name: str = "") -> str:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError as e:
             return f"health check on port {port}: {e.code().name}"
-    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+    serving = (health_pb2.HealthCheckResponse.SERVING,)
+    if standby_ok:
+        serving += (health_pb2.HealthCheckResponse.NOT_SERVING,)
+    if reply.status not in serving:
         return f"port {port}: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
     return ""
 
@@ -100,10 +111,12 @@ def main(argv: Sequence[str], env: Mapping[str, str]) -> int:
         port = flag(argv, "--port", env, "DILOCO_PORT")
         tls_dir = flag(argv, "--tls-dir", env, "DILOCO_TLS_DIR")
         tls_name = flag(argv, "--tls-name", env, "DILOCO_TLS_NAME") or service
+        host = flag(argv, "--host", env, "DILOCO_HOST")
+        standby_ok = service == "coordinator" and bool(flag(argv, "--etcd", env, "DILOCO_ETCD"))
         if not (port.isdigit() and port != "0"):
             problem = f"{service}: no fixed --port to check"
         else:
-            problem = check_grpc(port, tls_dir, tls_name)
+            problem = check_grpc(port, tls_dir, tls_name, host, standby_ok)
     elif service == "worker":
         port = flag(argv, "--metrics-port", env, "DILOCO_METRICS_PORT")
         problem = check_http(port) if port.isdigit() and port != "0" else ""

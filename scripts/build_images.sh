@@ -5,18 +5,25 @@
 #      from the Debian mirror configured in /etc/apt; its rootfs tarball is cached, the image is reused when present;
 #   2. wheelhouse  of every runtime dependency (torch==2.13.0 CPU included) downloaded on the host with pip for the
 #      container's Python (bookworm: CPython 3.11, x86_64), cached by a hash of the requirement list;
-#   3. docker build --build-arg BASE_IMAGE=diloco-base:bookworm with ./wheelhouse/ in the context (pip --no-index).
+#   3. docker build --build-arg BASE_IMAGE=diloco-base:bookworm with ./wheelhouse/ in the context (pip --no-index);
+#   4. etcd image  diloco-etcd:latest  for docker-compose.ha.yml and the HA chaos tests: the host's etcd binary
+#      (Debian's etcd-server, installed by scripts/install_etcd.sh when missing) on the base image
+#      (docker/etcd.Dockerfile). Compose runs it when DILOCO_ETCD_IMAGE names it (its default is the public image).
 #
-# Real users do not need this script: `docker build -f docker/Dockerfile .` uses python:3.11-slim and PyPI.
+# Real users do not need this script: `docker build -f docker/Dockerfile .` uses python:3.11-slim and PyPI, and
+# docker-compose.ha.yml pulls the public etcd image.
 #
-# Environment: DILOCO_IMAGE (diloco:latest), DILOCO_BASE_IMAGE (diloco-base:bookworm), DILOCO_CACHE_DIR
-# (/var/cache/diloco-docker), PYTHON (the host interpreter whose pip downloads wheels; .venv/bin/python),
-# DEBIAN_MIRROR (read from /etc/apt/sources.list.d/ when unset). Flags: --rebuild-base, --refresh-wheels.
+# Environment: DILOCO_IMAGE (diloco:latest), DILOCO_BASE_IMAGE (diloco-base:bookworm), DILOCO_ETCD_IMAGE
+# (diloco-etcd:latest; also tagged with the binary's version), DILOCO_CACHE_DIR (/var/cache/diloco-docker), PYTHON
+# (the host interpreter whose pip downloads wheels; .venv/bin/python), ETCD_BIN (the etcd binary to copy; `etcd`
+# on PATH), DEBIAN_MIRROR (read from /etc/apt/sources.list.d/ when unset). Flags: --rebuild-base,
+# --refresh-wheels, --etcd-only (step 4 alone; steps 1 and 4 when the base image is missing).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 IMAGE=${DILOCO_IMAGE:-diloco:latest}
 BASE_IMAGE=${DILOCO_BASE_IMAGE:-diloco-base:bookworm}
+ETCD_IMAGE=${DILOCO_ETCD_IMAGE:-diloco-etcd:latest}
 CACHE_DIR=${DILOCO_CACHE_DIR:-/var/cache/diloco-docker}
 PYTHON=${PYTHON:-.venv/bin/python}
 SUITE=bookworm
@@ -24,11 +31,13 @@ TORCH_SPEC=torch==2.13.0
 BASE_PACKAGES=python3,python3-venv,iproute2,iptables
 REBUILD_BASE=0
 REFRESH_WHEELS=0
+ETCD_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --rebuild-base) REBUILD_BASE=1 ;;
         --refresh-wheels) REFRESH_WHEELS=1 ;;
-        -h | --help) sed -n '2,16p' "$0"; exit 0 ;;
+        --etcd-only) ETCD_ONLY=1 ;;
+        -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "build_images.sh: unknown argument $arg (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -37,10 +46,14 @@ log() { printf '[build_images %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 elapsed() { echo "$(($(date +%s) - $1)) s"; }
 
 ROOTFS=""  # a debootstrap folder to remove if the script stops half-way
-trap 'if [[ -n $ROOTFS ]]; then rm -rf "$ROOTFS"; fi; rm -f "$CACHE_DIR"/*.tmp' EXIT
+ETCD_CONTEXT=""  # the etcd image's build context, removed at exit
+trap 'if [[ -n $ROOTFS ]]; then rm -rf "$ROOTFS"; fi; if [[ -n $ETCD_CONTEXT ]]; then rm -rf "$ETCD_CONTEXT"; fi
+    rm -f "$CACHE_DIR"/*.tmp' EXIT
 
 docker info >/dev/null 2>&1 || { echo "build_images.sh: no Docker engine; run scripts/start_docker.sh" >&2; exit 1; }
 mkdir -p "$CACHE_DIR"
+# the legacy builder where the buildx plugin is missing (Debian's docker.io); both read the same Dockerfiles
+docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
 
 # --- 1. base image ---------------------------------------------------------------------------------------------
 debian_mirror() {
@@ -104,6 +117,33 @@ else
     build_base
 fi
 
+# --- 4. etcd image (defined here, run at the end, or alone with --etcd-only) ------------------------------------
+build_etcd() {
+    local t0 bin version
+    t0=$(date +%s)
+    bin=${ETCD_BIN:-$(command -v etcd || true)}
+    if [[ -z $bin ]]; then
+        bash scripts/install_etcd.sh
+        bin=$(command -v etcd || echo /usr/bin/etcd)
+    fi
+    version=$("$bin" --version | awk '/^etcd Version:/ { print $3 }')
+    [[ -n $version ]] || { echo "build_images.sh: $bin --version names no etcd version" >&2; exit 1; }
+    ETCD_CONTEXT=$(mktemp -d)
+    cp "$bin" "$ETCD_CONTEXT/etcd"
+    log "docker build -> $ETCD_IMAGE and ${ETCD_IMAGE%%:*}:$version (etcd $version from $bin, BASE_IMAGE=$BASE_IMAGE)"
+    docker build -f docker/etcd.Dockerfile --build-arg BASE_IMAGE="$BASE_IMAGE" -t "$ETCD_IMAGE" \
+        -t "${ETCD_IMAGE%%:*}:$version" "$ETCD_CONTEXT" >"$CACHE_DIR/build-etcd.log" 2>&1 ||
+        { tail -n 20 "$CACHE_DIR/build-etcd.log" >&2; exit 1; }
+    rm -rf "$ETCD_CONTEXT"
+    ETCD_CONTEXT=""
+    log "etcd image ready in $(elapsed "$t0"): $ETCD_IMAGE (compose: DILOCO_ETCD_IMAGE=$ETCD_IMAGE)"
+}
+
+if [[ $ETCD_ONLY == 1 ]]; then
+    build_etcd
+    exit 0
+fi
+
 # --- 2. wheelhouse ---------------------------------------------------------------------------------------------
 # The container's interpreter must match the host's one that downloads (same tag: cp311, manylinux x86_64).
 container_py=$(docker run --rm --entrypoint python3 "$BASE_IMAGE" -c \
@@ -159,8 +199,6 @@ rm -f wheelhouse/.complete
 t0=$(date +%s)
 : >"$CACHE_DIR/build.log"
 log "docker build -> $IMAGE (BASE_IMAGE=$BASE_IMAGE, offline wheelhouse)"
-# the legacy builder where the buildx plugin is missing (Debian's docker.io); both read the same Dockerfile
-docker buildx version >/dev/null 2>&1 || export DOCKER_BUILDKIT=0
 # The build stage is tagged too, so that pruning the untagged leftovers of earlier builds keeps the layer cache
 # (the dependency layer with torch is the slow one).
 for target in build final; do
@@ -171,3 +209,5 @@ done
 docker image prune -f --filter label=org.opencontainers.image.title=decoupled-diloco >/dev/null
 log "image ready in $(elapsed "$t0"): $IMAGE $(docker image inspect -f '{{.Size}}' "$IMAGE" |
     awk '{printf "%.0f MB", $1 / 1e6}')"
+
+build_etcd

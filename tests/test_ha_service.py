@@ -137,6 +137,23 @@ def test_etcd_needs_checkpoints_and_the_replication_log_and_excludes_follow(tmp_
     assert cfg.etcd_endpoint() == ("127.0.0.1", 2379) and cfg.replica_id == "r1"
 
 
+def test_etcd_off_loopback_needs_the_private_network_flag(tmp_path: Path) -> None:
+    """Containers reach etcd by its service name: allowed only when the operator says the network is private (the
+    adapter speaks plain HTTP without auth)."""
+    flags = ["--etcd", "http://etcd:2379", "--checkpoint-dir", str(tmp_path), "--replication-log", "4"]
+    with pytest.raises(ConfigError, match="--etcd-private-network true"):
+        parse(["--insecure", *flags], {})
+    cfg = parse(["--insecure", *flags, "--etcd-private-network", "true"], {})
+    assert cfg.etcd_endpoint() == ("etcd", 2379)
+    cfg = parse(["--insecure", *flags], {"DILOCO_ETCD_PRIVATE_NETWORK": "1"})
+    assert cfg.etcd_endpoint() == ("etcd", 2379)
+    assert parse_etcd_endpoints("http://10.0.0.1:2379", private_network=True) == ("10.0.0.1", 2379)
+    with pytest.raises(ConfigError, match="http://HOST:PORT"):  # still one well-formed endpoint
+        parse_etcd_endpoints("etcd:2379", private_network=True)
+    with pytest.raises(ConfigError, match="etcd_private_network"):
+        CoordinatorServiceConfig(etcd_private_network="yes")  # type: ignore[arg-type]
+
+
 def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
     a, b, c = "127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"
     now = [100.0]

@@ -1,5 +1,6 @@
 """docker/healthcheck.py, the containers' HEALTHCHECK: mutual TLS with the mounted certificates when a TLS folder is
-set (no token needed), plaintext otherwise; a check that cannot connect reports unhealthy."""
+set (no token needed), plaintext otherwise; a check that cannot connect reports unhealthy; the address the service
+binds is the one checked; a coordinator replica under etcd leadership is healthy as a standby (NOT_SERVING)."""
 
 from __future__ import annotations
 
@@ -84,3 +85,21 @@ def test_a_stopped_server_is_unhealthy(pki: Path) -> None:
     assert hc.check_grpc(str(port), str(pki), "coordinator") == ""
     server.stop(0)
     assert hc.check_grpc(str(port), str(pki), "coordinator").startswith(f"health check on port {port}: ")
+
+
+def test_the_bound_host_is_checked_and_a_standby_replica_is_healthy(pki: Path) -> None:
+    server = serve(pki)
+    port = str(server.port)
+    tls = {"DILOCO_TLS_DIR": str(pki), "DILOCO_TLS_NAME": "coordinator"}
+    argv = ["diloco", "coordinator", "--port", port]
+    try:
+        assert hc.main([*argv, "--host", "127.0.0.1"], tls) == 0
+        assert hc.main(argv, {**tls, "DILOCO_HOST": "0.0.0.0"}) == 0  # a wildcard: checked on 127.0.0.1
+        assert hc.main([*argv, "--host", "127.0.0.2"], tls) == 1  # bound elsewhere: nothing answers there
+        server.set_serving(False)  # what a replica's stand-in answers while another replica leads
+        assert hc.main(argv, tls) == 1
+        assert hc.main([*argv, "--etcd", "http://etcd:2379"], tls) == 0
+        assert hc.main(argv, {**tls, "DILOCO_ETCD": "http://etcd:2379"}) == 0
+        assert hc.main(["diloco", "healthd", "--port", port], {**tls, "DILOCO_ETCD": "http://etcd:2379"}) == 1
+    finally:
+        server.stop(0)

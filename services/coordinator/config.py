@@ -137,6 +137,7 @@ class CoordinatorServiceConfig:
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
     etcd: str = ""  # http://HOST:PORT of etcd (loopback): campaign for leadership there (services/coordinator/ha.py)
+    etcd_private_network: bool = False  # etcd may be off loopback: the network to it is private (containers)
     fault_crash_before_answer: str = ""  # fault tests only: `CrashFault` ("": never)
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -209,6 +210,8 @@ class CoordinatorServiceConfig:
             raise ConfigError(f"follow must be HOST:PORT of the leading coordinator or '', got {self.follow!r}")
         if not isinstance(self.replica_id, str) or len(self.replica_id) > 256 or not self.replica_id.isprintable():
             raise ConfigError(f"replica_id must be at most 256 printable characters, got {self.replica_id!r}")
+        if not isinstance(self.etcd_private_network, bool):
+            raise ConfigError(f"etcd_private_network must be true or false, got {self.etcd_private_network!r}")
         self.etcd_endpoint()
         self.crash_fault()
         if self.etcd:
@@ -233,8 +236,9 @@ class CoordinatorServiceConfig:
 
     def etcd_endpoint(self) -> tuple[str, int] | None:
         """`etcd` as (host, port); None when not set. `ConfigError` unless it is one http://HOST:PORT with a
-        loopback host (the etcd adapter speaks plain HTTP to one endpoint, so it must not leave the machine)."""
-        return parse_etcd_endpoints(self.etcd)
+        loopback host (the etcd adapter speaks plain HTTP without auth to one endpoint, so it must not leave the
+        machine), or any host with `etcd_private_network` (a network nobody else joins, e.g. compose's)."""
+        return parse_etcd_endpoints(self.etcd, private_network=self.etcd_private_network)
 
     def crash_fault(self) -> CrashFault | None:
         """The crash `fault_crash_before_answer` asks for (None: none)."""
@@ -445,6 +449,13 @@ _SERVICE_FLAGS: list[Flag] = [
         "hot standbys and take over when its lease expires (needs --checkpoint-dir and --replication-log)",
     ),
     (
+        "--etcd-private-network",
+        parse_bool,
+        False,
+        "let --etcd name a host off loopback (true/false): etcd is spoken to in plain HTTP without auth, so only "
+        "over a private network that nobody else joins (a compose or docker bridge network)",
+    ),
+    (
         "--fault-crash-before-answer",
         str,
         "",
@@ -481,8 +492,9 @@ MAX_ETCD_ENDPOINTS = 1  # the adapter (diloco.ha.etcd) speaks to one endpoint
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 
-def parse_etcd_endpoints(value: object) -> tuple[str, int] | None:
-    """'' -> None; 'http://HOST:PORT' (HOST loopback) -> (HOST, PORT); anything else is a ConfigError."""
+def parse_etcd_endpoints(value: object, private_network: bool = False) -> tuple[str, int] | None:
+    """'' -> None; 'http://HOST:PORT' (HOST loopback, or any host when `private_network`) -> (HOST, PORT); anything
+    else is a ConfigError."""
     if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
         raise ConfigError(f"etcd must be http://HOST:PORT (at most 512 printable characters), got {value!r}")
     if not value:
@@ -496,8 +508,11 @@ def parse_etcd_endpoints(value: object) -> tuple[str, int] | None:
     if m is None:
         raise ConfigError(f"etcd endpoint must be http://HOST:PORT, got {parts[0]!r} (flag --etcd)")
     host, port = m.group(1), int(m.group(2))
-    if host not in _LOOPBACK and not host.startswith("127."):
-        raise ConfigError(f"etcd endpoint must be on loopback (plain HTTP, no auth), got host {host!r} (flag --etcd)")
+    if not private_network and host not in _LOOPBACK and not host.startswith("127."):
+        raise ConfigError(
+            f"etcd endpoint must be on loopback (plain HTTP, no auth), got host {host!r} (flag --etcd); on a private "
+            "network (containers) add --etcd-private-network true"
+        )
     if not 1 <= port <= 65535:
         raise ConfigError(f"etcd port must be in 1..65535, got {port} (flag --etcd)")
     return host.strip("[]"), port

@@ -67,13 +67,14 @@ def chaos_config(docker_client: Any) -> ChaosConfig:
 def make_cluster(
     docker_client: Any, chaos_config: ChaosConfig, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Callable[..., DockerCluster]]:
-    """`make_cluster(name, **overrides)` starts a cluster; every one is torn down after the test, pass or fail, its
-    containers' logs kept in pytest's base temp folder under `chaos-logs/`."""
+    """`make_cluster(name, **overrides)` starts a cluster (a `DockerCluster`, or the subclass `kind`, e.g.
+    `HaDockerCluster`); every one is torn down after the test, pass or fail, its containers' logs kept in pytest's
+    base temp folder under `chaos-logs/`."""
     made: list[DockerCluster] = []
 
-    def make(name: str, **overrides: Any) -> DockerCluster:
+    def make(name: str, kind: type[DockerCluster] = DockerCluster, **overrides: Any) -> DockerCluster:
         cfg = ChaosConfig(**{**chaos_config.__dict__, **overrides})
-        cluster = DockerCluster(docker_client, cfg, name)
+        cluster = kind(docker_client, cfg, name)
         made.append(cluster)
         cluster.start()
         return cluster

@@ -315,6 +315,10 @@ class DockerCluster:
     def logs(self, role: str, tail: int | str = "all") -> str:
         return str(self.containers[role].logs(tail=tail).decode(errors="replace"))
 
+    def coordinator_logs(self) -> str:
+        """What the coordinator logged (every replica's, in a cluster of several)."""
+        return self.logs("coordinator")
+
     def all_logs(self) -> dict[str, str]:
         return {role: self.logs(role) for role in self.containers}
 
@@ -451,11 +455,16 @@ def remove_labelled(client: Any, labels: dict[str, str]) -> None:
 
 
 # --- pure checks -----------------------------------------------------------------------------------------------
-def error_lines(role: str, text: str, allowed_events: Iterable[str] = ()) -> list[str]:
-    """Error-level JSON log lines and tracebacks in one container's log, less the events the fault explains."""
+def error_lines(
+    role: str, text: str, allowed_events: Iterable[str] = (), allowed_exceptions: Iterable[str] = ()
+) -> list[str]:
+    """Error-level JSON log lines and tracebacks in one container's log, less the events the fault explains and the
+    tracebacks whose exception line (the first unindented line after it) contains one of `allowed_exceptions`."""
     allowed = set(allowed_events)
+    exceptions = tuple(allowed_exceptions)
+    lines = text.splitlines()
     found = []
-    for line in text.splitlines():
+    for i, line in enumerate(lines):
         stripped = line.strip()
         if stripped.startswith("{"):
             try:
@@ -466,8 +475,18 @@ def error_lines(role: str, text: str, allowed_events: Iterable[str] = ()) -> lis
             if level in ("error", "critical", "fatal") and entry.get("event") not in allowed:
                 found.append(f"{role}: {stripped[:400]}")
         elif stripped.startswith("Traceback"):
-            found.append(f"{role}: {stripped}")
+            raised = exception_line(lines[i + 1 :])
+            if not any(e in raised for e in exceptions):
+                found.append(f"{role}: {stripped} {raised[:300]}")
     return found
+
+
+def exception_line(after: Sequence[str]) -> str:
+    """The exception a traceback ends with: the first unindented line after its `Traceback` line."""
+    for line in after:
+        if line.strip() and not line[0].isspace():
+            return line.strip()
+    return ""
 
 
 def eval_losses(coordinator_log: str) -> dict[int, float]:
@@ -558,6 +577,11 @@ def render_table(results: Sequence[ScenarioResult]) -> str:
     return "\n".join(lines)
 
 
+def allowed_for(role: str, allowed: dict[str, set[str]] | None) -> set[str]:
+    """What `allowed` (role prefix -> names) allows in container `role`'s log."""
+    return {name for prefix, names in (allowed or {}).items() if role.startswith(prefix) for name in names}
+
+
 # --- the invariants every scenario ends with -------------------------------------------------------------------
 def finish_and_check(
     cluster: DockerCluster,
@@ -565,11 +589,13 @@ def finish_and_check(
     baseline: ScenarioResult | None,
     *,
     allowed_errors: dict[str, set[str]] | None = None,
+    allowed_tracebacks: dict[str, set[str]] | None = None,
     timeout_s: float = 180.0,
 ) -> ScenarioResult:
     """The invariants every scenario ends with: the job finishes; the ledger holds every committed range exactly
-    once and no incarnation that is gone owns a shard; no error-level log line but those the fault explains
-    (`allowed_errors`: role prefix -> event names); the final loss is within `LOSS_MARGIN` of the baseline's (the
+    once and no incarnation that is gone owns a shard; no error-level log line nor traceback but those the fault
+    explains (`allowed_errors`: role prefix -> event names; `allowed_tracebacks`: role prefix -> text of the
+    exception line); the final loss is within `LOSS_MARGIN` of the baseline's (the
     baseline itself must end at least 1 nat below an untrained model). Fills in `result`'s loss, goodput (tokens
     applied per second from the first round to the end) and wall time."""
     cluster.wait_finished(timeout_s)
@@ -583,16 +609,12 @@ def finish_and_check(
     assert not problems, "ledger: " + "; ".join(problems)
     stale_owners = {s.owner for s in ledger.shards if s.owner in gone}
     assert not stale_owners, f"incarnations that are gone still own shards: {stale_owners}"
-    result.final_loss = final_loss(eval_losses(cluster.logs("coordinator")))
+    result.final_loss = final_loss(eval_losses(cluster.coordinator_logs()))
     result.goodput_tokens_per_s = status.tokens_applied / result.wall_s
-    allowed = allowed_errors or {}
     errors = []
     for role, text in cluster.all_logs().items():
-        events: set[str] = set()
-        for prefix, names in allowed.items():
-            if role.startswith(prefix):
-                events |= names
-        errors += error_lines(role, text, events)
+        events = allowed_for(role, allowed_errors)
+        errors += error_lines(role, text, events, allowed_for(role, allowed_tracebacks))
     assert not errors, "error-level log lines not explained by the injected fault:\n" + "\n".join(errors[:20])
     assert math.isfinite(result.final_loss), "no validation loss"
     if baseline is None:

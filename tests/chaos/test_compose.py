@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from diloco.cluster import LedgerShard, ledger_problems
+from tests.chaos.ha_cluster import ETCD_IMAGE
 from tests.chaos.harness import (
     IMAGE,
     UNTRAINED_LOSS,
@@ -36,6 +37,7 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+HA_COMPOSE_FILE = ROOT / "docker-compose.ha.yml"
 CTL = [sys.executable, "-m", "diloco.cli.main", "ctl"]  # `diloco ctl` on the host
 
 
@@ -50,14 +52,14 @@ def compose_command() -> list[str] | None:
 
 
 class Project:
-    def __init__(self, client: Any, name: str, env: dict[str, str]) -> None:
+    def __init__(self, client: Any, name: str, env: dict[str, str], file: Path = COMPOSE_FILE) -> None:
         cmd = compose_command()
         if cmd is None:
             unavailable("neither `docker compose` nor `docker-compose` is installed (scripts/start_docker.sh)")
         assert cmd is not None
         self.client = client
         self.name = f"diloco-chaos-{name}-{uuid.uuid4().hex[:8]}"
-        self.cmd = [*cmd, "-f", str(COMPOSE_FILE), "-p", self.name]
+        self.cmd = [*cmd, "-f", str(file), "-p", self.name]
         # the host's DILOCO_* settings must not leak into the project: only ours
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         self.env.update(
@@ -69,6 +71,12 @@ class Project:
             DILOCO_COORDINATOR_METRICS_HOST_PORT="",
             DILOCO_COORDINATOR_BULK_HOST_PORT="",
             DILOCO_HEALTHD_METRICS_HOST_PORT="",
+            # docker-compose.ha.yml's replicas
+            DILOCO_COORDINATOR_A_HOST_PORT="",
+            DILOCO_COORDINATOR_A_METRICS_HOST_PORT="",
+            DILOCO_COORDINATOR_B_HOST_PORT="",
+            DILOCO_COORDINATOR_B_METRICS_HOST_PORT="",
+            DILOCO_ETCD_IMAGE=ETCD_IMAGE,
             **env,
         )
 
@@ -122,17 +130,24 @@ class Project:
 
 
 @pytest.fixture
-def project(docker_client: Any) -> Iterator[Any]:
+def project(docker_client: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`project(name, file=..., **env)`: a compose project, brought down after the test, its `logs` kept in pytest's
+    base temp folder (chaos-logs/<project>.log), pass or fail."""
     made: list[Project] = []
 
-    def make(name: str, **env: str) -> Project:
-        p = Project(docker_client, name, env)
+    def make(name: str, file: Path = COMPOSE_FILE, **env: str) -> Project:
+        p = Project(docker_client, name, env, file)
         made.append(p)
         return p
 
     yield make
+    logs = Path(tmp_path_factory.getbasetemp()) / "chaos-logs"
     for p in made:
-        p.down()
+        try:
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"{p.name}.log").write_text(p.run("logs", "--no-color", check=False).stdout)
+        finally:
+            p.down()
 
 
 class Unreachable(AssertionError):
@@ -148,12 +163,13 @@ def reachable_yet(error: Exception) -> bool:
     return isinstance(error, Unreachable)
 
 
-def ctl(port: int, tls_dir: Path, action: str) -> dict[str, Any]:
-    """`diloco ctl --coordinator 127.0.0.1:PORT --tls-dir DIR --json ACTION`, run from the host as a user would.
-    A transient failure raises `Unreachable`."""
+def ctl(port: int, tls_dir: Path, action: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """`diloco ctl --coordinator 127.0.0.1:PORT --tls-dir DIR --timeout-s T --json ACTION`, run from the host as a
+    user would. A transient failure raises `Unreachable`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    where = ["--coordinator", f"127.0.0.1:{port}", "--tls-dir", str(tls_dir), "--timeout-s", str(timeout_s)]
     proc = subprocess.run(
-        [*CTL, "--coordinator", f"127.0.0.1:{port}", "--tls-dir", str(tls_dir), "--json", action],
+        [*CTL, *where, "--json", action],
         capture_output=True,
         text=True,
         timeout=30,
@@ -211,6 +227,87 @@ def test_compose_up_trains_the_default_task(project: Any, tmp_path: Path) -> Non
         check=False,
     )
     assert refused.returncode != 0, refused.stdout
+
+
+def test_ha_compose_up_fails_over_and_the_old_leader_comes_back_as_a_standby(
+    project: Any, docker_client: Any, tmp_path: Path
+) -> None:
+    """docker-compose.ha.yml as its header says: etcd and two replicas, one leads (the other's stand-in answers
+    "not the leader"), `kill` the leader mid-run: the other leads under a higher epoch and the job finishes there
+    with the ledger exactly once; `start` the killed one: the new leader's status lists it as a standby, both are
+    healthy (a standby's NOT_SERVING is healthy for the container's HEALTHCHECK), and the `ctl` service, given both
+    replicas, reaches the leader."""
+    try:
+        docker_client.images.get(ETCD_IMAGE)
+    except Exception:
+        unavailable(
+            f"etcd image {ETCD_IMAGE} not found; build it with scripts/build_images.sh or set DILOCO_ETCD_IMAGE"
+        )
+    p = project(
+        "ha-up",
+        file=HA_COMPOSE_FILE,
+        DILOCO_TARGET_OUTER_STEPS="16",
+        DILOCO_CHECKPOINT_EVERY="2",
+        DILOCO_LOCAL_STEPS="5",
+        DILOCO_MIN_LOCAL_STEPS="2",
+    )
+    p.run("up", "-d", "--scale", "worker=1", timeout_s=240)
+    tls = p.copy_admin_tls(tmp_path / "tls")
+    replicas = ("coordinator-a", "coordinator-b")
+
+    def leader() -> tuple[str, dict[str, Any]]:
+        for name in replicas:
+            try:  # from the host one replica at a time: the leader it names is not reachable by its name from here
+                return name, ctl(p.host_port(name, 50051), tls, "status", timeout_s=3)
+            except Unreachable:
+                continue  # a standby refuses with UNAVAILABLE, naming the leader
+        raise Unreachable("no replica leads yet")
+
+    def leader_at(version: int) -> tuple[str, dict[str, Any]] | None:
+        found = leader()
+        return found if int(found[1]["version"]) >= version else None
+
+    old, before = wait_for("a leader at version 3", lambda: leader_at(3), 240, 0.5, reachable_yet)
+    new = next(r for r in replicas if r != old)
+    assert before["ha"]["replica_id"] == old and before["ha"]["is_leader"], before["ha"]
+    p.run("kill", old)
+
+    def led_by_new() -> dict[str, Any] | None:
+        name, status = leader()
+        return status if name == new else None
+
+    after = wait_for(f"{new} to lead", led_by_new, 60, 0.5, reachable_yet)
+    assert int(after["coordinator_epoch"]) > int(before["coordinator_epoch"]), (before, after)
+    assert int(after["ha"]["leader_epoch"]) == int(after["coordinator_epoch"]), after["ha"]
+    assert int(after["version"]) >= int(before["version"]) - 1, (before, after)  # GetStatus may name an unpublished v
+    p.run("start", old)
+    port = p.host_port(new, 50051)
+    wait_for("training to finish", lambda: ctl(port, tls, "status")["finished"], 240, 0.5, reachable_yet)
+    status = ctl(port, tls, "status")
+    ledger = ctl(port, tls, "ledger")
+    shards = [
+        LedgerShard(
+            int(s["shard_id"]),
+            int(s["committed"]),
+            tuple((int(r["start"]), int(r["end"])) for r in s["committed_ranges"]),
+        )
+        for s in ledger["shards"]
+    ]
+    assert not ledger_problems(shards, int(status["tokens_applied"]))
+
+    def following() -> bool:
+        standbys = ctl(port, tls, "status")["ha"].get("replicas", [])
+        return any(r["replica_id"] == old for r in standbys)
+
+    wait_for(f"{old} to follow {new} again", following, 90, 1, reachable_yet)
+    inside = json.loads(p.run("run", "--rm", "-T", "ctl", "--json", "status").stdout)  # both addresses: the leader
+    assert inside["ha"]["replica_id"] == new and inside["ha"]["is_leader"], inside["ha"]
+
+    def both_healthy() -> bool:
+        ps = p.run("ps").stdout
+        return all(re.search(rf"{name}.*\(healthy\)", ps) for name in replicas)
+
+    wait_for("both replicas healthy (leader and standby)", both_healthy, 60, 1)
 
 
 BAD_CONFIGS = [

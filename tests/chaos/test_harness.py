@@ -6,6 +6,7 @@ import json
 import math
 
 from diloco.cluster import LedgerShard, ledger_problems
+from tests.chaos.ha_cluster import Term, backwards, leadership_terms, overlapping_terms, received_versions, unix_s
 from tests.chaos.harness import (
     ScenarioResult,
     error_lines,
@@ -48,6 +49,25 @@ def test_error_lines_finds_errors_and_tracebacks_and_honours_the_allowlist() -> 
     assert len(allowed) == 2 and all("coordinator_unreachable" not in line for line in allowed)
 
 
+def test_a_traceback_is_allowed_only_by_its_exception_line() -> None:
+    log = "\n".join(
+        [
+            "Traceback (most recent call last):",
+            '  File "ha.py", line 90, in __init__',
+            "    bound = self._server.add_secure_port(where, creds)",
+            "RuntimeError: Failed to bind to address coordinator-a:50051; set GRPC_VERBOSITY=debug",
+            "Traceback (most recent call last):",
+            '  File "state.py", line 1, in step',
+            "ValueError: something else",
+        ]
+    )
+    found = error_lines("coordinator-a", log)
+    assert len(found) == 2 and "RuntimeError: Failed to bind" in found[0] and "ValueError" in found[1]
+    allowed = error_lines("coordinator-a", log, allowed_exceptions={"Failed to bind to address coordinator-a"})
+    assert len(allowed) == 1 and "ValueError" in allowed[0]
+    assert len(error_lines("coordinator-a", log, allowed_exceptions={"Failed to bind to address other"})) == 2
+
+
 def test_median_and_table() -> None:
     assert median([3.0, 1.0, 2.0]) == 2.0
     assert median([1.0, 2.0]) == 1.5
@@ -69,3 +89,52 @@ def test_final_loss_is_the_mean_of_the_last_evaluations_after_a_restart() -> Non
     assert losses[5] == 9.0 and losses[7] == 1.0 and len(losses) == 7
     assert final_loss(losses, last=3) == (9.0 + 9.0 + 1.0) / 3
     assert math.isnan(final_loss({}))
+
+
+def _event(event: str, second: float, **fields: object) -> str:
+    stamp = f"2026-01-01T00:00:{second:09.6f}Z"
+    return json.dumps({"event": event, "level": "info", "timestamp": stamp, **fields})
+
+
+def test_leadership_terms_follow_promotions_retirements_and_restarts() -> None:
+    a = "\n".join(
+        [
+            _event("replica.started", 1.0),
+            _event("replica.promoted", 1.5, epoch=2),
+            _event("submission.accepted", 3.0),
+            _event("round.closed", 4.0),
+            _event("replica.retiring", 5.0, epoch=2),
+            "Traceback (most recent call last):",  # not a log event: skipped
+            _event("replica.started", 9.0),  # restarted: a standby now
+            _event("replica.following", 9.1),
+        ]
+    )
+    terms = leadership_terms("coordinator-a", a)
+    at = unix_s("2026-01-01T00:00:00Z")
+    assert terms == [Term("coordinator-a", 2, at + 1.5, at + 4.0, at + 5.0)]
+    b = "\n".join([_event("replica.started", 1.2), _event("replica.promoted", 6.0, epoch=4), _event("round.closed", 7)])
+    both = terms + leadership_terms("coordinator-b", b)
+    assert overlapping_terms(both) == []
+    late = "\n".join([_event("replica.promoted", 4.5, epoch=4)])  # promoted before a's last round (4.0 < 4.5 ok)
+    assert overlapping_terms(terms + leadership_terms("coordinator-b", late)) == []
+    early = "\n".join([_event("replica.promoted", 3.5, epoch=4)])  # a closed a round after b led: two leaders
+    problems = overlapping_terms(terms + leadership_terms("coordinator-b", early))
+    assert len(problems) == 1 and "accepted work 0.500 s after" in problems[0]
+    lower = "\n".join([_event("replica.promoted", 6.0, epoch=2)])  # a later term under the same epoch
+    assert any("led epoch 2 after" in p for p in overlapping_terms(terms + leadership_terms("coordinator-b", lower)))
+
+
+def test_versions_going_backwards_and_what_a_learner_received() -> None:
+    assert backwards([1, 2, 2, 5]) == []
+    assert backwards([1, 3, 2, 4, 1]) == ["3 -> 2", "4 -> 1"]
+    log = "\n".join(
+        [
+            _event("worker.broadcast_received", 1.0, version=3),
+            _event("worker.broadcast_received", 2.0, version=4),
+            _event("worker.reregister", 2.5),
+            _event("worker.broadcast_received", 3.0, version=6),
+        ]
+    )
+    assert received_versions(log) == [3, 4, 6]
+    cut = unix_s("2026-01-01T00:00:02.500000Z")
+    assert received_versions(log, before_unix_s=cut) == [3, 4]
