@@ -54,6 +54,7 @@ def leader(epoch: int = 5, granted_at: float = 0.0, now: float = 0.01) -> Leader
         {"observe_interval_s": math.inf},
         {"rejoin_after_s": -0.1},
         {"rejoin_after_s": "1"},
+        {"orphan_after_s": 0},
     ],
 )
 def test_config_refuses(kw: dict[str, object]) -> None:
@@ -82,6 +83,42 @@ def test_a_fresh_replica_campaigns_at_once() -> None:
     [t] = m.campaign_started(0.0)
     assert (t.previous, t.role) == (Role.FOLLOWER, Role.CANDIDATE)
     assert m.due(10.0) is Action.NONE and m.next_deadline() is None  # the campaign is in flight
+
+
+def test_a_replica_that_joins_a_running_job_lets_an_up_to_date_standby_take_over_first() -> None:
+    # b was restarted while its dead incarnation's key still stood; a is the standby in step with the dead leader
+    b = Leadership("b", "b:1", CFG)
+    a = Leadership("a", "a:1", CFG)
+    dead = LeaderInfo("b", "b:1", 5)
+    b.campaign_started(0.0)
+    b.lost(dead, 0.1)
+    assert b.behind and b.role is Role.FOLLOWER
+    a.observed(dead, 0.0)
+    a.caught_up(0.05)  # the dead leader had acknowledged a's versions
+    assert not a.behind
+    for m in (a, b):
+        m.observed(None, 2.0)  # the dead leader's lease expired
+    assert a.due(2.0) is Action.CAMPAIGN
+    assert b.due(2.0) is not Action.CAMPAIGN and b.due(2.0 + CFG.orphan_after_s - 0.01) is not Action.CAMPAIGN
+    assert b.next_deadline() is not None and b.next_deadline() <= 2.0 + CFG.orphan_after_s
+    assert b.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN  # nobody took over: it leads with what it has
+
+
+def test_a_replica_behind_campaigns_at_once_after_a_leader_vouched_for_it() -> None:
+    m = Leadership("b", "b:1", CFG)
+    m.observed(OTHER, 0.0)
+    assert m.behind
+    m.caught_up(1.0)
+    m.observed(None, 3.0)
+    assert not m.behind and m.due(3.0) is Action.CAMPAIGN
+
+
+def test_a_cold_start_is_not_behind() -> None:
+    m = Leadership("a", "a:1", CFG)
+    m.observed(None, 0.0)
+    assert not m.behind and m.due(0.0) is Action.CAMPAIGN
+    w = leader()
+    assert not w.behind
 
 
 def test_winner_leads_until_its_fence_time_and_renewals_move_it() -> None:
@@ -158,6 +195,7 @@ def test_loser_follows_the_holder_and_campaigns_when_the_key_is_gone() -> None:
     assert m.due(0.05) is Action.NONE and m.due(0.11) is Action.OBSERVE
     m.observed(OTHER, 0.11)
     assert m.due(0.15) is Action.NONE
+    m.caught_up(0.15)  # it followed the holder as a standby, in step (else it would wait orphan_after_s)
     m.observed(None, 0.21)
     assert m.leader is None and m.epoch == 7 and m.due(0.21) is Action.CAMPAIGN
     m.campaign_started(0.21)

@@ -118,6 +118,7 @@ def test_a_dead_leader_is_fenced_before_its_lease_expires_and_the_other_takes_ov
     assert one_leader(cluster) is a
     b = cluster.add("b")
     until("b follows a", lambda: b.view().leader is not None, cluster, 5.0)
+    b.caught_up()  # a standby in step with a (else, having joined while a led, it would wait orphan_after_s)
     old = a.view()
     a.stop(resign=False)  # the driver dies: no more renewals, no resignation
     killed = time.monotonic()
@@ -148,6 +149,7 @@ def test_resign_hands_over_at_once(cluster: Cluster) -> None:
     assert one_leader(cluster) is a
     b = cluster.add("b")
     until("b follows a", lambda: b.view().leader is not None, cluster, 5.0)
+    b.caught_up()  # a standby in step with a (else, having joined while a led, it would wait orphan_after_s)
     old_epoch = a.view().epoch
     started = time.monotonic()
     a.step_down()
@@ -221,6 +223,7 @@ def test_a_lease_revoked_by_hand_ends_leadership_within_a_renew_interval(cluster
     assert one_leader(cluster) is a
     b = cluster.add("b")
     until("b follows a", lambda: b.view().leader is not None, cluster, 5.0)
+    b.caught_up()  # a standby in step with a (else, having joined while a led, it would wait orphan_after_s)
     old_epoch = a.view().epoch
     client = raw_client(cluster.etcd)
     [(_, meta)] = client.get(KEY, metadata=True)

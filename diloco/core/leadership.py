@@ -43,6 +43,14 @@ is refused (`check_epoch` / `require_epoch`: FAILED_PRECONDITION naming the curr
 a newer epoch is reported as AHEAD and changes nothing: only etcd says who leads, so a message can never raise the
 epoch (a corrupt one would otherwise lock out every real leader).
 
+Who may take over. A replica whose first campaign or read finds a leader joins a running job: its state (a
+checkpoint, perhaps written when it led before dying) may be older than a standby's, so it is *behind* until a
+leader vouches for its state (`caught_up`: the leader accepted its acknowledgement of a version it applied). While
+behind it campaigns only `orphan_after_s` after the key went, so an up-to-date standby takes over first; if none
+does, it leads with what it has. (Seen in the soak of `diloco bench --only ha`: a leader killed and restarted at
+once campaigned as its old key expired, won against the standby and served from its checkpoint, a version behind
+what learners held.)
+
 Time never runs backwards inside the machine: a `now` older than the latest one seen is taken as the latest.
 The machine is not thread-safe; the caller serializes calls.
 """
@@ -98,9 +106,19 @@ class LeadershipConfig:
     observe_interval_s: float = 0.1
     # A replica that stepped down or was fenced campaigns again only after this, so another one takes over.
     rejoin_after_s: float = 2.0
+    # A replica that joined while another led, and has not been in step with a leader since (`caught_up`),
+    # campaigns only once the leader key has been gone this long: an up-to-date standby takes over first.
+    orphan_after_s: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("lease_ttl_s", "renew_interval_s", "safety_margin_s", "retry_interval_s", "observe_interval_s"):
+        for name in (
+            "lease_ttl_s",
+            "renew_interval_s",
+            "safety_margin_s",
+            "retry_interval_s",
+            "observe_interval_s",
+            "orphan_after_s",
+        ):
             _positive_finite(name, getattr(self, name))
         r = _seconds(self.rejoin_after_s)
         if r is None or r < 0:
@@ -239,6 +257,12 @@ class Leadership:
         self._observe_at = -math.inf  # due at once
         self._campaign_at = -math.inf
         self._resign_at = -math.inf
+        # Behind: the first read of the key found a leader (this replica joins a running job, e.g. restarted after
+        # it died leading: its state may be older than a standby's) and no leader has vouched for its state since
+        # (`caught_up`). While behind it campaigns only `orphan_after_s` after the key went (`_leaderless_since`).
+        self._first_read = True
+        self.behind = False
+        self._leaderless_since: float | None = None
 
     # --- queries --------------------------------------------------------------------------------------------
     def may_accept(self, now: float) -> bool:
@@ -273,7 +297,7 @@ class Leadership:
         """What the driver should do at `now` (call `tick(now)` first so time-driven transitions are applied)."""
         now = max(now, self._now)
         if self.role is Role.FOLLOWER:
-            if self.leader is None and now >= self._campaign_at:
+            if self.leader is None and now >= self._may_campaign_at():
                 return Action.CAMPAIGN
             if now >= self._observe_at:
                 return Action.OBSERVE
@@ -293,7 +317,7 @@ class Leadership:
         """The earliest time at which something becomes due or a tick changes something (None: only an input
         can change anything)."""
         if self.role is Role.FOLLOWER:
-            return min(self._campaign_at, self._observe_at) if self.leader is None else self._observe_at
+            return min(self._may_campaign_at(), self._observe_at) if self.leader is None else self._observe_at
         if self.role is Role.LEADER:
             fence = self.fence_at
             return min(self._renew_at, self._observe_at, fence if fence is not None else math.inf)
@@ -301,7 +325,19 @@ class Leadership:
             return self._resign_at
         return None
 
+    def _may_campaign_at(self) -> float:
+        if not self.behind:
+            return self._campaign_at
+        since = self._leaderless_since if self._leaderless_since is not None else self._now
+        return max(self._campaign_at, since + self.cfg.orphan_after_s)
+
     # --- inputs ---------------------------------------------------------------------------------------------
+    def caught_up(self, now: float) -> None:
+        """A leader vouched for this replica's state (it acknowledged a version the standby applied): no longer
+        behind."""
+        self._advance(now)
+        self.behind = False
+
     def tick(self, now: float) -> list[Transition]:
         """Apply what time alone earns: a leader past its fence time is FENCED."""
         now = self._advance(now)
@@ -324,6 +360,7 @@ class Leadership:
         out = self.tick(now)
         self._expect(Role.CANDIDATE, "won")
         now = self._now
+        self._first_read, self._leaderless_since = False, None
         if epoch <= self.epoch:
             # etcd's revisions went backwards (its data was lost): leading under this epoch would be refused
             # by everyone who saw the old one. Give the key back; the next wins come with higher revisions.
@@ -343,6 +380,9 @@ class Leadership:
         """The key exists: `leader` holds it."""
         out = self.tick(now)
         self._expect(Role.CANDIDATE, "lost")
+        if self._first_read:  # the first campaign found a leader: this replica joins a running job
+            self._first_read, self.behind = False, True
+        self._leaderless_since = None
         self._learn(leader)
         self._observe_at = self._now + self.cfg.observe_interval_s
         out.append(self._move(Role.FOLLOWER, self._now, f"{leader.replica_id} leads epoch {leader.epoch}"))
@@ -391,6 +431,13 @@ class Leadership:
         if holder is not None and holder.epoch < self.epoch:
             return out  # older than what this replica knows: ignored (epochs never go backwards)
         mine = holder is not None and holder.epoch == self.epoch and holder.replica_id == self.replica_id
+        if self._first_read:
+            self._first_read, self.behind = False, holder is not None and self.role is Role.FOLLOWER
+        if holder is None:
+            if self._leaderless_since is None:
+                self._leaderless_since = now
+        else:
+            self._leaderless_since = None
         if self.role is Role.FOLLOWER:
             if holder is None:
                 self.leader = None  # campaign (after any hold-off)

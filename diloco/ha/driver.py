@@ -121,6 +121,15 @@ class LeadershipDriver:
         with self._lock:
             return self._machine.require_epoch(message_epoch)
 
+    def caught_up(self) -> None:
+        """A leader vouched for this replica's state (`Leadership.caught_up`): it may take over at once."""
+        with self._lock:
+            was = self._machine.behind
+            self._machine.caught_up(self._clock())
+        if was:
+            self._log.info("leadership.caught_up")
+            self._wake.set()
+
     def step_down(self, reason: str = "asked to step down") -> None:
         """Stop leading at once and give the key back; this replica may campaign again after rejoin_after_s."""
         with self._lock:

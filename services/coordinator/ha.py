@@ -187,6 +187,7 @@ class HaReplica:
     def _follow(self, address: str) -> None:
         self._stop_follower()
         follower, chan = follower_from(replace(self.cfg, etcd="", follow=address, replica_id=self.replica_id))
+        follower.on_acked = lambda _version: self.driver.caught_up()  # in step with a leader: may take over
         self._follower, self._channel, self._following = follower, chan, address
         follower.start()
         self.log.info("replica.following", leader=address)

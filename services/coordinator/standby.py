@@ -70,11 +70,15 @@ class StandbyFollower:
         fingerprint: str,
         numel: int,
         on_version: Callable[[int], None] | None = None,
+        on_acked: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_version(v)`: the standby applied version v; `on_acked(v)`: the leader accepted its acknowledgement of
+        v (the leader holds the same bits at v: this standby is in step with it)."""
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.standby = Standby(numel)
         self.on_version = on_version
+        self.on_acked = on_acked
         self.failed = ""  # why the leader refused this standby for good ("" while following)
         self.resyncs = 0  # refusals that made it ask for a snapshot
         self.snapshots = 0  # snapshots loaded from the leader
@@ -215,6 +219,9 @@ class StandbyFollower:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the leader holds other bits at this version
                 raise ResyncRequired(ResyncReason.CHECKSUM, f"the leader refused the ack: {e.details()}") from None
             self.log.info("replication.ack_failed", version=version, code=e.code().name)  # the gate copes
+            return
+        if self.on_acked is not None:
+            self.on_acked(version)
 
     def _checkpoint(self, version: int) -> None:
         cfg = self.cfg
