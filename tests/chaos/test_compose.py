@@ -313,7 +313,7 @@ def test_ha_compose_up_fails_over_and_the_old_leader_comes_back_as_a_standby(
 BAD_CONFIGS = [
     ("coordinator", {"DILOCO_MODE": "bogus"}, "mode: unknown value 'bogus'"),
     ("coordinator", {"DILOCO_CODEC": "nope"}, "codec: unknown value 'nope'"),
-    ("worker", {"DILOCO_COORDINATOR": ""}, "coordinator: expected HOST:PORT"),
+    ("worker", {"DILOCO_COORDINATOR": ""}, "expected HOST:PORT"),
 ]
 
 
