@@ -43,6 +43,7 @@ from diloco.cluster import (  # noqa: F401  (wait_for and the rest are re-export
     wait_for,
 )
 from diloco.core.codecs import get_codec
+from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.server import channel
 from diloco.task.data import DataConfig
@@ -57,6 +58,15 @@ from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
 
 V = TypeVar("V")
+
+# --- coordinator replicas (real processes) --------------------------------------------------------------------
+
+
+def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str) -> Proc:
+    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task."""
+    args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra)
+    return cluster.start_replica(name, etcd.url, args=args)
+
 
 # --- the tiny task ---------------------------------------------------------------------------------------------
 

@@ -36,15 +36,9 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events
+from tests.support import Events, spawn_replica
 
 TARGET = 16
-
-
-def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str) -> Proc:
-    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task."""
-    args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra)
-    return cluster.start_replica(name, etcd.url, args=args)
 
 
 @pytest.mark.timeout(150)

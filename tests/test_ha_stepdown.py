@@ -31,7 +31,7 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events
+from tests.support import Events, spawn_replica
 
 TARGET = 1000  # not reached: the test ends once the new leader has made rounds of its own
 
@@ -75,8 +75,7 @@ def test_step_down_moves_leadership_and_ctl_healthd_and_learners_follow(
         cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
 
         def replica(name: str) -> Proc:
-            args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2")
-            return cluster.start_replica(name, etcd_server.url, args=(*args, "--metrics-port", "0"))
+            return spawn_replica(cluster, etcd_server, name, "--metrics-port", "0")
 
         a = Events(cfg.run_dir / "coord-a.log", replica("coord-a"))
         promoted_a = wait_for("coord-a leads", lambda: a.first("replica.promoted"), timeout_s=60, interval_s=0.05)
