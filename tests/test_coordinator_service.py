@@ -499,7 +499,8 @@ def test_a_standby_taking_over_writes_its_state_as_the_newest_checkpoint(tmp_pat
     for v in (4, 5, 6):
         checkpoint.save(tmp_path, {"version": v, "params": torch.full((3,), -1.0)}, keep=5)
     standby = {"version": 5, "params": torch.full((3,), 5.0)}
-    path, stale = checkpoint.save_as_newest(tmp_path, standby, 5, keep=5)
+    stale = checkpoint.discard_after(tmp_path, 5)
+    path, _ = checkpoint.save(tmp_path, standby, keep=5)
     assert stale == [checkpoint.checkpoint_path(tmp_path, 6)]
     snap, newest = checkpoint.load_latest(tmp_path) or ({}, None)
     assert newest == path == checkpoint.checkpoint_path(tmp_path, 5)

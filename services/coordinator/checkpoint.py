@@ -132,21 +132,15 @@ def prune(directory: str | Path, keep: int) -> list[Path]:
     return removed
 
 
-def save_as_newest(
-    directory: str | Path, snapshot: dict[str, Any] | Callable[[], dict[str, Any]], version: int, keep: int = 3
-) -> tuple[Path, list[Path]]:
-    """Write `snapshot` (of `version`) as the newest checkpoint in `directory`, whatever is there: every checkpoint
-    of a later version is deleted first, one of the same version replaced. For a standby taking over: files it did
-    not write itself may come from an earlier life of the replica as leader, rounds the new leader never had (one
-    published without a standby's ack), and the server resumes from the newest file. Returns the path written and
-    the paths deleted."""
+def discard_after(directory: str | Path, version: int) -> list[Path]:
+    """Delete every checkpoint of a version later than `version`; returns their paths. For a standby taking over:
+    files it did not write itself may come from an earlier life of the replica as leader, rounds the new leader
+    never had (one published without a standby's ack), and the server resumes from the newest file."""
     stale = [p for v, p in list_checkpoints(directory) if v > version]
     for p in stale:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
-    path, written = save(directory, snapshot, keep)
-    assert written == version, f"the snapshot is of version {written}, not {version}"
-    return path, stale
+    return stale
 
 
 def load(path: str | Path) -> dict[str, Any]:

@@ -290,10 +290,12 @@ class HaReplica:
         if chan is not None:
             chan.close()
         version = follower.version
-        if version is not None:  # always written: an older file of that version may be another history's
-            _, stale = checkpoint.save_as_newest(
-                self.cfg.checkpoint_dir, follower.standby.core_snapshot, version, keep=self.cfg.keep_checkpoints
-            )
+        if version is not None:
+            stale = checkpoint.discard_after(self.cfg.checkpoint_dir, version)
+            # written unless the follower wrote this version itself: a file of that version from anywhere else may
+            # be another history's (and a model-sized write is time the takeover waits for)
+            if follower.written != version:
+                checkpoint.save(self.cfg.checkpoint_dir, follower.standby.core_snapshot, keep=self.cfg.keep_checkpoints)
             if stale:
                 self.log.warning("replica.checkpoints_discarded", version=version, paths=[str(p) for p in stale])
         return version

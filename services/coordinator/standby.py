@@ -90,6 +90,7 @@ class StandbyFollower:
         self._thread: threading.Thread | None = None
         self._resync = False  # ask holding nothing: the next thing is a snapshot
         self._last_ckpt = -1
+        self.written: int | None = None  # the version of the newest checkpoint this follower wrote itself
         self.log = logging.get("coordinator", role="standby", replica_id=cfg.replica_id)
 
     @property
@@ -229,7 +230,7 @@ class StandbyFollower:
             return
         started = time.monotonic()
         path, saved = checkpoint.save(cfg.checkpoint_dir, self.standby.core_snapshot, keep=cfg.keep_checkpoints)
-        self._last_ckpt = saved
+        self._last_ckpt = self.written = saved
         self.log.info("checkpoint.saved", path=str(path), version=saved, seconds=round(time.monotonic() - started, 3))
 
 
