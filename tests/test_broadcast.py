@@ -118,6 +118,35 @@ def test_the_history_holds_at_most_half_a_snapshot_of_deltas(codec: str, kept: i
     assert shadow.updates_since(5 - kept, 6) is None  # further behind: a snapshot
 
 
+@pytest.mark.parametrize("codec", ["fp32", *LOSSY])
+def test_a_learner_holding_its_own_version_0_gets_deltas_only_when_its_checksum_matches(codec: str) -> None:
+    """A fresh learner built version 0 itself and names its checksum: the same bits get the chain from version 0
+    (nothing while 0 is current) and end bit-identical; other bits (another seed) get a snapshot, and so does
+    everyone once version 0 has left the window."""
+    thetas = walk(1000, 4)
+    own, wrong = params_checksum(thetas[0].clone()), params_checksum(walk(1000, 0, seed=1)[0])
+    shadow = BroadcastShadow(thetas[0], 0, codec)
+    assert shadow.checksum_of(0) == own and own != wrong
+    assert shadow.updates_since(0, 0, own) == [] and shadow.updates_since(0, 0, wrong) is None
+    served = []
+    for v in range(1, 5):
+        shadow.record(shadow.advance(thetas[v], v))
+        assert shadow.updates_since(0, v, wrong) is None and shadow.updates_since(0, v, own ^ 1) is None
+        chain = shadow.updates_since(0, v, own)
+        if chain is None:  # version 0 left the window (fp32 keeps no delta, bf16/int8 one, int4 three)
+            assert shadow.checksum_of(0) is None
+            continue
+        served.append(v)
+        follower = BroadcastFollower()
+        follower.snapshot(0, thetas[0].clone())  # what the learner built from the task and seed
+        for d in chain:
+            decoded = get_codec(codec).decode(d.data, d.meta)
+            assert not isinstance(follower.delta(d.version, d.base, decoded, d.checksum), Refusal)
+        assert torch.equal(bits(follower.params), bits(shadow.shadow))  # type: ignore[arg-type]
+    assert served == {"fp32": [], "bf16": [1], "int8": [1], "int4": [1, 2, 3]}[codec]
+    assert shadow.updates_since(4, 4, shadow.checksum_of(4)) == [] and shadow.updates_since(4, 4, wrong) is None
+
+
 def test_fp32_broadcasts_are_full_snapshots_of_theta() -> None:
     thetas = walk(100, 3)
     shadow = BroadcastShadow(thetas[0], 5, "fp32")
