@@ -21,7 +21,7 @@ from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, p
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
-from diloco.sim.config import SimConfig
+from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import simulate
 from diloco.sim.result import SimResult
 from diloco.sim.result import encoded_size as timing_size
@@ -225,11 +225,33 @@ def test_simulated_bytes_down_follow_the_broadcast_codec() -> None:
 
     fp32, int4 = run("fp32"), run("int4")
     assert fp32.rounds == int4.rounds == 5 and fp32.bytes_up == int4.bytes_up
-    snapshots = 2 * 4 * 100_000  # each learner's first version; the last round's version is not broadcast
-    assert fp32.bytes_down == snapshots + 4 * 2 * 4 * 100_000
-    assert int4.bytes_down == snapshots + 4 * 2 * timing_size(get_codec("int4"), 100_000)  # the --no-train estimate
+    # each learner holds version 0 itself (no first download); the last round's version is not broadcast
+    assert fp32.bytes_down == 4 * 2 * 4 * 100_000
+    assert int4.bytes_down == 4 * 2 * timing_size(get_codec("int4"), 100_000)  # the --no-train estimate
     with pytest.raises(ConfigError, match="broadcast_codec"):
         SimConfig(broadcast_codec="topk")
+
+
+def test_simulated_learners_download_only_what_their_own_version_0_lacks() -> None:
+    """A learner process builds version 0 from the seed: at the start it downloads nothing, a learner revived
+    while version 0 is in the window only the deltas from it, one revived later a full snapshot."""
+
+    def run(revive_at: float) -> SimResult:
+        cfg = SimConfig(
+            mode="sync", speeds=(1.0, 1.0), train=False, model_numel=100_000, outer_steps=6, local_steps=10,
+            step_time_s=1.0, latency_s=0.0, bandwidth_bytes_per_s=1e12, dead_after_s=1.0,
+            failures=parse_failures(f"kill:1@5,revive:1@{revive_at}"),
+        )  # fmt: skip
+        return simulate(dataclasses.replace(cfg, broadcast_codec="int4"))
+
+    delta = timing_size(get_codec("int4"), 100_000)
+    # learner 1 dies at 5 s; learner 0 alone publishes a version every 10 s, broadcast to it (versions 1-5; the
+    # last, 6, is not broadcast)
+    assert run(1e9).bytes_down == 5 * delta  # revived after the run
+    # revived at version 1: the delta from its own version 0, then versions 2-5 as learner 0
+    assert run(15.5).bytes_down == 5 * delta + 1 * delta + 4 * delta
+    # revived at version 5: version 0 left the window (int4 keeps three deltas): a full snapshot
+    assert run(55.5).bytes_down == 5 * delta + 4 * 100_000
 
 
 # --- the coordinator through a real channel ------------------------------------------------------------------------
