@@ -25,6 +25,8 @@ from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import simulate
 from diloco.sim.result import SimResult
 from diloco.sim.result import encoded_size as timing_size
+from diloco.task.factory import TaskConfig, build_task
+from diloco.task.params import flatten_params
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import parse
 from services.worker.session import SessionLost
@@ -326,6 +328,77 @@ def test_a_version_s_bytes_are_held_once_and_never_change(start: Callable[..., E
         assert chain is not None and history is not None and chain[0].data is history[0].data
     rounds(env, reg, 1, start=1)
     assert state.published().version == 2 and zlib.crc32(snap.data) == snap.checksum  # as it was sent
+
+
+def own_version0(env: Env, reg: pb.RegisterResponse, seed: int | None = None) -> torch.Tensor:
+    """What a fresh learner builds: the task of `reg` (its task_json) with the coordinator's init seed (or `seed`)."""
+    task = build_task(TaskConfig.from_json(reg.task_json))
+    return flatten_params(task.model_fn(reg.init_seed if seed is None else seed)).to("cpu")
+
+
+def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Callable[..., Env]) -> None:
+    """WatchParameters with `held_crc32`: the right checksum of version 0 gets a `held` header (no data) while 0 is
+    current and the deltas from it later; a wrong one, or a version gone from the window, a full snapshot."""
+    env = start(broadcast_codec="int4", seed=3)
+    reg = register(env)
+    assert reg.init_seed == 3
+    v0 = own_version0(env, reg)
+    own, other = params_checksum(v0), params_checksum(own_version0(env, reg, seed=4))
+    assert own != other
+
+    def headers(after: int, crc: int | None) -> list[pb.ParametersHeader]:
+        req = pb.WatchParametersRequest(worker_id=reg.worker_id, after_version=after, held_crc32=crc)
+        return [m.header for m in env.stub.WatchParameters(req, timeout=T) if m.HasField("header")]
+
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
+    assert len(msgs) == 1 and msgs[0].header.held and msgs[0].header.version == 0
+    assert msgs[0].header.params_crc32 == own and not msgs[0].header.HasField("payload")
+    wrong = headers(0, other)
+    assert [(h.version, h.held, h.HasField("delta_from")) for h in wrong] == [(0, False, False)]  # a snapshot
+    rounds(env, reg, 2)
+    chain = headers(0, own)
+    assert [(h.version, h.delta_from, h.held) for h in chain] == [(1, 0, False), (2, 1, False)]
+    follower = BroadcastFollower()
+    follower.snapshot(0, v0)
+    stream = iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
+    for v in (1, 2):
+        header, decoded = read_one(stream, env.numel)
+        assert not isinstance(follower.delta(v, header.delta_from, decoded, header.params_crc32), Refusal)
+    with env.server.state.work:
+        assert torch.equal(bits(follower.params), bits(env.server.state.shadow.shadow))  # type: ignore[arg-type]
+    assert [(h.version, h.HasField("delta_from")) for h in headers(0, other)] == [(2, False)]
+    assert [(h.version, h.held) for h in headers(2, params_checksum(follower.params))] == [(2, True)]  # type: ignore[arg-type]
+    assert [(h.version, h.HasField("delta_from")) for h in headers(2, own)] == [(2, False)]  # not Θ̂_2's checksum
+    rounds(env, reg, 2, start=2)  # int4 keeps three deltas: version 0 has left the window
+    assert [(h.version, h.HasField("delta_from")) for h in headers(0, own)] == [(4, False)]
+    assert [(h.version, h.HasField("delta_from")) for h in headers(7, own)] == [(4, False)]  # never had it
+
+
+@pytest.mark.parametrize("seed", [None, 4], ids=["same_seed", "other_seed"])
+def test_the_watcher_adopts_its_own_version_0_only_when_the_coordinator_holds_the_same(
+    start: Callable[..., Env], seed: int | None
+) -> None:
+    env = start(broadcast_codec="int4")
+    reg = register(env)
+    inbox: queue.Queue[object] = queue.Queue()
+    v0 = own_version0(env, reg, seed)
+    w = Watcher(
+        env.stub, reg.worker_id, reg.coordinator_epoch, env.numel, inbox.put, structlog.get_logger(), version0=v0
+    )
+    try:
+        first = inbox.get(timeout=30)
+        assert isinstance(first, Delivered) and first.broadcast.version == 0 and first.broadcast.plan is not None
+        assert (first.flat is v0) == (seed is None)  # its own tensor, or a snapshot
+        with env.server.state.work:
+            assert torch.equal(bits(first.flat), bits(env.server.state.shadow.shadow))
+        rounds(env, reg, 2)
+        got = [inbox.get(timeout=30) for _ in range(2)]
+        delivered = [g for g in got if isinstance(g, Delivered)]
+        assert [d.broadcast.version for d in delivered] == [1, 2]
+        with env.server.state.work:
+            assert torch.equal(bits(delivered[-1].flat), bits(env.server.state.shadow.shadow))
+    finally:
+        w.close()
 
 
 class CorruptingProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]

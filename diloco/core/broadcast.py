@@ -13,8 +13,9 @@ learner holding version u is answered (`updates_since`) with nothing (u is curre
 by whoever sends it). A learner may name the checksum of the version it holds (a fresh learner holds the version 0
 it built itself from the task and seed): the chain is sent only when that is the checksum of this shadow's `Θ̂_u`
 (`checksum_of`: the version recorded last, or the base of a delta kept), else a snapshot, so a learner whose own
-version differs (another seed, torch build or device) is never sent deltas onto the wrong base. With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot,
-encoded when the version is published (the behaviour before compressed broadcasts).
+version differs (another seed, torch build or device) is never sent deltas onto the wrong base. With the `fp32`
+codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot, encoded when the version is published
+(the behaviour before compressed broadcasts).
 
 `BroadcastFollower` (learner side) holds `Θ̂` and its version; it takes snapshots, applies deltas whose base it
 holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
@@ -192,9 +193,7 @@ class BroadcastShadow:
         while len(self._deltas) > 1 and sum(len(d.data) for d in self._deltas) > budget:
             self._deltas.popleft()
 
-    def updates_since(
-        self, held: int | None, current: int, held_checksum: int | None = None
-    ) -> list[Delta] | None:
+    def updates_since(self, held: int | None, current: int, held_checksum: int | None = None) -> list[Delta] | None:
         """What a learner holding version `held` (None: none) needs to reach `current` (the published version): []
         when it holds it, the deltas held+1..current when all are kept, else None (a full snapshot). With
         `held_checksum` (the crc32 the learner computed of what it holds), also None unless that is the checksum
