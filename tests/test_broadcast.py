@@ -34,6 +34,7 @@ from services.worker.watcher import Delivered, Watcher, WatchFailed
 from tests.support import (
     Env,
     T,
+    Events,
     assert_finished_and_learned,
     cluster_config,
     make_upload,
@@ -61,7 +62,7 @@ def walk(numel: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def decode_streamed(delta_data: bytes | memoryview, meta: object, numel: int, chunk: int) -> torch.Tensor:
+def decode_streamed(delta_data: bytes | bytearray | memoryview, meta: object, numel: int, chunk: int) -> torch.Tensor:
     """What a learner's watcher decodes: the payload fed in chunks of `chunk` bytes."""
     receiver = PayloadReceiver(meta, numel)  # type: ignore[arg-type]
     view = memoryview(delta_data)
@@ -518,7 +519,36 @@ def test_cluster_with_int8_broadcasts_learns_exactly_once(tmp_path: Path) -> Non
         status = c.final_status()
         header = next(iter(c.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))).header
         fp32_bytes = 4 * header.payload.numel
-        # every learner got one full snapshot, then int8 deltas (about a quarter of fp32 each)
+        # every learner built version 0 itself, then got int8 deltas (about a quarter of fp32 each)
         assert status.bytes_sent < 0.6 * fp32_bytes * cfg.workers * (status.version + 1), status.bytes_sent
         for name in ("worker0", "worker1"):
             assert "worker.broadcast_refused" not in (tmp_path / f"{name}.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cluster_fresh_learners_build_version_0_and_download_no_snapshot(tmp_path: Path) -> None:
+    """Real processes: worker0 (the coordinator's seed, by default) holds version 0 from the start and receives
+    only deltas, each checked against the coordinator's checksum after it is applied (bit-identical, or refused);
+    worker1, started with another seed, builds a different version 0 and gets a full snapshot first."""
+    cfg = cluster_config(
+        tmp_path,
+        workers=2,
+        outer_steps=6,
+        coordinator_args=("--broadcast-codec", "int4", "--seed", "5"),
+        worker_args={1: ("--seed", "6")},
+    )
+    with running(cfg) as c:
+        assert_finished_and_learned(c)
+        numel = next(iter(c.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))).header.payload.numel
+        logs = {name: Events(tmp_path / f"{name}.log") for name in ("worker0", "worker1")}
+        same, other = logs["worker0"], logs["worker1"]
+        assert [e["version"] for e in same.all("worker.broadcast_held")] == [0]
+        received = same.all("worker.broadcast_received")
+        assert received and all(e["delta_from"] == e["version"] - 1 for e in received), received  # type: ignore[operator]
+        assert sum(int(e["bytes"]) for e in received) < 4 * numel  # type: ignore[call-overload]
+        assert not other.all("worker.broadcast_held")
+        first = other.all("worker.broadcast_received")[0]
+        assert first["delta_from"] is None and first["bytes"] == 4 * numel  # a full fp32 snapshot
+        for events in logs.values():
+            assert not events.all("worker.broadcast_refused")

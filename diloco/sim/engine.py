@@ -75,7 +75,7 @@ class Learner:
     trainer: InnerTrainer | None = None
     ef: ErrorFeedback | None = None
     params: tuple[int, torch.Tensor] | None = None  # the newest version the core took, and its tensor
-    version0: torch.Tensor | None = None  # the version 0 this process built, until its first registration
+    version0: torch.Tensor | None = None  # the version 0 this process built, until it adopts parameters
     training: bool = False  # False: idle until an event or a deadline
     t: float = 0.0  # while training: when the next (or the in-progress) inner step started
     clock: float = 0.0  # the last time given to the core (never goes back)
@@ -318,6 +318,7 @@ class Simulator(EventLoop):
             self.register(learner, t)
         elif isinstance(a, lc.Load):
             assert learner.params is not None and learner.params[0] == a.version and learner.ef is not None
+            learner.version0 = None
             if trainer is not None:
                 trainer.load_global(learner.params[1])
                 trainer.catch_up(a.catch_up_steps)
@@ -406,11 +407,10 @@ class Simulator(EventLoop):
 
     def register(self, learner: Learner, t: float) -> None:
         """Register, then the watch brings the learner to the current version: from the version 0 it built when it
-        started (the first registration of a process, named by its checksum), else from a full snapshot."""
+        started (named by its checksum, until the process adopted parameters), else from a full snapshot."""
         rec = self.core.register(f"learner{learner.idx}", t, speed=learner.speed * self.tokens_per_step)
         learner.core.registered(t, rec.worker_id, 0, self.cfg.mode, self.core.plan(rec.worker_id))
-        own, learner.version0 = learner.version0, None
-        chain = None
+        own, chain = learner.version0, None
         if own is not None:
             chain = self.broadcast.updates_since(0, self.core.version, params_checksum(own))
         if chain is None:

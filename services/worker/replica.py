@@ -49,14 +49,14 @@ class Replica:
         self.task_json = ""
         self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
         self.params: tuple[int, torch.Tensor] | None = None  # the newest version the core adopted, and its tensor
-        self.version0: torch.Tensor | None = None  # the initial parameters built here, until the watcher takes them
+        self.version0: torch.Tensor | None = None  # the initial parameters built here, until parameters are adopted
 
     def start_session(self, task_json: str, codec: str, fingerprint: str = "", init_seed: int = 0) -> None:
         """A new registration: (re)build the task when it changed, fresh error feedback, no parameters yet. Raises
         `ConfigError` naming the parts when the task built here differs from the coordinator's `fingerprint`
         ("": not checked), e.g. this learner's data files hold other data. A task built here also leaves its
         initial parameters in `version0` (the model from `--seed`, by default the coordinator's `init_seed`: its
-        version 0 when this torch builds it the same), for the watcher to name (`take_version0`)."""
+        version 0 when this torch builds it the same), for the watchers to name until the first `adopt`."""
         if task_json != self.task_json:
             cfg = TaskConfig.from_json(task_json)
             if self.island is not None:
@@ -107,12 +107,6 @@ class Replica:
             module = DistributedDataParallel(module, device_ids=ids)
         return module
 
-    def take_version0(self) -> torch.Tensor | None:
-        """The initial parameters built with the task, once (a later registration of this process has trained
-        from other parameters since, and would be sent a snapshot anyway)."""
-        v0, self.version0 = self.version0, None
-        return v0
-
     @property
     def numel(self) -> int:
         assert self.trainer is not None
@@ -125,6 +119,7 @@ class Replica:
         assert self.trainer is not None and self.params is not None and self.ef is not None
         version, flat = self.params
         assert version == a.version, (version, a)
+        self.version0 = None  # trained from the coordinator's parameters from now on: no registration names it
         if isinstance(a, core.Rebase):
             self.trainer.rebase(flat)  # keeps the steps not yet submitted
             self.metrics.rebases.inc()

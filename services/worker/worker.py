@@ -207,7 +207,7 @@ class Worker:
             w.close()
             self.watcher = w = None
         if w is None and wid and self.core.exit is None:
-            epoch, numel, v0 = self.core.coordinator_epoch, self.replica.numel, self.replica.take_version0()
+            epoch, numel, v0 = self.core.coordinator_epoch, self.replica.numel, self.replica.version0
             self.watcher = Watcher(
                 self.stub, wid, epoch, numel, self.inbox.put, self.log, self.coordinators.failover, version0=v0
             )
