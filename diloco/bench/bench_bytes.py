@@ -128,6 +128,7 @@ def run(s: SimSettings, grid: tuple[Setup, ...], runner: SimRunner) -> Result:
         "numel": model_numel(s),
         "learners": len(PROFILES["uniform"]),
         "chosen": CHOSEN.label(s),
+        "version0": "built",
     }
     return {"settings": settings, "dp": dp, "rows": rows, "checks": checks}
 
@@ -178,14 +179,25 @@ def markdown(result: Result) -> str:
     ]
     chosen = next(r for r in result["rows"] if r["label"] == s["chosen"])
     eq = [one["equal_loss"] for one in chosen["per_seed"]]
-    without = [e["dp_bytes"] / (e["bytes"] - snapshots) for e in eq]
-    note = (
-        f"Every learner's first parameters are a full fp32 snapshot ({s['learners']} x 4 x {s['numel']:,} = "
-        f"{_kb(snapshots)} kB in all), whatever the broadcast codec; data-parallel downloads as much at its start. "
-        f"At this budget that is {fmt([snapshots / e['bytes'] for e in eq], '.0%')} of what {s['chosen']} sends "
-        f"to reach its loss; without it the ratio would be {fmt(without, ',.0f', 'x')}. "
-        "Each round after it costs (upload + broadcast bytes per parameter) x numel x M, so bytes at equal loss "
-        "fall with H only as long as the loss at the budget holds."
+    if s.get("version0") == "built":
+        first = (
+            "Every learner builds version 0 itself from the task and the seed and names its checksum when it watches "
+            "(docs/protocol-changes.md, section 10): the learners start at version 0, so none downloads a snapshot "
+            f"(the {s['learners']} x 4 x {s['numel']:,} = {_kb(snapshots)} kB they used to cost); data-parallel is "
+            f"still charged one fp32 download per learner at its start, {_kb(snapshots)} kB of its "
+            f"{fmt([e['dp_bytes'] / 1e6 for e in eq], ',.0f')} MB to reach the loss. "
+        )
+    else:  # results measured before learners built version 0
+        without = [e["dp_bytes"] / (e["bytes"] - snapshots) for e in eq]
+        first = (
+            f"Every learner's first parameters are a full fp32 snapshot ({s['learners']} x 4 x {s['numel']:,} = "
+            f"{_kb(snapshots)} kB in all), whatever the broadcast codec; data-parallel downloads as much at its "
+            f"start. At this budget that is {fmt([snapshots / e['bytes'] for e in eq], '.0%')} of what "
+            f"{s['chosen']} sends to reach its loss; without it the ratio would be {fmt(without, ',.0f', 'x')}. "
+        )
+    note = first + (
+        "Each round costs (upload + broadcast bytes per parameter) x numel x M, so bytes at equal loss fall with H "
+        "only as long as the loss at the budget holds."
     )
     return "\n\n".join([head, table(headers, rows), note, "![loss against bytes](bytes_per_token.png)"])
 
