@@ -1,7 +1,9 @@
 """Compressed broadcasts (ALGORITHM.md section 10): the pure shadow and follower (bit-identical reconstruction by a
 learner following every delta, one that skips versions, one too far behind), the coordinator's WatchParameters
 answers through a real channel, the learner's watcher refusing a corrupted delta and re-fetching a snapshot (a real
-gRPC proxy that corrupts one message), and a real multi-process cluster with int8 broadcasts."""
+gRPC proxy that corrupts one message), a fresh learner that names the version 0 it built (the rule, the watch
+through a real channel, the simulator's bytes), and real multi-process clusters: int8 broadcasts, and a fresh learner
+that downloads no snapshot beside one with another seed that does."""
 
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from services.worker.session import SessionLost
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 from tests.support import (
     Env,
-    T,
     Events,
+    T,
     assert_finished_and_learned,
     cluster_config,
     make_upload,
