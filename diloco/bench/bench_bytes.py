@@ -15,7 +15,9 @@ int4/int4/50 132x; int8/int4/50 86x; sparse/int4 at H = 50, 100, 200: 81x, 122x,
 against about 2.2: at these H, 1/64 of the entries with β = 0.5 lose too much on this model); sparse/int8/100 84x.
 The loss at the budget holds up to H = 200 (2.18-2.20 against 2.14-2.17 at H = 100) and climbs beyond it
 (2.23-2.27 at 250, 2.37 at 300), so H = 200 with int4 both ways sends the fewest bytes at equal loss. The first
-fp32 snapshots (4 x 4 x numel = 352 kB) are 46% of its 761 kB; without them it would be about 1,070x.
+fp32 snapshots (4 x 4 x numel = 352 kB) were 46% of its 761 kB; without them it would be about 1,070x. Learners
+now build version 0 themselves and download no snapshot (docs/protocol-changes.md, section 10): on the suite's seeds
+0-2 that took int4/int4/200 from 543x (494-588x) to 1,009x (918-1,094x), and int4/int4/250 to 1,081x (975-1,165x).
 
 Section 14's 1M-parameter model does not change the arithmetic (both sides' bytes scale with numel, and its
 larger batches and 2 learners lower data-parallel's bytes per token), and running it at H >= 200 for enough rounds
