@@ -417,8 +417,6 @@ class LocalCluster:
                 str(slowdown),
                 "--heartbeat-interval-s",
                 str(c.heartbeat_interval_s),
-                "--seed",
-                str(i),
                 *self.security_args(f"worker{i}", tokens=("join",)),
                 *(("--nproc-per-node", str(c.nproc_per_worker)) if c.nproc_per_worker > 1 else ()),
                 *c.worker_args.get(i, ()),

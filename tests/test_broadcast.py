@@ -1,7 +1,9 @@
 """Compressed broadcasts (ALGORITHM.md section 10): the pure shadow and follower (bit-identical reconstruction by a
 learner following every delta, one that skips versions, one too far behind), the coordinator's WatchParameters
 answers through a real channel, the learner's watcher refusing a corrupted delta and re-fetching a snapshot (a real
-gRPC proxy that corrupts one message), and a real multi-process cluster with int8 broadcasts."""
+gRPC proxy that corrupts one message), a fresh learner that names the version 0 it built (the rule, the watch
+through a real channel, the simulator's bytes), and real multi-process clusters: int8 broadcasts, and a fresh learner
+that downloads no snapshot beside one with another seed that does."""
 
 from __future__ import annotations
 
@@ -21,16 +23,19 @@ from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, p
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
-from diloco.sim.config import SimConfig
+from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import simulate
 from diloco.sim.result import SimResult
 from diloco.sim.result import encoded_size as timing_size
+from diloco.task.factory import TaskConfig, build_task
+from diloco.task.params import flatten_params
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import parse
 from services.worker.session import SessionLost
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 from tests.support import (
     Env,
+    Events,
     T,
     assert_finished_and_learned,
     cluster_config,
@@ -59,7 +64,7 @@ def walk(numel: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def decode_streamed(delta_data: bytes | memoryview, meta: object, numel: int, chunk: int) -> torch.Tensor:
+def decode_streamed(delta_data: bytes | bytearray | memoryview, meta: object, numel: int, chunk: int) -> torch.Tensor:
     """What a learner's watcher decodes: the payload fed in chunks of `chunk` bytes."""
     receiver = PayloadReceiver(meta, numel)  # type: ignore[arg-type]
     view = memoryview(delta_data)
@@ -116,6 +121,35 @@ def test_the_history_holds_at_most_half_a_snapshot_of_deltas(codec: str, kept: i
     assert shadow.oldest_delta == 7 - kept
     assert [d.version for d in shadow.updates_since(6 - kept, 6) or []] == list(range(7 - kept, 7))
     assert shadow.updates_since(5 - kept, 6) is None  # further behind: a snapshot
+
+
+@pytest.mark.parametrize("codec", ["fp32", *LOSSY])
+def test_a_learner_holding_its_own_version_0_gets_deltas_only_when_its_checksum_matches(codec: str) -> None:
+    """A fresh learner built version 0 itself and names its checksum: the same bits get the chain from version 0
+    (nothing while 0 is current) and end bit-identical; other bits (another seed) get a snapshot, and so does
+    everyone once version 0 has left the window."""
+    thetas = walk(1000, 4)
+    own, wrong = params_checksum(thetas[0].clone()), params_checksum(walk(1000, 0, seed=1)[0])
+    shadow = BroadcastShadow(thetas[0], 0, codec)
+    assert shadow.checksum_of(0) == own and own != wrong
+    assert shadow.updates_since(0, 0, own) == [] and shadow.updates_since(0, 0, wrong) is None
+    served = []
+    for v in range(1, 5):
+        shadow.record(shadow.advance(thetas[v], v))
+        assert shadow.updates_since(0, v, wrong) is None and shadow.updates_since(0, v, own ^ 1) is None
+        chain = shadow.updates_since(0, v, own)
+        if chain is None:  # version 0 left the window (fp32 keeps no delta, bf16/int8 one, int4 three)
+            assert shadow.checksum_of(0) is None
+            continue
+        served.append(v)
+        follower = BroadcastFollower()
+        follower.snapshot(0, thetas[0].clone())  # what the learner built from the task and seed
+        for d in chain:
+            decoded = get_codec(codec).decode(d.data, d.meta)
+            assert not isinstance(follower.delta(d.version, d.base, decoded, d.checksum), Refusal)
+        assert torch.equal(bits(follower.params), bits(shadow.shadow))  # type: ignore[arg-type]
+    assert served == {"fp32": [], "bf16": [1], "int8": [1], "int4": [1, 2, 3]}[codec]
+    assert shadow.updates_since(4, 4, shadow.checksum_of(4)) == [] and shadow.updates_since(4, 4, wrong) is None
 
 
 def test_fp32_broadcasts_are_full_snapshots_of_theta() -> None:
@@ -196,11 +230,33 @@ def test_simulated_bytes_down_follow_the_broadcast_codec() -> None:
 
     fp32, int4 = run("fp32"), run("int4")
     assert fp32.rounds == int4.rounds == 5 and fp32.bytes_up == int4.bytes_up
-    snapshots = 2 * 4 * 100_000  # each learner's first version; the last round's version is not broadcast
-    assert fp32.bytes_down == snapshots + 4 * 2 * 4 * 100_000
-    assert int4.bytes_down == snapshots + 4 * 2 * timing_size(get_codec("int4"), 100_000)  # the --no-train estimate
+    # each learner holds version 0 itself (no first download); the last round's version is not broadcast
+    assert fp32.bytes_down == 4 * 2 * 4 * 100_000
+    assert int4.bytes_down == 4 * 2 * timing_size(get_codec("int4"), 100_000)  # the --no-train estimate
     with pytest.raises(ConfigError, match="broadcast_codec"):
         SimConfig(broadcast_codec="topk")
+
+
+def test_simulated_learners_download_only_what_their_own_version_0_lacks() -> None:
+    """A learner process builds version 0 from the seed: at the start it downloads nothing, a learner revived
+    while version 0 is in the window only the deltas from it, one revived later a full snapshot."""
+
+    def run(revive_at: float) -> SimResult:
+        cfg = SimConfig(
+            mode="sync", speeds=(1.0, 1.0), train=False, model_numel=100_000, outer_steps=6, local_steps=10,
+            step_time_s=1.0, latency_s=0.0, bandwidth_bytes_per_s=1e12, dead_after_s=1.0,
+            failures=parse_failures(f"kill:1@5,revive:1@{revive_at}"),
+        )  # fmt: skip
+        return simulate(dataclasses.replace(cfg, broadcast_codec="int4"))
+
+    delta = timing_size(get_codec("int4"), 100_000)
+    # learner 1 dies at 5 s; learner 0 alone publishes a version every 10 s, broadcast to it (versions 1-5; the
+    # last, 6, is not broadcast)
+    assert run(1e9).bytes_down == 5 * delta  # revived after the run
+    # revived at version 1: the delta from its own version 0, then versions 2-5 as learner 0
+    assert run(15.5).bytes_down == 5 * delta + 1 * delta + 4 * delta
+    # revived at version 5: version 0 left the window (int4 keeps three deltas): a full snapshot
+    assert run(55.5).bytes_down == 5 * delta + 4 * 100_000
 
 
 # --- the coordinator through a real channel ------------------------------------------------------------------------
@@ -275,6 +331,77 @@ def test_a_version_s_bytes_are_held_once_and_never_change(start: Callable[..., E
         assert chain is not None and history is not None and chain[0].data is history[0].data
     rounds(env, reg, 1, start=1)
     assert state.published().version == 2 and zlib.crc32(snap.data) == snap.checksum  # as it was sent
+
+
+def own_version0(env: Env, reg: pb.RegisterResponse, seed: int | None = None) -> torch.Tensor:
+    """What a fresh learner builds: the task of `reg` (its task_json) with the coordinator's init seed (or `seed`)."""
+    task = build_task(TaskConfig.from_json(reg.task_json))
+    return flatten_params(task.model_fn(reg.init_seed if seed is None else seed)).to("cpu")
+
+
+def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Callable[..., Env]) -> None:
+    """WatchParameters with `held_crc32`: the right checksum of version 0 gets a `held` header (no data) while 0 is
+    current and the deltas from it later; a wrong one, or a version gone from the window, a full snapshot."""
+    env = start(broadcast_codec="int4", seed=3)
+    reg = register(env)
+    assert reg.init_seed == 3
+    v0 = own_version0(env, reg)
+    own, other = params_checksum(v0), params_checksum(own_version0(env, reg, seed=4))
+    assert own != other
+
+    def headers(after: int, crc: int | None) -> list[pb.ParametersHeader]:
+        req = pb.WatchParametersRequest(worker_id=reg.worker_id, after_version=after, held_crc32=crc)
+        return [m.header for m in env.stub.WatchParameters(req, timeout=T) if m.HasField("header")]
+
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
+    assert len(msgs) == 1 and msgs[0].header.held and msgs[0].header.version == 0
+    assert msgs[0].header.params_crc32 == own and not msgs[0].header.HasField("payload")
+    wrong = headers(0, other)
+    assert [(h.version, h.held, h.HasField("delta_from")) for h in wrong] == [(0, False, False)]  # a snapshot
+    rounds(env, reg, 2)
+    chain = headers(0, own)
+    assert [(h.version, h.delta_from, h.held) for h in chain] == [(1, 0, False), (2, 1, False)]
+    follower = BroadcastFollower()
+    follower.snapshot(0, v0)
+    stream = iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
+    for v in (1, 2):
+        header, decoded = read_one(stream, env.numel)
+        assert not isinstance(follower.delta(v, header.delta_from, decoded, header.params_crc32), Refusal)
+    with env.server.state.work:
+        assert torch.equal(bits(follower.params), bits(env.server.state.shadow.shadow))  # type: ignore[arg-type]
+    assert [(h.version, h.HasField("delta_from")) for h in headers(0, other)] == [(2, False)]
+    assert [(h.version, h.held) for h in headers(2, params_checksum(follower.params))] == [(2, True)]  # type: ignore[arg-type]
+    assert [(h.version, h.HasField("delta_from")) for h in headers(2, own)] == [(2, False)]  # not Θ̂_2's checksum
+    rounds(env, reg, 2, start=2)  # int4 keeps three deltas: version 0 has left the window
+    assert [(h.version, h.HasField("delta_from")) for h in headers(0, own)] == [(4, False)]
+    assert [(h.version, h.HasField("delta_from")) for h in headers(7, own)] == [(4, False)]  # never had it
+
+
+@pytest.mark.parametrize("seed", [None, 4], ids=["same_seed", "other_seed"])
+def test_the_watcher_adopts_its_own_version_0_only_when_the_coordinator_holds_the_same(
+    start: Callable[..., Env], seed: int | None
+) -> None:
+    env = start(broadcast_codec="int4")
+    reg = register(env)
+    inbox: queue.Queue[object] = queue.Queue()
+    v0 = own_version0(env, reg, seed)
+    w = Watcher(
+        env.stub, reg.worker_id, reg.coordinator_epoch, env.numel, inbox.put, structlog.get_logger(), version0=v0
+    )
+    try:
+        first = inbox.get(timeout=30)
+        assert isinstance(first, Delivered) and first.broadcast.version == 0 and first.broadcast.plan is not None
+        assert (first.flat is v0) == (seed is None)  # its own tensor, or a snapshot
+        with env.server.state.work:
+            assert torch.equal(bits(first.flat), bits(env.server.state.shadow.shadow))
+        rounds(env, reg, 2)
+        got = [inbox.get(timeout=30) for _ in range(2)]
+        delivered = [g for g in got if isinstance(g, Delivered)]
+        assert [d.broadcast.version for d in delivered] == [1, 2]
+        with env.server.state.work:
+            assert torch.equal(bits(delivered[-1].flat), bits(env.server.state.shadow.shadow))
+    finally:
+        w.close()
 
 
 class CorruptingProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
@@ -394,7 +521,36 @@ def test_cluster_with_int8_broadcasts_learns_exactly_once(tmp_path: Path) -> Non
         status = c.final_status()
         header = next(iter(c.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))).header
         fp32_bytes = 4 * header.payload.numel
-        # every learner got one full snapshot, then int8 deltas (about a quarter of fp32 each)
+        # every learner built version 0 itself, then got int8 deltas (about a quarter of fp32 each)
         assert status.bytes_sent < 0.6 * fp32_bytes * cfg.workers * (status.version + 1), status.bytes_sent
         for name in ("worker0", "worker1"):
             assert "worker.broadcast_refused" not in (tmp_path / f"{name}.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_cluster_fresh_learners_build_version_0_and_download_no_snapshot(tmp_path: Path) -> None:
+    """Real processes: worker0 (the coordinator's seed, by default) holds version 0 from the start and receives
+    only deltas, each checked against the coordinator's checksum after it is applied (bit-identical, or refused);
+    worker1, started with another seed, builds a different version 0 and gets a full snapshot first."""
+    cfg = cluster_config(
+        tmp_path,
+        workers=2,
+        outer_steps=6,
+        coordinator_args=("--broadcast-codec", "int4", "--seed", "5"),
+        worker_args={1: ("--seed", "6")},
+    )
+    with running(cfg) as c:
+        assert_finished_and_learned(c)
+        numel = next(iter(c.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))).header.payload.numel
+        logs = {name: Events(tmp_path / f"{name}.log") for name in ("worker0", "worker1")}
+        same, other = logs["worker0"], logs["worker1"]
+        assert [e["version"] for e in same.all("worker.broadcast_held")] == [0]
+        received = same.all("worker.broadcast_received")
+        assert received and all(e["delta_from"] == e["version"] - 1 for e in received), received  # type: ignore[operator]
+        assert sum(int(e["bytes"]) for e in received) < 4 * numel  # type: ignore[call-overload]
+        assert not other.all("worker.broadcast_held")
+        first = other.all("worker.broadcast_received")[0]
+        assert first["delta_from"] is None and first["bytes"] == 4 * numel  # a full fp32 snapshot
+        for events in logs.values():
+            assert not events.all("worker.broadcast_refused")

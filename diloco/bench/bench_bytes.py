@@ -15,7 +15,9 @@ int4/int4/50 132x; int8/int4/50 86x; sparse/int4 at H = 50, 100, 200: 81x, 122x,
 against about 2.2: at these H, 1/64 of the entries with β = 0.5 lose too much on this model); sparse/int8/100 84x.
 The loss at the budget holds up to H = 200 (2.18-2.20 against 2.14-2.17 at H = 100) and climbs beyond it
 (2.23-2.27 at 250, 2.37 at 300), so H = 200 with int4 both ways sends the fewest bytes at equal loss. The first
-fp32 snapshots (4 x 4 x numel = 352 kB) are 46% of its 761 kB; without them it would be about 1,070x.
+fp32 snapshots (4 x 4 x numel = 352 kB) were 46% of its 761 kB; without them it would be about 1,070x. Learners
+now build version 0 themselves and download no snapshot (docs/protocol-changes.md, section 10): on the suite's seeds
+0-2 that took int4/int4/200 from 543x (494-588x) to 1,009x (918-1,094x), and int4/int4/250 to 1,081x (975-1,165x).
 
 Section 14's 1M-parameter model does not change the arithmetic (both sides' bytes scale with numel, and its
 larger batches and 2 learners lower data-parallel's bytes per token), and running it at H >= 200 for enough rounds
@@ -128,6 +130,7 @@ def run(s: SimSettings, grid: tuple[Setup, ...], runner: SimRunner) -> Result:
         "numel": model_numel(s),
         "learners": len(PROFILES["uniform"]),
         "chosen": CHOSEN.label(s),
+        "version0": "built",
     }
     return {"settings": settings, "dp": dp, "rows": rows, "checks": checks}
 
@@ -178,14 +181,25 @@ def markdown(result: Result) -> str:
     ]
     chosen = next(r for r in result["rows"] if r["label"] == s["chosen"])
     eq = [one["equal_loss"] for one in chosen["per_seed"]]
-    without = [e["dp_bytes"] / (e["bytes"] - snapshots) for e in eq]
-    note = (
-        f"Every learner's first parameters are a full fp32 snapshot ({s['learners']} x 4 x {s['numel']:,} = "
-        f"{_kb(snapshots)} kB in all), whatever the broadcast codec; data-parallel downloads as much at its start. "
-        f"At this budget that is {fmt([snapshots / e['bytes'] for e in eq], '.0%')} of what {s['chosen']} sends "
-        f"to reach its loss; without it the ratio would be {fmt(without, ',.0f', 'x')}. "
-        "Each round after it costs (upload + broadcast bytes per parameter) x numel x M, so bytes at equal loss "
-        "fall with H only as long as the loss at the budget holds."
+    if s.get("version0") == "built":
+        first = (
+            "Every learner builds version 0 itself from the task and the seed and names its checksum when it watches "
+            "(docs/protocol-changes.md, section 10): the learners start at version 0, so none downloads a snapshot "
+            f"(the {s['learners']} x 4 x {s['numel']:,} = {_kb(snapshots)} kB they used to cost); data-parallel is "
+            f"still charged one fp32 download per learner at its start, {_kb(snapshots)} kB of its "
+            f"{fmt([e['dp_bytes'] / 1e6 for e in eq], ',.0f')} MB to reach the loss. "
+        )
+    else:  # results measured before learners built version 0
+        without = [e["dp_bytes"] / (e["bytes"] - snapshots) for e in eq]
+        first = (
+            f"Every learner's first parameters are a full fp32 snapshot ({s['learners']} x 4 x {s['numel']:,} = "
+            f"{_kb(snapshots)} kB in all), whatever the broadcast codec; data-parallel downloads as much at its "
+            f"start. At this budget that is {fmt([snapshots / e['bytes'] for e in eq], '.0%')} of what "
+            f"{s['chosen']} sends to reach its loss; without it the ratio would be {fmt(without, ',.0f', 'x')}. "
+        )
+    note = first + (
+        "Each round costs (upload + broadcast bytes per parameter) x numel x M, so bytes at equal loss fall with H "
+        "only as long as the loss at the budget holds."
     )
     return "\n\n".join([head, table(headers, rows), note, "![loss against bytes](bytes_per_token.png)"])
 

@@ -197,12 +197,15 @@ def time_to_target_md(r: dict[str, Any]) -> str:
 
 
 def broadcasts(s: dict[str, Any]) -> str:
-    """How a section's runs broadcast the parameters (older results do not say)."""
+    """How a section's runs broadcast the parameters (older results do not say; results measured before learners
+    built version 0 themselves do not say `version0`)."""
     codec = s.get("broadcast_codec")
     if codec is None:
         return "parameter broadcasts"
     if codec == "fp32":
         return "fp32 parameter broadcasts"
+    if s.get("version0") == "built":
+        return f"parameter broadcasts as {codec} deltas from the version 0 each learner builds from the seed"
     return f"parameter broadcasts as {codec} deltas after one fp32 snapshot per learner"
 
 

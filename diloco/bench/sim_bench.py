@@ -310,7 +310,7 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
             n,
         )
     )
-    settings = {**_sim_settings_dict(s), "broadcast_codec": DEFAULT_BROADCAST_CODEC}
+    settings = {**_sim_settings_dict(s), "broadcast_codec": DEFAULT_BROADCAST_CODEC, "version0": "built"}
     return {"settings": settings, "targets": targets, "runs": runs, "checks": checks}
 
 

@@ -10,8 +10,12 @@ applies `q_v` holds exactly `Θ̂_v`, bit for bit. The residual `Θ − Θ̂` is
 better served by a snapshot, and the coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes. A
 learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
 (all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself, copied out
-by whoever sends it). With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot,
-encoded when the version is published (the behaviour before compressed broadcasts).
+by whoever sends it). A learner may name the checksum of the version it holds (a fresh learner holds the version 0
+it built itself from the task and seed): the chain is sent only when that is the checksum of this shadow's `Θ̂_u`
+(`checksum_of`: the version recorded last, or the base of a delta kept), else a snapshot, so a learner whose own
+version differs (another seed, torch build or device) is never sent deltas onto the wrong base. With the `fp32`
+codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot, encoded when the version is published
+(the behaviour before compressed broadcasts).
 
 `BroadcastFollower` (learner side) holds `Θ̂` and its version; it takes snapshots, applies deltas whose base it
 holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
@@ -74,13 +78,15 @@ def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
 
 @dataclass(frozen=True)
 class Delta:
-    """`q_version`: applied to `Θ̂_base` (base = version − 1) it gives `Θ̂_version`, whose crc32 is `checksum`."""
+    """`q_version`: applied to `Θ̂_base` (base = version − 1, crc32 `base_checksum`) it gives `Θ̂_version`, whose
+    crc32 is `checksum`."""
 
     version: int
     base: int
     data: bytes | bytearray | memoryview
     meta: EncodedMeta
     checksum: int
+    base_checksum: int
 
 
 @dataclass(frozen=True)
@@ -122,6 +128,7 @@ class BroadcastShadow:
         self._pending: Snapshot | None = None  # fp32: the snapshot `advance` made, installed by `record`
         self._shadow: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._recorded = (version, 0)  # the version `record` made visible last, and its checksum
         self._reset(params, version)
         self.record(None)
 
@@ -167,15 +174,17 @@ class BroadcastShadow:
         decoder.feed(data)
         decoder.finish()
         self._shadow.add_(work)
+        base_checksum = self.checksum
         self.version, self._snapshot = version, None
         self.checksum = params_checksum(self._shadow)
-        return Delta(version, version - 1, data, meta, self.checksum)
+        return Delta(version, version - 1, data, meta, self.checksum, base_checksum)
 
     def record(self, delta: Delta | None) -> None:
         """Make `advance`'s result visible to `updates_since` and, for fp32, `snapshot` (None: the history restarts
         at this version)."""
         if self._pending is not None:
             self._snapshot, self._pending = self._pending, None
+        self._recorded = (self.version, self.checksum)
         if delta is None:
             self._deltas.clear()
             return
@@ -184,9 +193,13 @@ class BroadcastShadow:
         while len(self._deltas) > 1 and sum(len(d.data) for d in self._deltas) > budget:
             self._deltas.popleft()
 
-    def updates_since(self, held: int | None, current: int) -> list[Delta] | None:
+    def updates_since(self, held: int | None, current: int, held_checksum: int | None = None) -> list[Delta] | None:
         """What a learner holding version `held` (None: none) needs to reach `current` (the published version): []
-        when it holds it, the deltas held+1..current when all are kept, else None (a full snapshot)."""
+        when it holds it, the deltas held+1..current when all are kept, else None (a full snapshot). With
+        `held_checksum` (the crc32 the learner computed of what it holds), also None unless that is the checksum
+        of this shadow's `Θ̂_held` (`checksum_of`)."""
+        if held is not None and held_checksum is not None and self.checksum_of(held) != held_checksum:
+            return None
         if held == current:
             return []
         if held is None or held > current:
@@ -195,6 +208,13 @@ class BroadcastShadow:
         if len(chain) != current - held or chain[0].base != held:
             return None
         return chain
+
+    def checksum_of(self, version: int) -> int | None:
+        """The crc32 of `Θ̂_version` when a learner holding it can still be served from here: the version `record`ed
+        last, or the base of a delta kept; None otherwise (gone from the window, never held, or not yet recorded)."""
+        if version == self._recorded[0]:
+            return self._recorded[1]
+        return next((d.base_checksum for d in self._deltas if d.base == version), None)
 
     @property
     def oldest_delta(self) -> int | None:

@@ -10,8 +10,10 @@ clock, and keeps only time, links, failures and measurements:
   reaches the coordinator after `latency_s + n / bandwidth`; so do the parameters, towards each learner: once
   after it registers (the watch's first message) and after every round (the broadcast, with the applied
   submission ids). The learner's plan rides along, read when the parameters arrive. Learners get the real
-  broadcast shadow `Θ̂` (`BroadcastShadow`, ALGORITHM.md section 10): a full fp32 snapshot on registering, then
-  each version's delta in `broadcast_codec` (its encoded size is what `bytes_down` counts).
+  broadcast shadow `Θ̂` (`BroadcastShadow`, ALGORITHM.md section 10): on registering, what a fresh learner holding
+  the version 0 it built from the seed needs (`updates_since` with its checksum: nothing while version 0 is
+  current, else the chain of deltas from it while the window holds it, else a full fp32 snapshot), then each
+  version's delta in `broadcast_codec` (the encoded sizes are what `bytes_down` counts).
 - control calls (`Register`, `FetchPlan`, `Deregister`) take no time; `Load` and `Rebase` run on the learner's
   `InnerTrainer`; `Wait(until)` wakes the learner at `until`.
 - training is lazy: when an event touches a learner, the whole steps that end by the event's time run first, then
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from diloco.core import learner as lc
-from diloco.core.broadcast import BroadcastShadow
+from diloco.core.broadcast import BroadcastShadow, params_checksum
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission, WorkPlan
 from diloco.core.energy import LearnerInfo, decide
@@ -73,6 +75,7 @@ class Learner:
     trainer: InnerTrainer | None = None
     ef: ErrorFeedback | None = None
     params: tuple[int, torch.Tensor] | None = None  # the newest version the core took, and its tensor
+    version0: torch.Tensor | None = None  # the version 0 this process built, until it adopts parameters
     training: bool = False  # False: idle until an event or a deadline
     t: float = 0.0  # while training: when the next (or the in-progress) inner step started
     clock: float = 0.0  # the last time given to the core (never goes back)
@@ -106,7 +109,7 @@ class Simulator(EventLoop):
             self.task = build_task(cfg.task_config())
             self.corpus = self.task.corpus
             model = self.task.model_fn(cfg.seed)
-            params = flatten_params(model).cpu()
+            params = flatten_params(model).cpu()  # version 0; every learner builds it too (`join`)
             shard_lengths = [self.corpus.shard_length(i) for i in range(cfg.num_shards)]
             segments = merge_segments(model)
             self.eval_model = model
@@ -315,6 +318,7 @@ class Simulator(EventLoop):
             self.register(learner, t)
         elif isinstance(a, lc.Load):
             assert learner.params is not None and learner.params[0] == a.version and learner.ef is not None
+            learner.version0 = None
             if trainer is not None:
                 trainer.load_global(learner.params[1])
                 trainer.catch_up(a.catch_up_steps)
@@ -386,8 +390,10 @@ class Simulator(EventLoop):
         learner.alive_since = self.now
         learner.incarnation += 1
         learner.training, learner.params, learner.clock = False, None, self.now
+        learner.version0 = torch.zeros(1)  # --no-train: the coordinator's stand-in parameters
         if self.task is not None:
             model = self.task.model_fn(self.cfg.seed)
+            learner.version0 = flatten_params(model).cpu()
             assert self.corpus is not None
             learner.trainer = InnerTrainer(
                 model, self.corpus, self.cfg.task.inner, seq_len=self.cfg.task.model.seq_len, device=torch.device("cpu")
@@ -400,10 +406,18 @@ class Simulator(EventLoop):
             self.at(self.now + self.rng.expovariate(1 / self.cfg.mtbf_s), "kill", learner.idx, learner.incarnation)
 
     def register(self, learner: Learner, t: float) -> None:
-        """Register, then the watch sends the current parameters."""
+        """Register, then the watch brings the learner to the current version: from the version 0 it built when it
+        started (named by its checksum, until the process adopted parameters), else from a full snapshot."""
         rec = self.core.register(f"learner{learner.idx}", t, speed=learner.speed * self.tokens_per_step)
         learner.core.registered(t, rec.worker_id, 0, self.cfg.mode, self.core.plan(rec.worker_id))
-        self.send_params(learner, t, self.core.version, self.broadcast.shadow.clone(), (), self.param_bytes)
+        own, chain = learner.version0, None
+        if own is not None:
+            chain = self.broadcast.updates_since(0, self.core.version, params_checksum(own))
+        if chain is None:
+            nbytes = self.param_bytes
+        else:
+            nbytes = sum(self.delta_bytes if self.task is None else d.meta.encoded_bytes for d in chain)
+        self.send_params(learner, t, self.core.version, self.broadcast.shadow.clone(), (), nbytes)
 
     def send_params(
         self, learner: Learner, t: float, version: int, params: torch.Tensor, applied: Iterable[str], nbytes: int

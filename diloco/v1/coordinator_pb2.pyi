@@ -45,7 +45,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., zone: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., spot: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port", "task_fingerprint")
+    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port", "task_fingerprint", "init_seed")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class RegisterResponse(_message.Message):
     TASK_JSON_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TASK_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    INIT_SEED_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     coordinator_epoch: int
     version: int
@@ -66,20 +67,23 @@ class RegisterResponse(_message.Message):
     task_json: str
     bulk_port: int
     task_fingerprint: str
-    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ..., task_fingerprint: _Optional[str] = ...) -> None: ...
+    init_seed: int
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ..., task_fingerprint: _Optional[str] = ..., init_seed: _Optional[int] = ...) -> None: ...
 
 class WatchParametersRequest(_message.Message):
-    __slots__ = ("worker_id", "after_version", "follow")
+    __slots__ = ("worker_id", "after_version", "follow", "held_crc32")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    HELD_CRC32_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     after_version: int
     follow: bool
-    def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    held_crc32: int
+    def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ..., held_crc32: _Optional[int] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +92,7 @@ class ParametersHeader(_message.Message):
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     version: int
     coordinator_epoch: int
     payload: _common_pb2.PayloadSpec
@@ -96,7 +101,8 @@ class ParametersHeader(_message.Message):
     finished: bool
     delta_from: int
     params_crc32: int
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ...) -> None: ...
+    held: bool
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")

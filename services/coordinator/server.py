@@ -254,6 +254,7 @@ class CoordinatorServer:
             work=self._work,
             ha=self.ha_status,
             step_down=self._step_down,
+            init_seed=cfg.seed,
         )
         replication = self._replication
         service = GrpcService(

@@ -43,7 +43,7 @@ from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.energy import J_PER_KWH, LearnerEnergy
 from services.coordinator.replication import HaView
-from services.coordinator.state import Broadcast, CoordinatorState, Joining, Report, UploadStream
+from services.coordinator.state import Broadcast, CoordinatorState, Joining, Published, Report, UploadStream
 
 T = TypeVar("T")
 # Parameter-watch writes in progress at once (`SendSlots`): enough to keep a fast network busy, few enough that a
@@ -209,8 +209,10 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         chunk_bytes: int = CHUNK_BYTES,
         ha: Callable[[], HaView | None] = lambda: None,
         step_down: Callable[[str], Handover] | None = None,
+        init_seed: int = 0,
     ) -> None:
         self.state = state
+        self.init_seed = init_seed  # version 0 is the task's model built with it (when not resumed)
         self.ha = ha
         self.step_down = step_down
         self.specs = specs
@@ -252,6 +254,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             task_json=self.task_json,
             bulk_port=self.bulk_port,
             task_fingerprint=self.state.fingerprint,
+            init_seed=self.init_seed,
         )
 
     @status.streaming
@@ -262,14 +265,21 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         if worker_id:
             self._act_as(context, worker_id)
             self.state.plan(worker_id)  # NOT_FOUND / FAILED_PRECONDITION before anything is sent
-        # 0, or a version newer than ours (we restarted from an older checkpoint): a full snapshot of the current one
+        # 0 (unless named with its checksum), or a version newer than ours (we restarted from an older checkpoint): a
+        # full snapshot of the current one
         current = self.state.published().version
-        held: int | None = request.after_version if 0 < request.after_version <= current else None
+        named: int | None = request.held_crc32 if request.HasField("held_crc32") else None
+        after = request.after_version
+        held: int | None = after if (after > 0 or named is not None) and after <= current else None
         while not self.state.stopping:
             changed = self.params_changed.waiter()  # before reading: a version published after this wakes it
-            newest, chain = self.state.broadcasts_since(held)
+            newest, chain = self.state.broadcasts_since(held, named)
             if self._snapshot is not None and self._snapshot[0] != newest.version:
                 self._snapshot = None  # an older version's snapshot (model-sized) is not kept; senders hold theirs
+            if chain == [] and named is not None:  # it holds the current version, checksum and all: say so
+                async with self._send.slot():
+                    yield coordinator_pb2.ParametersChunk(header=self._held_header(newest, named, worker_id))
+            named = None  # checked once: what follows is sent from the version it now holds
             if chain == []:
                 if not request.follow:
                     return
@@ -299,6 +309,20 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             cached = (newest, asyncio.ensure_future(self._blocking(self.state.snapshot_broadcast)))
             self._snapshot = cached
         return await asyncio.shield(cached[1])
+
+    def _held_header(self, pub: Published, checksum: int, worker_id: str) -> coordinator_pb2.ParametersHeader:
+        """The header that tells a watcher it holds the current version `pub` (crc32 `checksum`): no payload."""
+        header = coordinator_pb2.ParametersHeader(
+            version=pub.version,
+            coordinator_epoch=pub.coordinator_epoch,
+            applied_submission_ids=list(pub.applied_ids),
+            finished=pub.finished,
+            params_crc32=checksum,
+            held=True,
+        )
+        if worker_id:
+            header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+        return header
 
     def _header(self, b: Broadcast) -> coordinator_pb2.ParametersHeader:
         """The header of a delta or snapshot, without a plan."""

@@ -659,12 +659,15 @@ class CoordinatorState:
     def published(self) -> Published:
         return self._published  # one reference, replaced whole under the lock: reading it needs no lock
 
-    def broadcasts_since(self, held: int | None) -> tuple[Published, list[Broadcast] | None]:
-        """The newest version, and what a watcher holding version `held` (None: none) needs to reach it: [] nothing,
-        the deltas held+1..newest, or None: a full snapshot (`snapshot_broadcast`). Bookkeeping only (cheap)."""
+    def broadcasts_since(
+        self, held: int | None, held_checksum: int | None = None
+    ) -> tuple[Published, list[Broadcast] | None]:
+        """The newest version, and what a watcher holding version `held` (None: none; `held_checksum`: the crc32 it
+        named for it, if any) needs to reach it: [] nothing, the deltas held+1..newest, or None: a full snapshot
+        (`snapshot_broadcast`; also when the named checksum is not the shadow's). Bookkeeping only (cheap)."""
         with self.lock:
             pub = self._published
-            chain = self.shadow.updates_since(held, pub.version)
+            chain = self.shadow.updates_since(held, pub.version, held_checksum)
             if chain is None:
                 return pub, None
             return pub, [self._delta_broadcast(d, pub) for d in chain]

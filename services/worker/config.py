@@ -34,7 +34,7 @@ class WorkerConfig:
     retry_total_s: float = 60.0  # how long one upload is retried before it is dropped (its steps are retrained)
     give_up_after_s: float = 0.0  # exit 1 when no coordinator call succeeded for this long (0: never)
     metrics_port: int = -1
-    seed: int = 0
+    seed: int = -1  # the initial parameters' seed (-1: the coordinator's init seed, from Register)
     device: str = ""  # "" or auto = CUDA when present (an island rank: LOCAL_RANK's GPU), else CPU
     precision: str = "fp32"  # bf16: bf16 autocast of the forward pass (CUDA only)
     nproc_per_node: int = 1  # > 1: `diloco worker` starts torchrun with this many ranks (one island)
@@ -86,8 +86,8 @@ class WorkerConfig:
             raise ConfigError(f"give_up_after_s must be a finite number >= 0 (0: never), got {self.give_up_after_s}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in [-1, 65535] (-1: off, 0: a free port), got {self.metrics_port}")
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}")
+        if self.seed < -1:
+            raise ConfigError(f"seed must be >= 0, or -1 for the coordinator's, got {self.seed}")
         if not (math.isfinite(self.fault_scale_updates) and self.fault_scale_updates > 0):
             raise ConfigError(f"fault_scale_updates must be finite and > 0 (1: off), got {self.fault_scale_updates}")
         if self.upload_path not in UPLOAD_PATHS:
@@ -169,7 +169,13 @@ _FLAGS: list[Flag] = [
         "rides through any outage and exits only on SIGTERM/SIGINT or when the job finished)",
     ),
     ("--metrics-port", int, -1, "Prometheus metrics port (0: any free port, -1: off)"),
-    ("--seed", int, 0, "seed of the model replica (its parameters come from the coordinator)"),
+    (
+        "--seed",
+        int,
+        -1,
+        "seed of the learner's initial parameters (-1: the coordinator's); a fresh learner whose own version 0 has "
+        "the coordinator's checksum downloads only the deltas since, else a full snapshot",
+    ),
     (
         "--device",
         str,

@@ -17,7 +17,7 @@ from diloco.errors import ConfigError
 from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
 from diloco.task.inner import InnerTrainer, Throughput
-from diloco.task.params import param_specs
+from diloco.task.params import flatten_params, param_specs
 from services.worker.config import WorkerConfig
 from services.worker.island import Island, ShardedParams, shard_model
 from services.worker.metrics import Metrics
@@ -49,17 +49,22 @@ class Replica:
         self.task_json = ""
         self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
         self.params: tuple[int, torch.Tensor] | None = None  # the newest version the core adopted, and its tensor
+        self.version0: torch.Tensor | None = None  # the initial parameters built here, until parameters are adopted
 
-    def start_session(self, task_json: str, codec: str, fingerprint: str = "") -> None:
+    def start_session(self, task_json: str, codec: str, fingerprint: str = "", init_seed: int = 0) -> None:
         """A new registration: (re)build the task when it changed, fresh error feedback, no parameters yet. Raises
         `ConfigError` naming the parts when the task built here differs from the coordinator's `fingerprint`
-        ("": not checked), e.g. this learner's data files hold other data."""
+        ("": not checked), e.g. this learner's data files hold other data. A task built here also leaves its
+        initial parameters in `version0` (the model from `--seed`, by default the coordinator's `init_seed`: its
+        version 0 when this torch builds it the same), for the watchers to name until the first `adopt`."""
         if task_json != self.task_json:
             cfg = TaskConfig.from_json(task_json)
             if self.island is not None:
                 self.island.check_batch(cfg.inner.batch_size)
             task = build_task(cfg)
-            model = task.model_fn(self.cfg.seed)
+            model = task.model_fn(self.cfg.seed if self.cfg.seed >= 0 else init_seed)
+            if self.island is None or self.island.leader:
+                self.version0 = flatten_params(model).to("cpu")  # a new vector, before the model moves or shards
             loss_fn = self._loss_fn(model)  # a sharded island's model is sharded here
             sharded = ShardedParams(self.island, model) if self.island is not None and self.island.sharded else None
             self.trainer = InnerTrainer(
@@ -114,6 +119,7 @@ class Replica:
         assert self.trainer is not None and self.params is not None and self.ef is not None
         version, flat = self.params
         assert version == a.version, (version, a)
+        self.version0 = None  # trained from the coordinator's parameters from now on: no registration names it
         if isinstance(a, core.Rebase):
             self.trainer.rebase(flat)  # keeps the steps not yet submitted
             self.metrics.rebases.inc()

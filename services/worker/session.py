@@ -33,6 +33,7 @@ class Registration:
     healthd_address: str
     bulk_port: int  # 0: upload over gRPC
     task_fingerprint: str  # the coordinator's (diloco.task.factory); "": an older coordinator, not checked
+    init_seed: int  # the seed of the coordinator's version 0
 
     @classmethod
     def from_proto(cls, r: coordinator_pb2.RegisterResponse) -> Registration:
@@ -48,6 +49,7 @@ class Registration:
             healthd_address=r.healthd_address,
             bulk_port=r.bulk_port,
             task_fingerprint=r.task_fingerprint,
+            init_seed=r.init_seed,
         )
 
 

@@ -6,7 +6,12 @@ GetWorkPlan per round. It reconnects with capped, jittered backoff; what each st
 
 A broadcast is a full snapshot or a delta to the version held (ALGORITHM.md section 10); `BroadcastFollower` holds
 the learner's copy and says whether a delta applies. A refused delta (not for the version held, or a checksum that
-differs after applying) or a corrupt payload is dropped and the watch restarts from version 0 (a full snapshot)."""
+differs after applying) or a corrupt payload is dropped and the watch restarts from version 0 (a full snapshot).
+
+A fresh learner hands the watcher the version 0 it built itself (`version0`: the task's model from the coordinator's
+init seed); until the first version is delivered, each watch names it with its checksum (`held_crc32`), and the
+coordinator answers with the deltas from it, or a header saying it holds the current version (`held`), or, when its
+own version 0 differs or is gone, a full snapshot as for any learner."""
 
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import grpc
 import structlog
 import torch
 
-from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, Refusal
+from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, Refusal, params_checksum
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.errors import InvalidArgument
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
@@ -55,11 +60,16 @@ class Watcher:
         post: Callable[[object], None],
         log: structlog.stdlib.BoundLogger,
         failover: Callable[[str], None] = lambda _details: None,
+        version0: torch.Tensor | None = None,
     ) -> None:
         self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
         self.post, self.log = post, log
         self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
         self.follower = BroadcastFollower()  # touched by the watch thread only
+        # the version 0 this learner built and its checksum, named until a version is delivered or it is refused
+        self._own: tuple[torch.Tensor, int] | None = None
+        if version0 is not None:
+            self._own = (version0, params_checksum(version0))
         self._closed = threading.Event()
         self._call: grpc.Future | None = None  # type: ignore[type-arg]
         self._thread = threading.Thread(target=self._run, name=f"watch-{worker_id}", daemon=True)
@@ -79,6 +89,9 @@ class Watcher:
         after = 0
         while not self._closed.is_set():
             req = coordinator_pb2.WatchParametersRequest(worker_id=self.worker_id, after_version=after, follow=True)
+            if after == 0 and self._own is not None:
+                self.follower.snapshot(0, self._own[0])  # the base of the deltas from version 0
+                req.held_crc32 = self._own[1]
             refusal: grpc.RpcError | None = None  # its retry hint, if any, sets the least wait before the next try
             try:
                 call = self.stub.WatchParameters(req)
@@ -95,6 +108,14 @@ class Watcher:
                         if header.coordinator_epoch != self.epoch:
                             self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
                             return
+                        if header.held:
+                            if not self._held(header):
+                                call.cancel()
+                                after = 0
+                                break
+                            after, receiver = header.version, None
+                            backoff.reset()
+                            continue
                         receiver, applying = self._receiver(header)
                         receiving_since = time.monotonic()
                         continue
@@ -104,6 +125,7 @@ class Watcher:
                     if receiver.received == receiver.meta.encoded_bytes:
                         params = self._apply(header, receiver, applying)
                         if params is None:
+                            self._own = None  # refused: from now on a snapshot, as for any learner
                             call.cancel()
                             after = 0
                             break
@@ -114,6 +136,7 @@ class Watcher:
                             bytes=receiver.meta.encoded_bytes,
                             seconds=round(time.monotonic() - receiving_since, 4),  # receive, decode, Θ̂ update
                         )
+                        self._own = None
                         self.post(Delivered(Broadcast.from_proto(self.worker_id, header), params))
                         after, receiver = header.version, None
                         backoff.reset()
@@ -136,6 +159,17 @@ class Watcher:
                 after = 0
             if self._closed.wait(backoff.next_s(refusal)):
                 return
+
+    def _held(self, header: coordinator_pb2.ParametersHeader) -> bool:
+        """The coordinator says this learner holds `header`'s version (its own version 0, named with its checksum):
+        deliver it. False (logged): it named nothing, or something else; the watch restarts from a snapshot."""
+        own, self._own = self._own, None
+        if own is None or self.follower.version != header.version or own[1] != header.params_crc32:
+            self.log.warning("worker.broadcast_refused", reason="held", version=header.version)
+            return False
+        self.log.info("worker.broadcast_held", version=header.version, checksum=own[1])
+        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), own[0]))
+        return True
 
     def _receiver(self, header: coordinator_pb2.ParametersHeader) -> tuple[PayloadReceiver, ApplyingDelta | None]:
         """A snapshot is decoded into a new vector; a delta whose base is held is added, window by window as it

@@ -207,8 +207,10 @@ class Worker:
             w.close()
             self.watcher = w = None
         if w is None and wid and self.core.exit is None:
-            epoch, numel = self.core.coordinator_epoch, self.replica.numel
-            self.watcher = Watcher(self.stub, wid, epoch, numel, self.inbox.put, self.log, self.coordinators.failover)
+            epoch, numel, v0 = self.core.coordinator_epoch, self.replica.numel, self.replica.version0
+            self.watcher = Watcher(
+                self.stub, wid, epoch, numel, self.inbox.put, self.log, self.coordinators.failover, version0=v0
+            )
 
     def _do(self, a: core.Action) -> None:
         """Carry out `a`, timing it into its phase of the round (`PHASES`); a submission logs the round's phases."""
@@ -262,7 +264,7 @@ class Worker:
         self.reg = reg
         if self.island is not None:
             self.island.session(reg.task_json, reg.codec, reg.task_fingerprint)
-        self.replica.start_session(reg.task_json, reg.codec, reg.task_fingerprint)
+        self.replica.start_session(reg.task_json, reg.codec, reg.task_fingerprint, reg.init_seed)
         if not self.cfg.healthd and reg.healthd_address:
             self.heartbeats.address = reg.healthd_address
         self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
