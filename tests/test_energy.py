@@ -167,7 +167,9 @@ def test_trace_lookup_step_linear_and_mean(tmp_path: Path) -> None:
     [
         ("zone,time_s,gco2_per_kwh,price\nz,0,1,2\n", r"line 1: .*unknown columns \['price'\]"),
         ("zone,time_s\nz,0\n", r"misses \['gco2_per_kwh'\]"),
-        ("zone,time_s,gco2_per_kwh\nz,0,100\nz,10,-1\n", "line 3: .*>= 0"),
+        ("zone,time_s,gco2_per_kwh\nz,0,100\nz,10,-1\n", "line 3: .*gco2_per_kwh from 0 to 2000"),
+        ("zone,time_s,gco2_per_kwh\nz,0,100\nz,10,2001\n", "line 3: .*gco2_per_kwh from 0 to 2000, got 10.0, 2001"),
+        ("zone,time_s,gco2_per_kwh\nz,-5,100\n", "line 2: time_s must be finite and >= 0"),
         ("zone,time_s,gco2_per_kwh\nz,0,100\nz,0,100\n", "line 3: time 0.0 of zone 'z' is not after"),
         ("zone,time_s,gco2_per_kwh\nz,10,100\nz,5,100\n", "line 3: .*not after"),
         ("zone,time_s,gco2_per_kwh\nz,0,1\nz,10,1\nz,20,1\nz,60,1\nz,70,1\n", "line 5: a gap in zone 'z'"),

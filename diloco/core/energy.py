@@ -66,6 +66,20 @@ class Policy(enum.Enum):
 
 POLICY_NAMES = tuple(p.value for p in Policy)
 
+# A carbon intensity above this is no grid's: the dirtiest grids average under 1,000 gCO2/kWh and a lignite plant on
+# its own emits about 1,200. A trace row or a provider's value above it is refused as a mistake (wrong unit, say).
+MAX_GCO2_PER_KWH = 2000.0
+
+
+def valid_intensity(value: object) -> bool:
+    """`value` is a carbon intensity: a number (not a bool), finite, from 0 to `MAX_GCO2_PER_KWH` gCO2/kWh."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_GCO2_PER_KWH
+    )
+
 
 class PowerSource(enum.Enum):
     """Where a learner's watts come from (`services.worker.power`): NVIDIA's management library, Linux RAPL
@@ -272,8 +286,8 @@ class CarbonTrace:
     def load(path: Path | str, interpolation: str = "step") -> CarbonTrace:
         """Read and validate a CSV trace: a header naming exactly `zone,time_s,gco2_per_kwh` (any order), then
         one row per (zone, time). Errors name the line: unknown or missing columns, a short or long row, a value
-        that is not a finite number, a negative time or intensity, a time not after the zone's previous one, and
-        a gap (a step more than `GAP_FACTOR` x the zone's median step)."""
+        that is not a finite number, a negative time, an intensity outside 0 to `MAX_GCO2_PER_KWH`, a time not
+        after the zone's previous one, and a gap (a step more than `GAP_FACTOR` x the zone's median step)."""
         p = Path(path)
         try:
             text = p.read_text()
@@ -305,8 +319,11 @@ class CarbonTrace:
                 g = float(row[col["gco2_per_kwh"]])
             except ValueError:
                 raise ConfigError(f"{where}: time_s and gco2_per_kwh must be numbers, got {row}") from None
-            if not (math.isfinite(t) and math.isfinite(g)) or t < 0 or g < 0:
-                raise ConfigError(f"{where}: time_s and gco2_per_kwh must be finite and >= 0, got {t}, {g}")
+            if not math.isfinite(t) or t < 0 or not valid_intensity(g):
+                raise ConfigError(
+                    f"{where}: time_s must be finite and >= 0 and gco2_per_kwh from 0 to {MAX_GCO2_PER_KWH:g}, "
+                    f"got {t}, {g}"
+                )
             times, values, linenos = series.setdefault(zone, ([], [], []))
             if times and t <= times[-1]:
                 raise ConfigError(

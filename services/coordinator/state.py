@@ -523,15 +523,27 @@ class CoordinatorState:
     def set_intensity(self, zone: str, value: float) -> None:
         """The carbon provider's value for `zone` (gCO2/kWh); the next placement uses it."""
         with self.lock:
-            self.energy.signal.set_live(zone, value)
+            recovered = self.energy.signal.set_live(zone, value)
         self.metrics.carbon_intensity.labels(zone=zone).set(value)
+        if recovered:
+            self.log.info("carbon.provider_recovered", zone=zone, gco2_per_kwh=value)
 
     def intensity_failed(self, zone: str, reason: str, detail: str) -> None:
-        """A carbon provider call failed: counted and logged; the zone keeps its last good value."""
-        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
+        """A carbon provider call gave no good value for `zone`: counted by reason and by zone, and logged when the
+        zone's fallback or the reason changes (`CarbonSignal.fail` says what the zone falls back to)."""
         with self.lock:
-            kept = self.energy.signal.live.get(zone)
-        self.log.warning("carbon.provider_failed", zone=zone, reason=reason, detail=detail, kept_gco2_per_kwh=kept)
+            fallback = self.energy.signal.fail(zone, reason, self.clock())
+        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
+        self.metrics.carbon_fallbacks.labels(zone=zone, to=fallback.to).inc()
+        if fallback.changed:
+            self.log.warning(
+                "carbon.provider_failed",
+                zone=zone,
+                reason=reason,
+                detail=detail,
+                fallback=fallback.to,
+                gco2_per_kwh=fallback.value,
+            )
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
