@@ -163,6 +163,7 @@ def test_coordinator_exits_2_on_a_bad_trace_or_provider(tmp_path: Path, capsys: 
     bad = tmp_path / "bad.csv"
     for rows, says in (
         ("DE,0,-5\n", "line 2"),
+        ("DE,0,5000\n", "line 2: time_s must be finite and >= 0 and gco2_per_kwh from 0 to 2000"),  # absurd
         ("DE,0,100\nDE,3600,100\nDE,1800,100\n", "line 4: time 1800.0 of zone 'DE' is not after"),  # not monotonic
         ("DE,0,100\nDE,3600,100\nDE,7200,100\nDE,36000,100\n", "line 5: a gap in zone 'DE'"),
     ):
