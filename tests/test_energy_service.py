@@ -154,6 +154,7 @@ def test_placement_flags_and_env(tmp_path: Path) -> None:
     assert (cfg.placement, cfg.deadline_s, cfg.carbon_threshold) == ("cost", 3600.0, 250.0)
     policy = cfg.policy_config(started_unix_s=1000.0)
     assert policy.deadline_s == 4600.0 and policy.min_active == cfg.min_quorum and policy.carbon_threshold == 250.0
+    assert policy.started_s == 1000.0  # the energy policy's whole-job allowance counts from the start
     assert math.isinf(parse_coordinator(["--insecure"], {}).policy_config(1000.0).deadline_s)
 
 

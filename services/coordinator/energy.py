@@ -322,6 +322,7 @@ class EnergyBook:
                 price_per_hour=rec.price_per_hour,
                 spot=rec.spot,
                 zone=rec.zone,
+                paused=rec.weight == 0,
             )
         return out
 

@@ -41,7 +41,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
-from diloco.core.energy import Policy, PolicyConfig, PowerSource, decide
+from diloco.core.energy import PauseDelay, Policy, PolicyConfig, PowerSource, decide
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -213,6 +213,7 @@ class CoordinatorState:
         self.core = core
         self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
         self.placement = placement or PolicyConfig()  # the placement policy (`diloco.core.energy.decide`)
+        self.pause_delay = PauseDelay(self.placement.started_s or 0.0)  # what its pauses cost the job so far
         self.placement_reason = ""  # the last decision's reason
         self.on_new_zone: Callable[[], None] | None = None  # a learner brought a zone the carbon provider never gave
         self.epoch = coordinator_epoch
@@ -463,7 +464,10 @@ class CoordinatorState:
         live = c.live_ids()
         speeds = c.planning_speeds()
         active = {w: speeds[w] for w in live if c.workers[w].state == WorkerState.ACTIVE}
-        decision = decide(now, self.energy.infos(active, now), self.placement, tokens_left=self._tokens_left())
+        delay = self.pause_delay.advance(now)
+        infos = self.energy.infos(active, now)
+        decision = decide(now, infos, self.placement, tokens_left=self._tokens_left(), delay_s=delay)
+        self.pause_delay.follow(decision)
         weights = {w: decision.weights.get(w, 1.0) for w in live}
         changed = c.set_placement_weights(weights)
         moved = self.energy.set_weights(weights, now)
