@@ -191,12 +191,13 @@ class Clock:
 
 
 class CarbonScript:
-    """What `carbon_provider` does when called: answer `values[zone]`, raise, hang until `release` is set, or
-    return `bad` (a value that is no intensity). `calls` counts the calls."""
+    """What `carbon_provider` does when called: answer `values[zone]`, answer `values` whole (a grid's mapping,
+    which may leave the zone out), raise, hang until `release` is set, or return `bad` (a value that is no
+    intensity). `calls` counts the calls."""
 
     def __init__(self) -> None:
-        self.mode = "answer"  # answer | raise | hang | bad
-        self.values: dict[str, float] = {}
+        self.mode = "answer"  # answer | grid | raise | hang | bad
+        self.values: dict[str, float | None] = {}
         self.bad: object = float("nan")
         self.release = threading.Event()
         self.calls = 0
@@ -213,6 +214,8 @@ def carbon_provider(zone: str, unix_s: float) -> object:
         CARBON.release.wait(30)
     if CARBON.mode == "bad":
         return CARBON.bad
+    if CARBON.mode == "grid":
+        return dict(CARBON.values)
     return CARBON.values[zone]
 
 

@@ -10,7 +10,19 @@ import pytest
 
 from diloco.core.energy import CarbonTrace, PowerSource
 from diloco.errors import InvalidArgument
-from services.coordinator.energy import SNAPSHOT_KEY, CarbonSignal, Charge, EnergyBook, Reweighed, Totals
+from services.coordinator.energy import (
+    LAST_GOOD,
+    SNAPSHOT_KEY,
+    UNKNOWN,
+    UNKNOWN_GCO2_PER_KWH,
+    CarbonSignal,
+    Charge,
+    EnergyBook,
+    Fallback,
+    Reweighed,
+    Totals,
+)
+from services.coordinator.energy import TRACE as TO_TRACE
 
 pytestmark = pytest.mark.timeout(30)
 TRACE = CarbonTrace({"DE": ((0.0, 3600.0), (400.0, 100.0)), "FR": ((0.0,), (50.0,))})
@@ -20,10 +32,9 @@ def test_the_signal_is_the_providers_last_value_over_the_trace() -> None:
     signal = CarbonSignal(TRACE, origin=1000.0)
     assert signal.at("DE", 1000.0) == 400.0 and signal.at("DE", 1000.0 + 3600.0) == 100.0
     assert signal.mean("DE", 1000.0 + 1800.0, 1000.0 + 5400.0) == pytest.approx(250.0)  # half an hour of each
-    assert signal.at("XX", 0.0) == 0.0  # no trace value, no provider value
     signal.set_live("DE", 220.0)
     assert signal.at("DE", 1000.0) == 220.0 and signal.mean("DE", 0.0, 9999.0) == 220.0
-    for bad in (math.nan, -1.0, math.inf):
+    for bad in (math.nan, -1.0, math.inf, 2000.5):
         with pytest.raises(InvalidArgument):
             signal.set_live("DE", bad)
     assert signal.live == {"DE": 220.0}
@@ -32,6 +43,31 @@ def test_the_signal_is_the_providers_last_value_over_the_trace() -> None:
         with pytest.raises(InvalidArgument, match="--zone set to one of DE, FR"):
             signal.check_zone(zone)
     CarbonSignal().check_zone("anything")  # without a trace every zone goes
+
+
+def test_a_zone_without_a_value_falls_back_and_is_never_counted_clean() -> None:
+    # a provider alone: a zone it has not answered for is unknown, the dirtiest known zone and at least 1000
+    signal = CarbonSignal(provider=True)
+    assert signal.at("PL", 0.0) == signal.mean("PL", 0.0, 10.0) == UNKNOWN_GCO2_PER_KWH
+    assert signal.fail("PL", "missing", 0.0) == Fallback(UNKNOWN, UNKNOWN_GCO2_PER_KWH, changed=True)
+    assert signal.fail("PL", "missing", 5.0).changed is False  # the same fallback for the same reason: logged once
+    assert signal.fail("PL", "timeout", 6.0) == Fallback(UNKNOWN, UNKNOWN_GCO2_PER_KWH, changed=True)
+    signal.set_live("MN", 1500.0)  # a known zone dirtier than the floor sets the unknown's value
+    assert signal.at("PL", 0.0) == 1500.0 and signal.fail("PL", "timeout", 7.0).value == 1500.0
+    assert signal.set_live("PL", 700.0) is True and signal.set_live("PL", 650.0) is False  # recovered, then fresh
+    assert signal.fail("PL", "missing", 8.0) == Fallback(LAST_GOOD, 650.0, changed=True)  # keeps its last value
+    assert signal.at("PL", 9.0) == 650.0
+    # a provider over a trace: a zone never answered takes the trace's value; the unknown one the dirtiest of all
+    over = CarbonSignal(TRACE, origin=0.0, provider=True)
+    assert over.fail("DE", "error", 0.0) == Fallback(TO_TRACE, 400.0, changed=True)
+    assert over.at("", 0.0) == UNKNOWN_GCO2_PER_KWH  # no zone, with a trace and a provider
+    # neither a trace nor a provider: carbon is not measured, every zone counts 0
+    assert CarbonSignal().at("PL", 0.0) == 0.0 and CarbonSignal().mean("PL", 0.0, 10.0) == 0.0
+    # the carbon counter charges an unknown zone's work at that value, never at 0
+    book = EnergyBook(CarbonSignal(provider=True))
+    book.join("a", 0.0, zone="PL", watts=360.0, source=PowerSource.DECLARED)
+    assert book.work("a", 10.0, 10.0).grams == pytest.approx(360.0 * 10.0 / 3.6e6 * UNKNOWN_GCO2_PER_KWH)
+    assert book.infos({"a": 1.0}, 10.0)["a"].intensity == UNKNOWN_GCO2_PER_KWH
 
 
 def test_energy_carbon_and_cost_per_learner_and_in_total() -> None:

@@ -154,6 +154,7 @@ def test_placement_flags_and_env(tmp_path: Path) -> None:
     assert (cfg.placement, cfg.deadline_s, cfg.carbon_threshold) == ("cost", 3600.0, 250.0)
     policy = cfg.policy_config(started_unix_s=1000.0)
     assert policy.deadline_s == 4600.0 and policy.min_active == cfg.min_quorum and policy.carbon_threshold == 250.0
+    assert policy.started_s == 1000.0  # the energy policy's whole-job allowance counts from the start
     assert math.isinf(parse_coordinator(["--insecure"], {}).policy_config(1000.0).deadline_s)
 
 
@@ -163,6 +164,7 @@ def test_coordinator_exits_2_on_a_bad_trace_or_provider(tmp_path: Path, capsys: 
     bad = tmp_path / "bad.csv"
     for rows, says in (
         ("DE,0,-5\n", "line 2"),
+        ("DE,0,5000\n", "line 2: time_s must be finite and >= 0 and gco2_per_kwh from 0 to 2000"),  # absurd
         ("DE,0,100\nDE,3600,100\nDE,1800,100\n", "line 4: time 1800.0 of zone 'DE' is not after"),  # not monotonic
         ("DE,0,100\nDE,3600,100\nDE,7200,100\nDE,36000,100\n", "line 5: a gap in zone 'DE'"),
     ):
@@ -363,6 +365,10 @@ def failures(env: Env, reason: str) -> float:
     return sample(env, "diloco_coordinator_carbon_provider_failures_total", reason=reason)
 
 
+def fallbacks(env: Env, zone: str, to: str) -> float:
+    return sample(env, "diloco_coordinator_carbon_fallbacks_total", zone=zone, to=to)
+
+
 def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: Callable[..., Env]) -> None:
     CARBON.mode, CARBON.values, CARBON.release = "answer", {"FR": 42.0}, type(CARBON.release)()
     env = start(
@@ -383,12 +389,13 @@ def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: 
                 ("bad", math.nan, "bad_value"),
                 ("bad", -5.0, "bad_value"),
                 ("bad", "40", "bad_value"),
+                ("bad", 2500.0, "bad_value"),  # absurd: no grid emits that much (a unit mistake, say)
             ):
                 CARBON.mode, CARBON.bad = mode, bad
                 before = failures(env, reason)
                 feed.refresh()
                 assert live["FR"] == 42.0 and failures(env, reason) == before + 1
-            assert failures(env, "error") == 1.0 and failures(env, "bad_value") == 3.0
+            assert failures(env, "error") == 1.0 and failures(env, "bad_value") == 4.0
             CARBON.mode = "hang"
             started = time.monotonic()
             feed.refresh()  # abandoned after 0.3 s
@@ -406,19 +413,58 @@ def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: 
             CARBON.mode = "answer"
             feed.refresh()
             assert live["FR"] == 60.0
-        warned = [r for r in logs if r["event"] == "carbon.provider_failed"]
-        assert [r["reason"] for r in warned] == [
-            "error",
-            "bad_value",
-            "bad_value",
-            "bad_value",
-            "timeout",
-            "still_running",
-        ]
-        assert all(r["log_level"] == "warning" and r["kept_gco2_per_kwh"] == 42.0 for r in warned)
+        warned = [r for r in logs if r["event"] == "carbon.provider_failed"]  # each change once
+        assert [r["reason"] for r in warned] == ["error", "bad_value", "timeout", "still_running"]
+        assert all(r["log_level"] == "warning" and r["gco2_per_kwh"] == 42.0 for r in warned)
+        assert all(r["fallback"] == "last_good" for r in warned)
+        assert [r["zone"] for r in logs if r["event"] == "carbon.provider_recovered"] == ["FR"]
+        assert fallbacks(env, "FR", "last_good") == 7.0  # every failed call
         assert a.worker_id
     finally:
         CARBON.release.set()
+
+
+def test_a_zone_the_provider_leaves_out_keeps_its_last_value_or_counts_as_the_dirtiest(
+    start: Callable[..., Env],
+) -> None:
+    """The provider answers a grid's mapping that leaves a zone out: that zone, never answered, is unknown, weighed
+    and charged as the dirtiest known zone and at least 1000 gCO2/kWh (never 0); a zone answered before keeps its
+    last good value through a mapping without it, None, NaN or an absurd value. Each change is logged once, every
+    fallback counted by zone."""
+    CARBON.mode, CARBON.values, CARBON.release = "grid", {"FR": 50.0}, type(CARBON.release)()
+    clock = Clock()
+    with structlog.testing.capture_logs() as logs:
+        env = start(
+            clock=clock,
+            placement="carbon",
+            carbon_provider="tests.support:carbon_provider",
+            carbon_refresh_s=3600.0,  # the feed asks once per new zone; the test asks with refresh()
+            mode="async",
+            min_quorum=1,
+        )
+        feed, live = env.server.carbon, env.server.state.energy.signal.live
+        assert feed is not None
+        a = join(env, "a", power(300.0), zone="FR")
+        b = join(env, "b", power(300.0), zone="PL")  # the provider's grid has no PL
+        wait_for("FR's value and PL's miss", lambda: live.get("FR") == 50.0 and fallbacks(env, "PL", "unknown") >= 1)
+        fast_and_slow(env, clock, a, b)  # b measured slow: pausing it costs the fleet ~1%
+        assert shards_of(env, b) == []  # PL counts as the dirtiest zone: b is paused, its shards go to FR
+        workers = {w.worker_id: w for w in env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers}
+        assert (workers[b.worker_id].carbon_intensity, workers[a.worker_id].carbon_intensity) == (1000.0, 50.0)
+        grams = 300.0 * 9.9 / 3.6e6 * 1000.0  # b's work, charged at the unknown zone's value
+        assert sample(env, "diloco_carbon_grams_total", worker=b.worker_id) == pytest.approx(grams, rel=1e-6)
+        for values in ({}, {"FR": None}, {"FR": math.nan}, {"FR": 1e6}):  # FR: no value, then no valid one
+            CARBON.values = values  # type: ignore[assignment]
+            feed.refresh()
+            assert live["FR"] == 50.0 and "PL" not in live
+        assert fallbacks(env, "FR", "last_good") >= 4.0 and failures(env, "missing") >= 3.0
+        CARBON.values = {"FR": 60.0, "PL": 700.0}
+        feed.refresh()
+        assert live == {"FR": 60.0, "PL": 700.0}
+    warned = [(r["zone"], r["reason"], r["fallback"]) for r in logs if r["event"] == "carbon.provider_failed"]
+    assert warned == [("PL", "missing", "unknown"), ("FR", "missing", "last_good"), ("FR", "bad_value", "last_good")]
+    recovered = sorted(r["zone"] for r in logs if r["event"] == "carbon.provider_recovered")
+    assert recovered == ["FR", "PL"]
 
 
 # --- across a restart -------------------------------------------------------------------------------------------

@@ -19,7 +19,14 @@ speed by more than the policy's allowance (against every learner active), and mu
 
 - `speed`: every learner at weight 1, so placement is exactly `place_shards(n, speeds)` (today's rule).
 - `energy`: a learner whose joules per token `W / v` is at least `energy_factor` times that of the learners that
-  stay is paused, while the fleet loses at most `energy_max_slowdown` of its speed.
+  stay is paused, while the fleet loses at most `energy_max_slowdown` of its speed. With the job's start
+  (`started_s`), its tokens left and the time its pauses have cost it so far (`delay_s`, kept by `PauseDelay`),
+  the allowance holds over the whole job instead: a pause that would slow the fleet more is also taken when the
+  job, paused so until its end, still spends at most `ENERGY_BUDGET_SHARE` of `energy_max_slowdown` of the time
+  it takes with every learner active (`ENERGY_BUDGET_HYSTERESIS` less for a learner not paused yet, so that a
+  learner at the edge does not flap as rounds bring tokens in lumps). Time the steady pauses left unspent is so
+  spent on the next least efficient learner, from the moment it fits until the end: the job's mean slowdown stays
+  within the allowance while a time-shared pause saves what no fixed set of pauses can.
 - `carbon`: a learner is *dirty* when its zone's intensity is above `carbon_threshold` gCO2/kWh (or, with no
   threshold, when its zone is the dirtiest at this moment and some zone is greener). Dirty learners are paused,
   dirtiest (`W * I / v`) first, while some greener learner stays active and the fleet loses at most
@@ -49,7 +56,7 @@ import enum
 import itertools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +72,25 @@ class Policy(enum.Enum):
 
 
 POLICY_NAMES = tuple(p.value for p in Policy)
+# energy, over the whole job: the share of `energy_max_slowdown` its pauses plan to spend (the rest is for what the
+# plan does not see: the rounds' own overhead and the last round's granularity), and the share a new pause must
+# leave besides (hysteresis: a learner paused stays paused until the plan is over `ENERGY_BUDGET_SHARE`)
+ENERGY_BUDGET_SHARE = 0.8
+ENERGY_BUDGET_HYSTERESIS = 0.05
+
+# A carbon intensity above this is no grid's: the dirtiest grids average under 1,000 gCO2/kWh and a lignite plant on
+# its own emits about 1,200. A trace row or a provider's value above it is refused as a mistake (wrong unit, say).
+MAX_GCO2_PER_KWH = 2000.0
+
+
+def valid_intensity(value: object) -> bool:
+    """`value` is a carbon intensity: a number (not a bool), finite, from 0 to `MAX_GCO2_PER_KWH` gCO2/kWh."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and 0 <= value <= MAX_GCO2_PER_KWH
+    )
 
 
 class PowerSource(enum.Enum):
@@ -98,6 +124,7 @@ class LearnerInfo:
     price_per_hour: float = 0.0
     spot: bool = False
     zone: str = ""
+    paused: bool = False  # the policy's last decision paused it (weight 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)):
@@ -118,6 +145,7 @@ class PolicyConfig:
     carbon_max_slowdown: float = 0.25
     allow_spot: bool = True
     cost_margin: float = 0.05  # cost: plan for this much more speed than the deadline needs
+    started_s: float | None = None  # when the job (its `tokens_done`) began, same clock as `now`; None: unknown
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, Policy):
@@ -130,6 +158,8 @@ class PolicyConfig:
             raise ConfigError(f"energy_factor must be >= 1, got {self.energy_factor!r}")
         for name in ("energy_max_slowdown", "carbon_max_slowdown", "cost_margin", "carbon_threshold"):
             _finite_nonneg(getattr(self, name), name)
+        if self.started_s is not None and not math.isfinite(self.started_s):
+            raise ConfigError(f"started_s must be a finite time or None, got {self.started_s!r}")
 
 
 @dataclass(frozen=True)
@@ -137,6 +167,7 @@ class Decision:
     weights: dict[str, float]  # learner id -> weight in [0, 1]; 0 = paused
     reason: str
     paused: tuple[str, ...] = field(default=())
+    share: float = 1.0  # the active learners' share of every learner's speed
 
     def active(self) -> list[str]:
         return [w for w, x in self.weights.items() if x > 0]
@@ -159,9 +190,17 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den > 0 else math.inf
 
 
-def decide(now: float, learners: Mapping[str, LearnerInfo], cfg: PolicyConfig, tokens_left: float = 0.0) -> Decision:
-    """The policy's weights for `learners` at `now` (see the module docstring)."""
+def decide(
+    now: float,
+    learners: Mapping[str, LearnerInfo],
+    cfg: PolicyConfig,
+    tokens_left: float = 0.0,
+    delay_s: float = 0.0,
+) -> Decision:
+    """The policy's weights for `learners` at `now` (see the module docstring); `tokens_left` the job still needs
+    (0: unknown), `delay_s` the time pauses cost it since `cfg.started_s` (`PauseDelay`)."""
     _finite_nonneg(tokens_left, "tokens_left")
+    _finite_nonneg(delay_s, "delay_s")
     ids = sorted(learners)
     speeds = effective_speeds({w: learners[w].speed for w in ids})
     if cfg.policy is Policy.SPEED or not ids:
@@ -178,18 +217,7 @@ def decide(now: float, learners: Mapping[str, LearnerInfo], cfg: PolicyConfig, t
     if cfg.policy is Policy.COST:
         return _cost(ids, learners, speeds, cfg, tokens_left, time_left)
     if cfg.policy is Policy.ENERGY:
-        per_token = {w: learners[w].watts / speeds[w] for w in ids}
-        order = sorted(ids, key=lambda w: (-per_token[w], w))
-        active = list(ids)
-        paused: list[str] = []
-        for w in order:
-            rest = [x for x in active if x != w]
-            rest_ratio = _ratio(math.fsum(learners[x].watts for x in rest), math.fsum(speeds[x] for x in rest))
-            if per_token[w] >= cfg.energy_factor * rest_ratio and feasible(rest, cfg.energy_max_slowdown):
-                active, paused = rest, [*paused, w]
-        why = ", ".join(f"{w} ({per_token[w]:.3g} J/token)" for w in paused)
-        reason = f"energy: paused {why}" if paused else "energy: no learner far less efficient than the rest"
-        return _decision(ids, paused, reason)
+        return _energy(now, ids, learners, speeds, cfg, tokens_left, delay_s, feasible)
     # carbon
     intensity = {w: learners[w].intensity for w in ids}
     if cfg.carbon_threshold > 0:
@@ -199,7 +227,7 @@ def decide(now: float, learners: Mapping[str, LearnerInfo], cfg: PolicyConfig, t
         dirty = [w for w in ids if intensity[w] == worst] if worst > best else []
     grams = {w: learners[w].watts * intensity[w] / speeds[w] for w in ids}
     active = list(ids)
-    paused = []
+    paused: list[str] = []
     for w in sorted(dirty, key=lambda x: (-grams[x], x)):
         rest = [x for x in active if x != w]
         greener = any(intensity[x] < intensity[w] for x in rest)
@@ -207,12 +235,70 @@ def decide(now: float, learners: Mapping[str, LearnerInfo], cfg: PolicyConfig, t
             active, paused = rest, [*paused, w]
     why = ", ".join(f"{w} ({intensity[w]:.0f} g/kWh)" for w in paused)
     reason = f"carbon: paused {why}" if paused else "carbon: no dirty learner can pause"
-    return _decision(ids, paused, reason)
+    return _decision(ids, paused, reason, speeds)
 
 
-def _decision(ids: Sequence[str], paused: Sequence[str], reason: str) -> Decision:
+def _energy(
+    now: float,
+    ids: Sequence[str],
+    learners: Mapping[str, LearnerInfo],
+    speeds: Mapping[str, float],
+    cfg: PolicyConfig,
+    tokens_left: float,
+    delay_s: float,
+    feasible: Callable[[Sequence[str], float], bool],
+) -> Decision:
+    per_token = {w: learners[w].watts / speeds[w] for w in ids}
+    order = sorted(ids, key=lambda w: (-per_token[w], w))
+    total = math.fsum(speeds.values())
+    budget = cfg.started_s is not None and tokens_left > 0 and now >= cfg.started_s
+    active = list(ids)
+    paused: list[str] = []
+    for w in order:
+        rest = [x for x in active if x != w]
+        rest_ratio = _ratio(math.fsum(learners[x].watts for x in rest), math.fsum(speeds[x] for x in rest))
+        if per_token[w] < cfg.energy_factor * rest_ratio:
+            continue
+        ok = feasible(rest, cfg.energy_max_slowdown)
+        if not ok and budget and feasible(rest, math.inf):
+            assert cfg.started_s is not None
+            share = ENERGY_BUDGET_SHARE - (0.0 if learners[w].paused else ENERGY_BUDGET_HYSTERESIS)
+            v = math.fsum(speeds[x] for x in rest)
+            ref_s = now - cfg.started_s - delay_s + tokens_left / total  # the job's time with no pause
+            ok = delay_s + tokens_left / v - tokens_left / total <= cfg.energy_max_slowdown * share * ref_s
+        if ok:
+            active, paused = rest, [*paused, w]
+    why = ", ".join(f"{w} ({per_token[w]:.3g} J/token)" for w in paused)
+    reason = f"energy: paused {why}" if paused else "energy: no learner far less efficient than the rest"
+    return _decision(ids, paused, reason, speeds)
+
+
+class PauseDelay:
+    """The time pauses have cost a job since `started_s`: while a decision's learners are active, the job runs at
+    `share` = their speed / every learner's, so each second costs `1 - share` of a second against every learner
+    active. Fed every decision in time order (`advance` before `decide`, `follow` after); pure."""
+
+    def __init__(self, started_s: float) -> None:
+        self.at = started_s
+        self.delay_s = 0.0
+        self.share = 1.0
+
+    def advance(self, now: float) -> float:
+        """The delay up to `now` (at the last decision's share)."""
+        if now > self.at:
+            self.delay_s += (now - self.at) * (1.0 - self.share)
+            self.at = now
+        return self.delay_s
+
+    def follow(self, decision: Decision) -> None:
+        self.share = decision.share
+
+
+def _decision(ids: Sequence[str], paused: Sequence[str], reason: str, speeds: Mapping[str, float]) -> Decision:
     out = set(paused)
-    return Decision({w: 0.0 if w in out else 1.0 for w in ids}, reason, tuple(sorted(out)))
+    total = math.fsum(speeds.values())
+    share = math.fsum(v for w, v in speeds.items() if w not in out) / total if total > 0 else 1.0
+    return Decision({w: 0.0 if w in out else 1.0 for w in ids}, reason, tuple(sorted(out)), share)
 
 
 def _cost(
@@ -243,7 +329,7 @@ def _cost(
         f"cost: {len(chosen)} learner(s), {price:.3g}/h for {v:.3g} tokens/s; paused: {', '.join(paused) or 'none'}"
     )
     reason += late
-    return _decision(ids, paused, reason)
+    return _decision(ids, paused, reason, speeds)
 
 
 # --- carbon intensity trace -----------------------------------------------------------------------------------
@@ -272,8 +358,8 @@ class CarbonTrace:
     def load(path: Path | str, interpolation: str = "step") -> CarbonTrace:
         """Read and validate a CSV trace: a header naming exactly `zone,time_s,gco2_per_kwh` (any order), then
         one row per (zone, time). Errors name the line: unknown or missing columns, a short or long row, a value
-        that is not a finite number, a negative time or intensity, a time not after the zone's previous one, and
-        a gap (a step more than `GAP_FACTOR` x the zone's median step)."""
+        that is not a finite number, a negative time, an intensity outside 0 to `MAX_GCO2_PER_KWH`, a time not
+        after the zone's previous one, and a gap (a step more than `GAP_FACTOR` x the zone's median step)."""
         p = Path(path)
         try:
             text = p.read_text()
@@ -305,8 +391,11 @@ class CarbonTrace:
                 g = float(row[col["gco2_per_kwh"]])
             except ValueError:
                 raise ConfigError(f"{where}: time_s and gco2_per_kwh must be numbers, got {row}") from None
-            if not (math.isfinite(t) and math.isfinite(g)) or t < 0 or g < 0:
-                raise ConfigError(f"{where}: time_s and gco2_per_kwh must be finite and >= 0, got {t}, {g}")
+            if not math.isfinite(t) or t < 0 or not valid_intensity(g):
+                raise ConfigError(
+                    f"{where}: time_s must be finite and >= 0 and gco2_per_kwh from 0 to {MAX_GCO2_PER_KWH:g}, "
+                    f"got {t}, {g}"
+                )
             times, values, linenos = series.setdefault(zone, ([], [], []))
             if times and t <= times[-1]:
                 raise ConfigError(

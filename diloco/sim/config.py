@@ -178,6 +178,7 @@ class SimConfig:
             min_active=self.min_quorum if self.mode == "decoupled" else 1,
             deadline_s=self.deadline_s or math.inf,
             carbon_threshold=self.carbon_threshold,
+            started_s=0.0,
         )
 
     def round_config(self) -> RoundConfig:

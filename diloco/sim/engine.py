@@ -44,7 +44,7 @@ from diloco.core import learner as lc
 from diloco.core.broadcast import BroadcastShadow, params_checksum
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission, WorkPlan
-from diloco.core.energy import LearnerInfo, decide
+from diloco.core.energy import LearnerInfo, PauseDelay, decide
 from diloco.core.merge import Segment
 from diloco.core.states import DEAD, LEFT
 from diloco.errors import ConfigError, DilocoError
@@ -155,6 +155,7 @@ class Simulator(EventLoop):
         self.deadline_scheduled: float | None = None
         # energy, carbon, cost (with a fleet): per learner, and the policy's decisions
         self.policy = cfg.policy_config()
+        self.pause_delay = PauseDelay(0.0)  # the time pauses cost the job so far (the energy policy's budget)
         self.energy_j = [0.0] * cfg.num_learners
         self.carbon_g = [0.0] * cfg.num_learners
         self.paid_s = [0.0] * cfg.num_learners  # alive and not paused
@@ -301,9 +302,12 @@ class Simulator(EventLoop):
                 price_per_hour=spec.price_per_hour,
                 spot=spec.spot,
                 zone=spec.zone,
+                paused=lr.idx in self.paused,
             )
         left = max(0, self.cfg.token_budget - self.core.tokens_applied) if self.cfg.token_budget else 0
-        decision = decide(self.now, infos, self.policy, tokens_left=left)
+        delay = self.pause_delay.advance(self.now)
+        decision = decide(self.now, infos, self.policy, tokens_left=left, delay_s=delay)
+        self.pause_delay.follow(decision)
         paused = {live[w].idx for w in decision.paused}
         for learner in self.learners:
             self.set_paid(learner.idx, learner.alive and learner.idx not in paused)

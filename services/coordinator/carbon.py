@@ -1,17 +1,20 @@
 """Live carbon intensities from an operator's provider function (`--carbon-provider package.module:function`).
 
 The function is called as `function(zone, unix_s)` and returns the zone's intensity in gCO2/kWh (say, from a grid
-operator's API or a local cache). It is someone else's code on someone else's network, so it is kept off
-everything that matters:
+operator's API or a local cache), or a mapping of zones to intensities that holds it (one answer for the whole
+grid, say); `None`, or a mapping without the zone, is no value for it. It is someone else's code on someone else's
+network, so it is kept off everything that matters:
 - `CarbonFeed` calls it from a thread of its own, every `refresh_s` (and soon after `wake()`, when a learner
   brings a zone not asked yet), for the zones `zones()` names; the coordinator's event loop and its locks never
   wait for it: placement reads the last values (`services.coordinator.energy.CarbonSignal`).
 - each call runs in a daemon thread and is abandoned after `timeout_s`. While an abandoned call is still running,
   the feed does not start another (a provider that hangs costs one thread, not one per refresh); the zones it
   would have asked are reported `still_running`.
-- a call that raises, times out or returns anything but a finite number >= 0 is reported through `on_failure`
-  (the coordinator logs a warning and counts it by reason) and the zone keeps its last good value (or, with none
-  yet, the carbon trace's value, else 0). Nothing it does stops the feed or the coordinator.
+- a call that raises, times out, gives no value for the zone or anything but an intensity (a finite number from 0
+  to `MAX_GCO2_PER_KWH`) is reported through `on_failure`, and the zone keeps its last good value (or, with none
+  yet, the carbon trace's value, else it is unknown: `services.coordinator.energy.CarbonSignal.fail`; the
+  coordinator counts every failure by reason and zone, and logs each change). Nothing it does stops the feed or
+  the coordinator.
 - its module is imported once, at start-up (`load_provider`), bounded by the same `timeout_s`: a module that
   cannot be imported, raises as it loads or takes longer (waits on a network) is a start-up error.
 """
@@ -19,16 +22,16 @@ everything that matters:
 from __future__ import annotations
 
 import importlib
-import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from diloco.core.energy import MAX_GCO2_PER_KWH, valid_intensity
 from diloco.errors import ConfigError
 
 Provider = Callable[[str, float], Any]
-ERROR, TIMEOUT, BAD_VALUE, STILL_RUNNING = "error", "timeout", "bad_value", "still_running"
-FAILURE_REASONS = (ERROR, TIMEOUT, BAD_VALUE, STILL_RUNNING)
+ERROR, TIMEOUT, MISSING, BAD_VALUE, STILL_RUNNING = "error", "timeout", "missing", "bad_value", "still_running"
+FAILURE_REASONS = (ERROR, TIMEOUT, MISSING, BAD_VALUE, STILL_RUNNING)
 
 
 def load_provider(spec: str, timeout_s: float) -> Provider:
@@ -145,9 +148,17 @@ class CarbonFeed:
             self.on_failure(zone, ERROR, repr(box["error"])[:200])
             return
         value = box.get("value")
-        if not (isinstance(value, (int, float)) and not isinstance(value, bool)) or not (
-            math.isfinite(value) and value >= 0
-        ):
-            self.on_failure(zone, BAD_VALUE, f"returned {value!r:.100}; expected a finite number >= 0 (gCO2/kWh)")
+        if isinstance(value, Mapping):
+            if zone not in value:
+                self.on_failure(zone, MISSING, f"returned a mapping without {zone!r}")
+                return
+            value = value[zone]
+        if value is None:
+            self.on_failure(zone, MISSING, "returned None (no value for this zone)")
+            return
+        if not valid_intensity(value):
+            self.on_failure(
+                zone, BAD_VALUE, f"returned {value!r:.100}; expected a number from 0 to {MAX_GCO2_PER_KWH:g} (gCO2/kWh)"
+            )
             return
         self.on_value(zone, float(value))

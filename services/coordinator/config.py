@@ -278,6 +278,7 @@ class CoordinatorServiceConfig:
             min_active=self.min_quorum if self.mode == "decoupled" else 1,
             deadline_s=started_unix_s + self.deadline_s if self.deadline_s else math.inf,
             carbon_threshold=self.carbon_threshold,
+            started_s=started_unix_s,
         )
 
     def admission(self) -> AdmissionLimits:

@@ -11,8 +11,12 @@ registration and every heartbeat (forwarded by healthd) its watts while training
 
 The carbon signal (`CarbonSignal`): a zone's intensity (gCO2/kWh) at `now` is the carbon provider's last good
 value for it (`services.coordinator.carbon`) when there is one, else the carbon trace's value at `now - origin`
-(`diloco.core.energy.CarbonTrace`; `origin` is the unix time the trace's 0 stands for), else 0. With a trace, a
-learner must name one of its zones.
+(`diloco.core.energy.CarbonTrace`; `origin` is the unix time the trace's 0 stands for). With a trace, a learner
+must name one of its zones. A zone with neither (a provider and no trace, and the provider has not answered for
+it yet, or a learner without a zone) is *unknown*: placement and accounting take it as the dirtiest known zone
+at `now` and at least `UNKNOWN_GCO2_PER_KWH`, so it is never counted clean by default. Only with neither a trace
+nor a provider (carbon is not measured) is every zone 0. A provider call that gives no good value for a zone
+(`fail`) leaves it on that fallback: its last good value, else the trace's, else unknown.
 
 Accounting, per learner (and in total):
 - energy: watts x work seconds. Work seconds are the coordinator's measure of how long each accepted submission's
@@ -38,12 +42,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from diloco.core.energy import CarbonTrace, LearnerInfo, PowerSource
+from diloco.core.energy import MAX_GCO2_PER_KWH, CarbonTrace, LearnerInfo, PowerSource, valid_intensity
 from diloco.errors import InvalidArgument
 
 J_PER_KWH = 3.6e6
 _ZONES_SHOWN = 12  # zones an error message lists
 SNAPSHOT_KEY = "energy"  # the fleet's totals in a checkpoint
+# A zone no carbon source has a value for (the provider has not answered for it yet, without a trace to fall back
+# on) is weighed and charged as the dirtiest known zone, and at least as a coal-fired grid: never as clean.
+UNKNOWN_GCO2_PER_KWH = 1000.0
+LAST_GOOD, TRACE, UNKNOWN = "last_good", "trace", "unknown"  # what a zone falls back to (`CarbonSignal.fail`)
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,17 @@ class Reweighed:
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """What a zone's intensity is while the provider gives none for it: `to` its last good value (`LAST_GOOD`),
+    the trace's (`TRACE`) or the unknown zone's (`UNKNOWN`), `value` that intensity now; `changed`: its first
+    failure, or one whose fallback or reason differs from the zone's previous failure (the one to log)."""
+
+    to: str
+    value: float
+    changed: bool
+
+
+@dataclass(frozen=True)
 class Charge:
     """What one learner used since the last charge (for the counters)."""
 
@@ -108,12 +127,16 @@ class Charge:
 
 
 class CarbonSignal:
-    """Zones' carbon intensity: a provider's last good values over the trace (see the module docstring)."""
+    """Zones' carbon intensity: a provider's last good values over the trace, and what a zone falls back to while
+    the provider gives none for it (see the module docstring)."""
 
-    def __init__(self, trace: CarbonTrace | None = None, origin: float = 0.0) -> None:
+    def __init__(self, trace: CarbonTrace | None = None, origin: float = 0.0, *, provider: bool = False) -> None:
+        """`provider`: a carbon provider feeds `set_live` and `fail` (so a zone can be unknown)."""
         self.trace = trace
         self.origin = origin
+        self.provider = provider
         self.live: dict[str, float] = {}  # zone -> the provider's last good value
+        self.failing: dict[str, tuple[str, str]] = {}  # zone -> (fallback, reason) of its last failed call
 
     def check_zone(self, zone: str) -> None:
         """With a trace, `zone` must be one of its zones (InvalidArgument naming them)."""
@@ -127,25 +150,50 @@ class CarbonSignal:
             f"of {shown}"
         )
 
-    def set_live(self, zone: str, value: float) -> None:
-        if not (math.isfinite(value) and value >= 0):
-            raise InvalidArgument(f"carbon intensity of {zone!r} must be a finite number >= 0, got {value!r}")
+    def set_live(self, zone: str, value: float) -> bool:
+        """The provider's value for `zone`; True when the zone was falling back until now (it recovered)."""
+        if not valid_intensity(value):
+            raise InvalidArgument(
+                f"carbon intensity of {zone!r} must be a finite number from 0 to {MAX_GCO2_PER_KWH:g}, got {value!r}"
+            )
         self.live[zone] = float(value)
+        return self.failing.pop(zone, None) is not None
+
+    def fail(self, zone: str, reason: str, now: float) -> Fallback:
+        """The provider gave no good value for `zone` (`reason`, one of `services.coordinator.carbon`'s): what the
+        zone's intensity falls back to, and whether that differs from its last failure's (the change to log)."""
+        to = LAST_GOOD if zone in self.live else TRACE if self._traced(zone) else UNKNOWN
+        changed = self.failing.get(zone) != (to, reason)
+        self.failing[zone] = (to, reason)
+        return Fallback(to, self.at(zone, now), changed)
+
+    def _traced(self, zone: str) -> bool:
+        return self.trace is not None and zone in self.trace.zones
+
+    def unknown(self, now: float) -> float:
+        """The intensity of a zone no source has a value for: 0 with neither a trace nor a provider (carbon is not
+        measured), else the dirtiest known zone's value at `now`, and at least `UNKNOWN_GCO2_PER_KWH`."""
+        if self.trace is None and not self.provider:
+            return 0.0
+        known = list(self.live.values())
+        if self.trace is not None:
+            known += [self.trace.intensity(z, now - self.origin) for z in self.trace.zones]
+        return max([UNKNOWN_GCO2_PER_KWH, *known])
 
     def at(self, zone: str, now: float) -> float:
         if zone in self.live:
             return self.live[zone]
         if self.trace is not None and zone in self.trace.zones:
             return self.trace.intensity(zone, now - self.origin)
-        return 0.0
+        return self.unknown(now)
 
     def mean(self, zone: str, t0: float, t1: float) -> float:
-        """The average intensity of `zone` over `[t0, t1]` (its value at `t1` from a provider)."""
+        """The average intensity of `zone` over `[t0, t1]` (its value at `t1` from a provider, or unknown)."""
         if zone in self.live:
             return self.live[zone]
         if self.trace is not None and zone in self.trace.zones:
             return self.trace.mean(zone, t0 - self.origin, t1 - self.origin)
-        return 0.0
+        return self.unknown(t1)
 
 
 class EnergyBook:
@@ -274,6 +322,7 @@ class EnergyBook:
                 price_per_hour=rec.price_per_hour,
                 spot=rec.spot,
                 zone=rec.zone,
+                paused=rec.weight == 0,
             )
         return out
 

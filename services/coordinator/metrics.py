@@ -100,9 +100,16 @@ class CoordinatorMetrics:
         )
         self.carbon_provider_failures = Counter(
             _PREFIX + "carbon_provider_failures",
-            "Carbon provider calls that raised, timed out, returned no finite value >= 0, or were skipped while an "
-            "earlier call still ran (the last good value stayed)",
+            "Carbon provider calls that raised, timed out, gave no value for their zone or no valid intensity, or "
+            "were skipped while an earlier call still ran",
             ["reason"],
+            registry=r,
+        )
+        self.carbon_fallbacks = Counter(
+            _PREFIX + "carbon_fallbacks",
+            "Carbon provider calls that gave a zone no good value, by what the zone fell back to: last_good (its last "
+            "good value), trace (the carbon trace's) or unknown (the dirtiest known zone's, at least 1000 gCO2/kWh)",
+            ["zone", "to"],
             registry=r,
         )
         self.validation_loss.set(float("nan"))

@@ -189,7 +189,7 @@ class CoordinatorServer:
                 self._last_ckpt_version = core.version
                 totals = self._restored_totals(snap, path)
         started = self.clock()
-        signal = CarbonSignal(trace, cfg.carbon_trace_origin_unix_s or started)
+        signal = CarbonSignal(trace, cfg.carbon_trace_origin_unix_s or started, provider=provider is not None)
         epoch = time.time_ns() if self._epoch is None else self._epoch
         state = CoordinatorState(
             core,

@@ -41,7 +41,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
-from diloco.core.energy import Policy, PolicyConfig, PowerSource, decide
+from diloco.core.energy import PauseDelay, Policy, PolicyConfig, PowerSource, decide
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -213,6 +213,7 @@ class CoordinatorState:
         self.core = core
         self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
         self.placement = placement or PolicyConfig()  # the placement policy (`diloco.core.energy.decide`)
+        self.pause_delay = PauseDelay(self.placement.started_s or 0.0)  # what its pauses cost the job so far
         self.placement_reason = ""  # the last decision's reason
         self.on_new_zone: Callable[[], None] | None = None  # a learner brought a zone the carbon provider never gave
         self.epoch = coordinator_epoch
@@ -463,7 +464,10 @@ class CoordinatorState:
         live = c.live_ids()
         speeds = c.planning_speeds()
         active = {w: speeds[w] for w in live if c.workers[w].state == WorkerState.ACTIVE}
-        decision = decide(now, self.energy.infos(active, now), self.placement, tokens_left=self._tokens_left())
+        delay = self.pause_delay.advance(now)
+        infos = self.energy.infos(active, now)
+        decision = decide(now, infos, self.placement, tokens_left=self._tokens_left(), delay_s=delay)
+        self.pause_delay.follow(decision)
         weights = {w: decision.weights.get(w, 1.0) for w in live}
         changed = c.set_placement_weights(weights)
         moved = self.energy.set_weights(weights, now)
@@ -523,15 +527,27 @@ class CoordinatorState:
     def set_intensity(self, zone: str, value: float) -> None:
         """The carbon provider's value for `zone` (gCO2/kWh); the next placement uses it."""
         with self.lock:
-            self.energy.signal.set_live(zone, value)
+            recovered = self.energy.signal.set_live(zone, value)
         self.metrics.carbon_intensity.labels(zone=zone).set(value)
+        if recovered:
+            self.log.info("carbon.provider_recovered", zone=zone, gco2_per_kwh=value)
 
     def intensity_failed(self, zone: str, reason: str, detail: str) -> None:
-        """A carbon provider call failed: counted and logged; the zone keeps its last good value."""
-        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
+        """A carbon provider call gave no good value for `zone`: counted by reason and by zone, and logged when the
+        zone's fallback or the reason changes (`CarbonSignal.fail` says what the zone falls back to)."""
         with self.lock:
-            kept = self.energy.signal.live.get(zone)
-        self.log.warning("carbon.provider_failed", zone=zone, reason=reason, detail=detail, kept_gco2_per_kwh=kept)
+            fallback = self.energy.signal.fail(zone, reason, self.clock())
+        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
+        self.metrics.carbon_fallbacks.labels(zone=zone, to=fallback.to).inc()
+        if fallback.changed:
+            self.log.warning(
+                "carbon.provider_failed",
+                zone=zone,
+                reason=reason,
+                detail=detail,
+                fallback=fallback.to,
+                gco2_per_kwh=fallback.value,
+            )
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
