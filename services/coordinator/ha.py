@@ -8,9 +8,11 @@ every `POLL_S`:
   `--checkpoint-dir`; a new leader address means a new follower (it resumes from its own checkpoints).
 - SERVE: promotion. The follower stops, its state (the newest version it applied) is written as a checkpoint, and a
   `CoordinatorServer` started on `--checkpoint-dir` resumes from it and serves on the address advertised in etcd,
-  under the leadership epoch as its coordinator epoch. Its state checks `may_accept()` (the fencing by time)
-  before accepting a registration or a submission, and before closing and publishing a round; when it is false
-  those calls get UNAVAILABLE "not the leader; leader is at HOST:PORT" (`diloco.errors.NotLeader`).
+  under the leadership epoch as its coordinator epoch. When a leader vouched for the standby (it accepted an
+  acknowledgement) the server keeps the learner table the round log carried: those learners go on without
+  registering again. Its state checks `may_accept()` (the fencing by time) before accepting a registration or a
+  submission, and before closing and publishing a round; when it is false those calls get UNAVAILABLE "not the
+  leader; leader is at HOST:PORT" (`diloco.errors.NotLeader`).
 - RETIRE: a replica that served and lost leadership stops serving (final checkpoint) and exits with status 3; a
   supervisor restarts it and it comes back as a standby of the new leader.
 - WAIT: nobody is known to lead yet; keep what it holds.
@@ -137,6 +139,7 @@ class HaReplica:
         self._stepping_down = threading.Event()  # a step-down call is running: the replica does not retire yet
         self._handing_over = threading.Event()  # a step-down fences the leader (it accepts nothing)
         self.stepped_down = False  # leadership was handed over on request: the process exits 0
+        self.in_step = False  # a leader accepted this standby's acknowledgement of a version it applied
         self.log = logging.get("coordinator", role="replica", replica_id=self.replica_id)
 
     def stop(self) -> None:
@@ -187,10 +190,14 @@ class HaReplica:
     def _follow(self, address: str) -> None:
         self._stop_follower()
         follower, chan = follower_from(replace(self.cfg, etcd="", follow=address, replica_id=self.replica_id))
-        follower.on_acked = lambda _version: self.driver.caught_up()  # in step with a leader: may take over
+        follower.on_acked = self._acked  # in step with a leader: may take over
         self._follower, self._channel, self._following = follower, chan, address
         follower.start()
         self.log.info("replica.following", leader=address)
+
+    def _acked(self, version: int) -> None:
+        self.in_step = True
+        self.driver.caught_up()
 
     def _promote(self, epoch: int) -> None:
         started = time.monotonic()
@@ -199,7 +206,13 @@ class HaReplica:
             self._standin.stop()
             self._standin = None
         server = CoordinatorServer(
-            self.cfg, epoch=epoch, fence=self.fence, leadership=self.driver.view, step_down=self.step_down
+            self.cfg,
+            epoch=epoch,
+            fence=self.fence,
+            leadership=self.driver.view,
+            step_down=self.step_down,
+            # a standby a leader vouched for holds its learner table: those learners need not register again
+            adopt_learners=held is not None and self.in_step,
         )
         server.start()
         self.server, self.promoted_at = server, time.monotonic()
@@ -207,6 +220,7 @@ class HaReplica:
             "replica.promoted",
             epoch=epoch,
             version=server.core.version,
+            learners=len(server.core.adopted),
             standby_version=held,
             address=server.address,
             seconds=round(self.promoted_at - started, 3),

@@ -6,7 +6,11 @@ GetWorkPlan per round. It reconnects with capped, jittered backoff; what each st
 
 A broadcast is a full snapshot or a delta to the version held (ALGORITHM.md section 10); `BroadcastFollower` holds
 the learner's copy and says whether a delta applies. A refused delta (not for the version held, or a checksum that
-differs after applying) or a corrupt payload is dropped and the watch restarts from version 0 (a full snapshot)."""
+differs after applying) or a corrupt payload is dropped and the watch restarts from version 0 (a full snapshot).
+
+A header from another coordinator epoch ends the registration (`SessionLost`), unless the epoch is higher and the
+header carries this learner's plan: a standby that took over with the learner table knows it, so the watcher
+adopts the new epoch and the learner goes on (`LearnerCore.params_arrived`)."""
 
 from __future__ import annotations
 
@@ -93,8 +97,16 @@ class Watcher:
                     if msg.HasField("header"):
                         header = msg.header
                         if header.coordinator_epoch != self.epoch:
-                            self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
-                            return
+                            if header.coordinator_epoch < self.epoch or not header.HasField("plan"):
+                                self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
+                                return
+                            # a standby took over knowing this learner (its plan came): stay registered
+                            self.log.info("worker.taken_over", epoch=header.coordinator_epoch, version=header.version)
+                            self.epoch = header.coordinator_epoch
+                            if header.HasField("delta_from"):  # a delta of another leader's broadcast history
+                                call.cancel()
+                                after = 0
+                                break
                         receiver, applying = self._receiver(header)
                         receiving_since = time.monotonic()
                         continue
