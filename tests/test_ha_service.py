@@ -5,6 +5,9 @@ FAILOVER."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,14 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diloco.cluster import wait_for
+from diloco.cluster import TINY_TASK_ARGS, wait_for
 from diloco.errors import ConfigError, not_leader
 from diloco.rpc.coordinators import MIN_DWELL_S, Coordinators
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig, parse, parse_etcd_endpoints
-from services.coordinator.ha import NotLeaderServer, free_port
+from services.coordinator.ha import EXIT_UNBOUND, NotLeaderServer, free_port
 from services.worker.config import WorkerConfig
 from tests.support import Clock, Env, code_of, frozen, make_upload, register, submit, tiny_task
 
@@ -94,6 +97,24 @@ def test_the_standby_stand_in_refuses_every_coordinator_call_and_is_not_serving(
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         standin.stop()
+
+
+def test_a_replica_that_cannot_bind_its_port_says_so_in_one_line_and_exits_4(tmp_path: Path) -> None:
+    """The stand-in binds the replica's advertised port first; a taken port (or, cut off, a host name that does not
+    resolve) ends the process at once with one log line saying what to do, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--insecure", "--etcd", "http://127.0.0.1:9", "--port", str(port), "--checkpoint-dir", str(tmp_path)]
+        args += ["--replication-log", "4", *TINY_TASK_ARGS]
+        done = subprocess.run(
+            [sys.executable, "-m", "services.coordinator", *args], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == EXIT_UNBOUND, done.stderr[-2000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if "replica.bind_failed" in x]
+    assert f"cannot serve on 127.0.0.1:{port}: another process holds the port" in line and "--port" in line
 
 
 @pytest.mark.parametrize(

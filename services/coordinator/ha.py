@@ -57,6 +57,7 @@ from services.coordinator.standby import StandbyFollower, follower_from
 POLL_S = 0.05  # how often the replica looks at its leadership view
 EXIT_RETIRED = 3  # the process served and lost leadership
 EXIT_REFUSED = 2  # the leader refused this replica as a standby for good (another task's fingerprint)
+EXIT_UNBOUND = 4  # it could not serve on its address (the port is taken, or the host name does not resolve)
 SUCCESSOR_WAIT_S = 3.0  # how long a step-down waits to see who took over before it answers
 NO_STANDBY = (
     "no standby follows this leader, so none could take over; start another replica with the same flags and --etcd "
@@ -102,9 +103,19 @@ class NotLeaderServer:
         self._server.add_generic_rpc_handlers((Handler(),))
         where = f"{cfg.host}:{cfg.port}"
         creds = cfg.security.server_credentials()
-        bound = self._server.add_insecure_port(where) if creds is None else self._server.add_secure_port(where, creds)
+        try:
+            bound = (
+                self._server.add_insecure_port(where) if creds is None else self._server.add_secure_port(where, creds)
+            )
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            bound = 0
         if bound != cfg.port:
-            raise OSError(f"the stand-in could not bind {cfg.host}:{cfg.port}")
+            self._server.stop(0)
+            raise OSError(
+                f"cannot serve on {where}: another process holds the port, or the host name does not resolve (a "
+                "network partition); free the port or give another --host/--port, or restart this replica once the "
+                "network is back"
+            )
 
     def start(self) -> None:
         self._server.start()
@@ -115,7 +126,8 @@ class NotLeaderServer:
 
 class HaReplica:
     """One coordinator replica (`--etcd`). `run()` blocks until `stop()` (exit 0), until it retires (exit 3), or
-    until the leader refuses it as a standby for good (another task: exit 2)."""
+    until the leader refuses it as a standby for good (another task: exit 2); it returns 4 at once when it cannot
+    serve on its address."""
 
     def __init__(self, cfg: CoordinatorServiceConfig, leadership: LeadershipConfig = LeadershipConfig()) -> None:
         endpoint = cfg.etcd_endpoint()
@@ -155,7 +167,11 @@ class HaReplica:
             raise not_leader(self.hint())
 
     def run(self) -> int:
-        self._standin = NotLeaderServer(self.cfg, self.hint)
+        try:
+            self._standin = NotLeaderServer(self.cfg, self.hint)
+        except OSError as e:  # before anything started: one line saying what to do, no traceback
+            self.log.error("replica.bind_failed", address=self.address, error=str(e))
+            return EXIT_UNBOUND
         self._standin.start()
         self.driver.start()
         self.log.info("replica.started", address=self.address, etcd=self.cfg.etcd)
