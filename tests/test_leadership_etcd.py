@@ -6,6 +6,8 @@ one replica may accept at any instant."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +19,7 @@ import requests
 
 from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
 from diloco.ha.driver import LeadershipDriver
-from diloco.ha.etcd import EtcdConfig, EtcdElection, EtcdUnavailable
+from diloco.ha.etcd import MAX_HANGING, EtcdConfig, EtcdElection, EtcdUnavailable
 from diloco.ha.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -248,3 +250,54 @@ def test_a_key_that_is_not_a_leader_record_is_never_overwritten(cluster: Cluster
     assert a.view().role in (Role.FOLLOWER, Role.CANDIDATE) and client.get(KEY) == [b"not json"]
     client.delete(KEY)
     one_leader(cluster, timeout_s=5.0)
+
+
+class Trickle:
+    """An HTTP endpoint that answers one byte every `every_s` and never finishes: each read arrives well within a
+    client's read timeout, so only a bound on the whole call ends it (the cut-off replica's DNS lookup blocks the
+    same way, in a call the HTTP client's timeout does not cover)."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        self.every_s = every_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stopped = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while not self.stopped.is_set():
+                conn, _ = self.sock.accept()
+                threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not self.stopped.wait(self.every_s):
+                conn.sendall(b"X")
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.sock.close()
+
+
+def test_every_etcd_call_is_bounded_as_a_whole_even_when_bytes_keep_trickling_in() -> None:
+    trickle = Trickle()
+    election = EtcdElection(EtcdConfig(host="127.0.0.1", port=trickle.port, key=KEY, call_timeout_s=0.3))
+    try:
+        for call in (election.observe, lambda: election.renew(1), lambda: election.resign(1, 1)):
+            started = time.monotonic()
+            with pytest.raises(EtcdUnavailable, match=r"no answer within 0\.3 s"):
+                call()
+            assert time.monotonic() - started < 0.3 + SLACK_S
+        for _ in range(MAX_HANGING):  # those given up on still hang: a new call fails at once, sending nothing
+            with contextlib.suppress(EtcdUnavailable):
+                election.observe()
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailable, match="still hang; not sending another"):
+            election.observe()
+        assert time.monotonic() - started < 0.1
+    finally:
+        trickle.close()
+        election.close()

@@ -1,5 +1,9 @@
 """The etcd side of coordinator leadership (ALGORITHM.md section 11): four calls over etcd v3's JSON gateway
-(`etcd3gw`), each bounded by `call_timeout_s` (connect, and each read of the reply).
+(`etcd3gw`), each bounded by `call_timeout_s` as a whole: the HTTP client's own timeout bounds the connect and each
+read of the reply, but not a host name that does not resolve (a cut-off replica's resolver can block for many
+seconds) nor a reply that trickles in; so every request runs on a thread of its own and the caller stops waiting at
+`call_timeout_s` (`EtcdUnavailable`). A request given up on finishes, or fails, on that thread, unseen; while
+`MAX_HANGING` of them still hang, a new call fails at once rather than start another.
 
 - campaign: grant a lease of `ttl_s`, then one transaction: if the leader key's create_revision is 0 (no key),
   put {replica_id, address} under the lease and read the key back, else read the key. Won: the epoch is the
@@ -20,6 +24,7 @@ import base64
 import contextlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +36,7 @@ from diloco.core.leadership import LeaderInfo
 from diloco.errors import ConfigError, InvalidArgument, Unavailable
 
 MAX_KEY_CHARS = 256
+MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
 
 
 class EtcdUnavailable(Unavailable):
@@ -100,6 +106,7 @@ class EtcdElection:
             host=cfg.host, port=cfg.port, timeout=cfg.call_timeout_s, api_path="/v3/", session=session
         )
         self._key = _b64(cfg.key.encode())
+        self._hanging: set[threading.Thread] = set()  # requests given up on, still running
 
     def close(self) -> None:
         self._client.session.close()
@@ -187,13 +194,33 @@ class EtcdElection:
         return decode_record(value, epoch)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One request, answered or failed within `call_timeout_s` (module docstring)."""
+        self._hanging = {t for t in self._hanging if t.is_alive()}
+        if len(self._hanging) >= MAX_HANGING:
+            raise EtcdUnavailable(f"etcd {path}: {len(self._hanging)} earlier requests still hang; not sending another")
+        outcome: list[dict[str, Any] | EtcdUnavailable] = []
+        thread = threading.Thread(target=lambda: outcome.append(self._send(path, body)), name="etcd-call", daemon=True)
+        thread.start()
+        thread.join(self.cfg.call_timeout_s)
+        if thread.is_alive() or not outcome:
+            self._hanging.add(thread)
+            raise EtcdUnavailable(f"etcd {path}: no answer within {self.cfg.call_timeout_s:g} s")
+        reply = outcome[0]
+        if isinstance(reply, EtcdUnavailable):
+            raise reply
+        return reply
+
+    def _send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | EtcdUnavailable:
+        """The request itself (on its own thread): the reply, or the failure to raise."""
         try:
             reply = self._client.post(self._client.get_url(path), json=body)
         except etcd_errors.Etcd3Exception as e:
             detail = (e.detail_text or "").strip()
-            raise EtcdUnavailable(f"etcd {path}: {type(e).__name__} {detail[:200]}".rstrip()) from e
+            return EtcdUnavailable(f"etcd {path}: {type(e).__name__} {detail[:200]}".rstrip())
         except (requests.RequestException, ValueError) as e:
-            raise EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300]) from e
+            return EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300])
+        except Exception as e:  # anything else the client raises is no answer either
+            return EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300])
         if not isinstance(reply, dict):
-            raise EtcdUnavailable(f"etcd {path}: the reply is not a JSON object")
+            return EtcdUnavailable(f"etcd {path}: the reply is not a JSON object")
         return reply

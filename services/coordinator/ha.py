@@ -57,6 +57,9 @@ from services.coordinator.standby import StandbyFollower, follower_from
 POLL_S = 0.05  # how often the replica looks at its leadership view
 EXIT_RETIRED = 3  # the process served and lost leadership
 EXIT_REFUSED = 2  # the leader refused this replica as a standby for good (another task's fingerprint)
+# a retiring leader accepts nothing (its fence refuses it) and may be cut off from the learners whose streams a
+# drain waits for: it drains this long, not --shutdown-grace-s, then writes its final checkpoint and exits
+RETIRE_GRACE_S = 1.0
 EXIT_UNBOUND = 4  # it could not serve on its address (the port is taken, or the host name does not resolve)
 SUCCESSOR_WAIT_S = 3.0  # how long a step-down waits to see who took over before it answers
 NO_STANDBY = (
@@ -199,7 +202,7 @@ class HaReplica:
                 elif d is Duty.FOLLOW and view.leader is not None and view.leader.address != self._following:
                     self._follow(view.leader.address)
         finally:
-            self._shutdown()
+            self._shutdown(RETIRE_GRACE_S if code == EXIT_RETIRED else None)
         return code
 
     # --- duties ---------------------------------------------------------------------------------------------
@@ -330,9 +333,10 @@ class HaReplica:
                 self.log.warning("replica.checkpoints_discarded", version=version, paths=[str(p) for p in stale])
         return version
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, grace_s: float | None) -> None:
+        """Stop serving (draining for `grace_s`; None: the configured grace), stop following, give the key back."""
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(grace_s)
         self._stop_follower()
         if self._standin is not None:
             self._standin.stop()
