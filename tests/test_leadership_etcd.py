@@ -301,3 +301,24 @@ def test_every_etcd_call_is_bounded_as_a_whole_even_when_bytes_keep_trickling_in
     finally:
         trickle.close()
         election.close()
+
+
+@pytest.mark.parametrize(("b_holds", "c_holds"), [(7, 5), (5, 7)])
+def test_of_two_standbys_the_one_holding_the_newest_version_takes_over(
+    cluster: Cluster, b_holds: int, c_holds: int
+) -> None:
+    """Issue #14 point 4, three replicas: a leads; b and c follow it, in step, and publish the versions they hold
+    (under leases of their own). a dies: the one holding the newer version takes the key (both orders, so it is not
+    who campaigns first)."""
+    a = cluster.add("a")
+    assert one_leader(cluster) is a
+    b, c = cluster.add("b"), cluster.add("c")
+    for d, held in ((b, b_holds), (c, c_holds)):
+        until(f"{d.view().replica_id} follows a", lambda d=d: d.view().leader is not None, cluster, 5.0)  # type: ignore[misc]
+        d.caught_up()
+        d.hold(held)
+    newest, other = (b, c) if b_holds > c_holds else (c, b)
+    until("each knows the other's version", lambda: other.view().ahead == (newest.view().replica_id,), cluster, 5.0)
+    a.stop(resign=False)
+    until("b or c leads", lambda: Role.LEADER in (b.view().role, c.view().role), cluster, 15.0)
+    assert newest.view().role is Role.LEADER and other.view().role is Role.FOLLOWER

@@ -14,6 +14,11 @@ seconds) nor a reply that trickles in; so every request runs on a thread of its 
 - observe: read the key: its holder, or None.
 - resign: delete the key if its create_revision is still our epoch (a transaction), then revoke the lease.
 
+The newest standby wins (`diloco.core.leadership`, "The newest standby wins"): each standby keeps an entry
+`{key}.standbys/{replica_id}` = {"version": v} under a lease of its own (`grant`, `publish`, kept alive by `renew`),
+and followers read the leader key and every such entry in one transaction (`observe_all`). An entry that is not
+such a record is left out.
+
 Every failure to get an answer is `EtcdUnavailable` (the caller retries); a key that does not hold a leader
 record is `MalformedLeaderKey` (also unavailable: nobody can tell who leads until it is fixed).
 """
@@ -36,6 +41,7 @@ from diloco.core.leadership import LeaderInfo
 from diloco.errors import ConfigError, InvalidArgument, Unavailable
 
 MAX_KEY_CHARS = 256
+MAX_PEERS = 64  # standby entries read (the newest standby wins); more are not looked at
 MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
 
 
@@ -106,6 +112,7 @@ class EtcdElection:
             host=cfg.host, port=cfg.port, timeout=cfg.call_timeout_s, api_path="/v3/", session=session
         )
         self._key = _b64(cfg.key.encode())
+        self._peers_prefix = (cfg.key + ".standbys/").encode()
         self._hanging: set[threading.Thread] = set()  # requests given up on, still running
 
     def close(self) -> None:
@@ -163,6 +170,33 @@ class EtcdElection:
             raise EtcdUnavailable("unexpected range reply from etcd: kvs is not a list")
         return self._holder(kvs[0]) if kvs else None
 
+    def observe_all(self) -> tuple[LeaderInfo | None, dict[str, int]]:
+        """The leader key's holder (or None) and the versions the live standbys published, in one read."""
+        prefix = self._peers_prefix
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        peers = {"key": _b64(prefix), "range_end": _b64(end), "limit": MAX_PEERS}
+        txn = {"compare": [], "success": [{"request_range": {"key": self._key}}, {"request_range": peers}]}
+        reply = self._post("/kv/txn", txn)
+        try:
+            leader_kvs, peer_kvs = (r["response_range"].get("kvs") or [] for r in reply["responses"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EtcdUnavailable(f"unexpected transaction reply from etcd: {e!r}") from e
+        holder = self._holder(leader_kvs[0]) if leader_kvs else None
+        return holder, dict(p for p in (self._peer(kv) for kv in peer_kvs) if p is not None)
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of `ttl_s` seconds: its id."""
+        granted = self._post("/lease/grant", {"TTL": ttl_s, "ID": 0})
+        try:
+            return int(granted["ID"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EtcdUnavailable(f"unexpected lease grant reply from etcd: {e!r}") from e
+
+    def publish(self, replica_id: str, version: int, lease_id: int) -> None:
+        """This standby's entry: the newest version a leader vouched for, under `lease_id`."""
+        key = _b64(self._peers_prefix + replica_id.encode())
+        self._post("/kv/put", {"key": key, "value": _b64(json.dumps({"version": version}).encode()), "lease": lease_id})
+
     def resign(self, lease_id: int, epoch: int) -> None:
         txn = {
             "compare": [{"key": self._key, "result": "EQUAL", "target": "CREATE", "create_revision": epoch}],
@@ -184,6 +218,16 @@ class EtcdElection:
     def _revoke_quietly(self, lease_id: int) -> None:
         with contextlib.suppress(EtcdUnavailable):  # else the lease expires on its own after its TTL
             self.revoke(lease_id)
+
+    def _peer(self, kv: Any) -> tuple[str, int] | None:
+        """A standby entry as (replica id, version); None when it is not one."""
+        try:
+            replica_id = base64.b64decode(kv["key"], validate=True)[len(self._peers_prefix) :].decode()
+            version = json.loads(base64.b64decode(kv.get("value", ""), validate=True))["version"]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        ok = replica_id.isprintable() and 0 < len(replica_id) <= 128 and type(version) is int and version >= 0
+        return (replica_id, version) if ok else None
 
     def _holder(self, kv: dict[str, Any]) -> LeaderInfo:
         try:

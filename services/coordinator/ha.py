@@ -215,8 +215,11 @@ class HaReplica:
         self.log.info("replica.following", leader=address)
 
     def _acked(self, version: int) -> None:
+        """The leader accepted this standby's acknowledgement of `version`: in step with it (it may take over at
+        once), and `version` is what it tells the other standbys it holds (the newest standby wins)."""
         self.in_step = True
         self.driver.caught_up()
+        self.driver.hold(version)
 
     def _promote(self, epoch: int) -> None:
         started = time.monotonic()
