@@ -62,10 +62,11 @@ V = TypeVar("V")
 # --- coordinator replicas (real processes) --------------------------------------------------------------------
 
 
-def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str) -> Proc:
-    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task."""
+def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str, port: int = 0) -> Proc:
+    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task (`port`: the
+    one it had, to start it again as a supervisor would)."""
     args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra)
-    return cluster.start_replica(name, etcd.url, args=args)
+    return cluster.start_replica(name, etcd.url, port=port, args=args)
 
 
 # --- the tiny task ---------------------------------------------------------------------------------------------
