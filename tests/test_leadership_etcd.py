@@ -18,8 +18,9 @@ import pytest
 import requests
 
 from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
+from diloco.errors import ConfigError
 from diloco.ha.driver import LeadershipDriver
-from diloco.ha.etcd import MAX_HANGING, EtcdConfig, EtcdElection, EtcdUnavailable
+from diloco.ha.etcd import MAX_HANGING, EtcdConfig, EtcdElection, EtcdUnavailable, EtcdUnreachable
 from diloco.ha.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -322,3 +323,58 @@ def test_of_two_standbys_the_one_holding_the_newest_version_takes_over(
     a.stop(resign=False)
     until("b or c leads", lambda: Role.LEADER in (b.view().role, c.view().role), cluster, 15.0)
     assert newest.view().role is Role.LEADER and other.view().role is Role.FOLLOWER
+
+
+def dead_port() -> int:
+    """A loopback port nobody listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_a_replica_given_several_endpoints_moves_past_a_dead_or_hung_one(cluster: Cluster) -> None:
+    """`--etcd A,B,C`: calls go to one endpoint at a time; one that gives no answer (refused, or hanging past
+    call_timeout_s) sends the next call to the next. A driver whose first two endpoints are a dead port and a hung
+    server still wins, and keeps its lease through the live one for two TTLs."""
+    live = (cluster.etcd.host, cluster.etcd.port)
+    election = EtcdElection(EtcdConfig(host="127.0.0.1", port=dead_port(), key=KEY, others=(live,)))
+    try:
+        with pytest.raises(EtcdUnreachable, match="ConnectionFailedError"):
+            election.observe()
+        assert election.endpoint == f"{live[0]}:{live[1]}"
+        assert election.observe() is None  # the live member answers
+        election.revoke(12345)  # etcd's answer ("lease not found") is an answer: the endpoint stays
+        assert election.endpoint == f"{live[0]}:{live[1]}"
+    finally:
+        election.close()
+
+    trickle = Trickle()
+    try:
+        others = (("127.0.0.1", trickle.port), live)
+        cfg = EtcdConfig(host="127.0.0.1", port=dead_port(), key=KEY, call_timeout_s=0.3, others=others)
+        d = LeadershipDriver("a", "a.test:7000", EtcdElection(cfg), CFG)
+        cluster.drivers["a"] = d
+        d.start()
+        until("a leads through the live endpoint", lambda: d.view().role is Role.LEADER, cluster, 10.0)
+        epoch = d.view().epoch
+        end = time.monotonic() + 2 * CFG.lease_ttl_s
+        until("two TTLs of steady leadership", lambda: time.monotonic() > end, cluster, 10.0)
+        assert d.may_accept() and d.view().epoch == epoch
+        assert cluster.holder() == LeaderInfo("a", "a.test:7000", epoch)
+    finally:
+        trickle.close()
+
+
+@pytest.mark.parametrize(
+    ("others", "match"),
+    [
+        ((("127.0.0.1", 2379),), "given twice"),
+        ((("", 1),), "host"),
+        ((("127.0.0.1", 0),), "1..65535"),
+        (tuple(("127.0.0.1", p) for p in range(1, 6)), "at most 5"),
+    ],
+)
+def test_bad_endpoint_lists_are_config_errors(others: tuple[tuple[str, int], ...], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        EtcdConfig(host="127.0.0.1", port=2379, others=others)

@@ -3,7 +3,12 @@
 read of the reply, but not a host name that does not resolve (a cut-off replica's resolver can block for many
 seconds) nor a reply that trickles in; so every request runs on a thread of its own and the caller stops waiting at
 `call_timeout_s` (`EtcdUnavailable`). A request given up on finishes, or fails, on that thread, unseen; while
-`MAX_HANGING` of them still hang, a new call fails at once rather than start another.
+`MAX_HANGING` of them still hang on an endpoint, a new call there fails at once rather than start another.
+
+Several endpoints (the members of one etcd cluster, `EtcdConfig.others`): calls go to one at a time; when it gives
+no answer (refused, timed out, hanging, a server error: `EtcdUnreachable`) the next call goes to the next one, round
+robin. A call is never sent twice (its outcome may be unknown); the driver's next call, a fraction of a second
+later, is. An answer, even a refusal (a lease etcd no longer has), keeps the endpoint.
 
 - campaign: grant a lease of `ttl_s`, then one transaction: if the leader key's create_revision is 0 (no key),
   put {replica_id, address} under the lease and read the key back, else read the key. Won: the epoch is the
@@ -41,12 +46,17 @@ from diloco.core.leadership import LeaderInfo
 from diloco.errors import ConfigError, InvalidArgument, Unavailable
 
 MAX_KEY_CHARS = 256
+MAX_ENDPOINTS = 5  # members of one etcd cluster a replica is given
 MAX_PEERS = 64  # standby entries read (the newest standby wins); more are not looked at
 MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
 
 
 class EtcdUnavailable(Unavailable):
     """No answer from etcd (refused, timed out, an error reply): the outcome of a write is unknown."""
+
+
+class EtcdUnreachable(EtcdUnavailable):
+    """The endpoint gave no answer (refused, timed out, hanging, a server error): the next call tries the next."""
 
 
 class MalformedLeaderKey(EtcdUnavailable):
@@ -59,18 +69,27 @@ class EtcdConfig:
     port: int = 2379
     key: str = "/diloco/coordinator/leader"
     call_timeout_s: float = 0.5
+    others: tuple[tuple[str, int], ...] = ()  # more members of the same etcd cluster, tried in turn (module docstring)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host or not self.host.isprintable():
-            raise ConfigError(f"etcd host must be a non-empty host name or IP, got {self.host!r}")
-        p = self.port
-        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
-            raise ConfigError(f"etcd port must be an integer in 1..65535, got {p!r}")
+        if not isinstance(self.others, tuple) or len(self.others) > MAX_ENDPOINTS - 1:
+            raise ConfigError(f"etcd: at most {MAX_ENDPOINTS} endpoints, as a tuple of (host, port)")
+        for host, port in self.endpoints:
+            if not isinstance(host, str) or not host or not host.isprintable():
+                raise ConfigError(f"etcd host must be a non-empty host name or IP, got {host!r}")
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ConfigError(f"etcd port must be an integer in 1..65535, got {port!r}")
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ConfigError("etcd: an endpoint is given twice; give each member once")
         if not isinstance(self.key, str) or not self.key.startswith("/") or len(self.key) > MAX_KEY_CHARS:
             raise ConfigError(f"etcd key must start with '/' and have at most {MAX_KEY_CHARS} characters")
         t = self.call_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"call_timeout_s must be a finite number > 0 (seconds), got {t!r}")
+
+    @property
+    def endpoints(self) -> tuple[tuple[str, int], ...]:
+        return ((self.host, self.port), *self.others)
 
 
 @dataclass(frozen=True)
@@ -102,21 +121,31 @@ def _b64(data: bytes) -> str:
 
 
 class EtcdElection:
-    """A thin client of one etcd endpoint for the leader key. Not thread-safe: one driver thread uses it."""
+    """A thin client of etcd's endpoints for the leader key, one at a time. Not thread-safe: one driver thread uses
+    it."""
 
     def __init__(self, cfg: EtcdConfig) -> None:
         self.cfg = cfg
         session = requests.Session()
         session.trust_env = False  # no proxy from the environment between a replica and its etcd
-        self._client = etcd3gw.client(
-            host=cfg.host, port=cfg.port, timeout=cfg.call_timeout_s, api_path="/v3/", session=session
-        )
+        self._session = session
+        self._clients = [
+            etcd3gw.client(host=h, port=p, timeout=cfg.call_timeout_s, api_path="/v3/", session=session)
+            for h, p in cfg.endpoints
+        ]
+        self._at = 0  # the endpoint calls go to now
         self._key = _b64(cfg.key.encode())
         self._peers_prefix = (cfg.key + ".standbys/").encode()
-        self._hanging: set[threading.Thread] = set()  # requests given up on, still running
+        self._hanging: list[set[threading.Thread]] = [set() for _ in self._clients]  # given up on, still running
+
+    @property
+    def endpoint(self) -> str:
+        """HOST:PORT of the endpoint calls go to now."""
+        host, port = self.cfg.endpoints[self._at]
+        return f"{host}:{port}"
 
     def close(self) -> None:
-        self._client.session.close()
+        self._session.close()
 
     # --- the four calls -------------------------------------------------------------------------------------
     def campaign(self, replica_id: str, address: str, ttl_s: int) -> Won | Lost:
@@ -238,33 +267,51 @@ class EtcdElection:
         return decode_record(value, epoch)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """One request, answered or failed within `call_timeout_s` (module docstring)."""
-        self._hanging = {t for t in self._hanging if t.is_alive()}
-        if len(self._hanging) >= MAX_HANGING:
-            raise EtcdUnavailable(f"etcd {path}: {len(self._hanging)} earlier requests still hang; not sending another")
+        """One request to the current endpoint, answered or failed within `call_timeout_s`; no answer moves the next
+        call to the next endpoint (module docstring)."""
+        at = self._at
+        try:
+            return self._post_to(at, path, body)
+        except EtcdUnreachable:
+            self._at = (at + 1) % len(self._clients)
+            raise
+
+    def _post_to(self, at: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        where = f"etcd {self.endpoint}{path}"
+        hanging = self._hanging[at] = {t for t in self._hanging[at] if t.is_alive()}
+        if len(hanging) >= MAX_HANGING:
+            raise EtcdUnreachable(f"{where}: {len(hanging)} earlier requests still hang; not sending another")
         outcome: list[dict[str, Any] | EtcdUnavailable] = []
-        thread = threading.Thread(target=lambda: outcome.append(self._send(path, body)), name="etcd-call", daemon=True)
+        thread = threading.Thread(
+            target=lambda: outcome.append(self._send(self._clients[at], where, path, body)),
+            name="etcd-call",
+            daemon=True,
+        )
         thread.start()
         thread.join(self.cfg.call_timeout_s)
         if thread.is_alive() or not outcome:
-            self._hanging.add(thread)
-            raise EtcdUnavailable(f"etcd {path}: no answer within {self.cfg.call_timeout_s:g} s")
+            hanging.add(thread)
+            raise EtcdUnreachable(f"{where}: no answer within {self.cfg.call_timeout_s:g} s")
         reply = outcome[0]
         if isinstance(reply, EtcdUnavailable):
             raise reply
         return reply
 
-    def _send(self, path: str, body: dict[str, Any]) -> dict[str, Any] | EtcdUnavailable:
+    @staticmethod
+    def _send(
+        client: etcd3gw.Etcd3Client, where: str, path: str, body: dict[str, Any]
+    ) -> dict[str, Any] | EtcdUnavailable:
         """The request itself (on its own thread): the reply, or the failure to raise."""
         try:
-            reply = self._client.post(self._client.get_url(path), json=body)
+            reply = client.post(client.get_url(path), json=body)
+        except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
+            return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+        except etcd_errors.InternalServerError as e:  # a member without quorum, say: another may answer
+            return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.Etcd3Exception as e:
-            detail = (e.detail_text or "").strip()
-            return EtcdUnavailable(f"etcd {path}: {type(e).__name__} {detail[:200]}".rstrip())
-        except (requests.RequestException, ValueError) as e:
-            return EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300])
-        except Exception as e:  # anything else the client raises is no answer either
-            return EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300])
+            return EtcdUnavailable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+        except Exception as e:  # anything else the client raises (requests, a reply that is not JSON): no answer
+            return EtcdUnreachable(f"{where}: {type(e).__name__}: {e}"[:300])
         if not isinstance(reply, dict):
-            return EtcdUnavailable(f"etcd {path}: the reply is not a JSON object")
+            return EtcdUnavailable(f"{where}: the reply is not a JSON object")
         return reply

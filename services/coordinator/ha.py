@@ -133,16 +133,16 @@ class HaReplica:
     serve on its address."""
 
     def __init__(self, cfg: CoordinatorServiceConfig, leadership: LeadershipConfig = LeadershipConfig()) -> None:
-        endpoint = cfg.etcd_endpoint()
-        assert endpoint is not None, "HaReplica needs cfg.etcd"
+        endpoints = cfg.etcd_endpoints()
+        assert endpoints, "HaReplica needs cfg.etcd"
+        (host, port), *others = endpoints
         if cfg.port == 0:
             cfg = replace(cfg, port=free_port(cfg.host))
         self.cfg = cfg
         self.address = f"{cfg.host}:{cfg.port}"
         self.replica_id = cfg.replica_id or f"coordinator-{socket.gethostname()}-{cfg.port}"
-        self.driver = LeadershipDriver(
-            self.replica_id, self.address, EtcdElection(EtcdConfig(host=endpoint[0], port=endpoint[1])), leadership
-        )
+        election = EtcdElection(EtcdConfig(host=host, port=port, others=tuple(others)))
+        self.driver = LeadershipDriver(self.replica_id, self.address, election, leadership)
         self.server: CoordinatorServer | None = None
         self.promoted_at: float | None = None  # monotonic time of the promotion (None: never led)
         self._follower: StandbyFollower | None = None
