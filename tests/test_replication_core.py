@@ -337,9 +337,16 @@ def test_a_core_restored_from_a_standby_with_learners_at_keeps_the_learner_table
         {"learners": [{**book["learners"][0], "state": "dead"}]},
         {"learners": [book["learners"][0]] * 2},
         {"learners": {"w": 1}},
+        {"learners": [{**book["learners"][0], "tokens": -1}]},
+        {"learners": [{**book["learners"][0], "speed": float("nan")}]},
+        {"learners": [{**book["learners"][0], "speed_samples": [["16", 1.0]]}]},
+        {"learners": [{**book["learners"][0], "speed_samples": [[16, -1.0]]}]},
     ):
         with pytest.raises(InvalidArgument, match="learner"):
             fresh.restore({**book, **bad}, learners_at=1.0)
+    small = CoordinatorCore(dataclasses.replace(cfg, max_workers=2), torch.zeros(N), [100_000] * 6)
+    with pytest.raises(InvalidArgument, match="at most 2"):
+        small.restore({**book, "learners": book["learners"] + [{**book["learners"][0], "worker_id": "w9-9"}]}, 1.0)
     assert not fresh.workers and fresh.version == 2  # a refused restore changed nothing
 
 

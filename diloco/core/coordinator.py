@@ -310,14 +310,14 @@ def _learner_from_json(row: Any, now: float) -> WorkerRecord:
     texts = [row[k] for k in ("worker_id", "name", "state_reason", "device_kind")]
     counts = [row[k] for k in ("submissions", "tokens", "last_base_version", "strikes")]
     speeds = [row[k] for k in ("speed", "measured_speed")]
-    samples = tuple((int(t), float(s)) for t, s in row["speed_samples"])
+    samples = tuple(_sample(x) for x in row["speed_samples"])
     if not all(isinstance(t, str) for t in texts) or not texts[0] or not texts[1]:
         raise ValueError("worker_id and name must be non-empty strings")
     if not all(type(c) is int and c >= 0 for c in counts):
         raise ValueError("submissions, tokens, last_base_version and strikes must be integers >= 0")
     if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in speeds):
         raise ValueError("speed and measured_speed must be finite numbers >= 0")
-    if len(samples) > MEASURE_WINDOW or not all(t >= 0 and math.isfinite(x) and x >= 0 for t, x in samples):
+    if len(samples) > MEASURE_WINDOW:
         raise ValueError(f"speed_samples must hold at most {MEASURE_WINDOW} pairs [tokens >= 0, seconds >= 0]")
     return WorkerRecord(
         texts[0],
@@ -336,6 +336,15 @@ def _learner_from_json(row: Any, now: float) -> WorkerRecord:
         measured_speed=float(speeds[1]),
         speed_samples=samples,
     )
+
+
+def _sample(value: Any) -> tuple[int, float]:
+    match value:
+        case [int(tokens), int() | float() as seconds] if (
+            tokens >= 0 and math.isfinite(seconds) and seconds >= 0 and bool not in (type(tokens), type(seconds))
+        ):
+            return tokens, float(seconds)
+    raise ValueError(f"a speed sample must be [tokens >= 0, seconds >= 0], got {value!r}")
 
 
 def keep_applied(kept: OrderedDict[str, Accepted], new: Mapping[str, Accepted]) -> None:
@@ -976,6 +985,10 @@ class CoordinatorCore:
                 )
             applied = applied_from_json(snap.get("applied", []))  # none in checkpoints written before they were kept
             learners = {} if learners_at is None else learners_from_json(snap.get("learners", []), learners_at)
+            if len(learners) > self.cfg.max_workers:
+                raise InvalidArgument(
+                    f"{len(learners)} learners; this coordinator holds at most {self.cfg.max_workers}"
+                )
             plan_seq, registered_ever = int(snap.get("plan_seq", 0)), int(snap.get("registered_ever", 0))
             self.outer.load_state_dict(snap["outer"])
             version = int(snap["version"])
@@ -1005,16 +1018,15 @@ class CoordinatorCore:
         self.staged = {}
         self.acc.reset()
         self.adopted = frozenset(learners)
-        if learners:
+        if learners_at is not None and learners:
             self._restore_learners(learners, plan_seq, registered_ever, learners_at)
 
     def _restore_learners(
-        self, learners: dict[str, WorkerRecord], plan_seq: int, registered_ever: int, now: float | None
+        self, learners: dict[str, WorkerRecord], plan_seq: int, registered_ever: int, now: float
     ) -> None:
         """Take over a standby's learner table: the learners keep their shards (placed again only where speeds or
         membership call for it, as hand-offs after `plan_seq`)."""
-        if now is not None:
-            self._now = max(self._now, now)
+        self._now = max(self._now, now)
         self.workers = learners
         self.plan_seq = plan_seq
         self.registered_ever = max(registered_ever, len(learners))
