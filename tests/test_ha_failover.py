@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -37,7 +38,7 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, spawn_replica
+from tests.support import Events, healthd_for_replicas, spawn_replica
 
 TARGET = 16
 
@@ -58,10 +59,10 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         insecure=True,
     )
     with LocalCluster(cfg) as cluster:
-        cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
+        ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
 
         def replica(name: str) -> Proc:
-            return spawn_replica(cluster, etcd_server, name)
+            return spawn_replica(cluster, etcd_server, name, port=ports[name])
 
         a_log = Events(cfg.run_dir / "coord-a.log", replica("coord-a"))
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
@@ -92,10 +93,7 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             return v.version
 
         wait_for("both learners registered", lambda: len(worker_events(cfg, "worker.registered")) == cfg.workers, 60)
-        registered = worker_events(cfg, "worker.registered")
-        # two rounds after both registered: the learner table in the standby's newest entry holds both
-        after = max(5, version_at(a_addr) + 2)
-        wait_for(f"version {after} at coord-a", lambda: version_at(a_addr) >= after, timeout_s=60, interval_s=0.1)
+        registered = settled_registrations(cfg, lambda: version_at(a_addr), at_least=5)
         killed_at = time.time()
         os.kill(cluster.procs["coord-a"].popen.pid, signal.SIGKILL)
         cluster.procs["coord-a"].popen.wait(timeout=10)
@@ -182,12 +180,14 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
         insecure=True,
     )
     with LocalCluster(cfg) as cluster:
-        cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
+        ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
         fault = ("--fault-crash-before-answer", f"{kind}@{CRASH_ROUND}")
-        a_proc = spawn_replica(cluster, etcd_server, "coord-a", *fault)
+        a_proc = spawn_replica(cluster, etcd_server, "coord-a", *fault, port=ports["coord-a"])
         a_log = Events(cfg.run_dir / "coord-a.log", a_proc)
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
-        b_log = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, "coord-b"))
+        b_log = Events(
+            cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, "coord-b", port=ports["coord-b"])
+        )
         wait_for("coord-b follows coord-a", lambda: b_log.first("replication.snapshot_loaded"), timeout_s=60)
         b_addr = str(wait_for("coord-b's address", lambda: b_log.first("replica.started"))["address"])
         cfg.worker_args.update({i: ("--coordinator", f"{promoted_a['address']},{b_addr}") for i in range(2)})
@@ -261,6 +261,21 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
             f"{promoted_b['version']} {logged_at(promoted_b) - logged_at(crash):.2f} s later; learner events for it: "
             f"{events}"
         )
+
+
+def settled_registrations(cfg: ClusterConfig, version: Callable[[], int], at_least: int) -> list[dict[str, object]]:
+    """Every learner's registrations, once two rounds (and `at_least` versions) passed since the newest of them: the
+    learner table in the standby's newest entry then holds every live registration. (A learner the leader declared
+    dead, say its first round outlasted the registration lease on a busy machine, registers again meanwhile.)"""
+    registered = worker_events(cfg, "worker.registered")
+    for _ in range(5):
+        after = max(at_least, version() + 2)
+        wait_for(f"version {after}", lambda: version() >= after, timeout_s=60, interval_s=0.1)  # noqa: B023
+        now = worker_events(cfg, "worker.registered")
+        if now == registered:
+            return registered
+        registered = now
+    raise AssertionError(f"the learners kept registering again: {registered}")
 
 
 def worker_events(cfg: ClusterConfig, event: str) -> list[dict[str, object]]:

@@ -35,7 +35,7 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, spawn_replica
+from tests.support import Events, healthd_for_replicas, spawn_replica
 
 TARGET = 14
 # fenced at once after SIGCONT (its lease ran out while it was frozen), then: 1 s drain, final checkpoint, a bounded
@@ -72,10 +72,10 @@ def config(tmp_path: Path) -> ClusterConfig:
 def start(cluster: LocalCluster, etcd: EtcdServer) -> Pair:
     """healthd, coord-a leading, coord-b following it, and the learners given both addresses."""
     cfg = cluster.cfg
-    cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
-    a = Events(cfg.run_dir / "coord-a.log", spawn_replica(cluster, etcd, "coord-a"))
+    ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
+    a = Events(cfg.run_dir / "coord-a.log", spawn_replica(cluster, etcd, "coord-a", port=ports["coord-a"]))
     promoted = wait_for("coord-a leads", lambda: a.first("replica.promoted"), timeout_s=60, interval_s=0.05)
-    b = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd, "coord-b"))
+    b = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd, "coord-b", port=ports["coord-b"]))
     wait_for("coord-b follows coord-a", lambda: b.first("replication.snapshot_loaded"), timeout_s=60)
     b_addr = str(wait_for("coord-b's address", lambda: b.first("replica.started"))["address"])
     a_addr = str(promoted["address"])
