@@ -53,6 +53,7 @@ from diloco.task.model import ModelConfig
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.ha import free_port
 from services.coordinator.server import CoordinatorServer
 from services.healthd.config import HealthdConfig
 from services.healthd.server import HealthdServer
@@ -62,10 +63,20 @@ V = TypeVar("V")
 # --- coordinator replicas (real processes) --------------------------------------------------------------------
 
 
-def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str) -> Proc:
-    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task."""
+def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str, port: int = 0) -> Proc:
+    """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task (`port`: the
+    one it had, to start it again as a supervisor would)."""
     args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra)
-    return cluster.start_replica(name, etcd.url, args=args)
+    return cluster.start_replica(name, etcd.url, port=port, args=args)
+
+
+def healthd_for_replicas(cluster: LocalCluster, *names: str) -> dict[str, int]:
+    """A free port for each replica in `names`, and healthd started reporting to all of them (as deployed: healthd
+    is given every replica's address and follows the leader, so learners are confirmed alive at whichever leads)."""
+    ports = {name: free_port("127.0.0.1") for name in names}
+    coordinators = ",".join(f"127.0.0.1:{port}" for port in ports.values())
+    cluster.healthd_port = cluster.bound_port(cluster.start_healthd(coordinators), "healthd.started", 30)
+    return ports
 
 
 # --- the tiny task ---------------------------------------------------------------------------------------------

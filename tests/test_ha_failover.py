@@ -3,19 +3,21 @@
 hot standby with `--sync-replicas 1`), healthd and two learners given both coordinator addresses
 (`--coordinator A,B`). The leader is SIGKILLed mid-run: the standby must take over under a higher epoch without
 any version going backwards, the learners must move to it by themselves, the job must reach its target and the
-ledger must hold every committed range exactly once.
+ledger must hold every committed range exactly once. The round log carries the learner table, so the learners go
+on at the new leader under the ids they registered with at the old one: none registers again.
 
 Nothing acknowledged is lost (issue #14 point 3): the leader crashes (`--fault-crash-before-answer`, a SIGKILL of
 itself) right after applying a learner's submission, before answering it: the learner resends it to the new leader
 and gets the same outcome (applied, in the same round), and it is not applied again; or right after accepting one
-into a round still open: that submission is refused at the new leader (the old epoch), the learner registers again
-and its range is trained again, once."""
+into a round still open: only the dead leader held it, so the new leader (which knows the learner from the round
+log) takes the resent submission into its own round, once."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -36,7 +38,7 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, spawn_replica
+from tests.support import Events, healthd_for_replicas, spawn_replica
 
 TARGET = 16
 
@@ -57,10 +59,10 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         insecure=True,
     )
     with LocalCluster(cfg) as cluster:
-        cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
+        ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
 
         def replica(name: str) -> Proc:
-            return spawn_replica(cluster, etcd_server, name)
+            return spawn_replica(cluster, etcd_server, name, port=ports[name])
 
         a_log = Events(cfg.run_dir / "coord-a.log", replica("coord-a"))
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
@@ -90,7 +92,8 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             versions.append(v.version)
             return v.version
 
-        wait_for("version 5 at coord-a", lambda: version_at(a_addr) >= 5, timeout_s=60, interval_s=0.1)
+        wait_for("both learners registered", lambda: len(worker_events(cfg, "worker.registered")) == cfg.workers, 60)
+        registered = settled_registrations(cfg, lambda: version_at(a_addr), at_least=5)
         killed_at = time.time()
         os.kill(cluster.procs["coord-a"].popen.pid, signal.SIGKILL)
         cluster.procs["coord-a"].popen.wait(timeout=10)
@@ -127,6 +130,12 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             assert seen == sorted(seen), f"worker{i} received a version that went backwards: {seen}"
             received_before_kill += [int(str(f["version"])) for f in got if logged_at(f) < killed_at]
         assert any(m["address"] == b_addr for m in moved), moved
+        # the learners went on at coord-b under their registrations at coord-a (the learner table was in the log)
+        assert int(str(promoted_b["learners"])) == cfg.workers
+        assert worker_events(cfg, "worker.registered") == registered
+        assert not worker_events(cfg, "worker.reregister")
+        taken = worker_events(cfg, "worker.taken_over")
+        assert sorted(int(str(f["epoch"])) for f in taken) == [epoch_b] * cfg.workers, taken
         # every version a learner received from coord-a is in coord-b's history (--sync-replicas 1)
         assert int(str(promoted_b["version"])) >= max(received_before_kill)
         takeover_s = logged_at(promoted_b) - killed_at
@@ -171,12 +180,14 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
         insecure=True,
     )
     with LocalCluster(cfg) as cluster:
-        cluster.healthd_port = cluster.bound_port(cluster.start_healthd(), "healthd.started", 30)
+        ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
         fault = ("--fault-crash-before-answer", f"{kind}@{CRASH_ROUND}")
-        a_proc = spawn_replica(cluster, etcd_server, "coord-a", *fault)
+        a_proc = spawn_replica(cluster, etcd_server, "coord-a", *fault, port=ports["coord-a"])
         a_log = Events(cfg.run_dir / "coord-a.log", a_proc)
         promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
-        b_log = Events(cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, "coord-b"))
+        b_log = Events(
+            cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, "coord-b", port=ports["coord-b"])
+        )
         wait_for("coord-b follows coord-a", lambda: b_log.first("replication.snapshot_loaded"), timeout_s=60)
         b_addr = str(wait_for("coord-b's address", lambda: b_log.first("replica.started"))["address"])
         cfg.worker_args.update({i: ("--coordinator", f"{promoted_a['address']},{b_addr}") for i in range(2)})
@@ -232,20 +243,44 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
             answered = [f for f in mine if f["event"] == "worker.submitted"]
             assert answered and answered[-1]["applied"] is True and int(str(answered[-1]["round"])) == round_
         else:
-            # only the dead leader held it: refused at the new one (old epoch); its range was trained again, once
-            assert not [f for f in mine if f["event"] == "worker.submitted"], mine
-            assert [f for f in mine if f["event"] == "worker.submission_refused"], mine
-            assert not [e for e, _ in at_b if e in ("submission.accepted", "submission.duplicate")]
+            # only the dead leader held it; the new leader knows its learner (the learner table is in the round log)
+            # and the ledger's cursor is where the standby had it: the resend is taken once, into coord-b's round
+            assert [e for e, _ in at_b if e == "submission.accepted"] == ["submission.accepted"], at_b
+            assert not [e for e, _ in at_b if e == "submission.duplicate"]
+            assert not [f for f in mine if f["event"] == "worker.submission_refused"], mine
+            answered = [f for f in mine if f["event"] == "worker.submitted"]
+            assert answered and int(str(answered[-1]["round"])) > int(str(promoted_b["version"]))
             ranges = crash["ranges"]
             assert isinstance(ranges, list) and ranges
             for shard_id, _epoch, start, _end in ranges:
                 committed = next(s for s in shards if s.shard_id == shard_id).committed
-                assert committed > start, f"shard {shard_id}: [{start}, ...) was never trained again"
+                assert committed > start, f"shard {shard_id}: [{start}, ...) was never committed"
+        assert not worker_events(cfg, "worker.reregister")  # neither learner registered again
         print(
             f"{kind}: coord-a crashed before answering {sid} (round {round_}); coord-b leads at version "
             f"{promoted_b['version']} {logged_at(promoted_b) - logged_at(crash):.2f} s later; learner events for it: "
             f"{events}"
         )
+
+
+def settled_registrations(cfg: ClusterConfig, version: Callable[[], int], at_least: int) -> list[dict[str, object]]:
+    """Every learner's registrations, once two rounds (and `at_least` versions) passed since the newest of them: the
+    learner table in the standby's newest entry then holds every live registration. (A learner the leader declared
+    dead, say its first round outlasted the registration lease on a busy machine, registers again meanwhile.)"""
+    registered = worker_events(cfg, "worker.registered")
+    for _ in range(5):
+        after = max(at_least, version() + 2)
+        wait_for(f"version {after}", lambda: version() >= after, timeout_s=60, interval_s=0.1)  # noqa: B023
+        now = worker_events(cfg, "worker.registered")
+        if now == registered:
+            return registered
+        registered = now
+    raise AssertionError(f"the learners kept registering again: {registered}")
+
+
+def worker_events(cfg: ClusterConfig, event: str) -> list[dict[str, object]]:
+    """Every learner's log lines of `event`, learner by learner."""
+    return [x.fields for i in range(cfg.workers) for x in worker_lines(cfg, i, event)]
 
 
 def worker_lines(cfg: ClusterConfig, i: int, event: str) -> list[LogLine]:

@@ -5,6 +5,9 @@ FAILOVER."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,14 +15,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diloco.cluster import wait_for
+from diloco.cluster import TINY_TASK_ARGS, wait_for
 from diloco.errors import ConfigError, not_leader
 from diloco.rpc.coordinators import MIN_DWELL_S, Coordinators
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig, parse, parse_etcd_endpoints
-from services.coordinator.ha import NotLeaderServer, free_port
+from services.coordinator.ha import EXIT_UNBOUND, NotLeaderServer, free_port
 from services.worker.config import WorkerConfig
 from tests.support import Clock, Env, code_of, frozen, make_upload, register, submit, tiny_task
 
@@ -96,16 +99,38 @@ def test_the_standby_stand_in_refuses_every_coordinator_call_and_is_not_serving(
         standin.stop()
 
 
+def test_a_replica_that_cannot_bind_its_port_says_so_in_one_line_and_exits_4(tmp_path: Path) -> None:
+    """The stand-in binds the replica's advertised port first; a taken port (or, cut off, a host name that does not
+    resolve) ends the process at once with one log line saying what to do, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--insecure", "--etcd", "http://127.0.0.1:9", "--port", str(port), "--checkpoint-dir", str(tmp_path)]
+        args += ["--replication-log", "4", *TINY_TASK_ARGS]
+        done = subprocess.run(
+            [sys.executable, "-m", "services.coordinator", *args], capture_output=True, text=True, timeout=120
+        )
+    assert done.returncode == EXIT_UNBOUND, done.stderr[-2000:]
+    assert "Traceback" not in done.stdout + done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if "replica.bind_failed" in x]
+    assert f"cannot serve on 127.0.0.1:{port}: another process holds the port" in line and "--port" in line
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("", None),
-        ("http://127.0.0.1:2379", ("127.0.0.1", 2379)),
-        ("http://localhost:1/", ("localhost", 1)),
-        ("http://[::1]:2379", ("::1", 2379)),
+        ("", ()),
+        ("http://127.0.0.1:2379", (("127.0.0.1", 2379),)),
+        ("http://localhost:1/", (("localhost", 1),)),
+        ("http://[::1]:2379", (("::1", 2379),)),
+        (
+            "http://127.0.0.1:1, http://127.0.0.2:2,http://localhost:3",
+            (("127.0.0.1", 1), ("127.0.0.2", 2), ("localhost", 3)),
+        ),
     ],
 )
-def test_etcd_endpoint_parses(value: str, expected: tuple[str, int] | None) -> None:
+def test_etcd_endpoints_parse(value: str, expected: tuple[tuple[str, int], ...]) -> None:
     assert parse_etcd_endpoints(value) == expected
 
 
@@ -116,7 +141,13 @@ def test_etcd_endpoint_parses(value: str, expected: tuple[str, int] | None) -> N
         ("https://127.0.0.1:2379", "http://HOST:PORT"),
         ("http://10.0.0.1:2379", "loopback"),
         ("http://127.0.0.1:99999", "1..65535"),
-        ("http://127.0.0.1:1,http://127.0.0.1:2", "2 endpoints"),
+        (
+            ",".join(f"http://127.0.0.1:{p}" for p in range(1, 7)),
+            "6 endpoints given; give http://HOST:PORT, or up to 5",
+        ),
+        ("http://127.0.0.1:1,http://127.0.0.1:1", "given twice"),
+        ("http://127.0.0.1:1,", "got ''"),
+        ("http://127.0.0.1:1,http://10.0.0.1:2", "loopback"),
         ("http://127.0.0.1:1" + "0" * 600, "512"),
     ],
 )
@@ -134,7 +165,7 @@ def test_etcd_needs_checkpoints_and_the_replication_log_and_excludes_follow(tmp_
     with pytest.raises(ConfigError, match="exclude"):
         parse([*etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", "--follow", "127.0.0.1:1"], {})
     cfg = parse([*etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", "--replica-id", "r1"], {})
-    assert cfg.etcd_endpoint() == ("127.0.0.1", 2379) and cfg.replica_id == "r1"
+    assert cfg.etcd_endpoints() == (("127.0.0.1", 2379),) and cfg.replica_id == "r1"
 
 
 def test_etcd_off_loopback_needs_the_private_network_flag(tmp_path: Path) -> None:
@@ -144,10 +175,10 @@ def test_etcd_off_loopback_needs_the_private_network_flag(tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="--etcd-private-network true"):
         parse(["--insecure", *flags], {})
     cfg = parse(["--insecure", *flags, "--etcd-private-network", "true"], {})
-    assert cfg.etcd_endpoint() == ("etcd", 2379)
+    assert cfg.etcd_endpoints() == (("etcd", 2379),)
     cfg = parse(["--insecure", *flags], {"DILOCO_ETCD_PRIVATE_NETWORK": "1"})
-    assert cfg.etcd_endpoint() == ("etcd", 2379)
-    assert parse_etcd_endpoints("http://10.0.0.1:2379", private_network=True) == ("10.0.0.1", 2379)
+    assert cfg.etcd_endpoints() == (("etcd", 2379),)
+    assert parse_etcd_endpoints("http://10.0.0.1:2379", private_network=True) == (("10.0.0.1", 2379),)
     with pytest.raises(ConfigError, match="http://HOST:PORT"):  # still one well-formed endpoint
         parse_etcd_endpoints("etcd:2379", private_network=True)
     with pytest.raises(ConfigError, match="etcd_private_network"):

@@ -113,6 +113,67 @@ def test_a_replica_behind_campaigns_at_once_after_a_leader_vouched_for_it() -> N
     assert not m.behind and m.due(3.0) is Action.CAMPAIGN
 
 
+def standby(replica_id: str, held: int | None) -> Leadership:
+    """A standby in step with the leader OTHER (a leader vouched for it), holding `held`."""
+    m = Leadership(replica_id, f"{replica_id}:1", CFG)
+    m.observed(OTHER, 0.0)
+    m.caught_up(0.05)
+    if held is not None:
+        m.hold(held, 0.05)
+    return m
+
+
+def test_with_two_standbys_the_one_holding_the_newest_version_campaigns_first() -> None:
+    """Issue #14 point 4: b holds version 7, c version 5; both in step with the dead leader. b campaigns as soon as
+    the key is gone; c defers to it, but only for `orphan_after_s`: if b never takes over, c still leads."""
+    b, c = standby("b", 7), standby("c", 5)
+    peers = {"b": 7, "c": 5}
+    for m in (b, c):
+        m.peers(peers, 1.0)  # its own entry is left out
+        m.observed(None, 2.0)  # the leader's lease expired
+    assert (b.ahead, c.ahead) == ((), ("b",))
+    assert b.due(2.0) is Action.CAMPAIGN
+    assert c.due(2.0) is not Action.CAMPAIGN and c.due(2.0 + CFG.orphan_after_s - 0.01) is not Action.CAMPAIGN
+    assert c.next_deadline() is not None and c.next_deadline() <= 2.0 + CFG.orphan_after_s
+    assert c.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN  # b never took over: an election still happens
+
+
+def test_a_standby_campaigns_at_once_once_nobody_alive_is_ahead() -> None:
+    c = standby("c", 5)
+    c.peers({"b": 7}, 1.0)
+    c.observed(None, 2.0)
+    assert c.due(2.5) is not Action.CAMPAIGN
+    c.peers({}, 2.6)  # b's entry went with its lease: b is dead
+    assert c.ahead == () and c.due(2.6) is Action.CAMPAIGN
+    c2 = standby("c", 5)
+    c2.peers({"b": 7}, 1.0)
+    c2.hold(8, 1.5)  # c caught up past b
+    c2.observed(None, 2.0)
+    assert c2.due(2.0) is Action.CAMPAIGN
+
+
+def test_equal_versions_do_not_defer_and_a_standby_holding_nothing_defers_to_any() -> None:
+    b, c = standby("b", 6), standby("c", 6)
+    b.peers({"c": 6}, 1.0)
+    c.peers({"b": 6}, 1.0)
+    for m in (b, c):
+        m.observed(None, 2.0)
+        assert m.ahead == () and m.due(2.0) is Action.CAMPAIGN  # etcd picks one
+    fresh = standby("d", None)
+    fresh.peers({"b": 0}, 1.0)
+    assert fresh.ahead == ("b",)
+
+
+def test_peer_versions_are_validated() -> None:
+    m = standby("c", 5)
+    for bad in (-1, True, 1.5, "7"):
+        with pytest.raises(InvalidArgument, match="version"):
+            m.peers({"b": bad}, 1.0)  # type: ignore[dict-item]
+        with pytest.raises(InvalidArgument, match="version"):
+            m.hold(bad, 1.0)  # type: ignore[arg-type]
+    assert m.held == 5 and m.ahead == ()
+
+
 def test_a_cold_start_is_not_behind() -> None:
     m = Leadership("a", "a:1", CFG)
     m.observed(None, 0.0)

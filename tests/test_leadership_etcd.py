@@ -6,6 +6,8 @@ one replica may accept at any instant."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +18,9 @@ import pytest
 import requests
 
 from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
+from diloco.errors import ConfigError
 from diloco.ha.driver import LeadershipDriver
-from diloco.ha.etcd import EtcdConfig, EtcdElection, EtcdUnavailable
+from diloco.ha.etcd import MAX_HANGING, EtcdConfig, EtcdElection, EtcdUnavailable, EtcdUnreachable
 from diloco.ha.etcd_server import EtcdServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -248,3 +251,130 @@ def test_a_key_that_is_not_a_leader_record_is_never_overwritten(cluster: Cluster
     assert a.view().role in (Role.FOLLOWER, Role.CANDIDATE) and client.get(KEY) == [b"not json"]
     client.delete(KEY)
     one_leader(cluster, timeout_s=5.0)
+
+
+class Trickle:
+    """An HTTP endpoint that answers one byte every `every_s` and never finishes: each read arrives well within a
+    client's read timeout, so only a bound on the whole call ends it (the cut-off replica's DNS lookup blocks the
+    same way, in a call the HTTP client's timeout does not cover)."""
+
+    def __init__(self, every_s: float = 0.05) -> None:
+        self.every_s = every_s
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stopped = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while not self.stopped.is_set():
+                conn, _ = self.sock.accept()
+                threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not self.stopped.wait(self.every_s):
+                conn.sendall(b"X")
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.sock.close()
+
+
+def test_every_etcd_call_is_bounded_as_a_whole_even_when_bytes_keep_trickling_in() -> None:
+    trickle = Trickle()
+    election = EtcdElection(EtcdConfig(host="127.0.0.1", port=trickle.port, key=KEY, call_timeout_s=0.3))
+    try:
+        for call in (election.observe, lambda: election.renew(1), lambda: election.resign(1, 1)):
+            started = time.monotonic()
+            with pytest.raises(EtcdUnavailable, match=r"no answer within 0\.3 s"):
+                call()
+            assert time.monotonic() - started < 0.3 + SLACK_S
+        for _ in range(MAX_HANGING):  # those given up on still hang: a new call fails at once, sending nothing
+            with contextlib.suppress(EtcdUnavailable):
+                election.observe()
+        started = time.monotonic()
+        with pytest.raises(EtcdUnavailable, match="still hang; not sending another"):
+            election.observe()
+        assert time.monotonic() - started < 0.1
+    finally:
+        trickle.close()
+        election.close()
+
+
+@pytest.mark.parametrize(("b_holds", "c_holds"), [(7, 5), (5, 7)])
+def test_of_two_standbys_the_one_holding_the_newest_version_takes_over(
+    cluster: Cluster, b_holds: int, c_holds: int
+) -> None:
+    """Issue #14 point 4, three replicas: a leads; b and c follow it, in step, and publish the versions they hold
+    (under leases of their own). a dies: the one holding the newer version takes the key (both orders, so it is not
+    who campaigns first)."""
+    a = cluster.add("a")
+    assert one_leader(cluster) is a
+    b, c = cluster.add("b"), cluster.add("c")
+    for d, held in ((b, b_holds), (c, c_holds)):
+        until(f"{d.view().replica_id} follows a", lambda d=d: d.view().leader is not None, cluster, 5.0)  # type: ignore[misc]
+        d.caught_up()
+        d.hold(held)
+    newest, other = (b, c) if b_holds > c_holds else (c, b)
+    until("each knows the other's version", lambda: other.view().ahead == (newest.view().replica_id,), cluster, 5.0)
+    a.stop(resign=False)
+    until("b or c leads", lambda: Role.LEADER in (b.view().role, c.view().role), cluster, 15.0)
+    assert newest.view().role is Role.LEADER and other.view().role is Role.FOLLOWER
+
+
+def dead_port() -> int:
+    """A loopback port nobody listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_a_replica_given_several_endpoints_moves_past_a_dead_or_hung_one(cluster: Cluster) -> None:
+    """`--etcd A,B,C`: calls go to one endpoint at a time; one that gives no answer (refused, or hanging past
+    call_timeout_s) sends the next call to the next. A driver whose first two endpoints are a dead port and a hung
+    server still wins, and keeps its lease through the live one for two TTLs."""
+    live = (cluster.etcd.host, cluster.etcd.port)
+    election = EtcdElection(EtcdConfig(host="127.0.0.1", port=dead_port(), key=KEY, others=(live,)))
+    try:
+        with pytest.raises(EtcdUnreachable, match="ConnectionFailedError"):
+            election.observe()
+        assert election.endpoint == f"{live[0]}:{live[1]}"
+        assert election.observe() is None  # the live member answers
+        election.revoke(12345)  # etcd's answer ("lease not found") is an answer: the endpoint stays
+        assert election.endpoint == f"{live[0]}:{live[1]}"
+    finally:
+        election.close()
+
+    trickle = Trickle()
+    try:
+        others = (("127.0.0.1", trickle.port), live)
+        cfg = EtcdConfig(host="127.0.0.1", port=dead_port(), key=KEY, call_timeout_s=0.3, others=others)
+        d = LeadershipDriver("a", "a.test:7000", EtcdElection(cfg), CFG)
+        cluster.drivers["a"] = d
+        d.start()
+        until("a leads through the live endpoint", lambda: d.view().role is Role.LEADER, cluster, 10.0)
+        epoch = d.view().epoch
+        end = time.monotonic() + 2 * CFG.lease_ttl_s
+        until("two TTLs of steady leadership", lambda: time.monotonic() > end, cluster, 10.0)
+        assert d.may_accept() and d.view().epoch == epoch
+        assert cluster.holder() == LeaderInfo("a", "a.test:7000", epoch)
+    finally:
+        trickle.close()
+
+
+@pytest.mark.parametrize(
+    ("others", "match"),
+    [
+        ((("127.0.0.1", 2379),), "given twice"),
+        ((("", 1),), "host"),
+        ((("127.0.0.1", 0),), "1..65535"),
+        (tuple(("127.0.0.1", p) for p in range(1, 6)), "at most 5"),
+    ],
+)
+def test_bad_endpoint_lists_are_config_errors(others: tuple[tuple[str, int], ...], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        EtcdConfig(host="127.0.0.1", port=2379, others=others)

@@ -310,7 +310,8 @@ def test_an_upload_outcome_for_another_submission_is_ignored() -> None:
         lambda c: c.upload_failed(1.0, "p-1", Reaction.REREGISTER),
         lambda c: c.rpc_failed(1.0, Rpc.GET_WORK_PLAN, "NOT_FOUND"),
         lambda c: c.rpc_failed(1.0, Rpc.WATCH_PARAMETERS, "FAILED_PRECONDITION"),
-        lambda c: c.params_arrived(1.0, 9, 8),  # a new coordinator epoch
+        lambda c: c.params_arrived(1.0, 9, 8),  # a new coordinator epoch, without this learner's plan
+        lambda c: c.params_arrived(1.0, 9, 6, plan((0, 1, 0))),  # an older one, even with a plan
         lambda c: c.session_ended(1.0, "declared dead by healthd"),
     ],
 )
@@ -326,6 +327,35 @@ def test_losing_the_registration_registers_again(event: object) -> None:
     core.params_arrived(1.0, 9, 8)
     assert core.next_action(1.0) == Load(9, 9 * H, reset_codec=False)  # a new session catches the LR up again
     assert core.next_action(1.0) == Train(4, 2, 0)
+
+
+def test_a_leader_that_took_the_learner_over_keeps_the_registration_and_the_unsent_steps() -> None:
+    """A standby took over with the learner table (ALGORITHM.md section 11): its broadcast comes under a higher
+    epoch with this learner's plan. The learner stays registered, adopts the epoch for its next submission and keeps
+    training where it was."""
+    core = started()
+    train(core, 3)
+    assert not core.params_arrived(1.0, 2, 9, plan((0, 1, 3 * TOK), (1, 1, 100)))  # the version it holds
+    assert core.worker_id == "w1" and core.coordinator_epoch == 9 and state(core) is LearnerState.TRAINING
+    assert core.progress.steps == 3
+    train(core, H - 3)
+    d = submit(core).draft
+    assert (d.worker_id, d.coordinator_epoch, d.base_version) == ("w1", 9, 2)
+    assert d.ranges[0].start == 0  # the steps trained before the takeover are in it
+    assert core.params_arrived(1.0, 3, 9)  # later versions of that leader as usual
+    assert core.next_action(1.0) == Rebase(3)
+
+
+def test_a_leader_that_took_over_behind_the_versions_received_makes_the_learner_resync() -> None:
+    """The new leader's standby did not hold a version the learner received (asynchronous replication): what the
+    learner trained since is void; it loads the leader's version and fetches its plan, still registered."""
+    core = started(version=4)
+    train(core, 2)
+    assert core.params_arrived(1.0, 3, 9, plan((0, 1, 0), (1, 1, 100)))
+    assert core.worker_id == "w1" and core.coordinator_epoch == 9 and state(core) is LearnerState.RESYNCING
+    assert core.next_action(1.0) == Load(3, 0, reset_codec=True)
+    assert core.progress.steps == 0 and core.base_version == 3
+    assert core.next_action(1.0) == FetchPlan()
 
 
 def test_retryable_failures_change_nothing_but_the_give_up_clock() -> None:

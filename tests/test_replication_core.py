@@ -32,7 +32,7 @@ from diloco.core.replication import (
 )
 from diloco.core.rounds import RoundConfig
 from diloco.core.uploads import Outcome, UploadHeader, UploadLimits, Uploads
-from diloco.errors import AlreadyExists, FailedPrecondition
+from diloco.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from diloco.rpc.payload import PayloadReceiver
 
 pytestmark = pytest.mark.timeout(60)
@@ -278,6 +278,76 @@ def test_a_core_restored_from_a_standby_answers_a_resubmission_as_the_leader_did
     learners = [new.register(f"w{i}", 6.0).worker_id for i in range(2)]  # new incarnations
     leases = {lease.shard_id: lease for w in learners for lease in new.plan(w).shards}
     assert leases[rng.shard_id].cursor == rng.start  # trained again, from its start
+
+
+def test_a_core_restored_from_a_standby_with_learners_at_keeps_the_learner_table() -> None:
+    """ALGORITHM.md section 11, each entry carries "the ledger and learner table changes": a promoted standby
+    (`restore(..., learners_at=...)`) knows the leader's learners by the ids they hold, with their shards, epochs and
+    cursors, so they go on without registering again. A submission the leader held pending when it died was never
+    in the log: its shard's cursor is where the standby's ledger has it, so the learner's resend of it is taken once.
+    A learner that does not show up (healthd never reports it, it never submits) is declared dead after
+    `confirm_timeout_s`, as a fresh registration would be."""
+    leader = Leader(workers=2, k=2)
+    standby = Standby(N)
+    standby.load(leader.first)
+    leader.submit(0, "a")
+    leader.submit(1, "b")  # round 1
+    leader.core.report_throughput(leader.workers[0], 123.0, "cpu")
+    leader.submit(1, "c")
+    leader.submit(0, "d")  # round 2; w0's claim is in the table from here on
+    w0, w1 = leader.workers
+    before = {w: leader.core.plan(w) for w in (w0, w1)}
+    p = leader.submit(0, "p")  # pending in round 3 when the leader dies
+    for entry in leader.entries:
+        standby.apply(entry)
+
+    cfg = dataclasses.replace(leader.core.cfg, confirm_timeout_s=10.0)
+    new = CoordinatorCore(cfg, torch.zeros(N), [100_000] * 6)
+    new.restore(standby.core_snapshot(), learners_at=500.0)
+    assert sorted(new.workers) == [w0, w1] and new.adopted == {w0, w1} and new.live_ids() == [w0, w1]
+    r0 = new.workers[w0]
+    assert (r0.name, r0.speed, r0.device_kind, r0.submissions, r0.tokens) == ("w0", 123.0, "cpu", 2, 32)
+    assert (r0.registered_at, r0.seen_at, r0.confirmed) == (500.0, 500.0, False)  # clocks of the new leader
+    assert new.plan_seq == leader.core.plan_seq
+    for w in (w0, w1):
+        assert new.plan(w).shards == before[w].shards  # the same leases: epochs and cursors
+    assert new.accepted("p") is None and new.take(p, 0.0, 501.0).round == 3  # the resend, taken once
+    with pytest.raises(AlreadyExists):
+        new.admit(p)
+    # w1 goes on under the leases it held
+    lease = before[w1].shards[0]
+    rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + 16)
+    assert new.take(Submission(w1, "e", new.version, 16, 1, (rng,)), 0.0, 501.0).round == 3
+    # a registration at the new leader never reuses an adopted id, and is not adopted
+    assert new.register("w0", 502.0).worker_id not in {w0, w1} | new.adopted
+
+    # w0 died with the leader: healthd reports only w1, and w0 is declared dead once the confirmation window passed
+    again = CoordinatorCore(cfg, torch.zeros(N), [100_000] * 6)
+    again.restore(standby.core_snapshot(), learners_at=500.0)
+    again.report_throughput(w1, 100.0, now=502.0)
+    assert again.expire_unconfirmed(509.0) == []
+    assert [w for w, _ in again.expire_unconfirmed(510.0)] == [w0] and again.live_ids() == [w1]
+
+    fresh = CoordinatorCore(cfg, torch.zeros(N), [100_000] * 6)
+    fresh.restore(standby.core_snapshot())  # a restart from a checkpoint: every learner registers again
+    assert not fresh.workers and not fresh.adopted
+    book = standby.core_snapshot()
+    for bad in (
+        {"learners": [{"worker_id": w0}]},
+        {"learners": [{**book["learners"][0], "state": "dead"}]},
+        {"learners": [book["learners"][0]] * 2},
+        {"learners": {"w": 1}},
+        {"learners": [{**book["learners"][0], "tokens": -1}]},
+        {"learners": [{**book["learners"][0], "speed": float("nan")}]},
+        {"learners": [{**book["learners"][0], "speed_samples": [["16", 1.0]]}]},
+        {"learners": [{**book["learners"][0], "speed_samples": [[16, -1.0]]}]},
+    ):
+        with pytest.raises(InvalidArgument, match="learner"):
+            fresh.restore({**book, **bad}, learners_at=1.0)
+    small = CoordinatorCore(dataclasses.replace(cfg, max_workers=2), torch.zeros(N), [100_000] * 6)
+    with pytest.raises(InvalidArgument, match="at most 2"):
+        small.restore({**book, "learners": book["learners"] + [{**book["learners"][0], "worker_id": "w9-9"}]}, 1.0)
+    assert not fresh.workers and fresh.version == 2  # a refused restore changed nothing
 
 
 # --- refusals change nothing ------------------------------------------------------------------------------------

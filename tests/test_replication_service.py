@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
+import structlog
 import torch
 
 from diloco.core.replication import digest
@@ -27,7 +28,7 @@ from services.coordinator import checkpoint
 from services.coordinator.replication import digest_to_proto
 from services.coordinator.server import CoordinatorServer
 from services.coordinator.standby import StandbyConfig, StandbyFollower
-from tests.support import Env, T, code_of, config, make_upload, pb, register, submit, wait_for
+from tests.support import Env, T, code_of, config, gauge, make_upload, pb, register, submit, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 State = tuple[torch.Tensor, dict[str, Any]]
@@ -232,6 +233,28 @@ def test_with_sync_replicas_a_version_is_published_only_once_the_standby_holds_i
     started = time.monotonic()
     leader.round()
     assert time.monotonic() - started < 5.0
+
+
+def test_a_run_of_degraded_versions_is_logged_once_and_counted_each(
+    start: Callable[..., Env], followers: Callable[..., Follower]
+) -> None:
+    """No standby follows: every version is published degraded. One warning when that starts (not one per round),
+    the metric counts every version, and `replication.restored` says how many there were once a standby holds the
+    newest version again."""
+    with structlog.testing.capture_logs() as logs:
+        env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=20.0)
+        leader = Leader(env)
+        for _ in range(3):
+            leader.round()
+        assert [r["version"] for r in logs if r["event"] == "replication.degraded"] == [1]
+        assert gauge(env, "degraded_versions_total") == 3
+        f = followers(env)
+        f.reach(3)
+        leader.round()  # waited for the standby: restored
+        (restored,) = [r for r in logs if r["event"] == "replication.restored"]
+        assert (restored["version"], restored["degraded_versions"], restored["quiet_versions"]) == (4, 3, 2)
+        assert gauge(env, "degraded_versions_total") == 3
+        assert len([r for r in logs if r["event"] == "replication.degraded"]) == 1
 
 
 def test_a_stalled_standby_costs_one_bounded_wait(start: Callable[..., Env]) -> None:

@@ -177,7 +177,9 @@ class Replica:
     closed: list[LogLine] = field(default_factory=list)  # this incarnation's `round.closed` lines
     applied: list[LogLine] = field(default_factory=list)  # every `replication.applied` line (all incarnations)
     commits: list[LogLine] = field(default_factory=list)  # every `round.closed` line (all incarnations)
-    alone: int = 0  # versions published with no standby following (`replication.degraded`, nobody lagging)
+    # versions published with no standby following (`replication.degraded`, nobody lagging; the quiet ones of a
+    # degraded run are counted when it ends, `replication.restored`: a run a kill cut short counts its first only)
+    alone: int = 0
     ack_timeouts: int = 0  # versions published when a following standby's ack did not come in time
     restart_at: float | None = None  # when the supervisor starts it again (monotonic)
 
@@ -207,6 +209,8 @@ class Replica:
                 self.ack_timeouts += 1
             elif e == "replication.degraded":
                 self.alone += 1
+            elif e == "replication.restored":  # the degraded versions after the first that were not logged
+                self.alone += int(str(f.get("quiet_versions", 0)))
 
     @property
     def newest(self) -> int:

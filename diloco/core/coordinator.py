@@ -31,6 +31,15 @@ coordinator resumed from either answers a duplicate of a submission applied befo
 was answered (applied, in the same round, with the same staleness), and never applies it twice (ALGORITHM.md
 section 11: "Submission ids are in the log").
 
+The learner table (every live learner's record, `learners_to_json`; the plan sequence; the registration count) is
+part of the state too, and so rides in every round-log entry (ALGORITHM.md section 11: "ledger and learner table
+changes"). A replica promoted from a standby restores it (`restore(..., learners_at=now)`): its learners keep their
+ids, shards, epochs and cursors and go on without registering again; their clocks start at the promotion and they
+count as unconfirmed until healthd reports them or they submit (`confirm_timeout_s`), so a learner that died with
+the old leader is declared dead. A learner registered after the last entry is unknown there and registers again.
+A restart from a checkpoint (`restore` without `learners_at`) drops the table: the checkpoint may be older than
+what learners hold, and every learner registers again.
+
 Robust merge (`diloco.core.guard`): a pseudo-gradient with a non-finite norm, a norm above what AdamW can
 produce (the ceiling) or an outlier norm against the recent median is refused and its learner is
 **quarantined**. A refused submission never reaches the ledger, so its token range stays uncommitted and is
@@ -246,6 +255,98 @@ def applied_from_json(value: object) -> dict[str, Accepted]:
     return out
 
 
+_LEARNER_FIELDS = (
+    "worker_id",
+    "name",
+    "state",
+    "state_reason",
+    "speed",
+    "device_kind",
+    "submissions",
+    "tokens",
+    "last_base_version",
+    "strikes",
+    "measured_speed",
+)
+
+
+def learners_to_json(workers: Mapping[str, WorkerRecord]) -> list[dict[str, Any]]:
+    """The live learners' records as JSON (the learner table of a snapshot), by id; times are left out (they are
+    of the process that wrote them)."""
+    out = []
+    for w in sorted(workers):
+        rec = workers[w]
+        if rec.state in LIVE_STATES:
+            row = {k: getattr(rec, k) for k in _LEARNER_FIELDS}
+            row["state"] = rec.state.value  # plain JSON: checkpoints load with `weights_only`
+            row["speed_samples"] = [list(s) for s in rec.speed_samples]
+            out.append(row)
+    return out
+
+
+def learners_from_json(value: object, now: float) -> dict[str, WorkerRecord]:
+    """The inverse of `learners_to_json`, every learner's clock starting at `now` and unconfirmed; InvalidArgument
+    naming what is wrong."""
+    if not isinstance(value, list):
+        raise InvalidArgument(f"the learner table must be a list, got {type(value).__name__}")
+    out: dict[str, WorkerRecord] = {}
+    for row in value:
+        try:
+            rec = _learner_from_json(row, now)
+        except (KeyError, TypeError, ValueError) as e:
+            raise InvalidArgument(f"a learner record is malformed ({e}): {str(row)[:200]}") from None
+        if rec.worker_id in out:
+            raise InvalidArgument(f"learner {rec.worker_id!r} is listed twice")
+        out[rec.worker_id] = rec
+    return out
+
+
+def _learner_from_json(row: Any, now: float) -> WorkerRecord:
+    if not isinstance(row, dict) or set(row) != {*_LEARNER_FIELDS, "speed_samples"}:
+        raise ValueError("expected an object with the fields " + ", ".join((*_LEARNER_FIELDS, "speed_samples")))
+    state = WorkerState(row["state"])
+    if state not in LIVE_STATES:
+        raise ValueError(f"state {state.value!r} is not a live one")
+    texts = [row[k] for k in ("worker_id", "name", "state_reason", "device_kind")]
+    counts = [row[k] for k in ("submissions", "tokens", "last_base_version", "strikes")]
+    speeds = [row[k] for k in ("speed", "measured_speed")]
+    samples = tuple(_sample(x) for x in row["speed_samples"])
+    if not all(isinstance(t, str) for t in texts) or not texts[0] or not texts[1]:
+        raise ValueError("worker_id and name must be non-empty strings")
+    if not all(type(c) is int and c >= 0 for c in counts):
+        raise ValueError("submissions, tokens, last_base_version and strikes must be integers >= 0")
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in speeds):
+        raise ValueError("speed and measured_speed must be finite numbers >= 0")
+    if len(samples) > MEASURE_WINDOW:
+        raise ValueError(f"speed_samples must hold at most {MEASURE_WINDOW} pairs [tokens >= 0, seconds >= 0]")
+    return WorkerRecord(
+        texts[0],
+        texts[1],
+        state=state,
+        speed=float(speeds[0]),
+        device_kind=texts[3],
+        registered_at=now,
+        last_submit_at=now,
+        submissions=counts[0],
+        tokens=counts[1],
+        last_base_version=counts[2],
+        state_reason=texts[2],
+        seen_at=now,
+        strikes=counts[3],
+        measured_speed=float(speeds[1]),
+        speed_samples=samples,
+    )
+
+
+def _sample(value: Any) -> tuple[int, float]:
+    match value:
+        case [int(tokens), int() | float() as seconds] if (
+            tokens >= 0 and math.isfinite(seconds) and seconds >= 0 and bool not in (type(tokens), type(seconds))
+        ):
+            return tokens, float(seconds)
+    raise ValueError(f"a speed sample must be [tokens >= 0, seconds >= 0], got {value!r}")
+
+
 def keep_applied(kept: OrderedDict[str, Accepted], new: Mapping[str, Accepted]) -> None:
     """Add `new` (in its order) to `kept` as its newest, then drop the oldest beyond `APPLIED_KEPT`."""
     kept.update(new)
@@ -325,6 +426,9 @@ class CoordinatorCore:
         self._now = -math.inf  # the latest time a call gave (for changes made by calls without a time)
         self._speeds_cache: tuple[dict[str, float], float] | None = None  # `_speeds`
         self._weights: dict[str, float] = {}  # placement weights other than 1 (`set_placement_weights`)
+        # the learners taken over with a standby's table (`restore(..., learners_at=...)`): registered under the
+        # previous coordinator epoch, which their calls may still name (ids issued here later never are)
+        self.adopted: frozenset[str] = frozenset()
         # round-log replication (`diloco.core.replication`): called with (version, Δ, learners) just before each
         # round's outer step, Δ merged and scaled as the step takes it (the merge buffer: copy what you keep)
         self.on_step: Callable[[int, torch.Tensor, int], None] | None = None
@@ -859,12 +963,17 @@ class CoordinatorCore:
             "incarnation": self._incarnation,
             "guard_norms": self.guard.snapshot(),
             "applied": applied_to_json(self.applied),
+            "learners": learners_to_json(self.workers),
+            "plan_seq": self.plan_seq,
+            "registered_ever": self.registered_ever,
         }
 
-    def restore(self, snap: dict[str, Any]) -> None:
+    def restore(self, snap: dict[str, Any], learners_at: float | None = None) -> None:
         """Adopt a checkpoint. Pending submissions are gone: the ledger rolls accepted cursors back to
-        committed and every learner must register again (its shards are released). The outcomes of applied
-        submissions it holds are kept: a duplicate of one is answered as before."""
+        committed. Without `learners_at` every learner must register again (its shards are released); with it (a
+        standby's state, at a promotion) the learner table in `snap` is kept, clocks starting at `learners_at`
+        (module docstring). The outcomes of applied submissions it holds are kept: a duplicate of one is answered
+        as before."""
         try:
             params = snap["params"]
             if not isinstance(params, torch.Tensor) or params.shape != self.params.shape:
@@ -875,6 +984,12 @@ class CoordinatorCore:
                     f"checkpoint has {ledger.num_shards} shards; this run has {self.ledger.num_shards}"
                 )
             applied = applied_from_json(snap.get("applied", []))  # none in checkpoints written before they were kept
+            learners = {} if learners_at is None else learners_from_json(snap.get("learners", []), learners_at)
+            if len(learners) > self.cfg.max_workers:
+                raise InvalidArgument(
+                    f"{len(learners)} learners; this coordinator holds at most {self.cfg.max_workers}"
+                )
+            plan_seq, registered_ever = int(snap.get("plan_seq", 0)), int(snap.get("registered_ever", 0))
             self.outer.load_state_dict(snap["outer"])
             version = int(snap["version"])
         except (KeyError, TypeError, ValueError) as e:
@@ -884,7 +999,7 @@ class CoordinatorCore:
         self.ledger = ledger
         self.ledger.rollback_uncommitted()
         for shard in self.ledger.states():
-            if shard.owner is not None:
+            if shard.owner is not None and shard.owner not in learners:
                 self.ledger.release(shard.owner)
         self.policy = RoundPolicy(self.cfg.rounds, version=version)
         self._stepped = version
@@ -902,3 +1017,19 @@ class CoordinatorCore:
         self.receipts = {}
         self.staged = {}
         self.acc.reset()
+        self.adopted = frozenset(learners)
+        if learners_at is not None and learners:
+            self._restore_learners(learners, plan_seq, registered_ever, learners_at)
+
+    def _restore_learners(
+        self, learners: dict[str, WorkerRecord], plan_seq: int, registered_ever: int, now: float
+    ) -> None:
+        """Take over a standby's learner table: the learners keep their shards (placed again only where speeds or
+        membership call for it, as hand-offs after `plan_seq`)."""
+        self._now = max(self._now, now)
+        self.workers = learners
+        self.plan_seq = plan_seq
+        self.registered_ever = max(registered_ever, len(learners))
+        for worker_id in learners:
+            self.policy.worker_joined(worker_id)
+        self._membership_changed()

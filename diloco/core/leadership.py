@@ -51,6 +51,13 @@ does, it leads with what it has. (Seen in the soak of `diloco bench --only ha`: 
 once campaigned as its old key expired, won against the standby and served from its checkpoint, a version behind
 what learners held.)
 
+The newest standby wins. Each standby publishes the newest version a leader accepted its acknowledgement of
+(`hold`) under a key bound to a lease of its own, so the entry goes with the standby; followers read the others'
+entries with the leader key (`peers`). A replica that knows a live standby holding a newer version than its own
+(`ahead`) defers exactly as a behind one does: it campaigns only `orphan_after_s` after the key went. So with two
+standbys the one holding the newest version takes the key first, and an election still happens, bounded, when
+that one does not campaign after all (it died, or cannot reach etcd). Equal versions do not defer: etcd picks one.
+
 Time never runs backwards inside the machine: a `now` older than the latest one seen is taken as the latest.
 The machine is not thread-safe; the caller serializes calls.
 """
@@ -59,7 +66,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -106,8 +113,9 @@ class LeadershipConfig:
     observe_interval_s: float = 0.1
     # A replica that stepped down or was fenced campaigns again only after this, so another one takes over.
     rejoin_after_s: float = 2.0
-    # A replica that joined while another led, and has not been in step with a leader since (`caught_up`),
-    # campaigns only once the leader key has been gone this long: an up-to-date standby takes over first.
+    # A replica that joined while another led, and has not been in step with a leader since (`caught_up`), or that
+    # knows a live standby holding a newer version (`ahead`), campaigns only once the leader key has been gone this
+    # long: an up-to-date standby takes over first.
     orphan_after_s: float = 4.0
 
     def __post_init__(self) -> None:
@@ -196,7 +204,8 @@ class Transition:
 @dataclass(frozen=True)
 class LeadershipView:
     """A read-only snapshot. `leader` is the holder this replica knows of (itself when leading); `fence_at` is
-    when a leader stops accepting (None when not leading)."""
+    when a leader stops accepting (None when not leading); `ahead`: the live standbys it knows to hold a newer
+    version than its own (it defers to them)."""
 
     replica_id: str
     role: Role
@@ -204,6 +213,7 @@ class LeadershipView:
     leader: LeaderInfo | None
     fence_at: float | None
     last_renewed_at: float | None
+    ahead: tuple[str, ...] = ()
 
 
 class Duty(StrEnum):
@@ -263,6 +273,11 @@ class Leadership:
         self._first_read = True
         self.behind = False
         self._leaderless_since: float | None = None
+        # The newest standby wins: the version this replica holds (`hold`; None: none vouched for yet), the other
+        # live standbys' (`peers`) and those of them holding a newer one (`ahead`: it defers to them).
+        self.held: int | None = None
+        self._peers: dict[str, int] = {}
+        self.ahead: tuple[str, ...] = ()
 
     # --- queries --------------------------------------------------------------------------------------------
     def may_accept(self, now: float) -> bool:
@@ -291,7 +306,9 @@ class Leadership:
         return check
 
     def view(self) -> LeadershipView:
-        return LeadershipView(self.replica_id, self.role, self.epoch, self.leader, self.fence_at, self._last_renewed)
+        return LeadershipView(
+            self.replica_id, self.role, self.epoch, self.leader, self.fence_at, self._last_renewed, self.ahead
+        )
 
     def due(self, now: float) -> Action:
         """What the driver should do at `now` (call `tick(now)` first so time-driven transitions are applied)."""
@@ -326,7 +343,7 @@ class Leadership:
         return None
 
     def _may_campaign_at(self) -> float:
-        if not self.behind:
+        if not self.behind and not self.ahead:
             return self._campaign_at
         since = self._leaderless_since if self._leaderless_since is not None else self._now
         return max(self._campaign_at, since + self.cfg.orphan_after_s)
@@ -337,6 +354,26 @@ class Leadership:
         behind."""
         self._advance(now)
         self.behind = False
+
+    def hold(self, version: int, now: float) -> None:
+        """A leader accepted this replica's acknowledgement of `version` (what it publishes to the other standbys)."""
+        self._advance(now)
+        _check_version(version)
+        self.held = version
+        self._ahead_again()
+
+    def peers(self, versions: Mapping[str, int], now: float) -> None:
+        """The versions the other live standbys published (a read of their entries; this replica's own is left
+        out). Replaces what was known before."""
+        self._advance(now)
+        for version in versions.values():
+            _check_version(version)
+        self._peers = {r: v for r, v in versions.items() if r != self.replica_id}
+        self._ahead_again()
+
+    def _ahead_again(self) -> None:
+        mine = -1 if self.held is None else self.held
+        self.ahead = tuple(sorted(r for r, v in self._peers.items() if v > mine))
 
     def tick(self, now: float) -> list[Transition]:
         """Apply what time alone earns: a leader past its fence time is FENCED."""
@@ -514,6 +551,11 @@ class Leadership:
     def _move(self, role: Role, now: float, reason: str) -> Transition:
         previous, self.role = self.role, role
         return Transition(previous, role, now, self.epoch, reason)
+
+
+def _check_version(version: int) -> None:
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidArgument(f"a standby's version must be an integer >= 0, got {version!r}")
 
 
 def _check_epoch_value(epoch: int) -> None:

@@ -18,7 +18,10 @@ States (`LearnerState`) and what moves between them (`[Action]`: what `next_acti
     WAITING_ROUND  --a version newer than the base: [Load]------------------------> TRAINING | SHARDLESS
     any registered --a refused upload (RESYNC, DROP_UPLOAD)----------------------> RESYNCING
     RESYNCING      --params known: [Load(reset_codec=True)], cursors forgotten----> SHARDLESS (fetches the plan now)
-    any registered --session_ended / REREGISTER / epoch changed------------------> UNREGISTERED
+    any registered --session_ended / REREGISTER / another epoch without a plan---> UNREGISTERED
+    any registered --a higher epoch with this learner's plan (a standby took over, knowing it): the learner
+                     adopts the epoch and stays registered; when the new leader is behind the versions it
+                     received -------------------------------------------------> RESYNCING
     any            --stop() or a broadcast that says finished--------------------> DRAINING
     DRAINING       --[Wait] for the upload in flight (until the drain deadline), [Submit] the unsent steps (not
                      after finished), [Deregister]-------------------------------> DONE
@@ -352,14 +355,17 @@ class LearnerCore:
     ) -> bool:
         """A broadcast of global `version` (with this learner's plan, the submissions it merged and whether the
         job is finished). Returns True when `version` is now the newest known: the caller keeps its tensor for
-        the `Load`/`Rebase` that follows. An older or repeated version, or one outside a session, returns False;
-        a version from another coordinator epoch ends the session."""
+        the `Load`/`Rebase` that follows. An older or repeated version, or one outside a session, returns False.
+        A version from a higher coordinator epoch that carries this learner's plan comes from a leader that took
+        this learner over (`_taken_over`); from any other epoch it ends the session."""
         if not self.worker_id:
             return False
         self.contact(now)
         if coordinator_epoch != self.coordinator_epoch:
-            self.session_ended(now, f"coordinator epoch {coordinator_epoch} != {self.coordinator_epoch}")
-            return False
+            if coordinator_epoch < self.coordinator_epoch or plan is None:
+                self.session_ended(now, f"coordinator epoch {coordinator_epoch} != {self.coordinator_epoch}")
+                return False
+            self._taken_over(now, version, coordinator_epoch)
         if version <= self.latest_version:
             return False
         self.latest_version = version
@@ -373,6 +379,16 @@ class LearnerCore:
             self.finished = True
             self.stop(now)
         return True
+
+    def _taken_over(self, now: float, version: int, coordinator_epoch: int) -> None:
+        """A new leader (`coordinator_epoch`, higher) took this registration over with the learner table and is
+        at `version`: stay registered under its epoch. If it is behind a version this learner received (its
+        standby did not hold it), what was trained since is void: resync onto `version`."""
+        self.coordinator_epoch = coordinator_epoch
+        self.detail = f"coordinator epoch {coordinator_epoch} took this learner over at version {version}"
+        if version < self.latest_version:
+            self.latest_version = version - 1  # `version` is the newest known again
+            self._apply(now, Reaction.RESYNC, self.detail)
 
     def plan_received(self, now: float, plan: WorkPlan) -> None:
         """A plan from GetWorkPlan (or any other source): adopt its leases, H_m and plan_seq."""

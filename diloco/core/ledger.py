@@ -323,11 +323,14 @@ class ShardLedger:
 
     def rollback_uncommitted(self) -> None:
         """After a restart from a checkpoint: pending submissions are lost, so every accepted cursor falls
-        back to the committed one and every epoch bumps (owners are kept; they must fetch a new work plan)."""
+        back to the committed one, and the epoch of every shard that had any bumps (owners are kept; they must
+        fetch a new work plan). A shard with nothing pending keeps its epoch: its owner's lease (epoch, cursor) is
+        exactly as valid as before, so a learner a promoted standby still knows goes on training it."""
         for shard in self._shards:
+            if shard.accepted != shard.committed or shard.queue:
+                shard.epoch += 1
             shard.accepted = shard.committed
             shard.queue.clear()
-            shard.epoch += 1
         self._pending.clear()
 
     def _check_pending(self, receipt: AcceptReceipt) -> None:

@@ -11,6 +11,12 @@ The driver keeps what the machine does not: the lease id and epoch of the key it
 and resign. When leadership is lost without a resignation (deposed, lease gone) it revokes that lease, best
 effort.
 
+The newest standby wins: `hold(version)` (a leader accepted this standby's acknowledgement of `version`) is fed to
+the machine and published to etcd under a lease of this replica's own (granted on the first publish, kept alive
+every `renew_interval_s` while it follows, left to expire once it leads); a follower's read of the leader key also
+reads the other standbys' entries (`EtcdElection.observe_all`) and feeds them to the machine (`peers`). These calls
+are upkeep between the machine's actions: a failure is retried at the next turn and changes no role.
+
 Lifecycle: `start()` then `stop()`, each safe to call twice. `stop(resign=True)` steps down at once (may_accept
 turns false before it returns), joins the thread and gives the key back, so another replica takes over without
 waiting for the lease to expire. `stop(resign=False)` only stops the thread, as a hung or killed process would:
@@ -70,6 +76,12 @@ class LeadershipDriver:
         self._stopped = False
         self._held: tuple[int, int] | None = None  # (lease id, epoch) of the key this replica created
         self._failures: dict[Action, int] = {}  # failed calls in a row, per action (only the first is a warning)
+        # the standby entry (the newest standby wins): the version to publish, the one published, its lease and when
+        # that lease is renewed next
+        self._hold: int | None = None
+        self._published: int | None = None
+        self._entry_lease: int | None = None
+        self._entry_renew_at = 0.0
         self._log: structlog.stdlib.BoundLogger = log.get("ha", replica_id=replica_id)
 
     # --- lifecycle ------------------------------------------------------------------------------------------
@@ -130,6 +142,13 @@ class LeadershipDriver:
             self._log.info("leadership.caught_up")
             self._wake.set()
 
+    def hold(self, version: int) -> None:
+        """A leader accepted this standby's acknowledgement of `version`: publish it to the other standbys."""
+        with self._lock:
+            self._machine.hold(version, self._clock())
+            self._hold = version
+        self._wake.set()
+
     def step_down(self, reason: str = "asked to step down") -> None:
         """Stop leading at once and give the key back; this replica may campaign again after rejoin_after_s."""
         with self._lock:
@@ -150,8 +169,13 @@ class LeadershipDriver:
                 self._emit(self._machine.tick(now))
                 action = self._machine.due(now)
                 deadline = self._machine.next_deadline()
+                following = self._machine.role is Role.FOLLOWER
+            if following:
+                self._keep_entry()
             if action is Action.NONE:
                 wait = MAX_IDLE_WAIT_S if deadline is None else deadline - self._clock()
+                if self._entry_lease is not None and following:
+                    wait = min(wait, self._entry_renew_at - self._clock())
                 self._wake.wait(min(max(wait, 0.0), MAX_IDLE_WAIT_S))
                 self._wake.clear()
                 continue
@@ -176,9 +200,17 @@ class LeadershipDriver:
                 else:
                     self._emit(self._machine.renew_failed(self._clock(), True, "keepalive: no such lease"))
         elif action is Action.OBSERVE:
-            holder = self._election.observe()
             with self._lock:
-                self._emit(self._machine.observed(holder, self._clock()))
+                following = self._machine.role is Role.FOLLOWER
+            if following:  # with the other standbys' entries
+                holder, peers = self._election.observe_all()
+                with self._lock:
+                    self._machine.peers(peers, self._clock())
+                    self._emit(self._machine.observed(holder, self._clock()))
+            else:
+                holder = self._election.observe()
+                with self._lock:
+                    self._emit(self._machine.observed(holder, self._clock()))
         elif action is Action.RESIGN:
             if self._held is not None:
                 self._election.resign(*self._held)
@@ -207,6 +239,25 @@ class LeadershipDriver:
                 self._emit(m.lost(result.holder, self._clock()))
             else:
                 self._emit(m.won(result.epoch, sent, self._clock()))
+
+    def _keep_entry(self) -> None:
+        """Upkeep of this standby's entry (module docstring); a failure is retried at the next turn."""
+        version = self._hold
+        if version is None:
+            return
+        try:
+            if self._entry_lease is None:
+                self._entry_lease, self._published = self._election.grant(int(self.cfg.lease_ttl_s)), None
+                self._entry_renew_at = self._clock() + self.cfg.renew_interval_s
+            if self._published != version:
+                self._election.publish(self._machine.replica_id, version, self._entry_lease)
+                self._published = version
+            if self._clock() >= self._entry_renew_at:
+                self._entry_renew_at = self._clock() + self.cfg.renew_interval_s
+                if not self._election.renew(self._entry_lease):
+                    self._entry_lease = None  # expired: granted and published again at the next turn
+        except EtcdUnavailable as e:
+            self._log.debug("leadership.entry_failed", version=version, error=str(e))
 
     def _failed(self, action: Action, err: EtcdUnavailable) -> None:
         with self._lock:

@@ -1,5 +1,14 @@
 """The etcd side of coordinator leadership (ALGORITHM.md section 11): four calls over etcd v3's JSON gateway
-(`etcd3gw`), each bounded by `call_timeout_s` (connect, and each read of the reply).
+(`etcd3gw`), each bounded by `call_timeout_s` as a whole: the HTTP client's own timeout bounds the connect and each
+read of the reply, but not a host name that does not resolve (a cut-off replica's resolver can block for many
+seconds) nor a reply that trickles in; so every request runs on a thread of its own and the caller stops waiting at
+`call_timeout_s` (`EtcdUnavailable`). A request given up on finishes, or fails, on that thread, unseen; while
+`MAX_HANGING` of them still hang on an endpoint, a new call there fails at once rather than start another.
+
+Several endpoints (the members of one etcd cluster, `EtcdConfig.others`): calls go to one at a time; when it gives
+no answer (refused, timed out, hanging, a server error: `EtcdUnreachable`) the next call goes to the next one, round
+robin. A call is never sent twice (its outcome may be unknown); the driver's next call, a fraction of a second
+later, is. An answer, even a refusal (a lease etcd no longer has), keeps the endpoint.
 
 - campaign: grant a lease of `ttl_s`, then one transaction: if the leader key's create_revision is 0 (no key),
   put {replica_id, address} under the lease and read the key back, else read the key. Won: the epoch is the
@@ -9,6 +18,11 @@
 - renew: one keepalive of the lease. True while the lease lives; False when etcd says it is gone.
 - observe: read the key: its holder, or None.
 - resign: delete the key if its create_revision is still our epoch (a transaction), then revoke the lease.
+
+The newest standby wins (`diloco.core.leadership`, "The newest standby wins"): each standby keeps an entry
+`{key}.standbys/{replica_id}` = {"version": v} under a lease of its own (`grant`, `publish`, kept alive by `renew`),
+and followers read the leader key and every such entry in one transaction (`observe_all`). An entry that is not
+such a record is left out.
 
 Every failure to get an answer is `EtcdUnavailable` (the caller retries); a key that does not hold a leader
 record is `MalformedLeaderKey` (also unavailable: nobody can tell who leads until it is fixed).
@@ -20,6 +34,7 @@ import base64
 import contextlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,10 +46,17 @@ from diloco.core.leadership import LeaderInfo
 from diloco.errors import ConfigError, InvalidArgument, Unavailable
 
 MAX_KEY_CHARS = 256
+MAX_ENDPOINTS = 5  # members of one etcd cluster a replica is given
+MAX_PEERS = 64  # standby entries read (the newest standby wins); more are not looked at
+MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
 
 
 class EtcdUnavailable(Unavailable):
     """No answer from etcd (refused, timed out, an error reply): the outcome of a write is unknown."""
+
+
+class EtcdUnreachable(EtcdUnavailable):
+    """The endpoint gave no answer (refused, timed out, hanging, a server error): the next call tries the next."""
 
 
 class MalformedLeaderKey(EtcdUnavailable):
@@ -47,18 +69,27 @@ class EtcdConfig:
     port: int = 2379
     key: str = "/diloco/coordinator/leader"
     call_timeout_s: float = 0.5
+    others: tuple[tuple[str, int], ...] = ()  # more members of the same etcd cluster, tried in turn (module docstring)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.host, str) or not self.host or not self.host.isprintable():
-            raise ConfigError(f"etcd host must be a non-empty host name or IP, got {self.host!r}")
-        p = self.port
-        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= 65535:
-            raise ConfigError(f"etcd port must be an integer in 1..65535, got {p!r}")
+        if not isinstance(self.others, tuple) or len(self.others) > MAX_ENDPOINTS - 1:
+            raise ConfigError(f"etcd: at most {MAX_ENDPOINTS} endpoints, as a tuple of (host, port)")
+        for host, port in self.endpoints:
+            if not isinstance(host, str) or not host or not host.isprintable():
+                raise ConfigError(f"etcd host must be a non-empty host name or IP, got {host!r}")
+            if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+                raise ConfigError(f"etcd port must be an integer in 1..65535, got {port!r}")
+        if len(set(self.endpoints)) != len(self.endpoints):
+            raise ConfigError("etcd: an endpoint is given twice; give each member once")
         if not isinstance(self.key, str) or not self.key.startswith("/") or len(self.key) > MAX_KEY_CHARS:
             raise ConfigError(f"etcd key must start with '/' and have at most {MAX_KEY_CHARS} characters")
         t = self.call_timeout_s
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
             raise ConfigError(f"call_timeout_s must be a finite number > 0 (seconds), got {t!r}")
+
+    @property
+    def endpoints(self) -> tuple[tuple[str, int], ...]:
+        return ((self.host, self.port), *self.others)
 
 
 @dataclass(frozen=True)
@@ -90,19 +121,31 @@ def _b64(data: bytes) -> str:
 
 
 class EtcdElection:
-    """A thin client of one etcd endpoint for the leader key. Not thread-safe: one driver thread uses it."""
+    """A thin client of etcd's endpoints for the leader key, one at a time. Not thread-safe: one driver thread uses
+    it."""
 
     def __init__(self, cfg: EtcdConfig) -> None:
         self.cfg = cfg
         session = requests.Session()
         session.trust_env = False  # no proxy from the environment between a replica and its etcd
-        self._client = etcd3gw.client(
-            host=cfg.host, port=cfg.port, timeout=cfg.call_timeout_s, api_path="/v3/", session=session
-        )
+        self._session = session
+        self._clients = [
+            etcd3gw.client(host=h, port=p, timeout=cfg.call_timeout_s, api_path="/v3/", session=session)
+            for h, p in cfg.endpoints
+        ]
+        self._at = 0  # the endpoint calls go to now
         self._key = _b64(cfg.key.encode())
+        self._peers_prefix = (cfg.key + ".standbys/").encode()
+        self._hanging: list[set[threading.Thread]] = [set() for _ in self._clients]  # given up on, still running
+
+    @property
+    def endpoint(self) -> str:
+        """HOST:PORT of the endpoint calls go to now."""
+        host, port = self.cfg.endpoints[self._at]
+        return f"{host}:{port}"
 
     def close(self) -> None:
-        self._client.session.close()
+        self._session.close()
 
     # --- the four calls -------------------------------------------------------------------------------------
     def campaign(self, replica_id: str, address: str, ttl_s: int) -> Won | Lost:
@@ -156,6 +199,33 @@ class EtcdElection:
             raise EtcdUnavailable("unexpected range reply from etcd: kvs is not a list")
         return self._holder(kvs[0]) if kvs else None
 
+    def observe_all(self) -> tuple[LeaderInfo | None, dict[str, int]]:
+        """The leader key's holder (or None) and the versions the live standbys published, in one read."""
+        prefix = self._peers_prefix
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        peers = {"key": _b64(prefix), "range_end": _b64(end), "limit": MAX_PEERS}
+        txn = {"compare": [], "success": [{"request_range": {"key": self._key}}, {"request_range": peers}]}
+        reply = self._post("/kv/txn", txn)
+        try:
+            leader_kvs, peer_kvs = (r["response_range"].get("kvs") or [] for r in reply["responses"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise EtcdUnavailable(f"unexpected transaction reply from etcd: {e!r}") from e
+        holder = self._holder(leader_kvs[0]) if leader_kvs else None
+        return holder, dict(p for p in (self._peer(kv) for kv in peer_kvs) if p is not None)
+
+    def grant(self, ttl_s: int) -> int:
+        """A new lease of `ttl_s` seconds: its id."""
+        granted = self._post("/lease/grant", {"TTL": ttl_s, "ID": 0})
+        try:
+            return int(granted["ID"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EtcdUnavailable(f"unexpected lease grant reply from etcd: {e!r}") from e
+
+    def publish(self, replica_id: str, version: int, lease_id: int) -> None:
+        """This standby's entry: the newest version a leader vouched for, under `lease_id`."""
+        key = _b64(self._peers_prefix + replica_id.encode())
+        self._post("/kv/put", {"key": key, "value": _b64(json.dumps({"version": version}).encode()), "lease": lease_id})
+
     def resign(self, lease_id: int, epoch: int) -> None:
         txn = {
             "compare": [{"key": self._key, "result": "EQUAL", "target": "CREATE", "create_revision": epoch}],
@@ -178,6 +248,16 @@ class EtcdElection:
         with contextlib.suppress(EtcdUnavailable):  # else the lease expires on its own after its TTL
             self.revoke(lease_id)
 
+    def _peer(self, kv: Any) -> tuple[str, int] | None:
+        """A standby entry as (replica id, version); None when it is not one."""
+        try:
+            replica_id = base64.b64decode(kv["key"], validate=True)[len(self._peers_prefix) :].decode()
+            version = json.loads(base64.b64decode(kv.get("value", ""), validate=True))["version"]
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+        ok = replica_id.isprintable() and 0 < len(replica_id) <= 128 and type(version) is int and version >= 0
+        return (replica_id, version) if ok else None
+
     def _holder(self, kv: dict[str, Any]) -> LeaderInfo:
         try:
             epoch = int(kv["create_revision"])
@@ -187,13 +267,51 @@ class EtcdElection:
         return decode_record(value, epoch)
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """One request to the current endpoint, answered or failed within `call_timeout_s`; no answer moves the next
+        call to the next endpoint (module docstring)."""
+        at = self._at
         try:
-            reply = self._client.post(self._client.get_url(path), json=body)
+            return self._post_to(at, path, body)
+        except EtcdUnreachable:
+            self._at = (at + 1) % len(self._clients)
+            raise
+
+    def _post_to(self, at: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        where = f"etcd {self.endpoint}{path}"
+        hanging = self._hanging[at] = {t for t in self._hanging[at] if t.is_alive()}
+        if len(hanging) >= MAX_HANGING:
+            raise EtcdUnreachable(f"{where}: {len(hanging)} earlier requests still hang; not sending another")
+        outcome: list[dict[str, Any] | EtcdUnavailable] = []
+        thread = threading.Thread(
+            target=lambda: outcome.append(self._send(self._clients[at], where, path, body)),
+            name="etcd-call",
+            daemon=True,
+        )
+        thread.start()
+        thread.join(self.cfg.call_timeout_s)
+        if thread.is_alive() or not outcome:
+            hanging.add(thread)
+            raise EtcdUnreachable(f"{where}: no answer within {self.cfg.call_timeout_s:g} s")
+        reply = outcome[0]
+        if isinstance(reply, EtcdUnavailable):
+            raise reply
+        return reply
+
+    @staticmethod
+    def _send(
+        client: etcd3gw.Etcd3Client, where: str, path: str, body: dict[str, Any]
+    ) -> dict[str, Any] | EtcdUnavailable:
+        """The request itself (on its own thread): the reply, or the failure to raise."""
+        try:
+            reply = client.post(client.get_url(path), json=body)
+        except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
+            return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+        except etcd_errors.InternalServerError as e:  # a member without quorum, say: another may answer
+            return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.Etcd3Exception as e:
-            detail = (e.detail_text or "").strip()
-            raise EtcdUnavailable(f"etcd {path}: {type(e).__name__} {detail[:200]}".rstrip()) from e
-        except (requests.RequestException, ValueError) as e:
-            raise EtcdUnavailable(f"etcd {path}: {type(e).__name__}: {e}"[:300]) from e
+            return EtcdUnavailable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+        except Exception as e:  # anything else the client raises (requests, a reply that is not JSON): no answer
+            return EtcdUnreachable(f"{where}: {type(e).__name__}: {e}"[:300])
         if not isinstance(reply, dict):
-            raise EtcdUnavailable(f"etcd {path}: the reply is not a JSON object")
+            return EtcdUnavailable(f"{where}: the reply is not a JSON object")
         return reply

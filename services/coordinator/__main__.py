@@ -76,7 +76,7 @@ def _standby(cfg: CoordinatorServiceConfig, log: Any) -> int:
 def _replica(cfg: CoordinatorServiceConfig, log: Any) -> int:
     """`--etcd`: campaign; lead (serve) or follow the leader as a hot standby, and take over when it is gone.
     Exit 0 after SIGTERM/SIGINT, 3 after losing leadership (restart it: it comes back as a standby), 2 when the
-    leader refuses it as a standby (another task)."""
+    leader refuses it as a standby (another task), 4 when it cannot serve on its address (logged in one line)."""
     replica = HaReplica(cfg)
 
     def stop(name: str) -> None:

@@ -136,7 +136,7 @@ class CoordinatorServiceConfig:
     replica_ack_timeout_s: float = 5.0  # the longest a round waits for standby acks before publishing anyway
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
-    etcd: str = ""  # http://HOST:PORT of etcd (loopback): campaign for leadership there (services/coordinator/ha.py)
+    etcd: str = ""  # http://HOST:PORT[,...] of etcd's members (loopback): campaign there (services/coordinator/ha.py)
     etcd_private_network: bool = False  # etcd may be off loopback: the network to it is private (containers)
     fault_crash_before_answer: str = ""  # fault tests only: `CrashFault` ("": never)
     log_level: str = "info"
@@ -212,7 +212,7 @@ class CoordinatorServiceConfig:
             raise ConfigError(f"replica_id must be at most 256 printable characters, got {self.replica_id!r}")
         if not isinstance(self.etcd_private_network, bool):
             raise ConfigError(f"etcd_private_network must be true or false, got {self.etcd_private_network!r}")
-        self.etcd_endpoint()
+        self.etcd_endpoints()
         self.crash_fault()
         if self.etcd:
             if self.follow:
@@ -234,10 +234,11 @@ class CoordinatorServiceConfig:
         self.core_config()  # the core's own checks (outer lr/momentum, quorum against expected workers)
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
 
-    def etcd_endpoint(self) -> tuple[str, int] | None:
-        """`etcd` as (host, port); None when not set. `ConfigError` unless it is one http://HOST:PORT with a
-        loopback host (the etcd adapter speaks plain HTTP without auth to one endpoint, so it must not leave the
-        machine), or any host with `etcd_private_network` (a network nobody else joins, e.g. compose's)."""
+    def etcd_endpoints(self) -> tuple[tuple[str, int], ...]:
+        """`etcd` as ((host, port), ...), the members of one etcd cluster in the order tried; () when not set.
+        `ConfigError` unless each is http://HOST:PORT with a loopback host (the etcd adapter speaks plain HTTP
+        without auth, so it must not leave the machine), or any host with `etcd_private_network` (a network nobody
+        else joins, e.g. compose's)."""
         return parse_etcd_endpoints(self.etcd, private_network=self.etcd_private_network)
 
     def crash_fault(self) -> CrashFault | None:
@@ -446,8 +447,9 @@ _SERVICE_FLAGS: list[Flag] = [
         "--etcd",
         str,
         "",
-        "http://HOST:PORT of etcd (loopback): campaign for leadership; the winner serves, the others follow it as "
-        "hot standbys and take over when its lease expires (needs --checkpoint-dir and --replication-log)",
+        "http://HOST:PORT of etcd (loopback), or up to 5 members comma-separated (tried in turn when one does not "
+        "answer): campaign for leadership; the winner serves, the others follow it as hot standbys and take over "
+        "when its lease expires (needs --checkpoint-dir and --replication-log)",
     ),
     (
         "--etcd-private-network",
@@ -489,25 +491,31 @@ _TASK_FLAGS: list[Flag] = [
 ]
 
 
-MAX_ETCD_ENDPOINTS = 1  # the adapter (diloco.ha.etcd) speaks to one endpoint
+MAX_ETCD_ENDPOINTS = 5  # etcd members a replica may be given (--etcd A,B,C): it moves on when one does not answer
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+FORMS = "http://HOST:PORT, or up to 5 of them comma-separated (members of one etcd cluster)"
 
 
-def parse_etcd_endpoints(value: object, private_network: bool = False) -> tuple[str, int] | None:
-    """'' -> None; 'http://HOST:PORT' (HOST loopback, or any host when `private_network`) -> (HOST, PORT); anything
-    else is a ConfigError."""
+def parse_etcd_endpoints(value: object, private_network: bool = False) -> tuple[tuple[str, int], ...]:
+    """'' -> (); 'http://HOST:PORT[,http://HOST:PORT...]' (each HOST loopback, or any host when `private_network`;
+    at most `MAX_ETCD_ENDPOINTS`, no repeats) -> ((HOST, PORT), ...); anything else is a ConfigError."""
     if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
-        raise ConfigError(f"etcd must be http://HOST:PORT (at most 512 printable characters), got {value!r}")
+        raise ConfigError(f"etcd must be {FORMS}, at most 512 printable characters, got {value!r} (flag --etcd)")
     if not value:
-        return None
+        return ()
     parts = [p.strip() for p in value.split(",")]
     if len(parts) > MAX_ETCD_ENDPOINTS:
-        raise ConfigError(
-            f"etcd: {len(parts)} endpoints given; the etcd adapter speaks to {MAX_ETCD_ENDPOINTS} (flag --etcd)"
-        )
-    m = re.fullmatch(r"http://(\[::1\]|[A-Za-z0-9.\-]+):([0-9]{1,5})/?", parts[0])
+        raise ConfigError(f"etcd: {len(parts)} endpoints given; give {FORMS} (flag --etcd)")
+    endpoints = tuple(_etcd_endpoint(p, private_network) for p in parts)
+    if len(set(endpoints)) != len(endpoints):
+        raise ConfigError(f"etcd: an endpoint is given twice in {value!r}; give each member once (flag --etcd)")
+    return endpoints
+
+
+def _etcd_endpoint(text: str, private_network: bool) -> tuple[str, int]:
+    m = re.fullmatch(r"http://(\[::1\]|[A-Za-z0-9.\-]+):([0-9]{1,5})/?", text)
     if m is None:
-        raise ConfigError(f"etcd endpoint must be http://HOST:PORT, got {parts[0]!r} (flag --etcd)")
+        raise ConfigError(f"etcd endpoint must be http://HOST:PORT, got {text[:80]!r}; give {FORMS} (flag --etcd)")
     host, port = m.group(1), int(m.group(2))
     if not private_network and host not in _LOOPBACK and not host.startswith("127."):
         raise ConfigError(

@@ -8,9 +8,11 @@ every `POLL_S`:
   `--checkpoint-dir`; a new leader address means a new follower (it resumes from its own checkpoints).
 - SERVE: promotion. The follower stops, its state (the newest version it applied) is written as a checkpoint, and a
   `CoordinatorServer` started on `--checkpoint-dir` resumes from it and serves on the address advertised in etcd,
-  under the leadership epoch as its coordinator epoch. Its state checks `may_accept()` (the fencing by time)
-  before accepting a registration or a submission, and before closing and publishing a round; when it is false
-  those calls get UNAVAILABLE "not the leader; leader is at HOST:PORT" (`diloco.errors.NotLeader`).
+  under the leadership epoch as its coordinator epoch. When a leader vouched for the standby (it accepted an
+  acknowledgement) the server keeps the learner table the round log carried: those learners go on without
+  registering again. Its state checks `may_accept()` (the fencing by time) before accepting a registration or a
+  submission, and before closing and publishing a round; when it is false those calls get UNAVAILABLE "not the
+  leader; leader is at HOST:PORT" (`diloco.errors.NotLeader`).
 - RETIRE: a replica that served and lost leadership stops serving (final checkpoint) and exits with status 3; a
   supervisor restarts it and it comes back as a standby of the new leader.
 - WAIT: nobody is known to lead yet; keep what it holds.
@@ -55,6 +57,10 @@ from services.coordinator.standby import StandbyFollower, follower_from
 POLL_S = 0.05  # how often the replica looks at its leadership view
 EXIT_RETIRED = 3  # the process served and lost leadership
 EXIT_REFUSED = 2  # the leader refused this replica as a standby for good (another task's fingerprint)
+# a retiring leader accepts nothing (its fence refuses it) and may be cut off from the learners whose streams a
+# drain waits for: it drains this long, not --shutdown-grace-s, then writes its final checkpoint and exits
+RETIRE_GRACE_S = 1.0
+EXIT_UNBOUND = 4  # it could not serve on its address (the port is taken, or the host name does not resolve)
 SUCCESSOR_WAIT_S = 3.0  # how long a step-down waits to see who took over before it answers
 NO_STANDBY = (
     "no standby follows this leader, so none could take over; start another replica with the same flags and --etcd "
@@ -100,9 +106,19 @@ class NotLeaderServer:
         self._server.add_generic_rpc_handlers((Handler(),))
         where = f"{cfg.host}:{cfg.port}"
         creds = cfg.security.server_credentials()
-        bound = self._server.add_insecure_port(where) if creds is None else self._server.add_secure_port(where, creds)
+        try:
+            bound = (
+                self._server.add_insecure_port(where) if creds is None else self._server.add_secure_port(where, creds)
+            )
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            bound = 0
         if bound != cfg.port:
-            raise OSError(f"the stand-in could not bind {cfg.host}:{cfg.port}")
+            self._server.stop(0)
+            raise OSError(
+                f"cannot serve on {where}: another process holds the port, or the host name does not resolve (a "
+                "network partition); free the port or give another --host/--port, or restart this replica once the "
+                "network is back"
+            )
 
     def start(self) -> None:
         self._server.start()
@@ -113,19 +129,20 @@ class NotLeaderServer:
 
 class HaReplica:
     """One coordinator replica (`--etcd`). `run()` blocks until `stop()` (exit 0), until it retires (exit 3), or
-    until the leader refuses it as a standby for good (another task: exit 2)."""
+    until the leader refuses it as a standby for good (another task: exit 2); it returns 4 at once when it cannot
+    serve on its address."""
 
     def __init__(self, cfg: CoordinatorServiceConfig, leadership: LeadershipConfig = LeadershipConfig()) -> None:
-        endpoint = cfg.etcd_endpoint()
-        assert endpoint is not None, "HaReplica needs cfg.etcd"
+        endpoints = cfg.etcd_endpoints()
+        assert endpoints, "HaReplica needs cfg.etcd"
+        (host, port), *others = endpoints
         if cfg.port == 0:
             cfg = replace(cfg, port=free_port(cfg.host))
         self.cfg = cfg
         self.address = f"{cfg.host}:{cfg.port}"
         self.replica_id = cfg.replica_id or f"coordinator-{socket.gethostname()}-{cfg.port}"
-        self.driver = LeadershipDriver(
-            self.replica_id, self.address, EtcdElection(EtcdConfig(host=endpoint[0], port=endpoint[1])), leadership
-        )
+        election = EtcdElection(EtcdConfig(host=host, port=port, others=tuple(others)))
+        self.driver = LeadershipDriver(self.replica_id, self.address, election, leadership)
         self.server: CoordinatorServer | None = None
         self.promoted_at: float | None = None  # monotonic time of the promotion (None: never led)
         self._follower: StandbyFollower | None = None
@@ -137,6 +154,7 @@ class HaReplica:
         self._stepping_down = threading.Event()  # a step-down call is running: the replica does not retire yet
         self._handing_over = threading.Event()  # a step-down fences the leader (it accepts nothing)
         self.stepped_down = False  # leadership was handed over on request: the process exits 0
+        self.in_step = False  # a leader accepted this standby's acknowledgement of a version it applied
         self.log = logging.get("coordinator", role="replica", replica_id=self.replica_id)
 
     def stop(self) -> None:
@@ -152,7 +170,11 @@ class HaReplica:
             raise not_leader(self.hint())
 
     def run(self) -> int:
-        self._standin = NotLeaderServer(self.cfg, self.hint)
+        try:
+            self._standin = NotLeaderServer(self.cfg, self.hint)
+        except OSError as e:  # before anything started: one line saying what to do, no traceback
+            self.log.error("replica.bind_failed", address=self.address, error=str(e))
+            return EXIT_UNBOUND
         self._standin.start()
         self.driver.start()
         self.log.info("replica.started", address=self.address, etcd=self.cfg.etcd)
@@ -180,17 +202,24 @@ class HaReplica:
                 elif d is Duty.FOLLOW and view.leader is not None and view.leader.address != self._following:
                     self._follow(view.leader.address)
         finally:
-            self._shutdown()
+            self._shutdown(RETIRE_GRACE_S if code == EXIT_RETIRED else None)
         return code
 
     # --- duties ---------------------------------------------------------------------------------------------
     def _follow(self, address: str) -> None:
         self._stop_follower()
         follower, chan = follower_from(replace(self.cfg, etcd="", follow=address, replica_id=self.replica_id))
-        follower.on_acked = lambda _version: self.driver.caught_up()  # in step with a leader: may take over
+        follower.on_acked = self._acked  # in step with a leader: may take over
         self._follower, self._channel, self._following = follower, chan, address
         follower.start()
         self.log.info("replica.following", leader=address)
+
+    def _acked(self, version: int) -> None:
+        """The leader accepted this standby's acknowledgement of `version`: in step with it (it may take over at
+        once), and `version` is what it tells the other standbys it holds (the newest standby wins)."""
+        self.in_step = True
+        self.driver.caught_up()
+        self.driver.hold(version)
 
     def _promote(self, epoch: int) -> None:
         started = time.monotonic()
@@ -199,7 +228,13 @@ class HaReplica:
             self._standin.stop()
             self._standin = None
         server = CoordinatorServer(
-            self.cfg, epoch=epoch, fence=self.fence, leadership=self.driver.view, step_down=self.step_down
+            self.cfg,
+            epoch=epoch,
+            fence=self.fence,
+            leadership=self.driver.view,
+            step_down=self.step_down,
+            # a standby a leader vouched for holds its learner table: those learners need not register again
+            adopt_learners=held is not None and self.in_step,
         )
         server.start()
         self.server, self.promoted_at = server, time.monotonic()
@@ -207,6 +242,7 @@ class HaReplica:
             "replica.promoted",
             epoch=epoch,
             version=server.core.version,
+            learners=len(server.core.adopted),
             standby_version=held,
             address=server.address,
             seconds=round(self.promoted_at - started, 3),
@@ -300,9 +336,10 @@ class HaReplica:
                 self.log.warning("replica.checkpoints_discarded", version=version, paths=[str(p) for p in stale])
         return version
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, grace_s: float | None) -> None:
+        """Stop serving (draining for `grace_s`; None: the configured grace), stop following, give the key back."""
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(grace_s)
         self._stop_follower()
         if self._standin is not None:
             self._standin.stop()

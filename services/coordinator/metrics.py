@@ -58,6 +58,11 @@ class CoordinatorMetrics:
             _PREFIX + "validation_loss", "Validation loss of the global parameters", registry=r
         )
         self.checkpoints = Counter(_PREFIX + "checkpoints", "Checkpoints written", registry=r)
+        self.degraded_versions = Counter(
+            _PREFIX + "degraded_versions",
+            "Versions published without the standby acknowledgements --sync-replicas asks for",
+            registry=r,
+        )
         self.quarantines = Counter(
             _PREFIX + "quarantines", "Learners quarantined after a refused (outlier, non-finite) submission", registry=r
         )

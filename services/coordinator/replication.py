@@ -152,7 +152,8 @@ class ReplicationLog:
         self._cond = threading.Condition()
         self._pending: tuple[int, torch.Tensor, int] | None = None  # under `work`: the Δ of the round stepping
         self._listeners: list[Callable[[], None]] = []
-        self._degraded = False
+        self._degraded = 0  # versions published degraded in a row (0: not degraded)
+        self._quiet = 0  # of those, the ones not logged (nobody missed a deadline: no standby followed, or lagged)
         self.stopping = False
         self.log = logging.get("coordinator", epoch=state.epoch)
         core.on_step = self._on_step
@@ -206,10 +207,15 @@ class ReplicationLog:
                 if d.gate is not Gate.WAIT:
                     break
                 self._cond.wait(max(0.0, d.deadline - self.clock()))
-            degraded, was = d.gate is Gate.DEGRADED, self._degraded
-            self._degraded = degraded
+            degraded, was, quiet = d.gate is Gate.DEGRADED, self._degraded, self._quiet
+            # logged when it starts and when a standby misses a deadline (a wait it cost); the rest is counted
+            logged = degraded and (not was or bool(d.missing))
+            self._degraded = was + 1 if degraded else 0
+            self._quiet = (quiet + (not logged)) if degraded else 0
         waited_s = round(self.clock() - since, 4)
         if degraded:
+            self.state.metrics.degraded_versions.inc()
+        if logged:
             self.log.warning(
                 "replication.degraded",
                 version=version,
@@ -218,8 +224,15 @@ class ReplicationLog:
                 lagging=list(d.missing),
                 waited_s=waited_s,
             )
-        elif was:
-            self.log.info("replication.restored", version=version, acked=list(d.acked), waited_s=waited_s)
+        elif was and not degraded:
+            self.log.info(
+                "replication.restored",
+                version=version,
+                acked=list(d.acked),
+                waited_s=waited_s,
+                degraded_versions=was,
+                quiet_versions=quiet,
+            )
 
     def snapshot(self) -> Snapshot:
         """The whole state at the newest version, copied under `work` (heavy: run it off the event loop)."""

@@ -71,12 +71,16 @@ class CoordinatorServer:
         fence: Callable[[], None] | None = None,
         leadership: Callable[[], LeadershipView] | None = None,
         step_down: Callable[[str], Handover] | None = None,
+        adopt_learners: bool = False,
     ) -> None:
         """`epoch`: the coordinator epoch to serve under (with --etcd: the leadership epoch; None: a new one from
         the clock); `fence`: raises NotLeader while this replica may not accept work or publish; `leadership`: the
         replica's leadership view (GetStatus, metrics); `step_down`: hands leadership to a standby (the StepDown
-        RPC; None: refused, there is no leadership to hand over)."""
+        RPC; None: refused, there is no leadership to hand over); `adopt_learners`: the checkpoint is a standby's
+        state written at its promotion: keep its learner table (`CoordinatorCore.restore`), so learners go on
+        without registering again."""
         self.cfg = cfg
+        self._adopt_learners = adopt_learners
         self._epoch = epoch
         self._fence = fence
         self._leadership = leadership
@@ -179,7 +183,7 @@ class CoordinatorServer:
             if found is not None:
                 snap, path = found
                 try:
-                    core.restore(snap)
+                    core.restore(snap, learners_at=self.clock() if self._adopt_learners else None)
                 except InvalidArgument as e:
                     raise ConfigError(
                         f"checkpoint {path} does not fit this run ({e}); point --checkpoint-dir elsewhere "
@@ -229,6 +233,7 @@ class CoordinatorServer:
                 "checkpoint.restored",
                 path=str(self.resumed_from),
                 version=core.version,
+                learners=len(core.adopted),
                 energy_kwh=totals.joules / J_PER_KWH,
                 carbon_g=totals.grams,
                 cost=totals.cost,

@@ -735,16 +735,17 @@ class CoordinatorState:
 
         A submission this coordinator holds is answered with its outcome whatever coordinator epoch it names: one
         applied at the leader this coordinator took over from (a learner resending after a failover, the first
-        answer lost) gets "applied in round v", as it would have there, and is never applied again. Only a
-        submission not held must name the current epoch: its learner's registration, shards and cursors are of
-        an earlier coordinator, so it registers again."""
+        answer lost) gets "applied in round v", as it would have there, and is never applied again. A submission
+        not held that names another epoch is refused (its learner registers again) unless this coordinator took
+        its learner over from the previous leader (`CoordinatorCore.adopted`: a promoted standby holds the learner
+        table); the ledger then checks its shards, epochs and cursors as for any submission."""
         sub = h.sub
         self.check_leading()
         with self.lock:
             known = self.core.accepted(sub.submission_id)
             version = self.core.version
             if known is None:
-                if h.coordinator_epoch != self.epoch:
+                if h.coordinator_epoch != self.epoch and sub.worker_id not in self.core.adopted:
                     raise self.reject(
                         FailedPrecondition(
                             f"coordinator restarted (epoch {self.epoch}, the submission names "

@@ -11,7 +11,11 @@ differs after applying) or a corrupt payload is dropped and the watch restarts f
 A fresh learner hands the watcher the version 0 it built itself (`version0`: the task's model from the coordinator's
 init seed); until the first version is delivered, each watch names it with its checksum (`held_crc32`), and the
 coordinator answers with the deltas from it, or a header saying it holds the current version (`held`), or, when its
-own version 0 differs or is gone, a full snapshot as for any learner."""
+own version 0 differs or is gone, a full snapshot as for any learner.
+
+A header from another coordinator epoch ends the registration (`SessionLost`), unless the epoch is higher and the
+header carries this learner's plan: a standby that took over with the learner table knows it, so the watcher
+adopts the new epoch and the learner goes on (`LearnerCore.params_arrived`)."""
 
 from __future__ import annotations
 
@@ -106,8 +110,16 @@ class Watcher:
                     if msg.HasField("header"):
                         header = msg.header
                         if header.coordinator_epoch != self.epoch:
-                            self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
-                            return
+                            if header.coordinator_epoch < self.epoch or not header.HasField("plan"):
+                                self.post(SessionLost(self.worker_id, "coordinator restarted (new epoch)"))
+                                return
+                            # a standby took over knowing this learner (its plan came): stay registered
+                            self.log.info("worker.taken_over", epoch=header.coordinator_epoch, version=header.version)
+                            self.epoch = header.coordinator_epoch
+                            if header.HasField("delta_from"):  # a delta of another leader's broadcast history
+                                call.cancel()
+                                after = 0
+                                break
                         if header.held:
                             if not self._held(header):
                                 call.cancel()
