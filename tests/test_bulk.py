@@ -300,6 +300,39 @@ def test_connection_failures_are_unavailable_and_retryable(store: Store) -> None
         bulk_upload("no-port", TOKEN, request("x", 1), memoryview(b"x"), timeout_s=5)
 
 
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_stalled_server_is_unavailable_after_stall_s(reads: bool) -> None:
+    """A server that accepts and then neither reads (a frozen process: its kernel holds the connection) nor answers
+    (read everything, then froze): the client gives up after `stall_s` without progress, not at its deadline."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        drained = threading.Event()
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while reads and conn.recv(1 << 20):
+                    pass
+                drained.wait(120)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        payload = memoryview(bytes(64 << 20 if not reads else 1 << 20))
+        t0 = time.monotonic()
+        with pytest.raises(BulkError) as e:
+            bulk_upload(
+                f"127.0.0.1:{listener.getsockname()[1]}",
+                TOKEN,
+                request("st", len(payload)),
+                payload,
+                timeout_s=120,
+                stall_s=0.5,
+            )
+        drained.set()
+        t.join(timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(e.value)
+    assert time.monotonic() - t0 < 60, "gave up at its deadline, not after the stall"
+
+
 def test_retry_policy_retries_an_unavailable_bulk_upload(server: BulkServer, store: Store) -> None:
     calls = []
     payload = os.urandom(1000)

@@ -90,6 +90,7 @@ MAX_REPLY_BYTES = 64 << 10
 STATUS_OK = 0
 BUFFER_BYTES = 4 << 20  # one receive buffer; the server keeps two per upload (one filling, one being fed)
 SEND_PIECE_BYTES = 4 << 20  # the client looks for an early answer between pieces
+STALL_S = 30.0  # an upload in which no byte moved for this long is given up (UNAVAILABLE) and resumed
 LINGER_S = 2.0
 STOP_JOIN_S = 30.0  # how long `stop` waits for connections once they are cut (a handler call cannot be cut)
 RETRY_AFTER_S = 1.0  # the hint a refused connection gets
@@ -825,7 +826,16 @@ def _poll_answer(sock: socket.socket) -> bytes | None:
         sock.setblocking(True)
 
 
-def _read_answer(sock: socket.socket, head: bytes, deadline: float) -> Response:
+def _send_piece(sock: socket.socket, piece: memoryview, stall_s: float, left: Callable[[], float]) -> None:
+    """`sendall` that times out only when no byte went out for `stall_s` (or the upload's deadline passed): a
+    slow link makes progress, a frozen server does not."""
+    sent = 0
+    while sent < len(piece):
+        sock.settimeout(min(left(), stall_s))
+        sent += sock.send(piece[sent:])
+
+
+def _read_answer(sock: socket.socket, head: bytes, deadline: float, stall_s: float) -> Response:
     buf = bytearray(head)
 
     def need(n: int) -> None:
@@ -833,7 +843,7 @@ def _read_answer(sock: socket.socket, head: bytes, deadline: float) -> Response:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError("no answer from the bulk server in time")
-            sock.settimeout(left)
+            sock.settimeout(min(left, stall_s))
             data = sock.recv(max(n - len(buf), 1 << 12))
             if not data:
                 raise ConnectionError("the bulk server closed the connection without an answer")
@@ -860,12 +870,14 @@ def bulk_upload(
     payload: bytes | bytearray | memoryview,
     *,
     timeout_s: float,
+    stall_s: float = STALL_S,
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
 ) -> Response:
     """Upload `payload` (already sliced from `request.header.resume_offset`) to the bulk server at `address`
-    (HOST:PORT) within `timeout_s` in all. Raises `BulkError`: the server's status for an error frame,
-    UNAVAILABLE when the connection fails, resets or times out (then ask GetUploadStatus and resume)."""
+    (HOST:PORT) within `timeout_s` in all, and with no `stall_s` during which not a byte moved (a server frozen or
+    cut off: its kernel may keep the connection open). Raises `BulkError`: the server's status for an error frame,
+    UNAVAILABLE when the connection fails, resets, stalls or times out (then ask GetUploadStatus and resume)."""
     if request.WhichOneof("kind") != "header":
         raise InvalidArgument("a bulk upload's request must carry the header (SubmissionHeader)")
     encoded = request.SerializeToString()
@@ -906,14 +918,13 @@ def bulk_upload(
                 if early is not None:
                     head = early
                     break
-                sock.settimeout(left())
-                sock.sendall(view[pos : pos + SEND_PIECE_BYTES])
+                _send_piece(sock, view[pos : pos + SEND_PIECE_BYTES], stall_s, left)
                 pos += SEND_PIECE_BYTES
         except OSError as e:  # includes timeouts, resets and TLS failures: the server may have answered first
             sent_error = e
         try:
             answer_deadline = deadline if sent_error is None else min(deadline, time.monotonic() + 1.0)
-            return _read_answer(sock, head, answer_deadline)
+            return _read_answer(sock, head, answer_deadline, stall_s)
         except (OSError, ValueError) as e:
             cause = sent_error or e
             raise BulkError(
