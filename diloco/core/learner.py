@@ -31,6 +31,12 @@ made against the newest version known. At most one submission is outstanding: a 
 upload is done AND its round was applied (its id is in a broadcast's applied ids, or a version at least its
 round arrived); meanwhile the learner trains on.
 
+Streaming fragments (`diloco.core.fragments`, docs/fragments.md; `use_fragments(P)` before registering): each
+submission carries one fragment (`SubmissionDraft.fragment`), due after the schedule's gap (`due_steps`, about
+H_m/P steps) rather than H_m; a `Rebase` names the fragments whose version changed (`Rebase.fragments`; None: the
+whole vector, P = 1); a `sync` learner trains on after submitting and waits only when the next fragment is due
+before the previous one's round was applied.
+
 Driving it (what each call does and returns):
 - `next_action(now) -> Action`: the one thing to do now; call it again after doing it. Some actions are
   commitments the core has already recorded (`Load`, `Rebase`, `Submit`, `Deregister`, `FetchPlan`); `Train` is
