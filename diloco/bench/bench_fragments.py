@@ -177,7 +177,7 @@ def markdown(result: Result) -> str:
     )
     rows = [
         [
-            str(r["fragments"]),
+            f"P = {r['fragments']}",
             " / ".join(f"{x:.0%}" for x in r["shares"]),
             fmt(values(r, "peak_link_up"), ",.0f"),
             fmt(values(r, "peak_link_down"), ",.0f"),
