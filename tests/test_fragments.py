@@ -271,6 +271,9 @@ def test_a_learner_refuses_a_broadcast_without_every_fragment_s_version() -> Non
     core = learner()
     with pytest.raises(InvalidArgument, match="each of the 4 fragments"):
         core.params_arrived(1.0, 1, 1, fragment_versions=(0, 1))
+    with pytest.raises(InvalidArgument, match="the newest being 1"):
+        core.params_arrived(1.0, 1, 1, fragment_versions=(0, 0, 0, 0))
+    assert core.latest_version == 0 and core.fragment_versions == (0, 0, 0, 0)  # nothing changed
     with pytest.raises(InvalidArgument, match="integer >= 1"):
         core.use_fragments(0)
 

@@ -369,6 +369,11 @@ class LearnerCore:
         a version from another coordinator epoch ends the session."""
         if not self.worker_id:
             return False
+        if self.fragments > 1 and (len(fragment_versions) != self.fragments or max(fragment_versions) != version):
+            raise InvalidArgument(
+                f"a broadcast of version {version} must list the version of each of the {self.fragments} "
+                f"fragments (the newest being {version}), got {fragment_versions!r}"
+            )
         self.contact(now)
         if coordinator_epoch != self.coordinator_epoch:
             self.session_ended(now, f"coordinator epoch {coordinator_epoch} != {self.coordinator_epoch}")
@@ -376,11 +381,6 @@ class LearnerCore:
         if version <= self.latest_version:
             return False
         if self.fragments > 1:
-            if len(fragment_versions) != self.fragments or max(fragment_versions) != version:
-                raise InvalidArgument(
-                    f"a broadcast of version {version} must list the version of each of the {self.fragments} "
-                    f"fragments (the newest being {version}), got {fragment_versions!r}"
-                )
             self.fragment_versions = tuple(fragment_versions)
         self.latest_version = version
         if self.awaiting is not None and (
