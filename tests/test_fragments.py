@@ -5,9 +5,12 @@ per-range submit and rebase, the simulator (`--fragments`) and the peak link ban
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diloco.cli.main import main
 from diloco.core.coordinator import CoordinatorConfig, Lease, Submission, WorkPlan
@@ -23,7 +26,7 @@ from diloco.core.fragments import (
 from diloco.core.learner import LearnerCore, LearnerState, Load, Rebase, Submit, Train
 from diloco.core.ledger import ShardRange
 from diloco.core.merge import Segment
-from diloco.core.outer import Nesterov
+from diloco.core.outer import Nesterov, OuterConfig
 from diloco.core.rounds import RoundConfig
 from diloco.errors import AlreadyExists, ConfigError, InvalidArgument
 from diloco.sim.config import SimConfig, parse_failures
@@ -65,6 +68,16 @@ def test_layout_fingerprint_is_stable_and_tells_layouts_apart() -> None:
             a.check_index(bad)
     with pytest.raises(ConfigError, match="increase strictly"):
         FragmentLayout((0, 5, 5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=40), st.data())
+def test_balanced_layouts_cover_the_vector_in_whole_tensors(sizes: list[int], data: st.DataObject) -> None:
+    p = data.draw(st.integers(1, len(sizes)))
+    layout = FragmentLayout.balanced(sizes, p)
+    ends = {0, *itertools.accumulate(sizes)}
+    assert layout.fragments == p and layout.numel == sum(sizes)
+    assert set(layout.bounds) <= ends  # cut only at tensor boundaries, every fragment non-empty (bounds increase)
 
 
 @pytest.mark.parametrize(
@@ -146,6 +159,29 @@ def test_a_round_steps_only_the_fragments_submitted_with_their_own_momentum() ->
     assert torch.allclose(f.core.params[:10], torch.full((10,), -0.7 * 1.9))
     assert torch.equal(f.core.params[10:], expect)
     assert f.core.tokens_applied == 60
+
+
+def test_a_partial_decoupled_round_takes_a_partial_step_per_fragment() -> None:
+    f = FragmentedCoordinator(
+        CoordinatorConfig(
+            rounds=RoundConfig(mode="decoupled", min_quorum=1, grace_max_s=1.0),
+            outer=OuterConfig("fedavg", 1.0, 0.0),
+            local_steps=4,
+            min_local_steps=2,
+            expected_workers=2,
+        ),
+        torch.zeros(24),
+        [1000] * 4,
+        FragmentLayout.balanced(SIZES, 2),
+    )
+    a = f.core.register("a", 0.0).worker_id
+    b = f.core.register("b", 0.0).worker_id
+    assert f.accept(frag_sub(f, a, "a1", 1), torch.ones(14), 1.0).applied is None  # b is still expected
+    done = f.poll(2.5)  # the grace window passed without b
+    assert done is not None and done.reason.value == "quorum_grace"
+    gap = schedule_gap(1, 2, f.core.plan(b).local_steps)
+    assert torch.allclose(f.core.params[10:], torch.full((14,), -2 / (2 + gap)))  # 2 steps in, b's gap missing
+    assert f.core.params[:10].eq(0).all()
 
 
 def snapshot_of(f: FragmentedCoordinator) -> tuple[object, ...]:
