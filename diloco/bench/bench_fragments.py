@@ -12,7 +12,7 @@ Targets (rule: mean and every seed):
 - the peak link bandwidth, up and down, drops by at least P/2 times against P = 1. A fragment is whole tensors,
   so the largest fragment is more than 1/P of the model (this model: 56% at P = 2, 28% at P = 4) and P times
   is out of reach; the ideal for the layout, 1 / (largest fragment's share), is reported beside it.
-- the loss at the budget is within 2% of P = 1's.
+- the loss at the budget is at most 2% above P = 1's (seed by seed; a lower loss passes).
 
 `python -m diloco.bench.bench_fragments` runs the section on its own (`--quick` for the small settings).
 """
@@ -38,7 +38,7 @@ from diloco.task.inner import InnerConfig
 from diloco.task.model import GPT, ModelConfig
 from diloco.task.params import merge_segments
 
-MAX_LOSS_CHANGE = 0.02  # loss at the budget against P = 1's, at most
+MAX_LOSS_CHANGE = 0.02  # loss at the budget above P = 1's, at most
 DIRECTIONS = (("up", "link_up"), ("down", "link_down"))
 
 
@@ -150,10 +150,10 @@ def run(s: FragmentSettings, runner: SimRunner) -> Result:
         checks.append(
             check(
                 f"P = {p}: loss at the budget against P = 1",
-                f"within {MAX_LOSS_CHANGE:.0%}",
+                f"≤ {MAX_LOSS_CHANGE:+.0%} (a lower loss passes)",
                 f"{fmt(r['loss_changes'], '+.2%')}: {fmt(values(r, 'loss_at_budget'))} vs "
                 f"{fmt(values(base, 'loss_at_budget'))}",
-                target_met([abs(x) for x in r["loss_changes"]], MAX_LOSS_CHANGE, at_least=False),
+                target_met(r["loss_changes"], MAX_LOSS_CHANGE, at_least=False),
                 n,
             )
         )
