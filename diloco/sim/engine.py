@@ -25,6 +25,11 @@ clock, and keeps only time, links, failures and measurements:
   go to the coordinator (`set_placement_weights`). A learner's energy is its power x the time of its inner steps,
   its carbon that energy x its zone's average intensity over those steps, its cost its price x the wall time it
   is alive and not paused.
+- with streaming fragments (`fragments` P > 1, `diloco.core.fragments`) the coordinator is a
+  `FragmentedCoordinator` around the same core: a learner submits one fragment at a time (its trainer's
+  `submit_range`, one error-feedback residual per fragment), a round broadcasts only the fragments it stepped
+  (`FragmentShadows`, their deltas are what `bytes_down` counts) and learners rebase only those (`rebase_ranges`).
+  Every transfer on a learner link is logged for the peak link bandwidth (`diloco.sim.links`).
 
 Events at equal times run in the order they were scheduled, so runs are deterministic for a seed.
 """
