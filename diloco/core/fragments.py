@@ -222,10 +222,9 @@ class FragmentedCoordinator:
         self.core = core
         self.layout = layout
         self.scale_partial = cfg.scale_partial_rounds
-        segs = core.segments or [Segment(0, layout.numel)]
-        full = [Segment(0, layout.size(p)) for p in range(layout.fragments)]
-        self.accs = [
-            MergeAccumulator(layout.size(p), core.cfg.merge, layout.segments(segs, p) if core.segments else [full[p]])
+        segs = core.segments
+        self.accs = [  # RDA works per tensor: each fragment's own tensors
+            MergeAccumulator(layout.size(p), core.cfg.merge, layout.segments(segs, p) if segs else None)
             for p in range(layout.fragments)
         ]
         self.outers: list[OuterOptimizer] = [build_outer(core.cfg.outer) for _ in range(layout.fragments)]
