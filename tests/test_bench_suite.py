@@ -77,6 +77,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         assert f"\n| {n} | {n} / {n} in " in readme, f"load: no row for N={n} with every learner ready"
     assert rows_of(readme, "1 rank") and rows_of(readme, "2 ranks (torchrun, DDP)"), "island: a row per learner"
     assert all(rows_of(readme, f"`{c}`") for c in ("fp32", "sparse", "topk")), "sparse: a row per codec"
+    assert all(rows_of(readme, f"P = {p}") for p in (1, 2, 4)), "fragments: a row per P"
     if etcd_binary() is not None:  # without it the section says it did not run (conftest: CI has it)
         assert rows_of(readme, "kill → first round committed by the new leader"), "ha: no failover row"
         assert rows_of(readme, "default model (`diloco coordinator` defaults)"), "ha: no replication-cost rows"

@@ -150,6 +150,8 @@ def summarize(r: SimResult, wall_s: float, budget: int) -> dict[str, Any]:
         "lost_steps": r.lost_steps,
         "failures_detected": len(r.reassign_latency_s),
         "shardless_s": r.shardless_s,
+        # peak bytes/s over `r.peak_window_s` (diloco.sim.links): busiest learner link and the coordinator's side
+        **{f"peak_{k}": v for k, v in r.peak_bytes_per_s.items()},
         "wall_s": wall_s,
         "history": history,
     }

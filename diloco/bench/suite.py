@@ -25,6 +25,7 @@ from diloco.bench import (
     bench_control,
     bench_core,
     bench_energy,
+    bench_fragments,
     bench_ha,
     bench_island,
     bench_large,
@@ -149,6 +150,12 @@ SECTIONS: tuple[Section, ...] = (
         "Coordinator high availability: leader-kill soak, standby lag, cost of synchronous replication",
         bench_ha.section,
         bench_ha.markdown,
+    ),
+    Section(
+        "fragments",
+        "Streaming fragments: peak link bandwidth and loss against P (simulator)",
+        bench_fragments.section,
+        bench_fragments.markdown,
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)

@@ -97,6 +97,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--no-train", action="store_true", help="timing only: no model, for large sweeps")
     p.add_argument("--model-numel", type=int, default=0, help="payload size for --no-train")
     p.add_argument("--seed", type=int, default=0, help="initial parameters, failure times and data order")
+    p.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="streaming fragments P (diloco.core.fragments): fragment p syncs at inner steps p·⌊H/P⌋ mod H, alone; "
+        "1: the whole model every H steps",
+    )
+    p.add_argument(
+        "--peak-window-s", type=float, default=1.0, help="sliding window of the reported peak link bandwidth"
+    )
     g = p.add_argument_group("energy, carbon and cost (diloco.sim.fleet, diloco.core.energy)")
     g.add_argument(
         "--fleet",
@@ -156,6 +166,8 @@ def config_from_args(a: argparse.Namespace) -> SimConfig:
         train=not a.no_train,
         model_numel=a.model_numel,
         seed=a.seed,
+        fragments=a.fragments,
+        peak_window_s=a.peak_window_s,
         task=task_from_flags(a),
     )
 
@@ -177,6 +189,9 @@ def print_result(console: Console, r: SimResult) -> None:
         "val loss (start -> end)": f"{r.initial_loss:.4f} -> {r.final_loss:.4f}",
         "goodput": f"{r.goodput:.1%}",
         "bytes up / down": f"{r.bytes_up:,} / {r.bytes_down:,}",
+        f"peak bytes/s up / down (busiest link, {r.peak_window_s:g} s window)": (
+            f"{r.peak_bytes_per_s.get('link_up', 0):,.0f} / {r.peak_bytes_per_s.get('link_down', 0):,.0f}"
+        ),
         "staleness mean / max": f"{r.mean_staleness:.2f} / {r.max_staleness}",
         "rejected / lost uploads": f"{r.rejected} / {r.lost_uploads}",
         "time to target (s)": "-" if r.time_to_target_s is None else f"{r.time_to_target_s:.1f}",

@@ -876,9 +876,7 @@ class CoordinatorCore:
             self.on_step(close.version, delta, closed.learners)
         self.outer.step(self.params, delta, scratch_delta=True)  # delta is the merge buffer, reset below
         self.acc.reset()
-        self._stepped = close.version
-        if self.cfg.guard.has_ceiling:  # the guard's next check needs it: computed here, with the tensor work
-            self._param_norm = (close.version, float(torch.linalg.vector_norm(self.params)))
+        self.mark_stepped(close.version)
         return RoundApplied(
             close.version,
             close.submissions,
@@ -888,6 +886,12 @@ class CoordinatorCore:
             close.reason,
             close.closed_at,
         )
+
+    def mark_stepped(self, version: int) -> None:
+        """The parameters are at `version` now (`step`, or a caller taking the outer step itself: fragments)."""
+        self._stepped = version
+        if self.cfg.guard.has_ceiling:  # the guard's next check needs it: computed here, with the tensor work
+            self._param_norm = (version, float(torch.linalg.vector_norm(self.params)))
 
     def next_deadline(self) -> float | None:
         """When to call `poll` (a grace window ends) or `expire_unconfirmed` (a registration lease runs out)."""

@@ -34,6 +34,12 @@ made against the newest version known. At most one submission is outstanding: a 
 upload is done AND its round was applied (its id is in a broadcast's applied ids, or a version at least its
 round arrived); meanwhile the learner trains on.
 
+Streaming fragments (`diloco.core.fragments`, docs/fragments.md; `use_fragments(P)` before registering): each
+submission carries one fragment (`SubmissionDraft.fragment`), due after the schedule's gap (`due_steps`, about
+H_m/P steps) rather than H_m; a `Rebase` names the fragments whose version changed (`Rebase.fragments`; None: the
+whole vector, P = 1); a `sync` learner trains on after submitting and waits only when the next fragment is due
+before the previous one's round was applied.
+
 Driving it (what each call does and returns):
 - `next_action(now) -> Action`: the one thing to do now; call it again after doing it. Some actions are
   commitments the core has already recorded (`Load`, `Rebase`, `Submit`, `Deregister`, `FetchPlan`); `Train` is
@@ -76,6 +82,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from diloco.core.coordinator import WorkPlan
+from diloco.core.fragments import first_fragment, schedule_gap
 from diloco.core.leadership import FAILOVER_CODES
 from diloco.core.ledger import ShardRange
 from diloco.core.progress import ReadProgress
@@ -228,6 +235,7 @@ class Load:
 @dataclass(frozen=True)
 class Rebase:
     version: int
+    fragments: tuple[int, ...] | None = None  # None: the whole vector; else only these fragments (streaming)
 
 
 @dataclass(frozen=True)
@@ -247,6 +255,7 @@ class SubmissionDraft:
     steps: int
     tokens: int
     plan_seq: int
+    fragment: int = 0  # streaming fragments: the fragment whose pseudo-gradient this is (0 when P = 1)
 
 
 @dataclass(frozen=True)
@@ -309,6 +318,9 @@ class LearnerCore:
     coordinator_epoch: int = 0
     mode: str = ""
     local_steps: int = 1  # H_m of the current plan
+    fragments: int = 1  # P (streaming fragments, `diloco.core.fragments`); 1: the whole model every H_m steps
+    next_fragment: int = 0  # the fragment the next submission carries
+    fragment_versions: tuple[int, ...] = ()  # per fragment, the version that last changed it (newest broadcast)
     plan_seq: int = 0
     base_version: int = -1  # the version trained on (-1: none loaded this session)
     latest_version: int = -1  # the newest version known this session (-1: none)
@@ -352,6 +364,7 @@ class LearnerCore:
         plan: WorkPlan | None = None,
         applied: Iterable[str] = (),
         finished: bool = False,
+        fragment_versions: tuple[int, ...] = (),
     ) -> bool:
         """A broadcast of global `version` (with this learner's plan, the submissions it merged and whether the
         job is finished). Returns True when `version` is now the newest known: the caller keeps its tensor for
@@ -360,6 +373,11 @@ class LearnerCore:
         this learner over (`_taken_over`); from any other epoch it ends the session."""
         if not self.worker_id:
             return False
+        if self.fragments > 1 and (len(fragment_versions) != self.fragments or max(fragment_versions) != version):
+            raise InvalidArgument(
+                f"a broadcast of version {version} must list the version of each of the {self.fragments} "
+                f"fragments (the newest being {version}), got {fragment_versions!r}"
+            )
         self.contact(now)
         if coordinator_epoch != self.coordinator_epoch:
             if coordinator_epoch < self.coordinator_epoch or plan is None:
@@ -368,6 +386,8 @@ class LearnerCore:
             self._taken_over(now, version, coordinator_epoch)
         if version <= self.latest_version:
             return False
+        if self.fragments > 1:
+            self.fragment_versions = tuple(fragment_versions)
         self.latest_version = version
         if self.awaiting is not None and (
             self.awaiting in applied or (self.awaiting_round is not None and version >= self.awaiting_round)
@@ -476,13 +496,14 @@ class LearnerCore:
         if self.latest_version < 0:
             return Wait(None)
         if self.state is LearnerState.WAITING_PARAMS:  # the first version of a registration
-            catch_up = self.latest_version * self.local_steps
+            catch_up = self.latest_version * self.local_steps // self.fragments  # P rounds per H_m steps
             return self._load(now, Load(self.latest_version, catch_up, reset_codec=False))
         if self.state is LearnerState.RESYNCING:
             self.progress.reset()
             self._poll_at, self._poll_backoff_s = now, 0.0
             self.state = LearnerState.SHARDLESS
             self.base_version = self.latest_version
+            self.next_fragment = first_fragment(self.fragment_versions)
             return Load(self.latest_version, 0, reset_codec=True)
         if self.state is LearnerState.WAITING_ROUND:
             if self.latest_version <= self.base_version:
@@ -490,8 +511,9 @@ class LearnerCore:
             self.awaiting = self.awaiting_round = None
             return self._load(now, Load(self.latest_version, 0, reset_codec=False))
         if self.latest_version > self.base_version:
+            changed = self._changed_fragments()
             self.base_version = self.latest_version
-            return Rebase(self.latest_version)
+            return Rebase(self.latest_version, changed)
         if self.state is LearnerState.SHARDLESS:
             if self.progress.cursors:
                 self.state = LearnerState.TRAINING
@@ -503,12 +525,12 @@ class LearnerCore:
                 return FetchPlan()
             else:
                 return Wait(self._poll_at)
-        if self.progress.steps >= self.local_steps and self.can_submit:
+        if self.progress.steps >= self.due_steps and self.can_submit:
             submit = self._submit(drain=False)
-            if self.mode == "sync":
+            if self.mode == "sync" and self.fragments == 1:  # fragments: train on while the fragment syncs
                 self.state = LearnerState.WAITING_ROUND
             return submit
-        if self.progress.steps >= self.local_steps and self.mode == "sync":
+        if self.progress.steps >= self.due_steps and self.mode == "sync":
             # a sync round is exactly H_m steps: the next round's version can arrive before the answer to the upload
             # that closed the previous one (the coordinator broadcasts it first); wait for that answer, not train on
             return Wait(None)
@@ -542,7 +564,29 @@ class LearnerCore:
     @property
     def steps_to_submit(self) -> int:
         """Inner steps still to train before the next submission is due (0: due now or waiting to submit)."""
-        return max(0, self.local_steps - self.progress.steps)
+        return max(0, self.due_steps - self.progress.steps)
+
+    @property
+    def due_steps(self) -> int:
+        """Inner steps from one submission to the next: H_m, or with fragments the schedule's gap before the next
+        fragment (`diloco.core.fragments.schedule_gap`: fragment p at steps ≡ p·⌊H_m/P⌋ mod H_m)."""
+        if self.fragments == 1:
+            return self.local_steps
+        return schedule_gap(self.next_fragment, self.fragments, self.local_steps)
+
+    def use_fragments(self, fragments: int) -> None:
+        """Streaming fragments (the coordinator's P, told at registration): submit one fragment at a time."""
+        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+            raise InvalidArgument(f"fragments must be an integer >= 1, got {fragments!r}")
+        self.fragments = fragments
+        self.fragment_versions = (0,) * fragments
+        self.next_fragment = first_fragment(self.fragment_versions)
+
+    def _changed_fragments(self) -> tuple[int, ...] | None:
+        """The fragments a rebase onto the newest version touches (None: all, P = 1): those changed after the base."""
+        if self.fragments == 1:
+            return None
+        return tuple(p for p, v in enumerate(self.fragment_versions) if v > self.base_version)
 
     # --- internals --------------------------------------------------------------------------------------------
     def _train(self) -> Train:
@@ -561,6 +605,7 @@ class LearnerCore:
 
     def _load(self, now: float, action: Load) -> Load:
         self.base_version = action.version
+        self.next_fragment = first_fragment(self.fragment_versions)
         self.state = LearnerState.TRAINING if self.progress.cursors else LearnerState.SHARDLESS
         if self.state is LearnerState.SHARDLESS:  # the plan just came with Register or the broadcast: wait a bit
             self._poll_backoff_s = self.cfg.plan_poll_initial_s
@@ -576,8 +621,17 @@ class LearnerCore:
         sid = f"{self.cfg.id_prefix}{self._submissions}"
         ranges, steps, tokens = self.progress.take()
         draft = SubmissionDraft(
-            self.worker_id, self.coordinator_epoch, sid, self.base_version, ranges, steps, tokens, self.plan_seq
+            self.worker_id,
+            self.coordinator_epoch,
+            sid,
+            self.base_version,
+            ranges,
+            steps,
+            tokens,
+            self.plan_seq,
+            self.next_fragment,
         )
+        self.next_fragment = (self.next_fragment + 1) % self.fragments
         self.uploading = self.awaiting = sid
         self.awaiting_round = None
         return Submit(draft, drain)

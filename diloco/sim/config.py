@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, CodecError, check_ef_decay, get_codec
 from diloco.core.energy import CarbonTrace, PolicyConfig, parse_policy
+from diloco.core.fragments import check_fragments
 from diloco.core.outer import OuterConfig
 from diloco.core.rounds import RoundConfig
 from diloco.errors import ConfigError
@@ -99,6 +100,10 @@ class SimConfig:
     carbon_trace: CarbonTrace | None = None  # zones' intensity over virtual time; None: every zone at 0
     deadline_s: float = 0.0  # the job must end by this virtual time (0: none); for `cost` and the pauses' checks
     carbon_threshold: float = 0.0  # gCO2/kWh above which a zone is dirty (0: the dirtiest zone at each moment)
+    # streaming fragments (diloco.core.fragments): P fragments synchronised on a staggered schedule; 1: none.
+    # With P > 1, `outer_steps` and `eval_every` count whole-model outer steps (P rounds each)
+    fragments: int = 1
+    peak_window_s: float = 1.0  # the sliding window of the peak link bandwidth (diloco.sim.links)
 
     def __post_init__(self) -> None:
         if self.mode not in SIM_MODES:
@@ -146,6 +151,7 @@ class SimConfig:
                 )
         if self.eval_every < 1:
             raise ConfigError(f"eval_every must be >= 1, got {self.eval_every}")
+        self.check_fragments()
         check_eval_tokens(self.eval_tokens, self.task.model.seq_len)
         self.round_config()
         if self.fleet:
@@ -161,6 +167,19 @@ class SimConfig:
         policy = self.policy_config()
         if policy.policy.value != "speed" and (not self.fleet or self.mode not in DILOCO_MODES):
             raise ConfigError(f"placement {self.placement!r} needs a fleet (--fleet) and a DiLoCo mode, not dp")
+
+    def check_fragments(self) -> None:
+        """What can be checked of `fragments` without the model (its tensor count is checked when it is built)."""
+        p = check_fragments(self.fragments, self.local_steps)
+        if not (math.isfinite(self.peak_window_s) and self.peak_window_s > 0):
+            raise ConfigError(f"peak_window_s must be a finite number > 0, got {self.peak_window_s}")
+        if p == 1:
+            return
+        if self.mode == "dp":
+            raise ConfigError("fragments: the data-parallel baseline (mode dp) has no outer step to fragment; use 1")
+        if not self.train:
+            raise ConfigError("fragments need the model's tensors to cut at (not --no-train); use 1 with --no-train")
+        check_fragments(p, self.local_steps)
 
     @property
     def num_learners(self) -> int:

@@ -27,6 +27,11 @@ clock, and keeps only time, links, failures and measurements:
   go to the coordinator (`set_placement_weights`). A learner's energy is its power x the time of its inner steps,
   its carbon that energy x its zone's average intensity over those steps, its cost its price x the wall time it
   is alive and not paused.
+- with streaming fragments (`fragments` P > 1, `diloco.core.fragments`) the coordinator is a
+  `FragmentedCoordinator` around the same core: a learner submits one fragment at a time (its trainer's
+  `submit_range`, one error-feedback residual per fragment), a round broadcasts only the fragments it stepped
+  (`FragmentShadows`, their deltas are what `bytes_down` counts) and learners rebase only those (`rebase_ranges`).
+  Every transfer on a learner link is logged for the peak link bandwidth (`diloco.sim.links`).
 
 Events at equal times run in the order they were scheduled, so runs are deterministic for a seed.
 """
@@ -36,21 +41,36 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from diloco.core import learner as lc
 from diloco.core.broadcast import BroadcastShadow, params_checksum
 from diloco.core.codecs import ErrorFeedback, get_codec
-from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, RoundApplied, Submission, WorkPlan
+from diloco.core.coordinator import (
+    AcceptResult,
+    CoordinatorConfig,
+    CoordinatorCore,
+    RoundApplied,
+    Submission,
+    WorkPlan,
+)
 from diloco.core.energy import LearnerInfo, PauseDelay, decide
+from diloco.core.fragments import (
+    FragmentedCoordinator,
+    FragmentLayout,
+    FragmentShadows,
+    FragmentSubmission,
+    check_fragments,
+)
 from diloco.core.merge import Segment
 from diloco.core.states import DEAD, LEFT
 from diloco.errors import ConfigError, DilocoError
 from diloco.sim.config import DILOCO_MODES, SimConfig
 from diloco.sim.dp import DataParallelSimulator
 from diloco.sim.events import EventLoop
+from diloco.sim.links import Transfer, link_peaks
 from diloco.sim.result import SimResult, encoded_size, time_to_target
 from diloco.task.data import Corpus, EvalResult, evaluate
 from diloco.task.factory import Task, build_task
@@ -74,6 +94,7 @@ class Learner:
     incarnation: int = 0
     trainer: InnerTrainer | None = None
     ef: ErrorFeedback | None = None
+    fragment_efs: list[ErrorFeedback] = field(default_factory=list)  # streaming fragments: one residual each
     params: tuple[int, torch.Tensor] | None = None  # the newest version the core took, and its tensor
     version0: torch.Tensor | None = None  # the version 0 this process built, until it adopts parameters
     training: bool = False  # False: idle until an event or a deadline
@@ -131,15 +152,29 @@ class Simulator(EventLoop):
             dynamic_local_steps=cfg.dynamic_local_steps and cfg.mode != "sync",
             scale_partial_rounds=cfg.scale_partial_rounds,
             expected_workers=cfg.num_learners,
-            target_outer_steps=cfg.outer_steps,
+            target_outer_steps=cfg.outer_steps * cfg.fragments,  # fragments: P rounds per whole-model step
         )
-        self.core = CoordinatorCore(core_cfg, params, shard_lengths, segments)
+        # streaming fragments (diloco.core.fragments): the same core, with the tensor work and broadcasts per fragment
+        self.frag: FragmentedCoordinator | None = None
+        self.shadows: FragmentShadows | None = None
+        if cfg.fragments > 1:
+            assert segments is not None  # SimConfig refuses fragments without a model
+            p = check_fragments(cfg.fragments, cfg.local_steps, len(segments))
+            layout = FragmentLayout.of_segments(segments, p)
+            self.frag = FragmentedCoordinator(core_cfg, params, shard_lengths, layout, segments)
+            self.core = self.frag.core
+            self.shadows = FragmentShadows(self.core.params, layout, cfg.broadcast_codec)
+        else:
+            self.core = CoordinatorCore(core_cfg, params, shard_lengths, segments)
         self.broadcast = BroadcastShadow(self.core.params, self.core.version, cfg.broadcast_codec)
+        self.transfers: list[Transfer] = []  # every learner-link transfer, for the peak bandwidth
         self.delta_bytes = encoded_size(get_codec(cfg.broadcast_codec), self.model_numel)  # for --no-train
         self.learners = [
             Learner(i, v, cfg.step_time_s / v, lc.LearnerCore(lc.LearnerConfig(id_prefix=f"l{i}-")))
             for i, v in enumerate(cfg.speeds)
         ]
+        for learner in self.learners:
+            learner.core.use_fragments(cfg.fragments)
         self.history: list[dict[str, float]] = []
         self.bytes_up = 0
         self.bytes_down = 0
@@ -328,10 +363,14 @@ class Simulator(EventLoop):
                 trainer.catch_up(a.catch_up_steps)
             if a.reset_codec:
                 learner.ef.reset()
+                for ef in learner.fragment_efs:
+                    ef.reset()
         elif isinstance(a, lc.Rebase):
             assert learner.params is not None and learner.params[0] == a.version
-            if trainer is not None:
+            if trainer is not None and a.fragments is None:
                 trainer.rebase(learner.params[1])  # keeps the steps not yet submitted
+            elif trainer is not None and self.frag is not None and a.fragments is not None:  # the changed fragments
+                trainer.rebase_ranges(learner.params[1], [self.frag.layout.range(p) for p in a.fragments])
         elif isinstance(a, lc.Submit):
             self.submit(learner, a.draft, t)
         elif isinstance(a, lc.FetchPlan):
@@ -405,6 +444,11 @@ class Simulator(EventLoop):
         learner.ef = ErrorFeedback(
             self.codec, self.core.params.numel(), enabled=self.cfg.error_feedback, decay=self.cfg.ef_decay
         )
+        if self.frag is not None:
+            learner.fragment_efs = [
+                ErrorFeedback(self.codec, n, enabled=self.cfg.error_feedback, decay=self.cfg.ef_decay)
+                for n in map(self.frag.layout.size, range(self.frag.fragments))
+            ]
         self.touch(learner)
         if self.cfg.mtbf_s > 0:
             self.at(self.now + self.rng.expovariate(1 / self.cfg.mtbf_s), "kill", learner.idx, learner.incarnation)
@@ -414,6 +458,9 @@ class Simulator(EventLoop):
         started (named by its checksum, until the process adopted parameters), else from a full snapshot."""
         rec = self.core.register(f"learner{learner.idx}", t, speed=learner.speed * self.tokens_per_step)
         learner.core.registered(t, rec.worker_id, 0, self.cfg.mode, self.core.plan(rec.worker_id))
+        if self.shadows is not None:  # fragments: a full snapshot (version 0 is not named per fragment yet)
+            self.send_params(learner, t, self.core.version, self.shadow(), (), self.param_bytes, snapshot=True)
+            return
         own, chain = learner.version0, None
         if own is not None:
             chain = self.broadcast.updates_since(0, self.core.version, params_checksum(own))
@@ -421,26 +468,51 @@ class Simulator(EventLoop):
             nbytes = self.param_bytes
         else:
             nbytes = sum(self.delta_bytes if self.task is None else d.meta.encoded_bytes for d in chain)
-        self.send_params(learner, t, self.core.version, self.broadcast.shadow.clone(), (), nbytes)
+        self.send_params(learner, t, self.core.version, self.shadow(), (), nbytes, snapshot=chain is None)
+
+    def shadow(self) -> torch.Tensor:
+        """A copy of what learners hold of the newest version (`Θ̂`; with fragments, every fragment's)."""
+        return self.shadows.shadow if self.shadows is not None else self.broadcast.shadow.clone()
 
     def send_params(
-        self, learner: Learner, t: float, version: int, params: torch.Tensor, applied: Iterable[str], nbytes: int
+        self,
+        learner: Learner,
+        t: float,
+        version: int,
+        params: torch.Tensor,
+        applied: Iterable[str],
+        nbytes: int,
+        snapshot: bool = False,
     ) -> None:
         """Stream `version` (`nbytes` on the wire) to the learner's current registration (a watch ends with its
         registration)."""
         self.bytes_down += nbytes
+        self.transfers.append(Transfer(learner.idx, False, t, nbytes, snapshot))
         arrive = t + self.transfer_s(nbytes)
-        self.at(arrive, "params", learner.idx, learner.core.worker_id, version, params, frozenset(applied))
+        versions = tuple(self.frag.fragment_versions) if self.frag is not None else ()
+        self.at(arrive, "params", learner.idx, learner.core.worker_id, version, params, frozenset(applied), versions)
 
-    def on_params(self, idx: int, worker_id: str, version: int, params: torch.Tensor, applied: frozenset[str]) -> None:
-        """Parameters arrive with the learner's plan, the submissions they hold and whether the job finished."""
+    def on_params(
+        self,
+        idx: int,
+        worker_id: str,
+        version: int,
+        params: torch.Tensor,
+        applied: frozenset[str],
+        fragment_versions: tuple[int, ...],
+    ) -> None:
+        """Parameters arrive with the learner's plan, the submissions they hold and whether the job finished (and,
+        with fragments, the version that last changed each fragment)."""
         learner = self.learners[idx]
         if not learner.alive or learner.core.worker_id != worker_id:
             return
 
         def arrived(core: lc.LearnerCore) -> None:
             plan = self.plan_of(learner, lc.Rpc.WATCH_PARAMETERS, self.now)
-            if plan is not None and core.params_arrived(self.now, version, 0, plan, applied, self.core.finished):
+            finished = self.core.finished
+            if plan is not None and core.params_arrived(
+                self.now, version, 0, plan, applied, finished, fragment_versions=fragment_versions
+            ):
                 learner.params = (version, params)
 
         self.touch(learner, arrived)
@@ -448,24 +520,42 @@ class Simulator(EventLoop):
     def submit(self, learner: Learner, d: lc.SubmissionDraft, t: float) -> None:
         assert learner.ef is not None
         trainer = learner.trainer
-        delta = trainer.pseudo_gradient() if trainer is not None else torch.full((1,), 1e-3)
-        payload, meta = learner.ef.compress(delta)
-        decoded = self.codec.decode(payload, meta)
-        if trainer is not None:
-            trainer.mark_submitted()
-        nbytes = self.payload_bytes if trainer is None else meta.encoded_bytes
         sub = Submission(d.worker_id, d.submission_id, d.base_version, d.tokens, d.steps, d.ranges, d.plan_seq)
+        if self.frag is not None:  # one fragment: its slice, its own error feedback
+            assert trainer is not None
+            delta = trainer.submit_range(*self.frag.layout.range(d.fragment))
+            payload, meta = learner.fragment_efs[d.fragment].compress(delta)
+            sent: Submission | FragmentSubmission = FragmentSubmission(sub, d.fragment, self.frag.layout.fingerprint)
+        else:
+            delta = trainer.pseudo_gradient() if trainer is not None else torch.full((1,), 1e-3)
+            payload, meta = learner.ef.compress(delta)
+            if trainer is not None:
+                trainer.mark_submitted()
+            sent = sub
+        decoded = self.codec.decode(payload, meta)
+        nbytes = self.payload_bytes if trainer is None else meta.encoded_bytes
         self.sub_cost[d.submission_id] = (learner.idx, d.steps * learner.step_time)
         self.bytes_up += nbytes
-        self.at(t + self.transfer_s(nbytes), "arrival", learner.idx, learner.incarnation, sub, decoded)
+        self.transfers.append(Transfer(learner.idx, True, t, nbytes))
+        self.at(t + self.transfer_s(nbytes), "arrival", learner.idx, learner.incarnation, sent, decoded)
 
-    def on_arrival(self, idx: int, inc: int, sub: Submission, delta: torch.Tensor) -> None:
+    def accept(self, sent: Submission | FragmentSubmission, delta: torch.Tensor) -> AcceptResult:
+        if isinstance(sent, FragmentSubmission):
+            assert self.frag is not None
+            return self.frag.accept(sent, delta, self.now)
+        return self.core.accept(sent, delta, self.now)
+
+    def poll(self) -> RoundApplied | None:
+        return self.frag.poll(self.now) if self.frag is not None else self.core.poll(self.now)
+
+    def on_arrival(self, idx: int, inc: int, sent: Submission | FragmentSubmission, delta: torch.Tensor) -> None:
         learner = self.learners[idx]
         if learner.incarnation != inc or not learner.alive:
             self.lost_uploads += 1  # the learner died mid-upload
             return
+        sub = sent.sub if isinstance(sent, FragmentSubmission) else sent
         try:
-            res = self.core.accept(sub, delta, self.now)
+            res = self.accept(sent, delta)
         except DilocoError as e:
             self.rejected += 1
             reaction, detail = lc.react(lc.Rpc.SUBMIT, e.code), str(e)
@@ -486,16 +576,34 @@ class Simulator(EventLoop):
             self.done = True
             return
         self.apply_policy()
-        delta = self.broadcast.advance(self.core.params, applied.version)
-        self.broadcast.record(delta)
-        params = self.broadcast.shadow.clone()
-        nbytes = (
-            self.param_bytes if delta is None else self.delta_bytes if self.task is None else delta.meta.encoded_bytes
-        )
+        if self.frag is not None:
+            nbytes = self.broadcast_fragments(applied.version)
+            params = self.shadow()
+        else:
+            delta = self.broadcast.advance(self.core.params, applied.version)
+            self.broadcast.record(delta)
+            params = self.broadcast.shadow.clone()
+            nbytes = (
+                self.param_bytes
+                if delta is None
+                else self.delta_bytes
+                if self.task is None
+                else delta.meta.encoded_bytes
+            )
         ids = [p.submission_id for p in applied.submissions]
         for learner in self.learners:
             if learner.alive:
                 self.send_params(learner, self.now, applied.version, params, ids, nbytes)
+
+    def broadcast_fragments(self, version: int) -> int:
+        """Move the shadow of every fragment round `version` stepped; returns the bytes of their deltas (of a
+        fragment's fp32 snapshot where the codec is fp32 or the delta could not be encoded)."""
+        assert self.frag is not None and self.shadows is not None
+        nbytes = 0
+        for p in self.frag.stepped_in(version):
+            delta = self.shadows.advance(self.core.params, p, self.frag.fragment_steps[p])
+            nbytes += 4 * self.frag.layout.size(p) if delta is None else delta.meta.encoded_bytes
+        return nbytes
 
     # --- failures ---------------------------------------------------------------------------------------------
     def on_kill(self, idx: int, inc: int | None = None) -> None:
@@ -523,7 +631,7 @@ class Simulator(EventLoop):
         moved = self.core.remove(worker_id, DEAD, "missed heartbeats")
         if moved:
             self.reassign_latency.append(self.now - self.learners[idx].killed_at)
-        applied = self.core.poll(self.now)
+        applied = self.poll()
         if applied:
             self.on_round(applied)
         self.schedule_deadline()
@@ -541,7 +649,7 @@ class Simulator(EventLoop):
 
     def on_deadline(self) -> None:
         self.deadline_scheduled = None
-        applied = self.core.poll(self.now)
+        applied = self.poll()
         if applied:
             self.on_round(applied)
         self.schedule_deadline()
@@ -557,7 +665,7 @@ class Simulator(EventLoop):
 
     def record(self, force_eval: bool = False) -> None:
         v = self.core.version
-        if not force_eval and v % self.cfg.eval_every and not self.stop_reached():
+        if not force_eval and v % (self.cfg.eval_every * self.cfg.fragments) and not self.stop_reached():
             return
         point = {
             "time_s": self.now,
@@ -608,6 +716,9 @@ class Simulator(EventLoop):
                 for e, c, s, b in zip(self.energy_j, self.carbon_g, self.paid_s, self.busy_s, strict=True)
             ],
             placements=self.placements,
+            fragments=self.cfg.fragments,
+            peak_window_s=self.cfg.peak_window_s,
+            peak_bytes_per_s=link_peaks(self.transfers, self.cfg.bandwidth_bytes_per_s, self.cfg.peak_window_s),
         )
 
 

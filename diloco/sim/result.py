@@ -43,6 +43,11 @@ class SimResult:
     cost: float = 0.0
     per_learner: list[dict[str, float]] = field(default_factory=list)
     placements: list[dict[str, Any]] = field(default_factory=list)  # placement.changed: time_s, reason, paused
+    fragments: int = 1  # streaming fragments P (diloco.core.fragments)
+    # peak bytes/s of training traffic over any `peak_window_s` window (diloco.sim.links): `link_up`/`link_down` on
+    # the busiest learner link, `coordinator_up`/`coordinator_down` summed over the links (snapshots aside)
+    peak_window_s: float = 0.0
+    peak_bytes_per_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))

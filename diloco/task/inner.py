@@ -301,6 +301,26 @@ class InnerTrainer:
             self.io.write(new + (self.io.read() - self._base))
         self._base.copy_(new)
 
+    def submit_range(self, lo: int, hi: int) -> Tensor:
+        """One fragment's submission (Streaming DiLoCo, `diloco.core.fragments`): Δ = base − θ on `[lo, hi)` (a
+        new flat fp32 CPU tensor) and base ← θ there only; the rest of base is left as it is."""
+        theta = self._theta()
+        delta = (self._base[lo:hi] - theta[lo:hi]).cpu()
+        self._base[lo:hi].copy_(theta[lo:hi])
+        return delta
+
+    def rebase_ranges(self, new_global: Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+        """`rebase` on the given ranges of the flat vector only (the fragments whose global version changed):
+        θ ← Θ_new + (θ − base) and base ← Θ_new there; elsewhere θ and base are left as they are."""
+        new = self._check_flat(new_global, "global parameters")
+        live = self.io.flat_view
+        theta = live if live is not None else self.io.read()
+        for lo, hi in ranges:
+            theta[lo:hi].sub_(self._base[lo:hi]).add_(new[lo:hi])
+            self._base[lo:hi].copy_(new[lo:hi])
+        if live is None:
+            self.io.write(theta)
+
     # -- training -----------------------------------------------------------------------------------------
 
     def step(self, x: Tensor, y: Tensor) -> float:

@@ -1,0 +1,228 @@
+"""Section `fragments`: streaming fragments on the simulator (issue #13, point 2; `diloco.core.fragments`).
+
+Four equal learners train a 118,528-parameter GPT (d_model 64, 2 layers) in `decoupled` mode at H = 40 on the
+far-apart-islands link (400 Mbit/s, 0.5 s latency) to the same token budget, once per P in {1, 2, 4} and with
+every seed of the settings (the same seeds for every P). Reported per P: the peak bytes per second on the busiest
+learner link, up and down, over a sliding window of 1 virtual second (an inner step), and the same summed over
+the links at the coordinator (`diloco.sim.links`; the snapshot a learner gets when it registers is the same for
+every P and left out), the bytes moved in all, the validation loss at the budget and its change against P = 1,
+seed by seed.
+
+Targets (rule: mean and every seed):
+- the peak link bandwidth, up and down, drops by at least P/2 times against P = 1. A fragment is whole tensors,
+  so the largest fragment is more than 1/P of the model (this model: 56% at P = 2, 28% at P = 4) and P times
+  is out of reach; the ideal for the layout, 1 / (largest fragment's share), is reported beside it.
+- the loss at the budget is at most 2% above P = 1's (seed by seed; a lower loss passes).
+
+`python -m diloco.bench.bench_fragments` runs the section on its own (`--quick` for the small settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diloco.bench.section import Context, Result, table
+from diloco.bench.seeds import check, fmt, target_met, values
+from diloco.bench.sim_bench import SimRunner
+from diloco.core.fragments import FragmentLayout
+from diloco.sim.config import SimConfig
+from diloco.task.data import DataConfig
+from diloco.task.factory import TaskConfig
+from diloco.task.inner import InnerConfig
+from diloco.task.model import GPT, ModelConfig
+from diloco.task.params import merge_segments
+
+MAX_LOSS_CHANGE = 0.02  # loss at the budget above P = 1's, at most
+DIRECTIONS = (("up", "link_up"), ("down", "link_down"))
+
+
+@dataclass(frozen=True)
+class FragmentSettings:
+    d_model: int = 64
+    n_layers: int = 2  # 118,528 parameters in 28 tensors
+    n_heads: int = 4
+    seq_len: int = 32
+    batch_size: int = 8
+    learners: int = 4
+    mode: str = "decoupled"
+    local_steps: int = 40  # H; P = 4 syncs a fragment every 10 inner steps
+    token_budget: int = 600_000  # 15 outer steps of the whole model
+    inner_lr: float = 3e-3
+    warmup_steps: int = 20
+    max_bytes: int = 4_000_000
+    num_shards: int = 16
+    codec: str = "int8"
+    bandwidth_mbps: float = 400.0
+    latency_s: float = 0.5
+    step_time_s: float = 1.0
+    peak_window_s: float = 1.0
+    eval_every: int = 5  # whole-model outer steps between evaluations
+    eval_tokens: int = 16_384
+    fragments: tuple[int, ...] = (1, 2, 4)
+    seeds: tuple[int, ...] = (0, 1, 2)
+
+
+FULL = FragmentSettings()
+QUICK = FragmentSettings(
+    d_model=32, n_layers=1, local_steps=8, token_budget=40_960, warmup_steps=2, eval_tokens=4_096, seeds=(0,)
+)
+
+
+def sim_config(s: FragmentSettings, fragments: int, seed: int) -> SimConfig:
+    steps = s.token_budget // (s.learners * s.batch_size * s.seq_len)
+    task = TaskConfig(
+        model=ModelConfig(seq_len=s.seq_len, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads),
+        data=DataConfig(num_shards=s.num_shards, max_bytes=s.max_bytes),
+        inner=InnerConfig(lr=s.inner_lr, warmup_steps=s.warmup_steps, total_steps=steps, batch_size=s.batch_size),
+    )
+    return SimConfig(
+        mode=s.mode,
+        speeds=(1.0,) * s.learners,
+        step_time_s=s.step_time_s,
+        bandwidth_bytes_per_s=s.bandwidth_mbps * 1e6 / 8,
+        latency_s=s.latency_s,
+        local_steps=s.local_steps,
+        min_local_steps=max(1, s.local_steps // 4),
+        codec=s.codec,
+        num_shards=s.num_shards,
+        token_budget=s.token_budget,
+        eval_every=s.eval_every,
+        eval_tokens=s.eval_tokens,
+        seed=seed,
+        task=task,
+        fragments=fragments,
+        peak_window_s=s.peak_window_s,
+    )
+
+
+def layout_shares(s: FragmentSettings, fragments: int) -> tuple[int, list[float]]:
+    """The model's parameter count and each fragment's share of it."""
+    model = GPT(ModelConfig(seq_len=s.seq_len, d_model=s.d_model, n_layers=s.n_layers, n_heads=s.n_heads))
+    segments = merge_segments(model)
+    layout = FragmentLayout.of_segments(segments, fragments)
+    return layout.numel, [layout.size(p) / layout.numel for p in range(fragments)]
+
+
+def run(s: FragmentSettings, runner: SimRunner) -> Result:
+    rows: list[dict[str, Any]] = []
+    for p in s.fragments:
+
+        def make(seed: int, p: int = p) -> SimConfig:
+            return sim_config(s, p, seed)
+
+        row = runner.seeds(make, f"P = {p}", s.token_budget, s.seeds)
+        numel, shares = layout_shares(s, p)
+        row.update(fragments=p, numel=numel, shares=shares, ideal_ratio=1 / max(shares))
+        for one in row["per_seed"]:
+            one.pop("history", None)
+        row.pop("history", None)
+        rows.append(row)
+    base = rows[0]
+    checks = []
+    n = len(s.seeds)
+    for r in rows:
+        for name, key in DIRECTIONS:
+            r[f"{name}_ratios"] = [
+                a / b if b else float("nan")
+                for a, b in zip(values(base, f"peak_{key}"), values(r, f"peak_{key}"), strict=True)
+            ]
+        r["loss_changes"] = [
+            a / b - 1 for a, b in zip(values(r, "loss_at_budget"), values(base, "loss_at_budget"), strict=True)
+        ]
+    for r in rows[1:]:
+        p = r["fragments"]
+        for name, _ in DIRECTIONS:
+            checks.append(
+                check(
+                    f"P = {p}: peak link bandwidth {name} against P = 1 (ideal for the layout {r['ideal_ratio']:.2f}x)",
+                    f"≥ {p / 2:g}x lower",
+                    fmt(r[f"{name}_ratios"], ".2f", "x") + " lower",
+                    target_met(r[f"{name}_ratios"], p / 2, at_least=True),
+                    n,
+                )
+            )
+        checks.append(
+            check(
+                f"P = {p}: loss at the budget against P = 1",
+                f"≤ {MAX_LOSS_CHANGE:+.0%} (a lower loss passes)",
+                f"{fmt(r['loss_changes'], '+.2%')}: {fmt(values(r, 'loss_at_budget'))} vs "
+                f"{fmt(values(base, 'loss_at_budget'))}",
+                target_met(r["loss_changes"], MAX_LOSS_CHANGE, at_least=False),
+                n,
+            )
+        )
+    return {"settings": dataclasses.asdict(s), "rows": rows, "checks": checks}
+
+
+def section(ctx: Context) -> Result:
+    return run(QUICK if ctx.quick else FULL, ctx.sim)
+
+
+def markdown(result: Result) -> str:
+    s = result["settings"]
+    head = (
+        f"{result['rows'][0]['numel']:,}-parameter GPT (d_model {s['d_model']}, layers: {s['n_layers']}), "
+        f"{s['learners']} equal learners, `{s['mode']}`, H = {s['local_steps']}, `{s['codec']}` uploads, default "
+        f"broadcast codec, {s['bandwidth_mbps']:g} Mbit/s and {s['latency_s']:g} s per learner link, "
+        f"{s['token_budget']:,} tokens; seeds {', '.join(map(str, s['seeds']))}, the same for every P. Peaks are "
+        f"the most bytes in any {s['peak_window_s']:g} s window (an inner step is {s['step_time_s']:g} s), per "
+        "second: on the busiest learner link, and summed over the links at the coordinator; a registering "
+        "learner's snapshot is left out (the same for every P)."
+    )
+    rows = [
+        [
+            f"P = {r['fragments']}",
+            " / ".join(f"{x:.0%}" for x in r["shares"]),
+            fmt(values(r, "peak_link_up"), ",.0f"),
+            fmt(values(r, "peak_link_down"), ",.0f"),
+            "-" if r["fragments"] == 1 else fmt(r["up_ratios"], ".2f", "x"),
+            "-" if r["fragments"] == 1 else fmt(r["down_ratios"], ".2f", "x"),
+            fmt(values(r, "peak_coordinator_up"), ",.0f"),
+            fmt(values(r, "peak_coordinator_down"), ",.0f"),
+            f"{r['bytes_up'] / 1e6:.2f} / {r['bytes_down'] / 1e6:.2f}",
+            fmt(values(r, "tokens"), ",.0f"),
+            fmt(values(r, "loss_at_budget")),
+            "-" if r["fragments"] == 1 else fmt(r["loss_changes"], "+.2%"),
+        ]
+        for r in result["rows"]
+    ]
+    headers = [
+        "P",
+        "fragment sizes",
+        "peak up, link (B/s)",
+        "peak down, link (B/s)",
+        "up: lower than P = 1",
+        "down: lower than P = 1",
+        "peak up, coordinator (B/s)",
+        "peak down, coordinator (B/s)",
+        "MB up / down",
+        "tokens applied",
+        "loss at budget",
+        "loss vs P = 1",
+    ]
+    note = (
+        "A round with fragments steps only the fragments submitted in it, so P = 4 makes about 4 times as many "
+        "rounds of a quarter of the model each; the bytes in all stay about the same, spread over time. Tokens "
+        "applied count every token once whatever P."
+    )
+    return "\n\n".join([head, table(headers, rows), note])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the small settings of `diloco bench --quick`")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as the suite runs it
+    result = run(QUICK if args.quick else FULL, SimRunner(print))
+    print(markdown(result))
+    print(json.dumps(result["checks"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
