@@ -7,6 +7,7 @@ import dataclasses
 import struct
 import zlib
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -648,3 +649,28 @@ def test_encode_rejects_non_finite_input(name: str, bad: float) -> None:
 
 def test_allowed_block_sizes() -> None:
     assert ALLOWED_BLOCK_SIZES == (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["feedback", "no-feedback"])
+@pytest.mark.parametrize("codec", [*_LOSSY, get_codec("fp32")], ids=lambda c: c.name)
+def test_compress_added_is_compress_bit_for_bit(codec: Codec, enabled: bool) -> None:
+    """The learner's path (the delta added into the residual by a callback, no copy of it) sends the same bytes and
+    keeps the same residual as `compress`, round after round (β < 1 for topk included)."""
+    gen = torch.Generator().manual_seed(8)
+    whole, added = ErrorFeedback(codec, 1000, enabled=enabled), ErrorFeedback(codec, 1000, enabled=enabled)
+    for _ in range(4):
+        delta = torch.randn(1000, generator=gen)
+        assert added.compress_added(partial(torch.Tensor.add_, other=delta)) == whole.compress(delta)
+        assert torch.equal(added.residual, whole.residual)
+    if not enabled:
+        assert torch.equal(added.residual, torch.zeros(1000))
+
+
+def test_compress_added_resets_after_a_non_finite_delta() -> None:
+    feedback = ErrorFeedback(get_codec("int8", block_size=16), 32)
+    feedback.compress(torch.randn(32))
+    bad = torch.randn(32)
+    bad[3] = float("inf")
+    with pytest.raises(CodecError, match="cannot encode NaN or inf"):
+        feedback.compress_added(lambda residual: residual.add_(bad))
+    assert torch.equal(feedback.residual, torch.zeros(32))

@@ -456,20 +456,56 @@ def test_rebase_keeps_local_progress_exactly(corpus: Corpus) -> None:
     assert torch.equal(tr.base, newer)
 
 
-def test_submit_is_pseudo_gradient_and_mark_submitted_in_one_read(corpus: Corpus) -> None:
-    """`submit` (the worker's path) = `pseudo_gradient` + `mark_submitted`: a rebase after it keeps exactly the
-    steps made since, as `test_rebase_keeps_local_progress_exactly` does with the two calls."""
+def test_submit_into_is_pseudo_gradient_and_mark_submitted_in_one_read(corpus: Corpus) -> None:
+    """`submit_into` (the worker's path) = `out += pseudo_gradient() * scale` + `mark_submitted`, bit for bit: a
+    rebase after it keeps exactly the steps made since, as `test_rebase_keeps_local_progress_exactly` does with
+    the two calls."""
     tr = make_trainer(corpus)
     tr.train([(0, 0, 0)], 3)
-    expected = tr.pseudo_gradient()
+    residual = torch.randn(tr.numel, generator=torch.Generator().manual_seed(1))
+    expected = residual + tr.pseudo_gradient() * 0.5
     at_submit = tr.params_flat()
-    delta = tr.submit()
-    assert torch.equal(delta, expected) and delta.device.type == "cpu" and delta.dtype == torch.float32
+    tr.submit_into(residual, 0.5)
+    assert torch.equal(residual, expected)
+    assert torch.count_nonzero(tr.pseudo_gradient()) == 0 and torch.equal(tr.base, at_submit)
     tr.train([(0, 0, 3 * 64)], 2)
+    assert torch.equal(tr.base, at_submit)  # copied before the first step after the submission
     theta = tr.params_flat()
     new_global = flatten_params(GPT(TINY, seed=42))
     tr.rebase(new_global)
     assert torch.equal(tr.params_flat(), new_global + (theta - at_submit))
+    with pytest.raises(InvalidArgument, match="flat fp32 CPU vector"):
+        tr.submit_into(torch.zeros(tr.numel, dtype=torch.float64))
+
+
+def test_a_version_adopted_right_after_a_submission_is_theta(corpus: Corpus) -> None:
+    """No step between a submission and the next version (a sync round): θ becomes that version exactly."""
+    tr = make_trainer(corpus)
+    tr.train([(0, 0, 0)], 2)
+    tr.submit_into(torch.zeros(tr.numel))
+    new_global = flatten_params(GPT(TINY, seed=42))
+    tr.rebase(new_global)
+    assert torch.equal(tr.params_flat(), new_global) and torch.equal(tr.base, new_global)
+    assert torch.count_nonzero(tr.pseudo_gradient()) == 0
+
+
+def test_a_shared_base_is_the_callers_tensor_and_never_written(corpus: Corpus) -> None:
+    """`share=True` (the broadcast follower's Θ̂): the base is that tensor, no copy; training, submitting and
+    rebasing onto a newer version never write it."""
+    tr = make_trainer(corpus)
+    theta0 = flatten_params(GPT(TINY, seed=3))
+    kept = theta0.clone()
+    tr.load_global(theta0, share=True)
+    assert tr.base.data_ptr() == theta0.data_ptr()
+    tr.train([(0, 0, 0)], 2)
+    tr.submit_into(torch.zeros(tr.numel))
+    tr.train([(0, 0, 2 * 64)], 1)
+    newer = flatten_params(GPT(TINY, seed=4))
+    tr.rebase(newer, share=True)
+    tr.train([(0, 0, 3 * 64)], 1)
+    assert torch.equal(theta0, kept) and tr.base.data_ptr() == newer.data_ptr()
+    tr.load_global(theta0)  # not shared: a copy
+    assert tr.base.data_ptr() != theta0.data_ptr() and torch.equal(tr.base, theta0)
 
 
 def test_optimizer_state_persists_across_rounds(corpus: Corpus) -> None:

@@ -1126,6 +1126,27 @@ class ErrorFeedback:
             self.reset()
             raise
 
+    def compress_added(
+        self, add: Callable[[torch.Tensor], object]
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        """`compress`, with the delta added into the residual by `add(residual)` (a flat fp32 CPU vector; e.g.
+        `InnerTrainer.submit_into`) instead of passed whole, so no model-sized copy of the delta is made. The same
+        fp32 operations as `compress` in the same order: the payload and the new residual are bit for bit the
+        same. Without feedback the residual (zero) is where the delta is built, and is zero again after."""
+        if self.enabled and self.decay != 1.0:
+            self.residual.mul_(self.decay)
+        add(self.residual)
+        try:
+            if not self.enabled:
+                return self.codec.encode(self.residual)
+            return self.codec.encode_and_subtract(self.residual)
+        except Exception:
+            self.reset()
+            raise
+        finally:
+            if not self.enabled:
+                self.reset()
+
     def reset(self) -> None:
         """Forget the residual (e.g. after a resync to fresh global parameters)."""
         self.residual.zero_()

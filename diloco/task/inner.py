@@ -8,8 +8,9 @@ keeping the steps made meanwhile.
 
 Every flat vector crossing this API is a contiguous fp32 CPU tensor in `param_specs` order. Inside, the trainer
 reads and writes its parameters through a `ParamIO`: by default `LocalParams` (the flat vectors live on the model's
-device, so the pseudo-gradient is computed there and crosses to the host once, through a reusable pinned buffer on
-CUDA); a sharded island passes its own, whose reads and writes are collectives of the island.
+device, so the pseudo-gradient is computed there and crosses to the host a slice at a time, and new parameters
+cross to the device through a reusable pinned buffer on CUDA); a sharded island passes its own, whose reads and
+writes are collectives of the island.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
 from diloco.task.model import pick_device
 from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params
+
+_SLICE = 1 << 22  # elements per slice of `InnerTrainer.submit_into` (16 MiB of fp32)
 
 
 @dataclass(frozen=True)
@@ -179,10 +182,14 @@ class InnerTrainer:
     `params` how the parameters are read and written (default `LocalParams`, with the parameters in one flat
     vector when there is no `loss_fn`; a sharded island's gathers them).
 
-    Memory: besides the model, its gradients and the AdamW state, a trainer keeps one model-sized vector, the
-    base: Θ_base until a submission, then θ_at_submit (the parameters whose pseudo-gradient was sent), which is
-    all a later rebase needs. With flat parameters (`LocalParams.flat_view`) pseudo-gradients and rebases are computed
-    in place; `submit` allocates only the pseudo-gradient it returns.
+    Memory: besides the model, its gradients (freed after each step) and the AdamW state, a trainer keeps at most
+    one model-sized vector, the base: Θ_base until a submission, then θ_at_submit (the parameters whose
+    pseudo-gradient was sent), which is all a later rebase needs. Adopted with `share=True` (the broadcast
+    follower's versions, never written again), Θ_base is the caller's tensor itself, not a copy. With flat
+    parameters (`LocalParams.flat_view`) pseudo-gradients and rebases are computed in place, and θ_at_submit is
+    copied only at the first step after the submission (a learner that adopts a new version first, as a `sync`
+    one does, never copies it); `submit_into` adds the pseudo-gradient into the caller's buffer a slice at a
+    time, with no model-sized temporary.
     """
 
     _EMA = 0.2
@@ -230,7 +237,10 @@ class InnerTrainer:
         self.numel = num_params(self.model)
         self.io: ParamIO = params if params is not None else LocalParams(self.model, self.device, flat=loss_fn is None)
         self._host = HostBuffer()  # device <-> host copies of flat vectors (pinned on CUDA)
-        self._base = self.io.read()  # Θ_base, or θ_at_submit after a submission (class docstring)
+        # Θ_base, or θ_at_submit after a submission (class docstring); None: θ itself, no step since the submission
+        # (flat parameters only: see `_hold_base`)
+        self._base: Tensor | None = self.io.read()
+        self._base_shared = False  # the caller's tensor (`share=True`): never written here
         self._step_time_s = 0.0
 
     # -- parameters ---------------------------------------------------------------------------------------
@@ -244,7 +254,7 @@ class InnerTrainer:
         """What the next pseudo-gradient is measured against (flat fp32, CPU): Θ_base, the global parameters last
         adopted, or θ_at_submit once a pseudo-gradient was submitted since (the steps after it are the unsent
         ones)."""
-        return self._base.cpu()
+        return self._base_or_theta().cpu()
 
     def _check_flat(self, flat: Tensor, what: str) -> Tensor:
         if flat.ndim != 1 or flat.numel() != self.numel or not flat.is_floating_point():
@@ -253,11 +263,38 @@ class InnerTrainer:
             )
         return self._host.to_device(flat, self.io.device)
 
-    def load_global(self, flat: Tensor) -> None:
-        """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped)."""
+    def load_global(self, flat: Tensor, share: bool = False) -> None:
+        """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped). `share`: the caller never
+        writes `flat` again, so the base may be `flat` itself rather than a copy (see `_set_base`)."""
         flat = self._check_flat(flat, "global parameters")
         self.io.write(flat)
-        self._base.copy_(flat)
+        self._set_base(flat, share)
+
+    def _set_base(self, flat: Tensor, share: bool) -> None:
+        """base ← `flat` (fp32 on the parameters' device, from `_check_flat` or `io.read`). Shared: kept as it is
+        (the caller's tensor, or a new one made from it), when contiguous. Else copied into the base's own
+        vector."""
+        if share and flat.is_contiguous():
+            self._base, self._base_shared = flat, True
+        elif self._base is None or self._base_shared:
+            self._base, self._base_shared = flat.clone(), False
+        else:
+            self._base.copy_(flat)
+
+    def _hold_base(self) -> None:
+        """Before θ moves: copy θ_at_submit when the base is still θ itself (`mark_submitted` deferred it)."""
+        if self._base is None:
+            self._base, self._base_shared = self._theta().clone(), False
+
+    def _own_base(self) -> Tensor:
+        """The base as a vector of the trainer's own, before part of it is written (fragments): θ_at_submit
+        copied when it was deferred, the caller's shared tensor copied."""
+        if self._base is None or self._base_shared:
+            self._base, self._base_shared = self._base_or_theta().clone(), False
+        return self._base
+
+    def _base_or_theta(self) -> Tensor:
+        return self._base if self._base is not None else self._theta()
 
     def _theta(self) -> Tensor:
         live = self.io.flat_view
@@ -265,17 +302,34 @@ class InnerTrainer:
 
     def pseudo_gradient(self) -> Tensor:
         """Δ = base - θ (flat fp32, CPU): the steps not submitted yet."""
+        if self._base is None:
+            return torch.zeros(self.numel, dtype=torch.float32)
         return (self._base - self._theta()).cpu()
 
-    def submit(self) -> Tensor:
-        """For a submission: Δ = base - θ, and base ← θ (`mark_submitted`), reading θ once. Δ is computed where
-        the parameters are (the model's device) and handed to the host through the trainer's reusable pinned
-        buffer on CUDA: there the result is valid until the trainer's next `submit`, `load_global` or `rebase`
-        (encode it first). On the CPU it is a new tensor, as `pseudo_gradient`'s."""
+    def submit_into(self, out: Tensor, scale: float = 1.0) -> None:
+        """For a submission: out += Δ·`scale` (Δ = base - θ, computed where the parameters are; `out` a flat fp32
+        vector on the host, e.g. the error-feedback residual) a slice at a time, with no model-sized temporary;
+        then base ← θ (`mark_submitted`), reading θ once. Each element gets the same fp32 operations as
+        `out.add_(pseudo_gradient() * scale)` (no multiply when `scale` is 1): the same bits."""
+        if out.ndim != 1 or out.numel() != self.numel or out.dtype != torch.float32 or out.device.type != "cpu":
+            raise InvalidArgument(f"the pseudo-gradient is added into a flat fp32 CPU vector of {self.numel} values")
         theta = self._theta()
-        delta = self._host.to_host(self._base - theta)
-        self._base.copy_(theta)
-        return delta
+        base = self._base_or_theta()
+        for start in range(0, self.numel, _SLICE):
+            end = min(start + _SLICE, self.numel)
+            part = base[start:end] - theta[start:end]
+            if scale != 1.0:
+                part.mul_(scale)
+            out[start:end].add_(part.cpu())
+        self._mark(theta)
+
+    def _mark(self, theta: Tensor) -> None:
+        """base ← θ (`theta`, as just read): with flat parameters deferred to the next step (`_hold_base`), so a
+        version adopted before it costs no copy; else into the base's own vector."""
+        if self.io.flat_view is not None:
+            self._base, self._base_shared = None, False
+        else:
+            self._set_base(theta, share=True)  # a new vector from `io.read`
 
     def catch_up(self, step: int) -> None:
         """Start the learning-rate schedule no earlier than `step`: a learner that joins (or comes back) late
@@ -284,10 +338,10 @@ class InnerTrainer:
 
     def mark_submitted(self) -> None:
         """base ← θ_at_submit, the parameters whose pseudo-gradient was just sent."""
-        self._base.copy_(self._theta())
+        self._mark(self._theta())
 
-    def rebase(self, new_global: Tensor) -> None:
-        """Adopt Θ_new, keeping the steps not yet submitted.
+    def rebase(self, new_global: Tensor, share: bool = False) -> None:
+        """Adopt Θ_new, keeping the steps not yet submitted (`share`: as in `load_global`).
 
         θ ← Θ_new + (θ - base): after a submission base is θ_at_submit; without one since the last adoption (a
         second newer version arrived first) it is Θ_base, which moves the unsent progress onto the newer base.
@@ -296,28 +350,30 @@ class InnerTrainer:
         new = self._check_flat(new_global, "global parameters")
         live = self.io.flat_view
         if live is not None:
-            live.sub_(self._base).add_(new)  # in place: no model-sized temporary
+            live.sub_(self._base_or_theta()).add_(new)  # in place: no model-sized temporary
         else:
-            self.io.write(new + (self.io.read() - self._base))
-        self._base.copy_(new)
+            self.io.write(new + (self.io.read() - self._base_or_theta()))
+        self._set_base(new, share)
 
     def submit_range(self, lo: int, hi: int) -> Tensor:
         """One fragment's submission (Streaming DiLoCo, `diloco.core.fragments`): Δ = base − θ on `[lo, hi)` (a
         new flat fp32 CPU tensor) and base ← θ there only; the rest of base is left as it is."""
         theta = self._theta()
-        delta = (self._base[lo:hi] - theta[lo:hi]).cpu()
-        self._base[lo:hi].copy_(theta[lo:hi])
+        base = self._own_base()
+        delta = (base[lo:hi] - theta[lo:hi]).cpu()
+        base[lo:hi].copy_(theta[lo:hi])
         return delta
 
     def rebase_ranges(self, new_global: Tensor, ranges: Sequence[tuple[int, int]]) -> None:
         """`rebase` on the given ranges of the flat vector only (the fragments whose global version changed):
         θ ← Θ_new + (θ − base) and base ← Θ_new there; elsewhere θ and base are left as they are."""
         new = self._check_flat(new_global, "global parameters")
+        base = self._own_base()
         live = self.io.flat_view
         theta = live if live is not None else self.io.read()
         for lo, hi in ranges:
-            theta[lo:hi].sub_(self._base[lo:hi]).add_(new[lo:hi])
-            self._base[lo:hi].copy_(new[lo:hi])
+            theta[lo:hi].sub_(base[lo:hi]).add_(new[lo:hi])
+            base[lo:hi].copy_(new[lo:hi])
         if live is None:
             self.io.write(theta)
 
@@ -328,12 +384,14 @@ class InnerTrainer:
         t0 = self._clock()
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.cfg, self.steps_done)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._hold_base()
+        self.optimizer.zero_grad(set_to_none=True)  # a step that raised may have left some
         loss = self._loss(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
         loss.backward()  # type: ignore[no-untyped-call]
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # no model-sized gradients between steps
         self.steps_done += 1
         value = float(loss.detach())  # synchronizes with the device, so the timing below is real
         elapsed = self._clock() - t0

@@ -3,8 +3,8 @@
 This is the layout of `Θ` and of every pseudo-gradient on the wire: `param_specs` describes it (name, shape,
 offset), `flatten_params` reads it and `load_flat_` writes it back into a model. For a model sharded across a
 process group with FSDP2 (`fully_shard`), `gather_flat` and `scatter_flat_` do the same collectively, through
-torch's state-dict helpers (`torch.distributed.checkpoint.state_dict`). `HostBuffer` carries flat vectors between
-an accelerator and the host through reusable pinned memory.
+torch's state-dict helpers (`torch.distributed.checkpoint.state_dict`). `HostBuffer` carries flat vectors from
+the host to an accelerator through reusable pinned memory.
 """
 
 from __future__ import annotations
@@ -129,11 +129,11 @@ def local_shards(model: nn.Module) -> list[Tensor]:
 
 
 class HostBuffer:
-    """One reusable host buffer for copies of flat vectors between a device and the host.
+    """One reusable host buffer for copies of flat vectors from the host to a device.
 
     With CUDA available the buffer is page-locked (pinned), so the copies are DMA transfers that the host does not
     wait for (`non_blocking`); a CUDA event marks when the buffer may be written again. On the CPU nothing is
-    copied: `to_host` and `to_device` return their input, exactly as without the buffer.
+    copied: `to_device` returns its input, exactly as without the buffer.
     """
 
     def __init__(self) -> None:
@@ -151,19 +151,6 @@ class HostBuffer:
         if torch.cuda.is_available():
             self._copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             self._copied.record()
-
-    def to_host(self, x: Tensor) -> Tensor:
-        """`x` (flat fp32) on the host: itself when it is there already, else this buffer holding a copy of it
-        (valid until the next use of the buffer). The copy is a DMA transfer queued behind the work already on
-        the device's stream; the host waits for that copy alone (an event), then reads the buffer."""
-        if x.device.type == "cpu":
-            return x
-        buf = self._buffer(x.numel())
-        buf.copy_(x.detach().reshape(-1), non_blocking=True)
-        self._mark()
-        assert self._copied is not None
-        self._copied.synchronize()
-        return buf
 
     def to_device(self, x: Tensor, device: torch.device) -> Tensor:
         """`x` (flat) as fp32 on `device`: itself (as fp32) when it is there already; from the host to CUDA a new

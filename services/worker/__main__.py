@@ -16,6 +16,7 @@ import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
+from diloco.heap import return_freed_memory
 from diloco.signals import on_stop_signal
 from services.worker.config import WorkerConfig, parse
 from services.worker.island import Island, Rank, launch, resolve_device
@@ -88,6 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"diloco worker: configuration error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
+    return_freed_memory()  # the gradients freed after each step leave no resident pages behind (`diloco.heap`)
     logging.configure("worker")
     if rank is None or device is None:
         return run_worker(Worker(cfg, power=power))

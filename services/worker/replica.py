@@ -120,11 +120,13 @@ class Replica:
         version, flat = self.params
         assert version == a.version, (version, a)
         self.version0 = None  # trained from the coordinator's parameters from now on: no registration names it
+        # `flat` is the broadcast follower's Θ̂ of that version, never written again: the trainer's base is that
+        # very tensor, not a copy
         if isinstance(a, core.Rebase):
-            self.trainer.rebase(flat)  # keeps the steps not yet submitted
+            self.trainer.rebase(flat, share=True)  # keeps the steps not yet submitted
             self.metrics.rebases.inc()
         else:
-            self.trainer.load_global(flat)
+            self.trainer.load_global(flat, share=True)
             self.trainer.catch_up(a.catch_up_steps)  # joined late: resume the schedule, no re-warmup
             if a.reset_codec:
                 log.info("worker.resync", reason=why, version=version)
@@ -153,9 +155,10 @@ class Replica:
     def upload_job(self, a: core.Submit, bulk_port: int) -> UploadJob:
         """Compress the pseudo-gradient of everything trained since the last submission."""
         assert self.trainer is not None and self.ef is not None
-        delta = self.trainer.submit()  # in a sharded island: after the leader's GATHER, on rank 0's host
-        if self.cfg.fault_scale_updates != 1.0:  # fault injection (tests, chaos runs): a learner gone wrong
-            delta = delta * self.cfg.fault_scale_updates
-        payload, meta = self.ef.compress(delta)
+        trainer = self.trainer
+        # the pseudo-gradient goes straight into the residual, a slice at a time (in a sharded island: after the
+        # leader's GATHER, on rank 0's host); `fault_scale_updates` is fault injection (tests, chaos runs)
+        scale = self.cfg.fault_scale_updates
+        payload, meta = self.ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
         self.metrics.tokens_per_s.set(self.trainer.throughput().tokens_per_s)
         return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)

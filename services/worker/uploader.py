@@ -79,6 +79,7 @@ class Uploader:
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             result = self.upload(job)
+            del job  # the payload is not kept while the next one is awaited (a learner's peak memory)
             if not self._closed.is_set():
                 self.post(result)
 
