@@ -296,11 +296,23 @@ def _outer_from(scalars: Mapping[str, Any], tensors: Mapping[str, torch.Tensor])
     return outer
 
 
-def _copy_outer(outer: OuterOptimizer) -> OuterOptimizer:
+def _copy_outer(outer: OuterOptimizer, into: OuterOptimizer | None = None) -> OuterOptimizer:
+    """A copy of `outer`'s state: into `into`'s own tensors where they fit (same kind, shapes), else fresh ones."""
     state = outer.state_dict()
-    copy = build_outer(OuterConfig(state["name"], float(state["lr"]), float(state["momentum"])))
-    copy.load_state_dict(state)  # clones the tensors
-    return copy
+    if into is None or into.name != outer.name:
+        into = build_outer(OuterConfig(state["name"], float(state["lr"]), float(state["momentum"])))
+    mine = into.state_dict()
+    into.load_state_dict({k: _copy_tensor(v, mine.get(k)) for k, v in state.items()}, clone=False)
+    return into
+
+
+def _copy_tensor(value: Any, into: Any) -> Any:
+    """`value` copied (a tensor: into `into` when it has the same shape and dtype), or as it is (anything else)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(into, torch.Tensor) and into.shape == value.shape and into.dtype == value.dtype:
+        return into.copy_(value)
+    return value.detach().clone()
 
 
 # --- the receiving end of the wire ------------------------------------------------------------------------------
@@ -317,6 +329,7 @@ class Receiver:
         self._meta: EntryMeta | SnapshotMeta | None = None
         self._buf = bytearray()
         self._at = 0
+        self._crc = 0  # of the payload bytes received so far
 
     @property
     def busy(self) -> bool:
@@ -338,7 +351,7 @@ class Receiver:
             )
         if isinstance(meta, SnapshotMeta) and len(meta.outer_tensors) > MAX_OUTER_TENSORS:
             raise ResyncRequired(ResyncReason.CORRUPT, f"{len(meta.outer_tensors)} outer tensors (at most 4)")
-        self._meta, self._buf, self._at = meta, bytearray(meta.payload_bytes), 0
+        self._meta, self._buf, self._at, self._crc = meta, bytearray(meta.payload_bytes), 0, 0
         return self._finish() if meta.payload_bytes == 0 else None
 
     def feed(self, data: bytes | memoryview) -> LogEntry | Snapshot | None:
@@ -350,17 +363,18 @@ class Receiver:
             self._reset()
             raise ResyncRequired(ResyncReason.CORRUPT, "more payload bytes than the header announced")
         self._buf[self._at : end] = data
+        self._crc = crc32(data, self._crc)  # as it comes: no pass over the whole payload at the end
         self._at = end
         return self._finish() if end == len(self._buf) else None
 
     def _reset(self) -> None:
-        self._meta, self._buf, self._at = None, bytearray(), 0
+        self._meta, self._buf, self._at, self._crc = None, bytearray(), 0, 0
 
     def _finish(self) -> LogEntry | Snapshot:
-        meta, buf = self._meta, self._buf
+        meta, buf, crc = self._meta, self._buf, self._crc
         self._reset()
         assert meta is not None
-        if crc32(buf) != meta.payload_crc32:
+        if crc != meta.payload_crc32:
             raise ResyncRequired(ResyncReason.CORRUPT, f"version {meta.version}: the payload checksum does not match")
         view, n = memoryview(buf), 4 * meta.numel
         if isinstance(meta, EntryMeta):
@@ -405,6 +419,10 @@ class Standby:
         self.numel = numel
         self.epoch = 0
         self._held: _Held | None = None
+        # the spare Θ and outer state an entry's step is taken on (adopted when the digest matches); ready: it
+        # holds the same bits as `_held`
+        self._spare: tuple[torch.Tensor, OuterOptimizer] | None = None
+        self._spare_ready = False
 
     @property
     def version(self) -> int | None:
@@ -460,9 +478,11 @@ class Standby:
         held = _Held(snap.version, params, outer, core, got)
         keep_applied(held.applied, _applied(book, None))
         self._held, self.epoch = held, max(self.epoch, snap.epoch)
+        self._spare_ready = False
 
-    def apply(self, entry: LogEntry) -> None:
-        """Apply the next round (module docstring: checks first, then the step on copies, then the digest)."""
+    def apply(self, entry: LogEntry, *, scratch_delta: bool = False) -> None:
+        """Apply the next round (module docstring: checks first, then the step on the spare, then the digest).
+        `scratch_delta`: the entry's Δ may be overwritten (one that came off the wire: it is not used again)."""
         held = self._require()
         self._check_epoch(entry.epoch, f"entry {entry.version}")
         if entry.version != held.version + 1:
@@ -479,9 +499,10 @@ class Standby:
         if entry.learners < 1:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: learners must be >= 1")
         applied = _applied(book, entry.version)
-        params, outer = held.params.clone(), _copy_outer(held.outer)
+        params, outer = self._workspace()
+        self._spare_ready = False  # stepped below: no longer a copy of the held state
         outer.set_num_learners(entry.learners)
-        outer.step(params, entry.delta)  # not scratch: the entry's Δ stays as it came (same bits either way)
+        outer.step(params, entry.delta, scratch_delta=scratch_delta)  # the same bits either way
         got = digest(params, outer)
         if got != entry.digest:
             raise ResyncRequired(
@@ -489,14 +510,35 @@ class Standby:
                 f"entry {entry.version}: the replayed step gives crc32 {got.params_crc32:#010x}/{got.outer_crc32:#010x}"
                 f", the leader had {entry.digest.params_crc32:#010x}/{entry.digest.outer_crc32:#010x}",
             )
-        keep_applied(held.applied, applied)  # nothing above raised: adopt it all
+        keep_applied(held.applied, applied)  # nothing above raised: adopt it all, and keep the old as the spare
+        self._spare = (held.params, held.outer)
         held.version, held.params, held.outer, held.core, held.digest = entry.version, params, outer, book["core"], got
         self.epoch = max(self.epoch, entry.epoch)
+
+    def prepare(self) -> None:
+        """Make the spare a copy of the held state, so that the next `apply` steps it without copying first: call
+        it while idle (after acknowledging a version). A no-op when it already is one, or nothing is held."""
+        if self._held is not None and not self._spare_ready:
+            self._workspace()
+
+    def _workspace(self) -> tuple[torch.Tensor, OuterOptimizer]:
+        """The spare, a copy of the held state (copied now unless `prepare` did it), to step on."""
+        held = self._require()
+        if not self._spare_ready:
+            params, outer = self._spare if self._spare is not None else (None, None)
+            if params is None or params.shape != held.params.shape:
+                params = held.params.clone()
+            else:
+                params.copy_(held.params)
+            self._spare = (params, _copy_outer(held.outer, into=outer))
+            self._spare_ready = True
+        assert self._spare is not None
+        return self._spare
 
     def core_snapshot(self) -> dict[str, Any]:
         """What `CoordinatorCore.restore` takes (and `services.coordinator.checkpoint.save` writes), the outcomes
         of the recent applied submissions included. The tensors are the standby's own: serialise them before the
-        next `apply`/`load`."""
+        next `apply`, `load` or `prepare` (which may write into them)."""
         held = self._require()
         return {
             **held.core,

@@ -182,10 +182,14 @@ class ReplicationLog:
             raise RuntimeError(f"round {applied.version} was applied without its Δ reaching the replication log")
         _, delta, learners = pending
         core = self.state.core
+        t0 = self.clock()
         after = digest(core.params, core.outer)
+        t1 = self.clock()
         snap = self.state.snapshot()  # the bookkeeping (its tensors are not used)
         outcomes = {p.submission_id: Accepted.of(p, applied.version, True) for p in applied.submissions}
         entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, outcomes, after)
+        t2 = self.clock()
+        self.log.info("replication.timing_entry", version=applied.version, digest_s=round(t1-t0,4), make_s=round(t2-t1,4))
         with self._cond:
             self._log.append(entry)
             self._gate.appended(entry.version)
@@ -209,6 +213,7 @@ class ReplicationLog:
             degraded, was = d.gate is Gate.DEGRADED, self._degraded
             self._degraded = degraded
         waited_s = round(self.clock() - since, 4)
+        self.log.info("replication.timing_wait", version=version, waited_s=waited_s)
         if degraded:
             self.log.warning(
                 "replication.degraded",
@@ -390,8 +395,12 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
                     await changed.wait()
                     continue
                 for entry in entries:
-                    for m in await self._entry_messages(entry):
+                    t0 = time.monotonic()
+                    msgs = await self._entry_messages(entry)
+                    t1 = time.monotonic()
+                    for m in msgs:
                         yield m
+                    self.log.log.info("replication.timing_sent", version=entry.version, encode_s=round(t1-t0,4), send_s=round(time.monotonic()-t1,4))
                     held, held_digest = entry.version, entry.digest
         finally:
             self.log.unfollow(replica)
@@ -411,5 +420,6 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
     @status.unary
     async def AckLog(self, request: rpb.AckLogRequest, context: Context) -> rpb.AckLogResponse:
         replica = _require_id(request.replica_id, "replica_id")
+        self.log.log.info("replication.timing_ack_in", version=request.version)
         newest = self.log.ack(replica, request.version, digest_from_proto(request.digest))
         return rpb.AckLogResponse(leader_version=newest)
