@@ -37,7 +37,7 @@ from diloco.v1 import replication_pb2 as rpb
 from diloco.v1 import replication_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
-from services.coordinator.replication import digest_to_proto, header_from_proto
+from services.coordinator.replication import digest_to_proto, follow_log, header_from_proto
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,7 @@ class StandbyFollower:
         self.resyncs = 0  # refusals that made it ask for a snapshot
         self.snapshots = 0  # snapshots loaded from the leader
         self._stub = replication_pb2_grpc.ReplicationStub(channel)
+        self._follow_log = follow_log(channel)  # data messages as views of the received bytes
         self._rx = Receiver(numel)
         self._lock = threading.Lock()  # the standby's state: applied on the thread, read by `held`/`checkpoint`
         self._stop = threading.Event()
@@ -150,7 +151,7 @@ class StandbyFollower:
         backoff = Backoff(self.cfg.backoff)
         while not self._stop.is_set():
             request = self._request()
-            call = self._stub.FollowLog(request)  # endless: keepalive, not a deadline, finds a dead leader
+            call = self._follow_log(request)  # endless: keepalive, not a deadline, finds a dead leader
             self._call = call
             if self._stop.is_set():  # `stop` ran before the call was visible to it
                 call.cancel()
@@ -181,12 +182,16 @@ class StandbyFollower:
                 self._rx = Receiver(self.standby.numel)  # a stream cut mid-payload leaves nothing half received
             self._stop.wait(backoff.next_s())
 
-    def _receive(self, msg: rpb.LogMessage) -> bool:
-        """One message; True when it completed a snapshot or an entry (applied and acknowledged)."""
-        meta = header_from_proto(msg)
+    def _receive(self, msg: rpb.LogMessage | memoryview) -> bool:
+        """One message (a data message as the bytes it holds); True when it completed a snapshot or an entry
+        (applied and acknowledged)."""
+        meta = None if isinstance(msg, memoryview) else header_from_proto(msg)
         if meta is not None:
             self._t_hdr = time.monotonic()
-        got = self._rx.start(meta) if meta is not None else self._rx.feed(msg.data)
+        if meta is not None:
+            got = self._rx.start(meta)
+        else:
+            got = self._rx.feed(msg if isinstance(msg, memoryview) else msg.data)
         if got is None:
             return False
         t1 = time.monotonic()
