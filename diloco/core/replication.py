@@ -16,11 +16,13 @@ different bits (another build, a corrupt message, a divergent history) is told t
 
 **Validate, then mutate.** `Standby.apply` checks the epoch (not older than the newest it has seen), the version
 (exactly one past the one it holds: a gap or a repeat is refused), the payload checksum, the bookkeeping, and then
-computes the step on copies of Θ and of the outer state and compares the digest; only when all of that holds does
-it adopt the result. Any refusal is `ResyncRequired` naming the reason (`ResyncReason`) and leaves the standby
-exactly as it was. A standby holding nothing, or refused, asks for a `Snapshot` (Θ, the outer optimizer's state,
-the bookkeeping, the outcomes of the recent applied submissions) and then tails entries again. Memory: applying an
-entry holds a second copy of Θ and of the outer state until the digest is checked.
+computes the step on a spare copy of Θ and of the outer state and compares the digest; only when all of that holds
+does it adopt the result (the spare becomes the held state, the old held state the next spare). Any refusal is
+`ResyncRequired` naming the reason (`ResyncReason`) and leaves the held state exactly as it was. A standby holding
+nothing, or refused, asks for a `Snapshot` (Θ, the outer optimizer's state, the bookkeeping, the outcomes of the
+recent applied submissions) and then tails entries again. Memory and time: a standby keeps the spare (a second
+copy of Θ and of the outer state) between entries; `prepare()`, called while idle, copies the held state into it,
+so that an entry's critical path is its step and the digest, not two model-sized copies.
 
 **Outcomes.** A standby keeps the outcomes of the last `APPLIED_KEPT` applied submissions (`Accepted`: whose, the
 round, the staleness; ALGORITHM.md section 11, "Submission ids are in the log"), as the leader's core does, and

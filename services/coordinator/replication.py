@@ -189,7 +189,7 @@ def add_to_server(servicer: ReplicationServicer, server: grpc.aio.Server) -> Non
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # not in the stubs
 
 
 def follow_log(channel: grpc.Channel) -> Callable[..., Any]:
@@ -258,14 +258,10 @@ class ReplicationLog:
             raise RuntimeError(f"round {applied.version} was applied without its Δ reaching the replication log")
         _, delta, learners = pending
         core = self.state.core
-        t0 = self.clock()
         after = digest(core.params, core.outer)
-        t1 = self.clock()
         snap = self.state.snapshot()  # the bookkeeping (its tensors are not used)
         outcomes = {p.submission_id: Accepted.of(p, applied.version, True) for p in applied.submissions}
         entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, outcomes, after)
-        t2 = self.clock()
-        self.log.info("replication.timing_entry", version=applied.version, digest_s=round(t1-t0,4), make_s=round(t2-t1,4))
         with self._cond:
             self._log.append(entry)
             self._gate.appended(entry.version)
@@ -297,7 +293,6 @@ class ReplicationLog:
             degraded, was = d.gate is Gate.DEGRADED, self._degraded
             self._degraded = degraded
         waited_s = round(self.clock() - since, 4)
-        self.log.info("replication.timing_wait", version=version, waited_s=waited_s)
         if degraded:
             self.log.warning(
                 "replication.degraded",
@@ -444,7 +439,7 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
         return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
 
     @status.streaming
-    async def FollowLog(self, request: rpb.FollowLogRequest, context: Context) -> AsyncIterator[rpb.LogMessage]:
+    async def FollowLog(self, request: rpb.FollowLogRequest, context: Context) -> AsyncIterator[rpb.LogMessage | bytes]:
         replica = _require_id(request.replica_id, "replica_id")
         if not request.fingerprint:
             raise InvalidArgument("fingerprint is required: send the fingerprint of the task the standby built")
@@ -477,10 +472,8 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
                     await changed.wait()
                     continue
                 for entry in entries:
-                    t1 = time.monotonic()
                     for m in encode(entry, self.chunk_bytes):  # sent as made: the first bytes go out at once
                         yield m
-                    self.log.log.info("replication.timing_sent", version=entry.version, send_s=round(time.monotonic()-t1,4))
                     held, held_digest = entry.version, entry.digest
         finally:
             self.log.unfollow(replica)
@@ -489,6 +482,5 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
     @status.unary
     async def AckLog(self, request: rpb.AckLogRequest, context: Context) -> rpb.AckLogResponse:
         replica = _require_id(request.replica_id, "replica_id")
-        self.log.log.info("replication.timing_ack_in", version=request.version)
         newest = self.log.ack(replica, request.version, digest_from_proto(request.digest))
         return rpb.AckLogResponse(leader_version=newest)

@@ -91,6 +91,7 @@ class StandbyFollower:
         self._thread: threading.Thread | None = None
         self._resync = False  # ask holding nothing: the next thing is a snapshot
         self._last_ckpt = -1
+        self._header_at = 0.0  # when the header of the message being received came (monotonic)
         self.written: int | None = None  # the version of the newest checkpoint this follower wrote itself
         self.log = logging.get("coordinator", role="standby", replica_id=cfg.replica_id)
 
@@ -187,14 +188,13 @@ class StandbyFollower:
         (applied and acknowledged)."""
         meta = None if isinstance(msg, memoryview) else header_from_proto(msg)
         if meta is not None:
-            self._t_hdr = time.monotonic()
-        if meta is not None:
+            self._header_at = time.monotonic()
             got = self._rx.start(meta)
         else:
             got = self._rx.feed(msg if isinstance(msg, memoryview) else msg.data)
         if got is None:
             return False
-        t1 = time.monotonic()
+        received = time.monotonic()
         with self._lock:
             if isinstance(got, Snapshot):
                 self.standby.load(got)
@@ -203,14 +203,19 @@ class StandbyFollower:
                 self.log.info("replication.snapshot_loaded", version=got.version, epoch=got.epoch)
             else:
                 self.standby.apply(got, scratch_delta=True)  # its Δ came off the wire: ours
-                # one line per version, as the leader's `round.closed`: what the standby holds and when
-                self.log.info("replication.applied", version=got.version, epoch=got.epoch)
+                # one line per version, as the leader's `round.closed`: what the standby holds and when, and how
+                # long the entry took to arrive (header to last byte) and to apply (the step, the digest)
+                self.log.info(
+                    "replication.applied",
+                    version=got.version,
+                    epoch=got.epoch,
+                    receive_s=round(received - self._header_at, 4),
+                    apply_s=round(time.monotonic() - received, 4),
+                )
             version = got.version
-        t2 = time.monotonic()
         if self.on_version is not None:
             self.on_version(version)
         self._ack(version)
-        self.log.info("replication.timing_standby", version=version, receive_s=round(t1-self._t_hdr,4), apply_s=round(t2-t1,4), ack_s=round(time.monotonic()-t2,4))
         self._checkpoint(version)
         with self._lock:  # off the critical path: the next entry's step then starts without copying the state
             self.standby.prepare()
