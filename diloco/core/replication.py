@@ -141,6 +141,12 @@ def _tensor(buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
     return torch.frombuffer(view, dtype=torch.float32) if numel else torch.zeros(0)
 
 
+def _unfilled(size: int) -> memoryview:
+    """A writable buffer of `size` bytes, not zeroed first (the payload overwrites every byte): zeroing a model-sized
+    bytearray costs as much as receiving into it."""
+    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
+
+
 def _json(value: Mapping[str, Any]) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
@@ -329,7 +335,7 @@ class Receiver:
         self.numel = numel
         self.max_bookkeeping_bytes = max_bookkeeping_bytes
         self._meta: EntryMeta | SnapshotMeta | None = None
-        self._buf = bytearray()
+        self._buf = memoryview(bytearray())
         self._at = 0
         self._crc = 0  # of the payload bytes received so far
 
@@ -353,7 +359,7 @@ class Receiver:
             )
         if isinstance(meta, SnapshotMeta) and len(meta.outer_tensors) > MAX_OUTER_TENSORS:
             raise ResyncRequired(ResyncReason.CORRUPT, f"{len(meta.outer_tensors)} outer tensors (at most 4)")
-        self._meta, self._buf, self._at, self._crc = meta, bytearray(meta.payload_bytes), 0, 0
+        self._meta, self._buf, self._at, self._crc = meta, _unfilled(meta.payload_bytes), 0, 0
         return self._finish() if meta.payload_bytes == 0 else None
 
     def feed(self, data: bytes | memoryview) -> LogEntry | Snapshot | None:
@@ -370,7 +376,7 @@ class Receiver:
         return self._finish() if end == len(self._buf) else None
 
     def _reset(self) -> None:
-        self._meta, self._buf, self._at, self._crc = None, bytearray(), 0, 0
+        self._meta, self._buf, self._at, self._crc = None, memoryview(bytearray()), 0, 0
 
     def _finish(self) -> LogEntry | Snapshot:
         meta, buf, crc = self._meta, self._buf, self._crc

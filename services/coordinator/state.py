@@ -553,16 +553,20 @@ class CoordinatorState:
         stepped = time.perf_counter()
         if self.on_stepped is not None:
             self.on_stepped(applied)
-            stepped = time.perf_counter()
+        logged = time.perf_counter()
         delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend())
+        encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
             "step_s": stepped - started,  # the outer step
-            "encode_s": time.perf_counter() - stepped,  # the broadcast: Θ̂ update, encoded once for every learner
+            "entry_s": logged - stepped,  # the round-log entry for standbys (its digest and checksum)
+            "encode_s": encoded - logged,  # the broadcast: Θ̂ update, encoded once for every learner
         }
         self._merge_s = 0.0
         if self.on_round is not None:
             self.on_round(applied)
+            # the round hook: with --sync-replicas, the wait for the standbys' acks left after the encode
+            self._round_seconds["hook_s"] = time.perf_counter() - encoded
         if not self.leading():
             self.log.warning("round.unpublished", version=applied.version, reason="not the leader any more")
             return applied
