@@ -72,6 +72,7 @@ from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 MAX_OUTER_TENSORS = 4  # tensors an outer optimizer's state holds (Nesterov: 1, Delayed Nesterov: 2)
 MAX_BOOKKEEPING_BYTES = 64 << 20  # a bookkeeping JSON larger than this is refused as corrupt
+_REUSE_SLACK = 2 << 20  # a reusing `Receiver` takes the last payload's memory for one up to this much smaller
 # keys of a core snapshot that are not bookkeeping: its tensors, and the applied outcomes (an entry carries only its
 # round's, a snapshot all it holds)
 _NOT_BOOKKEEPING = ("params", "outer", "applied")
@@ -142,9 +143,9 @@ def _tensor(buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
 
 
 def _unfilled(size: int) -> memoryview:
-    """A writable buffer of `size` bytes, not zeroed first (the payload overwrites every byte): zeroing a model-sized
-    bytearray costs as much as receiving into it."""
-    return memoryview(torch.empty(size, dtype=torch.uint8).numpy()).cast("B")
+    """A writable buffer of `size` bytes, not zeroed first (the payload overwrites every byte; zeroing would touch
+    every page once more)."""
+    return torch.empty(size, dtype=torch.uint8).numpy().data.cast("B")
 
 
 def _json(value: Mapping[str, Any]) -> bytes:
@@ -329,11 +330,17 @@ def _copy_tensor(value: Any, into: Any) -> Any:
 class Receiver:
     """Reassembles one snapshot or entry at a time from its header and data chunks (a standby's stream), checking
     sizes as it goes and the payload checksum at the end. Anything out of order or oversized is `ResyncRequired`
-    (CORRUPT); the receiver is then empty again."""
+    (CORRUPT); the receiver is then empty again.
 
-    def __init__(self, numel: int, max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES) -> None:
+    `reuse`: the next payload of about the same size is received into the last one's memory (a fresh model-sized
+    buffer costs its page faults, about as long as receiving into it): a message returned is then valid only until
+    the next `start`, which the caller must have applied (and so copied what it keeps) before."""
+
+    def __init__(self, numel: int, max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES, *, reuse: bool = False) -> None:
         self.numel = numel
         self.max_bookkeeping_bytes = max_bookkeeping_bytes
+        self.reuse = reuse
+        self._store: memoryview | None = None  # reuse: the memory of the last payload
         self._meta: EntryMeta | SnapshotMeta | None = None
         self._buf = memoryview(bytearray())
         self._at = 0
@@ -346,7 +353,7 @@ class Receiver:
     def start(self, meta: EntryMeta | SnapshotMeta) -> LogEntry | Snapshot | None:
         """A header: the payload follows (returned at once when it is empty, which only a zero-size model has)."""
         if self._meta is not None:
-            self._reset()
+            self.reset()
             raise ResyncRequired(ResyncReason.CORRUPT, "a header arrived before the previous payload was complete")
         if meta.numel != self.numel:
             raise ResyncRequired(
@@ -359,8 +366,19 @@ class Receiver:
             )
         if isinstance(meta, SnapshotMeta) and len(meta.outer_tensors) > MAX_OUTER_TENSORS:
             raise ResyncRequired(ResyncReason.CORRUPT, f"{len(meta.outer_tensors)} outer tensors (at most 4)")
-        self._meta, self._buf, self._at, self._crc = meta, _unfilled(meta.payload_bytes), 0, 0
+        self._meta, self._buf, self._at, self._crc = meta, self._space(meta.payload_bytes), 0, 0
         return self._finish() if meta.payload_bytes == 0 else None
+
+    def _space(self, size: int) -> memoryview:
+        """Where a payload of `size` bytes is received: the last payload's memory when it fits without wasting much
+        (an entry's bookkeeping changes size a little from round to round), else a new buffer."""
+        if not self.reuse:
+            return _unfilled(size)
+        store = self._store
+        if store is None or not size <= len(store) <= size + _REUSE_SLACK:
+            self._store = store = None  # the old memory goes before the new is taken
+            store = self._store = _unfilled(size + _REUSE_SLACK // 2)
+        return store[:size]
 
     def feed(self, data: bytes | memoryview) -> LogEntry | Snapshot | None:
         """A data chunk; returns the message once its payload is complete."""
@@ -368,19 +386,20 @@ class Receiver:
             raise ResyncRequired(ResyncReason.CORRUPT, "payload bytes arrived without a header")
         end = self._at + len(data)
         if end > len(self._buf):
-            self._reset()
+            self.reset()
             raise ResyncRequired(ResyncReason.CORRUPT, "more payload bytes than the header announced")
         self._buf[self._at : end] = data
         self._crc = crc32(data, self._crc)  # as it comes: no pass over the whole payload at the end
         self._at = end
         return self._finish() if end == len(self._buf) else None
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Forget a message half received (a stream was cut); the memory kept for reuse stays."""
         self._meta, self._buf, self._at, self._crc = None, memoryview(bytearray()), 0, 0
 
     def _finish(self) -> LogEntry | Snapshot:
         meta, buf, crc = self._meta, self._buf, self._crc
-        self._reset()
+        self.reset()
         assert meta is not None
         if crc != meta.payload_crc32:
             raise ResyncRequired(ResyncReason.CORRUPT, f"version {meta.version}: the payload checksum does not match")

@@ -84,7 +84,7 @@ class StandbyFollower:
         self.snapshots = 0  # snapshots loaded from the leader
         self._stub = replication_pb2_grpc.ReplicationStub(channel)
         self._follow_log = follow_log(channel)  # data messages as views of the received bytes
-        self._rx = Receiver(numel)
+        self._rx = Receiver(numel, reuse=True)  # each message is applied before the next starts
         self._lock = threading.Lock()  # the standby's state: applied on the thread, read by `held`/`checkpoint`
         self._stop = threading.Event()
         self._call: Any = None  # the open FollowLog call (cancelled by `stop`)
@@ -180,7 +180,7 @@ class StandbyFollower:
                 self.log.exception("replication.follow_failed", version=self.version)
             finally:
                 self._call = None
-                self._rx = Receiver(self.standby.numel)  # a stream cut mid-payload leaves nothing half received
+                self._rx.reset()  # a stream cut mid-payload leaves nothing half received
             self._stop.wait(backoff.next_s())
 
     def _receive(self, msg: rpb.LogMessage | memoryview) -> bool:
