@@ -423,7 +423,9 @@ def _require_id(value: str, field: str) -> str:
 
 
 class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
-    """Thin gRPC layer over `ReplicationLog`. `work`: the executor for snapshots and encoding (off the loop)."""
+    """Thin gRPC layer over `ReplicationLog`. `work`: the executor snapshots are copied on (off the loop). Messages
+    are made as they are sent (`encode`: one copy of each piece, on the loop), so an entry's first bytes go out at
+    once and no stream holds a serialised copy of a whole entry."""
 
     def __init__(
         self, log: ReplicationLog, *, fingerprint: str, work: Executor, chunk_bytes: int = LOG_CHUNK_BYTES
