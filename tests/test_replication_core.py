@@ -584,3 +584,68 @@ def test_a_standby_that_misses_the_deadline_is_not_waited_for_until_it_catches_u
     assert g.decide(3, since=4.0, now=4.0).gate is Gate.WAIT  # caught up: waited for again
     g.unfollow("a")
     assert g.decide(3, since=4.0, now=4.0).gate is Gate.DEGRADED
+
+
+# --- the spare a standby steps on ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "outer"), [("decoupled", "nesterov"), ("sync", "fedavg"), ("async", "delayed_nesterov")]
+)
+def test_a_standby_stepping_its_prepared_spare_holds_the_leaders_bits_and_a_refusal_still_changes_nothing(
+    mode: str, outer: str
+) -> None:
+    """As the follower runs it: Δ off the wire used as scratch, the spare prepared after every version. A refused
+    entry whose step already ran on the spare leaves the held state as it was, and the right entry is then taken
+    (the spare is copied again, not reused dirty)."""
+    leader = Leader(mode, outer)
+    s = Standby(N)
+    s.load(leader.first)
+    s.prepare()
+    leader.rounds(6)
+    for e in leader.entries:
+        before = frozen(s)
+        with pytest.raises(ResyncRequired) as refused:
+            s.apply(wrong_delta_right_crc(e), scratch_delta=True)
+        assert refused.value.reason is ResyncReason.CHECKSUM
+        assert_frozen(s, before)
+        wire = dataclasses.replace(e, delta=e.delta.clone())
+        s.apply(wire, scratch_delta=True)
+        assert_holds(s, leader, e.version)
+        held = frozen(s)
+        s.prepare()  # writes the spare only
+        assert_frozen(s, held)
+
+
+def test_prepare_is_a_no_op_while_nothing_is_held() -> None:
+    s = Standby(N)
+    s.prepare()
+    assert s.version is None
+
+
+def test_a_reusing_receiver_takes_each_payload_into_the_last_ones_memory_and_gets_every_byte_right() -> None:
+    leader = Leader()
+    leader.rounds(4)
+    rx = Receiver(N, reuse=True)
+    s = Standby(N)
+
+    def receive(item: LogEntry | Snapshot) -> Any:
+        got: Any = rx.start(item.meta)
+        for part in item.payload():
+            for i in range(0, len(part), 1000):
+                got = rx.feed(part[i : i + 1000])
+        return got
+
+    s.load(receive(leader.snapshot()))  # a snapshot's memory is too large to keep for entries
+    leader.rounds(3)
+    pointers = []
+    for e in leader.entries[-3:]:
+        got = receive(e)
+        assert isinstance(got, LogEntry) and same_bits(got.delta, e.delta) and got.bookkeeping == e.bookkeeping
+        pointers.append(got.delta.data_ptr())
+        s.apply(got, scratch_delta=True)
+        assert_holds(s, leader, e.version)
+    assert pointers[1] == pointers[2]  # the memory of the one before
+    rx.start(leader.entries[-1].meta)
+    rx.reset()  # a stream cut mid-payload: the next message starts afresh
+    assert not rx.busy

@@ -10,6 +10,7 @@ import dataclasses
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import grpc
 import pytest
 import structlog
 import torch
+from google.protobuf.message import DecodeError
 
 from diloco.core.replication import digest
 from diloco.rpc.server import channel
@@ -25,7 +27,7 @@ from diloco.task.factory import Fingerprint
 from diloco.v1 import common_pb2, replication_pb2_grpc
 from diloco.v1 import replication_pb2 as rpb
 from services.coordinator import checkpoint
-from services.coordinator.replication import digest_to_proto
+from services.coordinator.replication import LOG_CHUNK_BYTES, data_message, digest_to_proto, read_message
 from services.coordinator.server import CoordinatorServer
 from services.coordinator.standby import StandbyConfig, StandbyFollower
 from tests.support import Env, T, code_of, config, gauge, make_upload, pb, register, submit, wait_for
@@ -343,3 +345,47 @@ def test_python_m_services_coordinator_follow_of_another_task_exits_2_naming_wha
     )
     assert proc.returncode == 2, proc.stderr
     assert "refused this standby" in proc.stderr and "model" in proc.stderr
+
+
+# --- the data messages' bytes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16_383, 16_384, LOG_CHUNK_BYTES])
+def test_a_data_message_is_the_bytes_protobuf_makes_and_reads_back_as_a_view(size: int) -> None:
+    chunk = memoryview(bytes(range(256)) * (size // 256 + 1))[:size]
+    raw = data_message(chunk)
+    assert raw == rpb.LogMessage(data=bytes(chunk)).SerializeToString()
+    got = read_message(raw)
+    assert isinstance(got, memoryview) and bytes(got) == bytes(chunk)
+
+
+def test_read_message_parses_anything_but_a_lone_data_field() -> None:
+    header = rpb.LogMessage(entry=rpb.EntryHeader(version=3, numel=5, payload_crc32=9))
+    assert read_message(header.SerializeToString()) == header
+    mixed = data_message(memoryview(b"abc")) + header.SerializeToString()  # the oneof's last field wins
+    assert read_message(mixed) == rpb.LogMessage.FromString(mixed) == header
+    with pytest.raises(DecodeError):
+        read_message(data_message(memoryview(b"abcdef"))[:-1])  # cut short: not taken as a shorter chunk
+
+
+def test_a_client_of_the_generated_stub_reads_the_stream(start: Callable[..., Env]) -> None:
+    """The data messages made without protobuf are protobuf: a client built from the protos alone (the generated
+    stub, gRPC's default channel) reassembles a snapshot whose payload checks against its header."""
+    env = start(replication_log=2)
+    Leader(env).round()
+    chan = grpc.insecure_channel(env.server.address)
+    stub = replication_pb2_grpc.ReplicationStub(chan)
+    request = rpb.FollowLogRequest(replica_id="plain", fingerprint=env.server.task.fingerprint)
+    stream = stub.FollowLog(request, timeout=60)
+    try:
+        header = next(stream).snapshot
+        size = 4 * header.numel * (1 + len(header.outer_tensors)) + header.bookkeeping_bytes
+        payload = bytearray()
+        while len(payload) < size:
+            msg = next(stream)
+            assert msg.WhichOneof("kind") == "data"
+            payload += msg.data
+        assert len(payload) == size and zlib.crc32(payload) == header.payload_crc32 and header.version == 1
+    finally:
+        stream.cancel()
+        chan.close()

@@ -52,7 +52,9 @@ class OuterOptimizer(ABC):
     def state_dict(self) -> dict[str, Any]: ...
 
     @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any], *, clone: bool = True) -> None:
+        """Take `state` (as `state_dict()` lays it out); `clone=False` adopts its tensors as they are (the caller
+        hands them over)."""
 
     @staticmethod
     def _check(params: torch.Tensor, delta: torch.Tensor) -> None:
@@ -90,8 +92,8 @@ class Nesterov(OuterOptimizer):
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr, "momentum": self.momentum, "buf": self.buf}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lr, self.momentum, self.buf = float(state["lr"]), float(state["momentum"]), _clone(state["buf"])
+    def load_state_dict(self, state: dict[str, Any], *, clone: bool = True) -> None:
+        self.lr, self.momentum, self.buf = float(state["lr"]), float(state["momentum"]), _clone(state["buf"], clone)
 
 
 class FedAvg(Nesterov):
@@ -146,13 +148,16 @@ class DelayedNesterov(OuterOptimizer):
             "count": self.count,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, clone: bool = True) -> None:
         self.lr, self.momentum, self.n = float(state["lr"]), float(state["momentum"]), int(state["n"])
-        self.buf, self.m, self.count = _clone(state["buf"]), _clone(state["m"]), int(state["count"])
+        self.buf, self.m = _clone(state["buf"], clone), _clone(state["m"], clone)
+        self.count = int(state["count"])
 
 
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach().clone()
+def _clone(t: torch.Tensor | None, clone: bool = True) -> torch.Tensor | None:
+    if t is None or not clone:
+        return t
+    return t.detach().clone()
 
 
 def build_outer(cfg: OuterConfig, num_learners: int = 1) -> OuterOptimizer:

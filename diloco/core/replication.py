@@ -16,11 +16,13 @@ different bits (another build, a corrupt message, a divergent history) is told t
 
 **Validate, then mutate.** `Standby.apply` checks the epoch (not older than the newest it has seen), the version
 (exactly one past the one it holds: a gap or a repeat is refused), the payload checksum, the bookkeeping, and then
-computes the step on copies of Θ and of the outer state and compares the digest; only when all of that holds does
-it adopt the result. Any refusal is `ResyncRequired` naming the reason (`ResyncReason`) and leaves the standby
-exactly as it was. A standby holding nothing, or refused, asks for a `Snapshot` (Θ, the outer optimizer's state,
-the bookkeeping, the outcomes of the recent applied submissions) and then tails entries again. Memory: applying an
-entry holds a second copy of Θ and of the outer state until the digest is checked.
+computes the step on a spare copy of Θ and of the outer state and compares the digest; only when all of that holds
+does it adopt the result (the spare becomes the held state, the old held state the next spare). Any refusal is
+`ResyncRequired` naming the reason (`ResyncReason`) and leaves the held state exactly as it was. A standby holding
+nothing, or refused, asks for a `Snapshot` (Θ, the outer optimizer's state, the bookkeeping, the outcomes of the
+recent applied submissions) and then tails entries again. Memory and time: a standby keeps the spare (a second
+copy of Θ and of the outer state) between entries; `prepare()`, called while idle, copies the held state into it,
+so that an entry's critical path is its step and the digest, not two model-sized copies.
 
 **Outcomes.** A standby keeps the outcomes of the last `APPLIED_KEPT` applied submissions (`Accepted`: whose, the
 round, the staleness; ALGORITHM.md section 11, "Submission ids are in the log"), as the leader's core does, and
@@ -70,6 +72,7 @@ from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 MAX_OUTER_TENSORS = 4  # tensors an outer optimizer's state holds (Nesterov: 1, Delayed Nesterov: 2)
 MAX_BOOKKEEPING_BYTES = 64 << 20  # a bookkeeping JSON larger than this is refused as corrupt
+_REUSE_SLACK = 2 << 20  # a reusing `Receiver` takes the last payload's memory for one up to this much smaller
 # keys of a core snapshot that are not bookkeeping: its tensors, and the applied outcomes (an entry carries only its
 # round's, a snapshot all it holds)
 _NOT_BOOKKEEPING = ("params", "outer", "applied")
@@ -137,6 +140,12 @@ def _tensor(buf: bytes | bytearray | memoryview, numel: int) -> torch.Tensor:
     if view.readonly:
         view = memoryview(bytearray(view))
     return torch.frombuffer(view, dtype=torch.float32) if numel else torch.zeros(0)
+
+
+def _unfilled(size: int) -> memoryview:
+    """A writable buffer of `size` bytes, not zeroed first (the payload overwrites every byte; zeroing would touch
+    every page once more)."""
+    return torch.empty(size, dtype=torch.uint8).numpy().data.cast("B")
 
 
 def _json(value: Mapping[str, Any]) -> bytes:
@@ -296,11 +305,23 @@ def _outer_from(scalars: Mapping[str, Any], tensors: Mapping[str, torch.Tensor])
     return outer
 
 
-def _copy_outer(outer: OuterOptimizer) -> OuterOptimizer:
+def _copy_outer(outer: OuterOptimizer, into: OuterOptimizer | None = None) -> OuterOptimizer:
+    """A copy of `outer`'s state: into `into`'s own tensors where they fit (same kind, shapes), else fresh ones."""
     state = outer.state_dict()
-    copy = build_outer(OuterConfig(state["name"], float(state["lr"]), float(state["momentum"])))
-    copy.load_state_dict(state)  # clones the tensors
-    return copy
+    if into is None or into.name != outer.name:
+        into = build_outer(OuterConfig(state["name"], float(state["lr"]), float(state["momentum"])))
+    mine = into.state_dict()
+    into.load_state_dict({k: _copy_tensor(v, mine.get(k)) for k, v in state.items()}, clone=False)
+    return into
+
+
+def _copy_tensor(value: Any, into: Any) -> Any:
+    """`value` copied (a tensor: into `into` when it has the same shape and dtype), or as it is (anything else)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if isinstance(into, torch.Tensor) and into.shape == value.shape and into.dtype == value.dtype:
+        return into.copy_(value)
+    return value.detach().clone()
 
 
 # --- the receiving end of the wire ------------------------------------------------------------------------------
@@ -309,14 +330,21 @@ def _copy_outer(outer: OuterOptimizer) -> OuterOptimizer:
 class Receiver:
     """Reassembles one snapshot or entry at a time from its header and data chunks (a standby's stream), checking
     sizes as it goes and the payload checksum at the end. Anything out of order or oversized is `ResyncRequired`
-    (CORRUPT); the receiver is then empty again."""
+    (CORRUPT); the receiver is then empty again.
 
-    def __init__(self, numel: int, max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES) -> None:
+    `reuse`: the next payload of about the same size is received into the last one's memory (a fresh model-sized
+    buffer costs its page faults, about as long as receiving into it): a message returned is then valid only until
+    the next `start`, which the caller must have applied (and so copied what it keeps) before."""
+
+    def __init__(self, numel: int, max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES, *, reuse: bool = False) -> None:
         self.numel = numel
         self.max_bookkeeping_bytes = max_bookkeeping_bytes
+        self.reuse = reuse
+        self._store: memoryview | None = None  # reuse: the memory of the last payload
         self._meta: EntryMeta | SnapshotMeta | None = None
-        self._buf = bytearray()
+        self._buf = memoryview(bytearray())
         self._at = 0
+        self._crc = 0  # of the payload bytes received so far
 
     @property
     def busy(self) -> bool:
@@ -325,7 +353,7 @@ class Receiver:
     def start(self, meta: EntryMeta | SnapshotMeta) -> LogEntry | Snapshot | None:
         """A header: the payload follows (returned at once when it is empty, which only a zero-size model has)."""
         if self._meta is not None:
-            self._reset()
+            self.reset()
             raise ResyncRequired(ResyncReason.CORRUPT, "a header arrived before the previous payload was complete")
         if meta.numel != self.numel:
             raise ResyncRequired(
@@ -338,8 +366,19 @@ class Receiver:
             )
         if isinstance(meta, SnapshotMeta) and len(meta.outer_tensors) > MAX_OUTER_TENSORS:
             raise ResyncRequired(ResyncReason.CORRUPT, f"{len(meta.outer_tensors)} outer tensors (at most 4)")
-        self._meta, self._buf, self._at = meta, bytearray(meta.payload_bytes), 0
+        self._meta, self._buf, self._at, self._crc = meta, self._space(meta.payload_bytes), 0, 0
         return self._finish() if meta.payload_bytes == 0 else None
+
+    def _space(self, size: int) -> memoryview:
+        """Where a payload of `size` bytes is received: the last payload's memory when it fits without wasting much
+        (an entry's bookkeeping changes size a little from round to round), else a new buffer."""
+        if not self.reuse:
+            return _unfilled(size)
+        store = self._store
+        if store is None or not size <= len(store) <= size + _REUSE_SLACK:
+            self._store = store = None  # the old memory goes before the new is taken
+            store = self._store = _unfilled(size + _REUSE_SLACK // 2)
+        return store[:size]
 
     def feed(self, data: bytes | memoryview) -> LogEntry | Snapshot | None:
         """A data chunk; returns the message once its payload is complete."""
@@ -347,20 +386,22 @@ class Receiver:
             raise ResyncRequired(ResyncReason.CORRUPT, "payload bytes arrived without a header")
         end = self._at + len(data)
         if end > len(self._buf):
-            self._reset()
+            self.reset()
             raise ResyncRequired(ResyncReason.CORRUPT, "more payload bytes than the header announced")
         self._buf[self._at : end] = data
+        self._crc = crc32(data, self._crc)  # as it comes: no pass over the whole payload at the end
         self._at = end
         return self._finish() if end == len(self._buf) else None
 
-    def _reset(self) -> None:
-        self._meta, self._buf, self._at = None, bytearray(), 0
+    def reset(self) -> None:
+        """Forget a message half received (a stream was cut); the memory kept for reuse stays."""
+        self._meta, self._buf, self._at, self._crc = None, memoryview(bytearray()), 0, 0
 
     def _finish(self) -> LogEntry | Snapshot:
-        meta, buf = self._meta, self._buf
-        self._reset()
+        meta, buf, crc = self._meta, self._buf, self._crc
+        self.reset()
         assert meta is not None
-        if crc32(buf) != meta.payload_crc32:
+        if crc != meta.payload_crc32:
             raise ResyncRequired(ResyncReason.CORRUPT, f"version {meta.version}: the payload checksum does not match")
         view, n = memoryview(buf), 4 * meta.numel
         if isinstance(meta, EntryMeta):
@@ -405,6 +446,10 @@ class Standby:
         self.numel = numel
         self.epoch = 0
         self._held: _Held | None = None
+        # the spare Θ and outer state an entry's step is taken on (adopted when the digest matches); ready: it
+        # holds the same bits as `_held`
+        self._spare: tuple[torch.Tensor, OuterOptimizer] | None = None
+        self._spare_ready = False
 
     @property
     def version(self) -> int | None:
@@ -460,9 +505,11 @@ class Standby:
         held = _Held(snap.version, params, outer, core, got)
         keep_applied(held.applied, _applied(book, None))
         self._held, self.epoch = held, max(self.epoch, snap.epoch)
+        self._spare_ready = False
 
-    def apply(self, entry: LogEntry) -> None:
-        """Apply the next round (module docstring: checks first, then the step on copies, then the digest)."""
+    def apply(self, entry: LogEntry, *, scratch_delta: bool = False) -> None:
+        """Apply the next round (module docstring: checks first, then the step on the spare, then the digest).
+        `scratch_delta`: the entry's Δ may be overwritten (one that came off the wire: it is not used again)."""
         held = self._require()
         self._check_epoch(entry.epoch, f"entry {entry.version}")
         if entry.version != held.version + 1:
@@ -479,9 +526,10 @@ class Standby:
         if entry.learners < 1:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: learners must be >= 1")
         applied = _applied(book, entry.version)
-        params, outer = held.params.clone(), _copy_outer(held.outer)
+        params, outer = self._workspace()
+        self._spare_ready = False  # stepped below: no longer a copy of the held state
         outer.set_num_learners(entry.learners)
-        outer.step(params, entry.delta)  # not scratch: the entry's Δ stays as it came (same bits either way)
+        outer.step(params, entry.delta, scratch_delta=scratch_delta)  # the same bits either way
         got = digest(params, outer)
         if got != entry.digest:
             raise ResyncRequired(
@@ -489,14 +537,35 @@ class Standby:
                 f"entry {entry.version}: the replayed step gives crc32 {got.params_crc32:#010x}/{got.outer_crc32:#010x}"
                 f", the leader had {entry.digest.params_crc32:#010x}/{entry.digest.outer_crc32:#010x}",
             )
-        keep_applied(held.applied, applied)  # nothing above raised: adopt it all
+        keep_applied(held.applied, applied)  # nothing above raised: adopt it all, and keep the old as the spare
+        self._spare = (held.params, held.outer)
         held.version, held.params, held.outer, held.core, held.digest = entry.version, params, outer, book["core"], got
         self.epoch = max(self.epoch, entry.epoch)
+
+    def prepare(self) -> None:
+        """Make the spare a copy of the held state, so that the next `apply` steps it without copying first: call
+        it while idle (after acknowledging a version). A no-op when it already is one, or nothing is held."""
+        if self._held is not None and not self._spare_ready:
+            self._workspace()
+
+    def _workspace(self) -> tuple[torch.Tensor, OuterOptimizer]:
+        """The spare, a copy of the held state (copied now unless `prepare` did it), to step on."""
+        held = self._require()
+        if not self._spare_ready:
+            params, outer = self._spare if self._spare is not None else (None, None)
+            if params is None or params.shape != held.params.shape:
+                params = held.params.clone()
+            else:
+                params.copy_(held.params)
+            self._spare = (params, _copy_outer(held.outer, into=outer))
+            self._spare_ready = True
+        assert self._spare is not None
+        return self._spare
 
     def core_snapshot(self) -> dict[str, Any]:
         """What `CoordinatorCore.restore` takes (and `services.coordinator.checkpoint.save` writes), the outcomes
         of the recent applied submissions included. The tensors are the standby's own: serialise them before the
-        next `apply`/`load`."""
+        next `apply`, `load` or `prepare` (which may write into them)."""
         held = self._require()
         return {
             **held.core,

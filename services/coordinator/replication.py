@@ -3,11 +3,13 @@
 learners until enough standbys acknowledged it, and `ReplicationServicer` (`diloco.v1.Replication`) streams the log
 to standbys (`services.coordinator.standby`).
 
-Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just before the outer step, and the server's
-round hook calls `round_applied` just after it: both run holding the state's `work` lock, before the new version
-is published. `round_applied` builds the entry (the bookkeeping read under the state's `lock`), appends it, wakes
-the streams, and with `sync_replicas` > 0 waits, still holding `work`, until the standbys acknowledged it or the
-wait ends (`SyncGate`): while it waits, uploads are not folded in (control calls go on). Snapshots for standbys
+Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just before the outer step, the state's
+`on_stepped` hook calls `round_stepped` just after it, and the server's round hook calls `round_applied` once the
+broadcast is encoded: all run holding the state's `work` lock, before the new version is published.
+`round_stepped` builds the entry (the bookkeeping read under the state's `lock`), appends it and wakes the
+streams, which send it while the leader encodes its broadcast; `round_applied`, with `sync_replicas` > 0, then
+waits, still holding `work`, until the standbys acknowledged it or the wait ends (`SyncGate`): while it waits,
+uploads are not folded in (control calls go on). Snapshots for standbys
 are copied under `work` on the coordinator's work executor, never on the event loop; the log's own condition
 (`_cond`) is a leaf lock.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -47,7 +49,7 @@ from diloco.core.replication import (
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.rpc import status
 from diloco.rpc.limits import MAX_ID_CHARS
-from diloco.rpc.payload import CHUNK_BYTES, chunks
+from diloco.rpc.payload import chunks
 from diloco.rpc.server import LoopSignal
 from diloco.task.factory import fingerprint_mismatch
 from diloco.v1 import replication_pb2 as rpb
@@ -55,6 +57,10 @@ from diloco.v1 import replication_pb2_grpc
 from services.coordinator.state import CoordinatorState
 
 SERVICE_NAME = "diloco.v1.Replication"
+# the payload's pieces on FollowLog: few messages (each costs the stream a fixed overhead), each under gRPC's
+# default limit on a received message (4 MiB)
+LOG_CHUNK_BYTES = (4 << 20) - (1 << 10)
+_DATA_TAG = b"\x1a"  # LogMessage.data: field 3, length-delimited
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -118,12 +124,81 @@ def header_from_proto(msg: rpb.LogMessage) -> EntryMeta | SnapshotMeta | None:
     return None
 
 
-def encode(item: LogEntry | Snapshot, chunk_bytes: int = CHUNK_BYTES) -> list[rpb.LogMessage]:
-    """The messages of one entry or snapshot: its header, then its payload in pieces of at most `chunk_bytes`."""
-    out = [header_to_proto(item.meta)]
+def encode(item: LogEntry | Snapshot, chunk_bytes: int = LOG_CHUNK_BYTES) -> Iterator[rpb.LogMessage | bytes]:
+    """The messages of one entry or snapshot, made as they are taken: its header, then its payload in pieces of at
+    most `chunk_bytes`, already serialised (`data_message`)."""
+    yield header_to_proto(item.meta)
     for part in item.payload():
-        out += [rpb.LogMessage(data=bytes(c)) for c in chunks(part, chunk_bytes=chunk_bytes)]
-    return out
+        for c in chunks(part, chunk_bytes=chunk_bytes):
+            yield data_message(c)
+
+
+def data_message(chunk: memoryview) -> bytes:
+    """A `LogMessage` holding only `data`, serialised byte for byte as protobuf does it, made with one copy of
+    `chunk` (building the message, then serialising it, copies the chunk twice)."""
+    return b"".join((_DATA_TAG, _varint(len(chunk)), chunk))
+
+
+def read_message(raw: bytes) -> rpb.LogMessage | memoryview:
+    """FollowLog's response deserializer on the standby: a message holding only `data` as a view of its bytes (not
+    copied out of a parsed message), anything else parsed."""
+    if raw[:1] == _DATA_TAG:
+        size, at = _read_varint(raw, 1)
+        if at + size == len(raw):
+            return memoryview(raw)[at:]
+    return rpb.LogMessage.FromString(raw)
+
+
+def _serialize(message: rpb.LogMessage | bytes) -> bytes:
+    return message if isinstance(message, bytes) else message.SerializeToString()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(raw: bytes, at: int) -> tuple[int, int]:
+    """The varint at `at` and where it ends (-1 for the value when `raw` holds no complete one of at most 64 bits)."""
+    n = shift = 0
+    for i in range(at, min(len(raw), at + 10)):
+        n |= (raw[i] & 0x7F) << shift
+        if raw[i] < 0x80:
+            return n, i + 1
+        shift += 7
+    return -1, len(raw)
+
+
+def add_to_server(servicer: ReplicationServicer, server: grpc.aio.Server) -> None:
+    """Registers `servicer` as the generated `add_ReplicationServicer_to_server` does, except that FollowLog's
+    responses made by `data_message` go out as they are."""
+    handlers = {
+        "FollowLog": grpc.unary_stream_rpc_method_handler(
+            servicer.FollowLog,
+            request_deserializer=rpb.FollowLogRequest.FromString,
+            response_serializer=_serialize,
+        ),
+        "AckLog": grpc.unary_unary_rpc_method_handler(
+            servicer.AckLog,
+            request_deserializer=rpb.AckLogRequest.FromString,
+            response_serializer=rpb.AckLogResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]  # not in the stubs
+
+
+def follow_log(channel: grpc.Channel) -> Callable[..., Any]:
+    """The standby's FollowLog callable: as the generated stub's, with `read_message` as the deserializer."""
+    return channel.unary_stream(
+        f"/{SERVICE_NAME}/FollowLog",
+        request_serializer=rpb.FollowLogRequest.SerializeToString,
+        response_deserializer=read_message,
+    )
 
 
 # --- the log ------------------------------------------------------------------------------------------------------
@@ -151,12 +226,14 @@ class ReplicationLog:
         self._gate.appended(core.version)
         self._cond = threading.Condition()
         self._pending: tuple[int, torch.Tensor, int] | None = None  # under `work`: the Δ of the round stepping
+        self._appended_at = 0.0  # under `work`: when the newest entry was appended (its ack wait counts from then)
         self._listeners: list[Callable[[], None]] = []
         self._degraded = 0  # versions published degraded in a row (0: not degraded)
         self._quiet = 0  # of those, the ones not logged (nobody missed a deadline: no standby followed, or lagged)
         self.stopping = False
         self.log = logging.get("coordinator", epoch=state.epoch)
         core.on_step = self._on_step
+        state.on_stepped = self.round_stepped
 
     @property
     def sync_replicas(self) -> int:
@@ -175,9 +252,8 @@ class ReplicationLog:
         """Under `work`, just before the outer step: keep a copy of the Δ it takes (the merge buffer is reused)."""
         self._pending = (version, delta.clone(), learners)
 
-    def round_applied(self, applied: RoundApplied) -> None:
-        """Under `work`, just after a round's step and before it is published: append its entry, wake the streams,
-        then wait for the standbys (`sync_replicas`)."""
+    def round_stepped(self, applied: RoundApplied) -> None:
+        """Under `work`, just after a round's step: append its entry and wake the streams."""
         pending, self._pending = self._pending, None
         if pending is None or pending[0] != applied.version:
             raise RuntimeError(f"round {applied.version} was applied without its Δ reaching the replication log")
@@ -191,14 +267,22 @@ class ReplicationLog:
             self._log.append(entry)
             self._gate.appended(entry.version)
             listeners = list(self._listeners)
+        self._appended_at = self.clock()
         for listener in listeners:
             listener()
-        self._await_acks(entry.version)
 
-    def _await_acks(self, version: int) -> None:
+    def round_applied(self, applied: RoundApplied) -> None:
+        """Under `work`, after a round's step and its broadcast, before it is published: with `sync_replicas`, wait
+        for the standbys to acknowledge its entry (appended by `round_stepped`)."""
+        with self._cond:
+            newest = self._log.newest
+        if newest != applied.version:
+            raise RuntimeError(f"round {applied.version} was applied without its entry in the replication log")
+        self._await_acks(applied.version, self._appended_at)
+
+    def _await_acks(self, version: int, since: float) -> None:
         if not self._gate.required:
             return
-        since = self.clock()
         with self._cond:
             while True:
                 if self.stopping:
@@ -352,10 +436,12 @@ def _require_id(value: str, field: str) -> str:
 
 
 class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
-    """Thin gRPC layer over `ReplicationLog`. `work`: the executor for snapshots and encoding (off the loop)."""
+    """Thin gRPC layer over `ReplicationLog`. `work`: the executor snapshots are copied on (off the loop). Messages
+    are made as they are sent (`encode`: one copy of each piece, on the loop), so an entry's first bytes go out at
+    once and no stream holds a serialised copy of a whole entry."""
 
     def __init__(
-        self, log: ReplicationLog, *, fingerprint: str, work: Executor, chunk_bytes: int = CHUNK_BYTES
+        self, log: ReplicationLog, *, fingerprint: str, work: Executor, chunk_bytes: int = LOG_CHUNK_BYTES
     ) -> None:
         self.log = log
         self.fingerprint = fingerprint
@@ -363,13 +449,12 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
         self.chunk_bytes = chunk_bytes
         self.changed = LoopSignal()
         log.add_listener(self.changed.notify)
-        self._encoded: dict[int, asyncio.Future[list[rpb.LogMessage]]] = {}  # entries by version, shared
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self.work, fn, *args)
 
     @status.streaming
-    async def FollowLog(self, request: rpb.FollowLogRequest, context: Context) -> AsyncIterator[rpb.LogMessage]:
+    async def FollowLog(self, request: rpb.FollowLogRequest, context: Context) -> AsyncIterator[rpb.LogMessage | bytes]:
         replica = _require_id(request.replica_id, "replica_id")
         if not request.fingerprint:
             raise InvalidArgument("fingerprint is required: send the fingerprint of the task the standby built")
@@ -391,35 +476,23 @@ class ReplicationServicer(replication_pb2_grpc.ReplicationServicer):
                 entries = self.log.since(held, held_digest)
                 if entries is None:
                     snap = await self._blocking(self.log.snapshot)
-                    messages = await self._blocking(encode, snap, self.chunk_bytes)
+                    for m in encode(snap, self.chunk_bytes):
+                        yield m
                     self.log.log.info(
                         "replication.snapshot_sent", replica_id=replica, version=snap.version, held_version=held
                     )
-                    for m in messages:
-                        yield m
                     held, held_digest = snap.version, snap.digest
                     continue
                 if not entries:
                     await changed.wait()
                     continue
                 for entry in entries:
-                    for m in await self._entry_messages(entry):
+                    for m in encode(entry, self.chunk_bytes):  # sent as made: the first bytes go out at once
                         yield m
                     held, held_digest = entry.version, entry.digest
         finally:
             self.log.unfollow(replica)
             self.log.log.info("replication.follower_left", replica_id=replica, held_version=held)
-
-    async def _entry_messages(self, entry: LogEntry) -> list[rpb.LogMessage]:
-        """An entry's messages, encoded once off the loop and shared by every stream; older ones are dropped."""
-        future = self._encoded.get(entry.version)
-        if future is None:
-            future = asyncio.ensure_future(self._blocking(encode, entry, self.chunk_bytes))
-            self._encoded[entry.version] = future
-            floor = entry.version - self.log.max_entries
-            for old in [v for v in self._encoded if v <= floor]:
-                del self._encoded[old]
-        return await asyncio.shield(future)
 
     @status.unary
     async def AckLog(self, request: rpb.AckLogRequest, context: Context) -> rpb.AckLogResponse:

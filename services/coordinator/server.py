@@ -30,7 +30,7 @@ from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
 from diloco.task.factory import Task, build_task
 from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
-from diloco.v1 import coordinator_pb2_grpc, replication_pb2_grpc
+from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.bulk import BulkUploads
 from services.coordinator.carbon import CarbonFeed, Provider, load_provider
@@ -39,6 +39,7 @@ from services.coordinator.energy import J_PER_KWH, CarbonSignal, EnergyBook, Tot
 from services.coordinator.metrics import CoordinatorMetrics, HaCollector
 from services.coordinator.replication import SERVICE_NAME as REPLICATION_SERVICE_NAME
 from services.coordinator.replication import HaView, ReplicationLog, ReplicationServicer, ha_view
+from services.coordinator.replication import add_to_server as add_replication_to_server
 from services.coordinator.servicer import CoordinatorServicer
 from services.coordinator.state import CoordinatorState
 
@@ -273,7 +274,7 @@ class CoordinatorServer:
         service.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
         if replication is not None:
             follow = ReplicationServicer(replication, fingerprint=task.fingerprint, work=self._work)
-            service.add(lambda server: replication_pb2_grpc.add_ReplicationServicer_to_server(follow, server))
+            service.add(lambda server: add_replication_to_server(follow, server))
         self._threads = [
             threading.Thread(target=state.run_poller, name="coordinator-rounds", daemon=True),
             threading.Thread(target=self._jobs_loop, name="coordinator-jobs", daemon=True),

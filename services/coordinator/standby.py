@@ -37,7 +37,7 @@ from diloco.v1 import replication_pb2 as rpb
 from diloco.v1 import replication_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
-from services.coordinator.replication import digest_to_proto, header_from_proto
+from services.coordinator.replication import digest_to_proto, follow_log, header_from_proto
 
 
 @dataclass(frozen=True)
@@ -83,13 +83,15 @@ class StandbyFollower:
         self.resyncs = 0  # refusals that made it ask for a snapshot
         self.snapshots = 0  # snapshots loaded from the leader
         self._stub = replication_pb2_grpc.ReplicationStub(channel)
-        self._rx = Receiver(numel)
+        self._follow_log = follow_log(channel)  # data messages as views of the received bytes
+        self._rx = Receiver(numel, reuse=True)  # each message is applied before the next starts
         self._lock = threading.Lock()  # the standby's state: applied on the thread, read by `held`/`checkpoint`
         self._stop = threading.Event()
         self._call: Any = None  # the open FollowLog call (cancelled by `stop`)
         self._thread: threading.Thread | None = None
         self._resync = False  # ask holding nothing: the next thing is a snapshot
         self._last_ckpt = -1
+        self._header_at = 0.0  # when the header of the message being received came (monotonic)
         self.written: int | None = None  # the version of the newest checkpoint this follower wrote itself
         self.log = logging.get("coordinator", role="standby", replica_id=cfg.replica_id)
 
@@ -150,7 +152,7 @@ class StandbyFollower:
         backoff = Backoff(self.cfg.backoff)
         while not self._stop.is_set():
             request = self._request()
-            call = self._stub.FollowLog(request)  # endless: keepalive, not a deadline, finds a dead leader
+            call = self._follow_log(request)  # endless: keepalive, not a deadline, finds a dead leader
             self._call = call
             if self._stop.is_set():  # `stop` ran before the call was visible to it
                 call.cancel()
@@ -178,15 +180,21 @@ class StandbyFollower:
                 self.log.exception("replication.follow_failed", version=self.version)
             finally:
                 self._call = None
-                self._rx = Receiver(self.standby.numel)  # a stream cut mid-payload leaves nothing half received
+                self._rx.reset()  # a stream cut mid-payload leaves nothing half received
             self._stop.wait(backoff.next_s())
 
-    def _receive(self, msg: rpb.LogMessage) -> bool:
-        """One message; True when it completed a snapshot or an entry (applied and acknowledged)."""
-        meta = header_from_proto(msg)
-        got = self._rx.start(meta) if meta is not None else self._rx.feed(msg.data)
+    def _receive(self, msg: rpb.LogMessage | memoryview) -> bool:
+        """One message (a data message as the bytes it holds); True when it completed a snapshot or an entry
+        (applied and acknowledged)."""
+        meta = None if isinstance(msg, memoryview) else header_from_proto(msg)
+        if meta is not None:
+            self._header_at = time.monotonic()
+            got = self._rx.start(meta)
+        else:
+            got = self._rx.feed(msg if isinstance(msg, memoryview) else msg.data)
         if got is None:
             return False
+        received = time.monotonic()
         with self._lock:
             if isinstance(got, Snapshot):
                 self.standby.load(got)
@@ -194,14 +202,23 @@ class StandbyFollower:
                 self.snapshots += 1
                 self.log.info("replication.snapshot_loaded", version=got.version, epoch=got.epoch)
             else:
-                self.standby.apply(got)
-                # one line per version, as the leader's `round.closed`: what the standby holds and when
-                self.log.info("replication.applied", version=got.version, epoch=got.epoch)
+                self.standby.apply(got, scratch_delta=True)  # its Δ came off the wire: ours
+                # one line per version, as the leader's `round.closed`: what the standby holds and when, and how
+                # long the entry took to arrive (header to last byte) and to apply (the step, the digest)
+                self.log.info(
+                    "replication.applied",
+                    version=got.version,
+                    epoch=got.epoch,
+                    receive_s=round(received - self._header_at, 4),
+                    apply_s=round(time.monotonic() - received, 4),
+                )
             version = got.version
         if self.on_version is not None:
             self.on_version(version)
         self._ack(version)
         self._checkpoint(version)
+        with self._lock:  # off the critical path: the next entry's step then starts without copying the state
+            self.standby.prepare()
         return True
 
     def _ack(self, version: int) -> None:

@@ -189,7 +189,8 @@ class UploadStream:
 
 class CoordinatorState:
     """Everything the servicer needs, thread-safe. `on_round` is called after every round's outer step, holding
-    `work` but not `lock` (so it may copy the parameters; `snapshot()` is safe there)."""
+    `work` but not `lock` (so it may copy the parameters; `snapshot()` is safe there); `on_stepped` too, earlier:
+    right after the step, before the broadcast is encoded (the round log sends the entry to standbys meanwhile)."""
 
     def __init__(
         self,
@@ -230,6 +231,7 @@ class CoordinatorState:
         metrics.idle_upload_buffer_bytes.set_function(lambda: self.buffers.idle[1])
         self.clock = clock
         self.on_round = on_round
+        self.on_stepped: Callable[[RoundApplied], None] | None = None
         # with leadership (--etcd): raises NotLeader while this replica may not accept work or publish a version
         self.fence: Callable[[], None] | None = None
         # called with each accepted upload's outcome just before it is answered (fault tests: the server's
@@ -565,15 +567,22 @@ class CoordinatorState:
         started = time.perf_counter()
         applied = self.core.step(closed)
         stepped = time.perf_counter()
+        if self.on_stepped is not None:
+            self.on_stepped(applied)
+        logged = time.perf_counter()
         delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend())
+        encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
             "step_s": stepped - started,  # the outer step
-            "encode_s": time.perf_counter() - stepped,  # the broadcast: Θ̂ update, encoded once for every learner
+            "entry_s": logged - stepped,  # the round-log entry for standbys (its digest and checksum)
+            "encode_s": encoded - logged,  # the broadcast: Θ̂ update, encoded once for every learner
         }
         self._merge_s = 0.0
         if self.on_round is not None:
             self.on_round(applied)
+            # the round hook: with --sync-replicas, the wait for the standbys' acks left after the encode
+            self._round_seconds["hook_s"] = time.perf_counter() - encoded
         if not self.leading():
             self.log.warning("round.unpublished", version=applied.version, reason="not the leader any more")
             return applied
