@@ -260,21 +260,48 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
 def test_a_version_s_bytes_are_held_once_and_never_change(start: Callable[..., Env], codec: str) -> None:
     """Watchers send a delta from the broadcast history's own bytes (no copy per version or per watcher), an fp32
-    snapshot from the bytes made with its version; a lossy snapshot is a copy of Θ̂, which later rounds move."""
+    snapshot from the bytes made with its version, a lossy one from Θ̂'s own bytes, held: later rounds leave them."""
     env = start(broadcast_codec=codec)
     state = env.server.state
     reg = register(env)
     rounds(env, reg, 1)
-    snap = state.snapshot_broadcast()
+    snap, release = state.snapshot_broadcast()
     assert snap.version == 1 and zlib.crc32(snap.data) == snap.checksum
-    if codec == "fp32":
-        assert snap.data is state.shadow.snapshot().data
-    else:
+    assert snap.data is state.shadow.snapshot().data  # no copy
+    if codec != "fp32":
         _, chain = state.broadcasts_since(0)
         history = state.shadow.updates_since(0, 1)
         assert chain is not None and history is not None and chain[0].data is history[0].data
     rounds(env, reg, 1, start=1)
     assert state.published().version == 2 and zlib.crc32(snap.data) == snap.checksum  # as it was sent
+    release()
+
+
+def test_a_held_snapshot_costs_a_copy_only_when_a_round_closes_during_its_send() -> None:
+    thetas = walk(1000, 4)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    in_place = BroadcastShadow(thetas[0], 0, "int8")  # never held: the reference bits
+    snap, release = shadow.hold()
+    sent = bytes(snap.data)
+    tensor = shadow.shadow
+    shadow.record(shadow.advance(thetas[1], 1))
+    in_place.record(in_place.advance(thetas[1], 1))
+    assert bytes(snap.data) == sent and shadow.shadow is not tensor  # the next Θ̂ went into a new tensor
+    assert torch.equal(bits(shadow.shadow), bits(in_place.shadow))  # the same adds
+    again, release_again = shadow.hold()
+    release()  # a release of the earlier tensor's hold does not count against this one
+    release()  # twice: nothing more
+    tensor = shadow.shadow
+    shadow.record(shadow.advance(thetas[2], 2))
+    assert shadow.shadow is not tensor and torch.equal(
+        bits(tensor), bits(torch.frombuffer(again.data, dtype=torch.float32))
+    )
+    release_again()
+    tensor = shadow.shadow
+    shadow.record(shadow.advance(thetas[3], 3))  # nothing held: in place
+    in_place.record(in_place.advance(thetas[2], 2))
+    in_place.record(in_place.advance(thetas[3], 3))
+    assert shadow.shadow is tensor and torch.equal(bits(shadow.shadow), bits(in_place.shadow))
 
 
 class CorruptingProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]

@@ -9,23 +9,28 @@ applies `q_v` holds exactly `Θ̂_v`, bit for bit. The residual `Θ − Θ̂` is
 (default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is
 better served by a snapshot, and the coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes. A
 learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
-(all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself, copied out
-by whoever sends it). With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot,
-encoded when the version is published (the behaviour before compressed broadcasts).
+(all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself; `hold`: the
+same view, kept as it is until released: an `advance` meanwhile writes the next `Θ̂` into a new tensor instead of in
+place, so no copy is made unless a round closes while a snapshot is being sent). With the `fp32` codec there is no
+shadow: `Θ̂ = Θ` and every broadcast is a full snapshot, encoded when the version is published (the behaviour before
+compressed broadcasts).
 
 `BroadcastFollower` (learner side) holds `Θ̂` and its version; it takes snapshots, applies deltas whose base it
 holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
 scratch (`after_version` 0: a full snapshot). A refused delta changes nothing, so nothing is applied twice.
 
-Threads: neither class locks. The coordinator calls `advance` under its tensor lock, then `record` (which makes
-the new version visible) and `updates_since` under its bookkeeping lock; `snapshot` under the tensor lock when
-the codec is lossy (it may encode `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed).
+Threads: the coordinator calls `advance` under its tensor lock, then `record` (which makes the new version visible)
+and `updates_since` under its bookkeeping lock; `snapshot` and `hold` under the tensor lock when the codec is lossy
+(they view `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed). A hold's release may come
+from any thread: the count of holds has its own (leaf) lock, the only lock here.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +127,9 @@ class BroadcastShadow:
         self._pending: Snapshot | None = None  # fp32: the snapshot `advance` made, installed by `record`
         self._shadow: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
+        self._holds_lock = threading.Lock()
+        self._holds = 0  # holds out on the current `_shadow` tensor (`hold`)
+        self._generation = 0  # which `_shadow` tensor they are on: a release of an earlier one counts nothing
         self._reset(params, version)
         self.record(None)
 
@@ -138,6 +146,7 @@ class BroadcastShadow:
             self._pending = Snapshot(version, data, meta, meta.crc32)
             self.checksum = meta.crc32
             return
+        self._let_go()  # holders keep the tensor they hold
         self._shadow = params.detach().to("cpu", torch.float32).contiguous().clone()
         self._snapshot = None
         self.checksum = params_checksum(self._shadow)
@@ -166,7 +175,10 @@ class BroadcastShadow:
         decoder = self.codec.decoder(meta, work)  # D(q): exactly what a learner decodes
         decoder.feed(data)
         decoder.finish()
-        self._shadow.add_(work)
+        if self._let_go():  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same fp32 adds)
+            self._shadow = torch.add(self._shadow, work)
+        else:
+            self._shadow.add_(work)
         self.version, self._snapshot = version, None
         self.checksum = params_checksum(self._shadow)
         return Delta(version, version - 1, data, meta, self.checksum)
@@ -212,6 +224,36 @@ class BroadcastShadow:
             self._snapshot = Snapshot(self.version, data, meta, self.checksum)
         return self._snapshot
 
+    def hold(self) -> tuple[Snapshot, Callable[[], None]]:
+        """`snapshot()`, and a function to call (once, from any thread) when it has been sent: until then `advance`
+        and a reset leave its bytes as they are (lossy codecs: the next `Θ̂` goes into a new tensor, the held one
+        lives on in the holders' views, freed with the last). fp32 snapshots are private copies: nothing to hold."""
+        snap = self.snapshot()
+        if self.codec is None:
+            return snap, _nothing
+        with self._holds_lock:
+            self._holds += 1
+            generation = self._generation
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._holds_lock:
+                if not released and generation == self._generation:
+                    self._holds -= 1
+                released = True
+
+        return snap, release
+
+    def _let_go(self) -> bool:
+        """`_shadow` is about to change or be replaced: whether any hold was out on it (then it must not be written
+        again); later holds are on the next tensor."""
+        with self._holds_lock:
+            held = self._holds > 0
+            self._holds = 0
+            self._generation += 1
+        return held
+
     @property
     def shadow(self) -> torch.Tensor:
         """`Θ̂` now (read-only by convention; for fp32 a view of the snapshot's bytes)."""
@@ -219,6 +261,10 @@ class BroadcastShadow:
             return self._shadow
         assert self._snapshot is not None
         return torch.frombuffer(self._snapshot.data, dtype=torch.float32)
+
+
+def _nothing() -> None:
+    """Releases a hold on bytes nobody writes again."""
 
 
 class Refusal(enum.Enum):

@@ -7,7 +7,7 @@ No gRPC here: the servicer turns protos into the domain types below and calls th
 
 Control calls never wait on bulk work (ALGORITHM.md section 9). Locks, always taken in this order:
 - `work` (re-entrant): the tensors (merge buffer, parameters, outer state, broadcast shadow). Held to fold a
-  pseudo-gradient in, to step and encode a closed round, to encode a full snapshot of the shadow, and to copy the
+  pseudo-gradient in, to step and encode a closed round, to hold a full snapshot of the shadow, and to copy the
   parameters for a checkpoint or an evaluation.
 - `lock`: the core's bookkeeping (registry, ledger, round policy) and everything else here; held only briefly,
   never for tensor work. Status, plans, registration and throughput reports take only this lock.
@@ -24,10 +24,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
@@ -674,18 +672,19 @@ class CoordinatorState:
         finished = pub.finished and d.version == pub.version
         return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
 
-    def snapshot_broadcast(self) -> Broadcast:
-        """The shadow of the newest version in full. Lossy broadcasts: a copy of `Θ̂` (which moves with every
-        round), made under `work` (heavy: it waits behind a round or an upload being folded in); fp32 ones: the
-        bytes made with the version."""
+    def snapshot_broadcast(self) -> tuple[Broadcast, Callable[[], None]]:
+        """The shadow of the newest version in full, and the function to call once it is sent. Lossy broadcasts: a
+        view of `Θ̂` itself (no copy), held until released (a round closing meanwhile writes the next `Θ̂` into a new
+        tensor: `BroadcastShadow.hold`), taken under `work` (it waits behind a round or an upload being folded in);
+        fp32 ones: the bytes made with the version."""
         if self.shadow.lossy:
             with self.work:
-                snap = self.shadow.snapshot()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
-                data = torch.frombuffer(snap.data, dtype=torch.uint8).clone().numpy().data  # releases the GIL
+                snap, release = self.shadow.hold()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
                 with self.lock:
-                    return replace(self._snapshot_locked(snap), data=data)
+                    return self._snapshot_locked(snap), release
         with self.lock:
-            return self._snapshot_locked(self.shadow.snapshot())
+            snap, release = self.shadow.hold()
+            return self._snapshot_locked(snap), release
 
     def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
         ids = self._applied_by_version.get(snap.version, ())
