@@ -400,8 +400,9 @@ def test_validation_loss_is_evaluated_after_rounds(start: Callable[..., Env]) ->
 
 
 def test_rounds_during_an_evaluation_get_the_newest_version_evaluated_after_it(start: Callable[..., Env]) -> None:
-    """The evaluation model is never touched while it is scored: versions stepped meanwhile are not copied in, and
-    the newest of them is evaluated once it ends, on Θ itself (the loss equals a fresh evaluation of Θ)."""
+    """The evaluation model views Θ (no copy of its own) and is never touched while it is scored: a round closing
+    meanwhile steps a copy of Θ, and the newest version is evaluated once it ends, on Θ itself (the loss equals a
+    fresh evaluation of Θ); then the model views Θ again."""
     env = start(eval_every=1, eval_tokens=256)
     server = env.server
     scoring, release = threading.Event(), threading.Event()
@@ -417,14 +418,18 @@ def test_rounds_during_an_evaluation_get_the_newest_version_evaluated_after_it(s
     reg = register(env)
     one_round(env, reg, "s1", seed=1)
     assert scoring.wait(timeout=T)
+    first = next(server._eval_model.parameters())  # type: ignore[union-attr]
+    assert first.data_ptr() == server.core.params.data_ptr()  # a view of Θ
     held = [p.detach().clone() for p in server._eval_model.parameters()]  # type: ignore[union-attr]
     one_round(env, reg, "s2", seed=2)
     one_round(env, reg, "s3", seed=3)
-    assert server.core.version == 3
+    assert server.core.version == 3 and server.core.params.data_ptr() != first.data_ptr()
     after = list(server._eval_model.parameters())  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(held, after, strict=True)), "the model changed while scored"
     release.set()
     wait_for("the newest version to be evaluated", lambda: server.state.validation_version == 3)
+    with server.state.work:  # the evaluation let go of the Θ it held: the model views the current one
+        assert next(server._eval_model.parameters()).data_ptr() == server.core.params.data_ptr()  # type: ignore[union-attr]
     model = server.task.model_fn(0)
     load_flat_(model, server.core.params)
     expected = evaluate(model, server.task.corpus, server.task.config.model.seq_len, 256, torch.device("cpu"))

@@ -22,13 +22,12 @@ scratch (`after_version` 0: a full snapshot). A refused delta changes nothing, s
 Threads: the coordinator calls `advance` under its tensor lock, then `record` (which makes the new version visible)
 and `updates_since` under its bookkeeping lock; `snapshot` and `hold` under the tensor lock when the codec is lossy
 (they view `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed). A hold's release may come
-from any thread: the count of holds has its own (leaf) lock, the only lock here.
+from any thread (`diloco.core.holds`).
 """
 
 from __future__ import annotations
 
 import enum
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 from zlib_ng.zlib_ng import crc32
 
 from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec
+from diloco.core.holds import Holds
 
 __all__ = [
     "BROADCAST_CODECS",
@@ -127,9 +127,7 @@ class BroadcastShadow:
         self._pending: Snapshot | None = None  # fp32: the snapshot `advance` made, installed by `record`
         self._shadow: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
-        self._holds_lock = threading.Lock()
-        self._holds = 0  # holds out on the current `_shadow` tensor (`hold`)
-        self._generation = 0  # which `_shadow` tensor they are on: a release of an earlier one counts nothing
+        self._holds = Holds()  # senders of a snapshot of `_shadow` (`hold`)
         self._reset(params, version)
         self.record(None)
 
@@ -146,7 +144,7 @@ class BroadcastShadow:
             self._pending = Snapshot(version, data, meta, meta.crc32)
             self.checksum = meta.crc32
             return
-        self._let_go()  # holders keep the tensor they hold
+        self._holds.let_go()  # holders keep the tensor they hold
         self._shadow = params.detach().to("cpu", torch.float32).contiguous().clone()
         self._snapshot = None
         self.checksum = params_checksum(self._shadow)
@@ -175,7 +173,7 @@ class BroadcastShadow:
         decoder = self.codec.decoder(meta, work)  # D(q): exactly what a learner decodes
         decoder.feed(data)
         decoder.finish()
-        if self._let_go():  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same fp32 adds)
+        if self._holds.let_go():  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same adds)
             self._shadow = torch.add(self._shadow, work)
         else:
             self._shadow.add_(work)
@@ -231,28 +229,7 @@ class BroadcastShadow:
         snap = self.snapshot()
         if self.codec is None:
             return snap, _nothing
-        with self._holds_lock:
-            self._holds += 1
-            generation = self._generation
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            with self._holds_lock:
-                if not released and generation == self._generation:
-                    self._holds -= 1
-                released = True
-
-        return snap, release
-
-    def _let_go(self) -> bool:
-        """`_shadow` is about to change or be replaced: whether any hold was out on it (then it must not be written
-        again); later holds are on the next tensor."""
-        with self._holds_lock:
-            held = self._holds > 0
-            self._holds = 0
-            self._generation += 1
-        return held
+        return snap, self._holds.hold()
 
     @property
     def shadow(self) -> torch.Tensor:

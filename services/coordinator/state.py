@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
 from diloco.core.codecs import EncodedMeta
@@ -40,6 +42,7 @@ from diloco.core.coordinator import (
     WorkPlan,
 )
 from diloco.core.energy import Policy, PolicyConfig, PowerSource, decide
+from diloco.core.holds import Holds
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -254,6 +257,7 @@ class CoordinatorState:
         self._round_seconds: dict[str, float] = {}  # under `work`: where the last round's close spent its time
         self.broadcast_codec = broadcast_codec
         self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
+        self._params_holds = Holds()  # readers of Θ outside `work` (`hold_params`: the evaluation)
         self._published = Published(core.version, self.epoch, (), core.finished)
         self._refresh_gauges()
         # the fleet's counters go on from the book's totals (a checkpoint's, when resumed from one)
@@ -545,6 +549,8 @@ class CoordinatorState:
         if closed is None:
             return None
         started = time.perf_counter()
+        if self._params_holds.let_go():  # Θ is being read (evaluated): this round steps a copy, the reader keeps Θ
+            self.core.params = self.core.params.clone()
         applied = self.core.step(closed)
         stepped = time.perf_counter()
         delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend())
@@ -654,6 +660,13 @@ class CoordinatorState:
         self.log.info("eval.done", version=version, val_loss=round(loss, 6), eval_tokens=tokens)
 
     # --- parameters -----------------------------------------------------------------------------------------------
+    def hold_params(self) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Θ (`core.params`) as it is now, for the caller holding `work`, and the function to call (once, from any
+        thread) when done reading it: until then no round writes that tensor (one closing meanwhile steps a copy,
+        which becomes `core.params`), so it is read without `work` and without a copy of its own."""
+        with self.work:
+            return self.core.params, self._params_holds.hold()
+
     def published(self) -> Published:
         return self._published  # one reference, replaced whole under the lock: reading it needs no lock
 
