@@ -10,7 +10,7 @@ import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
-from diloco.rpc.server import tune_gc
+from diloco.rpc.server import map_large_blocks, tune_gc
 from diloco.signals import on_stop_signal
 from services.coordinator.config import CoordinatorServiceConfig, parse
 from services.coordinator.ha import HaReplica
@@ -26,6 +26,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # one service per core; more threads contend on small machines
+    map_large_blocks()  # freed model-sized and layer-sized tensors leave the process's memory
     log = logging.configure("coordinator", level=cfg.log_level)
     if cfg.follow:
         return _standby(cfg, log)
