@@ -155,18 +155,24 @@ def test_submission_closes_a_round_and_commits_the_ledger(env: Env, codec: str) 
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_uploads_of_one_size_land_in_one_reused_buffer(env: Env, codec: str) -> None:
+def test_uploads_of_one_size_land_in_one_reused_buffer_until_a_round_closes(env: Env, codec: str) -> None:
     reg = register(env)
     assert gauge(env, "idle_upload_buffer_bytes") == 0
-    h, data, _ = make_upload(env, reg, "bad", codec=codec)
-    header, corrupt = _flipped(h, data)
-    assert code_of(lambda: submit(env, header, corrupt))[0] == INVALID  # type: ignore[arg-type]
-    wait_for("the refused upload's buffer back", lambda: gauge(env, "idle_upload_buffer_bytes") == len(data))
+
+    def refused(sid: str) -> int:
+        h, data, _ = make_upload(env, reg, sid, codec=codec)
+        header, corrupt = _flipped(h, data)
+        assert code_of(lambda: submit(env, header, corrupt))[0] == INVALID  # type: ignore[arg-type]
+        return len(data)
+
     for i in range(3):
-        h, data, _ = make_upload(env, reg, f"s{i}", codec=codec, seed=i)
-        assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
-        # folded in before the reply: the one buffer is back (a new one per upload would make this grow)
-        assert gauge(env, "idle_upload_buffer_bytes") == len(data)
+        size = refused(f"bad{i}")
+        # the refused upload's buffer is back (a new one per upload would make this grow)
+        wait_for("the refused upload's buffer back", lambda: gauge(env, "idle_upload_buffer_bytes") == size)  # noqa: B023
+    h, data, _ = make_upload(env, reg, "s0", codec=codec)
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+    # it took the idle buffer, was folded in and the round closed: idle buffers went back to the system at the close
+    assert gauge(env, "idle_upload_buffer_bytes") == 0
 
 
 Mutation = Callable[[pb.SubmissionHeader, bytes], tuple[pb.SubmissionHeader | None, bytes]]

@@ -220,7 +220,7 @@ class CoordinatorState:
         self.fingerprint = fingerprint
         self.codec = codec
         self.numel = core.params.numel()
-        # uploads are held encoded (in reused buffers), measured on arrival, decoded again by the merge
+        # uploads are held encoded (in buffers reused within a round), measured on arrival, decoded again by the merge
         self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
         self.uploads = Uploads(
             UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
@@ -549,6 +549,10 @@ class CoordinatorState:
         if closed is None:
             return None
         started = time.perf_counter()
+        # idle upload buffers go back to the system: the close is the coordinator's peak (the momentum, the merge
+        # buffer and the shadow's update beside Θ), and idle buffers would sit beside it; within a round they are
+        # reused as uploads come and go
+        self.buffers.drop_idle()
         if self._params_holds.let_go():  # Θ is being read (evaluated): this round steps a copy, the reader keeps Θ
             self.core.params = self.core.params.clone()
         applied = self.core.step(closed)
