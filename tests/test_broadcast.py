@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -17,6 +18,7 @@ import pytest
 import structlog
 import torch
 
+from diloco.cluster import wait_for
 from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, params_checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
@@ -27,6 +29,7 @@ from diloco.sim.result import SimResult
 from diloco.sim.result import encoded_size as timing_size
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import parse
+from services.coordinator.state import Broadcast
 from services.worker.session import SessionLost
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 from tests.support import (
@@ -302,6 +305,29 @@ def test_a_held_snapshot_costs_a_copy_only_when_a_round_closes_during_its_send()
     in_place.record(in_place.advance(thetas[2], 2))
     in_place.record(in_place.advance(thetas[3], 3))
     assert shadow.shadow is tensor and torch.equal(bits(shadow.shadow), bits(in_place.shadow))
+
+
+def test_a_watch_cancelled_while_its_snapshot_is_taken_lets_go_of_it(start: Callable[..., Env]) -> None:
+    """A snapshot taken for a watch that ended meanwhile is let go of: the next round updates Θ̂ in place."""
+    env = start(broadcast_codec="int4")
+    state = env.server.state
+    taking, go = threading.Event(), threading.Event()
+    take_for_real = state.snapshot_broadcast
+
+    def slow_take() -> tuple[Broadcast, Callable[[], None]]:
+        taking.set()
+        go.wait(timeout=T)
+        return take_for_real()
+
+    state.snapshot_broadcast = slow_take  # type: ignore[method-assign]
+    call = env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0), timeout=T)
+    assert taking.wait(timeout=T)
+    call.cancel()
+    go.set()
+    wait_for("the hold let go", lambda: state.shadow._holds._count == 0, timeout_s=T)
+    tensor = state.shadow.shadow
+    rounds(env, register(env), 1)
+    assert state.shadow.shadow is tensor  # in place: nobody held it
 
 
 class CorruptingProxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]

@@ -191,6 +191,12 @@ def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
     )
 
 
+def _release_unsent(job: asyncio.Future[tuple[Broadcast, Callable[[], None]]]) -> None:
+    """Lets go of a snapshot taken for a watch that ended meanwhile."""
+    if not job.cancelled() and job.exception() is None:
+        job.result()[1]()
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Thin gRPC layer over `CoordinatorState`. `checkpoint` writes a checkpoint now and returns its path
     and version (None when checkpoints are off); `work`: the executor for upload decoding and checkpoints; `ha`:
@@ -275,7 +281,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._send.turn()  # a new version wakes every watcher at once: they go on a few at a time
                 continue
             if chain is None:  # a full snapshot: a view of Θ̂, held (kept as it is) while it is sent
-                snap, release = await self._blocking(self.state.snapshot_broadcast)
+                snap, release = await self._held_snapshot()
                 try:
                     async for msg in self._messages(snap, worker_id):
                         yield msg
@@ -290,6 +296,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     held = d.version
             if not request.follow:
                 return
+
+    async def _held_snapshot(self) -> tuple[Broadcast, Callable[[], None]]:
+        """`CoordinatorState.snapshot_broadcast` off the event loop; a watch cancelled while it is taken lets go of
+        the hold once it is (else the next round would copy Θ̂ for nobody)."""
+        job = asyncio.ensure_future(self._blocking(self.state.snapshot_broadcast))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_release_unsent)
+            raise
 
     async def _messages(self, b: Broadcast, worker_id: str) -> AsyncIterator[coordinator_pb2.ParametersChunk]:
         """One broadcast's messages: its header (with `worker_id`'s plan), then its bytes in chunks."""
