@@ -214,7 +214,8 @@ class BroadcastShadow:
     def snapshot(self) -> Snapshot:
         """`Θ̂` in full: for fp32 the newest `record`ed (a private copy); for lossy codecs the newest version
         `advance` reached, as a view of `Θ̂`'s own bytes (no model-sized copy; its checksum is the one `advance`
-        computed): valid until the next `advance`, so copy what you keep under the lock that orders the two."""
+        computed): valid until the next `advance`, unless `hold` keeps it (or a copy is made under the lock that
+        orders the two)."""
         if self._snapshot is None:
             assert self._shadow is not None
             data = self._shadow.numpy().data.cast("B")
