@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from zlib_ng.zlib_ng import crc32
 
-from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec
+from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec, iter_chunks
 from diloco.core.holds import Holds
 
 __all__ = [
@@ -171,7 +171,8 @@ class BroadcastShadow:
             self._reset(params, version)
             return None
         decoder = self.codec.decoder(meta, work)  # D(q): exactly what a learner decodes
-        decoder.feed(data)
+        for chunk in iter_chunks(data):  # a chunk at a time, as learners receive it: no payload-sized temporaries
+            decoder.feed(chunk)
         decoder.finish()
         if self._holds.let_go():  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same adds)
             self._shadow = torch.add(self._shadow, work)
