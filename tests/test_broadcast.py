@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -19,6 +20,7 @@ import pytest
 import structlog
 import torch
 
+from diloco.cluster import wait_for
 from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, params_checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
@@ -31,6 +33,7 @@ from diloco.task.factory import TaskConfig, build_task
 from diloco.task.params import flatten_params
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from services.coordinator.config import parse
+from services.coordinator.state import Broadcast
 from services.worker.session import SessionLost
 from services.worker.watcher import Delivered, Watcher, WatchFailed
 from tests.support import (
@@ -316,21 +319,71 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
 def test_a_version_s_bytes_are_held_once_and_never_change(start: Callable[..., Env], codec: str) -> None:
     """Watchers send a delta from the broadcast history's own bytes (no copy per version or per watcher), an fp32
-    snapshot from the bytes made with its version; a lossy snapshot is a copy of Θ̂, which later rounds move."""
+    snapshot from the bytes made with its version, a lossy one from Θ̂'s own bytes, held: later rounds leave them."""
     env = start(broadcast_codec=codec)
     state = env.server.state
     reg = register(env)
     rounds(env, reg, 1)
-    snap = state.snapshot_broadcast()
+    snap, release = state.snapshot_broadcast()
     assert snap.version == 1 and zlib.crc32(snap.data) == snap.checksum
-    if codec == "fp32":
-        assert snap.data is state.shadow.snapshot().data
-    else:
+    assert snap.data is state.shadow.snapshot().data  # no copy
+    if codec != "fp32":
         _, chain = state.broadcasts_since(0)
         history = state.shadow.updates_since(0, 1)
         assert chain is not None and history is not None and chain[0].data is history[0].data
     rounds(env, reg, 1, start=1)
     assert state.published().version == 2 and zlib.crc32(snap.data) == snap.checksum  # as it was sent
+    release()
+
+
+def test_a_held_snapshot_costs_a_copy_only_when_a_round_closes_during_its_send() -> None:
+    thetas = walk(1000, 4)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    in_place = BroadcastShadow(thetas[0], 0, "int8")  # never held: the reference bits
+    snap, release = shadow.hold()
+    sent = bytes(snap.data)
+    tensor = shadow.shadow
+    shadow.record(shadow.advance(thetas[1], 1))
+    in_place.record(in_place.advance(thetas[1], 1))
+    assert bytes(snap.data) == sent and shadow.shadow is not tensor  # the next Θ̂ went into a new tensor
+    assert torch.equal(bits(shadow.shadow), bits(in_place.shadow))  # the same adds
+    again, release_again = shadow.hold()
+    release()  # a release of the earlier tensor's hold does not count against this one
+    release()  # twice: nothing more
+    tensor = shadow.shadow
+    shadow.record(shadow.advance(thetas[2], 2))
+    assert shadow.shadow is not tensor and torch.equal(
+        bits(tensor), bits(torch.frombuffer(again.data, dtype=torch.float32))
+    )
+    release_again()
+    tensor = shadow.shadow
+    shadow.record(shadow.advance(thetas[3], 3))  # nothing held: in place
+    in_place.record(in_place.advance(thetas[2], 2))
+    in_place.record(in_place.advance(thetas[3], 3))
+    assert shadow.shadow is tensor and torch.equal(bits(shadow.shadow), bits(in_place.shadow))
+
+
+def test_a_watch_cancelled_while_its_snapshot_is_taken_lets_go_of_it(start: Callable[..., Env]) -> None:
+    """A snapshot taken for a watch that ended meanwhile is let go of: the next round updates Θ̂ in place."""
+    env = start(broadcast_codec="int4")
+    state = env.server.state
+    taking, go = threading.Event(), threading.Event()
+    take_for_real = state.snapshot_broadcast
+
+    def slow_take() -> tuple[Broadcast, Callable[[], None]]:
+        taking.set()
+        go.wait(timeout=T)
+        return take_for_real()
+
+    state.snapshot_broadcast = slow_take  # type: ignore[method-assign]
+    call = env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0), timeout=T)
+    assert taking.wait(timeout=T)
+    call.cancel()
+    go.set()
+    wait_for("the hold let go", lambda: state.shadow._holds._count == 0, timeout_s=T)
+    tensor = state.shadow.shadow
+    rounds(env, register(env), 1)
+    assert state.shadow.shadow is tensor  # in place: nobody held it
 
 
 def own_version0(env: Env, reg: pb.RegisterResponse, seed: int | None = None) -> torch.Tensor:

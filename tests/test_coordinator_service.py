@@ -155,18 +155,24 @@ def test_submission_closes_a_round_and_commits_the_ledger(env: Env, codec: str) 
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_uploads_of_one_size_land_in_one_reused_buffer(env: Env, codec: str) -> None:
+def test_uploads_of_one_size_land_in_one_reused_buffer_until_a_round_closes(env: Env, codec: str) -> None:
     reg = register(env)
     assert gauge(env, "idle_upload_buffer_bytes") == 0
-    h, data, _ = make_upload(env, reg, "bad", codec=codec)
-    header, corrupt = _flipped(h, data)
-    assert code_of(lambda: submit(env, header, corrupt))[0] == INVALID  # type: ignore[arg-type]
-    wait_for("the refused upload's buffer back", lambda: gauge(env, "idle_upload_buffer_bytes") == len(data))
+
+    def refused(sid: str) -> int:
+        h, data, _ = make_upload(env, reg, sid, codec=codec)
+        header, corrupt = _flipped(h, data)
+        assert code_of(lambda: submit(env, header, corrupt))[0] == INVALID  # type: ignore[arg-type]
+        return len(data)
+
     for i in range(3):
-        h, data, _ = make_upload(env, reg, f"s{i}", codec=codec, seed=i)
-        assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
-        # folded in before the reply: the one buffer is back (a new one per upload would make this grow)
-        assert gauge(env, "idle_upload_buffer_bytes") == len(data)
+        size = refused(f"bad{i}")
+        # the refused upload's buffer is back (a new one per upload would make this grow)
+        wait_for("the refused upload's buffer back", lambda: gauge(env, "idle_upload_buffer_bytes") == size)  # noqa: B023
+    h, data, _ = make_upload(env, reg, "s0", codec=codec)
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+    # it took the idle buffer, was folded in and the round closed: idle buffers went back to the system at the close
+    assert gauge(env, "idle_upload_buffer_bytes") == 0
 
 
 Mutation = Callable[[pb.SubmissionHeader, bytes], tuple[pb.SubmissionHeader | None, bytes]]
@@ -400,8 +406,9 @@ def test_validation_loss_is_evaluated_after_rounds(start: Callable[..., Env]) ->
 
 
 def test_rounds_during_an_evaluation_get_the_newest_version_evaluated_after_it(start: Callable[..., Env]) -> None:
-    """The evaluation model is never touched while it is scored: versions stepped meanwhile are not copied in, and
-    the newest of them is evaluated once it ends, on Θ itself (the loss equals a fresh evaluation of Θ)."""
+    """The evaluation model views Θ (no copy of its own) and is never touched while it is scored: a round closing
+    meanwhile steps a copy of Θ, and the newest version is evaluated once it ends, on Θ itself (the loss equals a
+    fresh evaluation of Θ); then the model views Θ again."""
     env = start(eval_every=1, eval_tokens=256)
     server = env.server
     scoring, release = threading.Event(), threading.Event()
@@ -417,14 +424,18 @@ def test_rounds_during_an_evaluation_get_the_newest_version_evaluated_after_it(s
     reg = register(env)
     one_round(env, reg, "s1", seed=1)
     assert scoring.wait(timeout=T)
+    first = next(server._eval_model.parameters())  # type: ignore[union-attr]
+    assert first.data_ptr() == server.core.params.data_ptr()  # a view of Θ
     held = [p.detach().clone() for p in server._eval_model.parameters()]  # type: ignore[union-attr]
     one_round(env, reg, "s2", seed=2)
     one_round(env, reg, "s3", seed=3)
-    assert server.core.version == 3
+    assert server.core.version == 3 and server.core.params.data_ptr() != first.data_ptr()
     after = list(server._eval_model.parameters())  # type: ignore[union-attr]
     assert all(torch.equal(a, b) for a, b in zip(held, after, strict=True)), "the model changed while scored"
     release.set()
     wait_for("the newest version to be evaluated", lambda: server.state.validation_version == 3)
+    with server.state.work:  # the evaluation let go of the Θ it held: the model views the current one
+        assert next(server._eval_model.parameters()).data_ptr() == server.core.params.data_ptr()  # type: ignore[union-attr]
     model = server.task.model_fn(0)
     load_flat_(model, server.core.params)
     expected = evaluate(model, server.task.corpus, server.task.config.model.seq_len, 256, torch.device("cpu"))

@@ -173,3 +173,13 @@ def test_bad_bytes_let_go_of_the_buffer_at_once() -> None:
     with pytest.raises(CodecError):
         again.feed(bytes(data) + b"\0")
     assert pool.idle == (1, len(data))
+
+
+def test_dropping_idle_buffers_leaves_those_in_use() -> None:
+    pool = BufferPool(4, 1 << 20)
+    held, idle = pool.take(1000), pool.take(2000)
+    del idle
+    assert pool.drop_idle() == 2000 and pool.idle == (0, 0)
+    at = address(held)
+    del held  # in use while dropping: it comes back as usual
+    assert pool.idle == (1, 1000) and address(pool.take(1000)) == at

@@ -37,6 +37,7 @@ from diloco.task import (
     param_specs,
 )
 from diloco.task.data import stdlib_files
+from diloco.task.params import view_flat_
 
 CPU = torch.device("cpu")
 TINY = ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2, mlp_ratio=2)
@@ -390,6 +391,21 @@ def test_param_specs_and_flat_round_trip() -> None:
     assert torch.equal(flatten_params(other), flat)
     with pytest.raises(InvalidArgument, match="expected"):
         load_flat_(other, flat[:-1])
+
+
+def test_a_model_can_view_a_flat_vector_instead_of_holding_its_own() -> None:
+    model, flat = GPT(TINY, seed=99), flatten_params(GPT(TINY))
+    x = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(1))
+    copied = GPT(TINY, seed=99)
+    load_flat_(copied, flat)
+    assert view_flat_(model, flat)
+    assert torch.equal(model(x), copied(x))  # the same model, tied head included
+    flat.mul_(0.5)  # a write to the vector is the model's
+    assert torch.equal(flatten_params(model), flat)
+    with pytest.raises(InvalidArgument, match="expected"):
+        view_flat_(model, flat[:-1])
+    assert not view_flat_(model, flat.double())  # another dtype: nothing changes, the caller copies
+    assert torch.equal(flatten_params(model), flat)
 
 
 # -- inner loop ---------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ resident memory (`VmHWM` of /proc/PID/status, read while it still runs, after th
 peak is what the model costs it; the report sets it against the fp32 model bytes:
 
 - the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
-  vectors), and its evaluation model when it evaluates (a third run of the large model turns evaluation off);
-  target ≤ 4.5x the fp32 model bytes;
+  vectors; its evaluation model views Θ, and a third run of the large model turns evaluation off), the uploads it
+  is receiving (encoded) and the broadcast history's encoded deltas; target ≤ 4.5x the fp32 model bytes;
 - a learner holds the model, the AdamW state (2x) and its gradients, plus the round's base Θ̂ and decode buffers;
   target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes.
 
@@ -226,9 +226,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"`{s['codec']}`, the default broadcast codec; `{big['model']}` has {big['numel']:,} parameters "
         f"({r['model_bytes'] / 1e9:.2f} GB in fp32). The baseline is the same cluster with `{base['model']}` "
         f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
-        "`VmHWM` after the last round. The coordinator evaluates every version by default, on its own evaluation "
-        "model (one more model-sized copy, so that rounds never wait for an evaluation); the row `--eval-every 0` "
-        "is a third run of the large model without evaluation."
+        "`VmHWM` after the last round. The coordinator evaluates every version by default, on a model whose "
+        "parameters view Θ (a round closing during an evaluation steps a copy of Θ); the row `--eval-every 0` is a "
+        "third run of the large model without evaluation."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],

@@ -9,33 +9,37 @@ applies `q_v` holds exactly `Θ̂_v`, bit for bit. The residual `Θ − Θ̂` is
 (default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is
 better served by a snapshot, and the coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes. A
 learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
-(all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself, copied out
-by whoever sends it). A learner may name the checksum of the version it holds (a fresh learner holds the version 0
-it built itself from the task and seed): the chain is sent only when that is the checksum of this shadow's `Θ̂_u`
-(`checksum_of`: the version recorded last, or the base of a delta kept), else a snapshot, so a learner whose own
-version differs (another seed, torch build or device) is never sent deltas onto the wrong base. With the `fp32`
-codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full snapshot, encoded when the version is published
-(the behaviour before compressed broadcasts).
+(all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself; `hold`: the
+same view, kept as it is until released: an `advance` meanwhile writes the next `Θ̂` into a new tensor instead of in
+place, so no copy is made unless a round closes while a snapshot is being sent). A learner may name the checksum of
+the version it holds (a fresh learner holds the version 0 it built itself from the task and seed): the chain is sent
+only when that is the checksum of this shadow's `Θ̂_u` (`checksum_of`: the version recorded last, or the base of a
+delta kept), else a snapshot, so a learner whose own version differs (another seed, torch build or device) is never
+sent deltas onto the wrong base. With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full
+snapshot, encoded when the version is published (the behaviour before compressed broadcasts).
 
 `BroadcastFollower` (learner side) holds `Θ̂` and its version; it takes snapshots, applies deltas whose base it
 holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
 scratch (`after_version` 0: a full snapshot). A refused delta changes nothing, so nothing is applied twice.
 
-Threads: neither class locks. The coordinator calls `advance` under its tensor lock, then `record` (which makes
-the new version visible) and `updates_since` under its bookkeeping lock; `snapshot` under the tensor lock when
-the codec is lossy (it may encode `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed).
+Threads: the coordinator calls `advance` under its tensor lock, then `record` (which makes the new version visible)
+and `updates_since` under its bookkeeping lock; `snapshot` and `hold` under the tensor lock when the codec is lossy
+(they view `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed). A hold's release may come
+from any thread (`diloco.core.holds`).
 """
 
 from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from zlib_ng.zlib_ng import crc32
 
-from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec
+from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec, iter_chunks
+from diloco.core.holds import Holds
 
 __all__ = [
     "BROADCAST_CODECS",
@@ -129,6 +133,7 @@ class BroadcastShadow:
         self._shadow: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._recorded = (version, 0)  # the version `record` made visible last, and its checksum
+        self._holds = Holds()  # senders of a snapshot of `_shadow` (`hold`)
         self._reset(params, version)
         self.record(None)
 
@@ -145,6 +150,7 @@ class BroadcastShadow:
             self._pending = Snapshot(version, data, meta, meta.crc32)
             self.checksum = meta.crc32
             return
+        self._holds.let_go()  # holders keep the tensor they hold
         self._shadow = params.detach().to("cpu", torch.float32).contiguous().clone()
         self._snapshot = None
         self.checksum = params_checksum(self._shadow)
@@ -171,10 +177,14 @@ class BroadcastShadow:
             self._reset(params, version)
             return None
         decoder = self.codec.decoder(meta, work)  # D(q): exactly what a learner decodes
-        decoder.feed(data)
+        for chunk in iter_chunks(data):  # a chunk at a time, as learners receive it: no payload-sized temporaries
+            decoder.feed(chunk)
         decoder.finish()
-        self._shadow.add_(work)
         base_checksum = self.checksum
+        if self._holds.let_go():  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same adds)
+            self._shadow = torch.add(self._shadow, work)
+        else:
+            self._shadow.add_(work)
         self.version, self._snapshot = version, None
         self.checksum = params_checksum(self._shadow)
         return Delta(version, version - 1, data, meta, self.checksum, base_checksum)
@@ -224,13 +234,23 @@ class BroadcastShadow:
     def snapshot(self) -> Snapshot:
         """`Θ̂` in full: for fp32 the newest `record`ed (a private copy); for lossy codecs the newest version
         `advance` reached, as a view of `Θ̂`'s own bytes (no model-sized copy; its checksum is the one `advance`
-        computed): valid until the next `advance`, so copy what you keep under the lock that orders the two."""
+        computed): valid until the next `advance`, unless `hold` keeps it (or a copy is made under the lock that
+        orders the two)."""
         if self._snapshot is None:
             assert self._shadow is not None
             data = self._shadow.numpy().data.cast("B")
             meta = EncodedMeta("fp32", self._shadow.numel(), len(data), self.checksum)
             self._snapshot = Snapshot(self.version, data, meta, self.checksum)
         return self._snapshot
+
+    def hold(self) -> tuple[Snapshot, Callable[[], None]]:
+        """`snapshot()`, and a function to call (once, from any thread) when it has been sent: until then `advance`
+        and a reset leave its bytes as they are (lossy codecs: the next `Θ̂` goes into a new tensor, the held one
+        lives on in the holders' views, freed with the last). fp32 snapshots are private copies: nothing to hold."""
+        snap = self.snapshot()
+        if self.codec is None:
+            return snap, _nothing
+        return snap, self._holds.hold()
 
     @property
     def shadow(self) -> torch.Tensor:
@@ -239,6 +259,10 @@ class BroadcastShadow:
             return self._shadow
         assert self._snapshot is not None
         return torch.frombuffer(self._snapshot.data, dtype=torch.float32)
+
+
+def _nothing() -> None:
+    """Releases a hold on bytes nobody writes again."""
 
 
 class Refusal(enum.Enum):

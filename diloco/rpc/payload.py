@@ -139,6 +139,13 @@ class BufferPool:
             buf = np.empty(nbytes, dtype=np.uint8)
         return np.asarray(_Lease(self, buf))
 
+    def drop_idle(self) -> int:
+        """Let go of every idle buffer (their memory goes back to the system); returns the bytes they held. Buffers
+        in use come back later as usual."""
+        with self._lock:
+            dropped, self._idle, self._idle_bytes = self._idle_bytes, [], 0
+        return dropped
+
     def _give_back(self, buf: np.ndarray) -> None:
         if buf.nbytes > self.max_bytes or not self.max_buffers:
             return  # never kept: the idle ones stay

@@ -28,7 +28,7 @@ from diloco.errors import ConfigError, InvalidArgument
 from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
 from diloco.task.model import pick_device
-from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params
+from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params, view_flat_
 
 _SLICE = 1 << 22  # elements per slice of `InnerTrainer.submit_into` (16 MiB of fp32)
 
@@ -148,12 +148,7 @@ class LocalParams:
         params = list(model.parameters())
         if flat and params and all(p.dtype == torch.float32 and p.device == device for p in params):
             live = flatten_params(model)
-            offset = 0
-            with torch.no_grad():
-                for p in params:
-                    n = p.numel()
-                    p.data = live[offset : offset + n].view_as(p)
-                    offset += n
+            view_flat_(model, live)
             self._flat = live
 
     @property

@@ -75,6 +75,25 @@ def load_flat_(model: nn.Module, flat: Tensor) -> None:
 
 
 @torch.no_grad()
+def view_flat_(model: nn.Module, flat: Tensor) -> bool:
+    """Make the model's parameters views of `flat` (the layout of `flatten_params`) instead of tensors of their own:
+    no copy, the model reads what `flat` holds. Only where every parameter has `flat`'s dtype and device (then True);
+    otherwise nothing changes and False is returned (`load_flat_` copies instead)."""
+    total = num_params(model)
+    if flat.ndim != 1 or flat.numel() != total:
+        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({total},)")
+    params = list(model.parameters())
+    if not flat.is_contiguous() or any(p.dtype != flat.dtype or p.device != flat.device for p in params):
+        return False
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.data = flat[offset : offset + n].view(p.shape)
+        offset += n
+    return True
+
+
+@torch.no_grad()
 def gather_flat(model: nn.Module) -> Tensor:
     """The full parameters of a model sharded with `fully_shard`, as one flat fp32 vector on the CPU (the layout of
     `flatten_params`), on rank 0; an empty vector on the other ranks. A collective: every rank of the model's

@@ -10,6 +10,7 @@ import torch
 
 from diloco import log as logging
 from diloco.errors import ConfigError
+from diloco.heap import return_freed_memory
 from diloco.rpc.server import tune_gc
 from diloco.signals import on_stop_signal
 from services.coordinator.config import CoordinatorServiceConfig, parse
@@ -26,6 +27,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2
     torch.set_num_threads(1)  # one service per core; more threads contend on small machines
+    return_freed_memory()  # freed model-sized and layer-sized tensors leave the process's memory (`diloco.heap`)
     log = logging.configure("coordinator", level=cfg.log_level)
     if cfg.follow:
         return _standby(cfg, log)

@@ -29,7 +29,7 @@ from diloco.rpc.metrics import serve_metrics
 from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
 from diloco.task.factory import Task, build_task
-from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
+from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs, view_flat_
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.bulk import BulkUploads
@@ -106,10 +106,12 @@ class CoordinatorServer:
         self._eval_model: nn.Module | None = None
         self._jobs = threading.Condition()
         self._jobs_stop = False
-        # evaluation runs on `_eval_model`, whose parameters are copied from Θ under the state's `work` lock (no
-        # extra copy of Θ); while an evaluation runs the model is not touched, and the newest version wanted
-        # meanwhile is evaluated after it (`_eval_deferred`)
+        # evaluation runs on `_eval_model`, whose parameters are views of Θ taken under the state's `work` lock and
+        # held until the evaluation is done (`CoordinatorState.hold_params`: a round closing meanwhile steps a copy of
+        # Θ), or, for a model whose parameters cannot view Θ (not fp32), a copy of it; while an evaluation runs the
+        # model is not touched, and the newest version wanted meanwhile is evaluated after it (`_eval_deferred`)
         self._eval_request: int | None = None  # the version the model holds, to evaluate
+        self._eval_release: Callable[[], None] | None = None  # lets go of the Θ the model views
         self._evaluating = False
         self._eval_deferred = False
         self._ckpt_request = False  # a checkpoint is due: the jobs thread writes the newest version
@@ -174,7 +176,8 @@ class CoordinatorServer:
         trace, provider = load_carbon(cfg)
         task = build_task(cfg.task)
         model = task.model_fn(cfg.seed)
-        params = flatten_params(model).to("cpu")  # a new vector: the model's parameters stay its own
+        params = flatten_params(model).to("cpu")  # Θ: a new vector
+        view_flat_(model, params)  # the model's own parameters go: it views Θ (when it can: fp32 on the CPU)
         specs = param_specs(model)
         shard_lengths = [task.corpus.shard_length(i) for i in range(task.corpus.num_shards)]
         core = CoordinatorCore(cfg.core_config(), params, shard_lengths, merge_segments(model))
@@ -239,7 +242,7 @@ class CoordinatorServer:
                 carbon_g=totals.grams,
                 cost=totals.cost,
             )
-        # the built model is the evaluation model; a coordinator that never evaluates keeps only Θ (one copy less)
+        # the built model is the evaluation model; a coordinator that never evaluates keeps only Θ
         self._task, self._eval_model, self._state = task, model if cfg.eval_every else None, state
         del model
         self._work = ThreadPoolExecutor(max_workers=cfg.work_threads, thread_name_prefix="coordinator-work")
@@ -405,16 +408,32 @@ class CoordinatorServer:
             self._jobs.notify_all()
 
     def _request_eval(self, version: int) -> None:
-        """Holding the state's `work` lock (Θ is `version`'s): copy Θ into the evaluation model and hand it to the
-        jobs thread, or, while an evaluation runs, ask for the newest version after it."""
+        """Holding the state's `work` lock (Θ is `version`'s): point the evaluation model at Θ, held (or copy Θ
+        into it), and hand it to the jobs thread, or, while an evaluation runs, ask for the newest version after
+        it."""
         with self._jobs:
             if self._evaluating:
                 self._eval_deferred = True
                 return
             assert self._eval_model is not None
-            load_flat_(self._eval_model, self.core.params)
+            self._let_go_eval()  # a request not started yet: this one replaces it
+            params, release = self.state.hold_params()
+            if view_flat_(self._eval_model, params):
+                self._eval_release = release
+            else:
+                release()
+                load_flat_(self._eval_model, params)
             self._eval_request = version
             self._jobs.notify_all()
+
+    def _let_go_eval(self) -> None:
+        """Under `work` and `_jobs`: the evaluation model is done with the Θ it views (rounds write it in place
+        again); it views Θ as it is now, not an older one a round replaced meanwhile (that one goes)."""
+        if self._eval_release is not None:
+            self._eval_release()
+            self._eval_release = None
+            assert self._eval_model is not None
+            view_flat_(self._eval_model, self.core.params)
 
     def _jobs_loop(self) -> None:
         while True:
@@ -436,11 +455,11 @@ class CoordinatorServer:
                 except Exception:
                     self.log.exception("eval.failed", version=ev)
             if ev is not None:
-                with self._jobs:
+                with self.state.work, self._jobs:  # lock order: `work`, then `_jobs`
+                    self._let_go_eval()
                     self._evaluating, deferred = False, self._eval_deferred
                     self._eval_deferred = False
-                if deferred and not stopping:
-                    with self.state.work:  # lock order: `work`, then `_jobs`
+                    if deferred and not stopping:
                         self._request_eval(self.core.version)
             if stopping:
                 return

@@ -4,8 +4,9 @@ Control calls run on the event loop (they take only the state's short bookkeepin
 decoding chunks, finishing) and checkpoints run on a bounded executor, so control calls keep answering while
 pseudo-gradients arrive. A parameter watch is a coroutine waiting on `LoopSignal`; it sends a watcher what it needs
 from the version it holds (`CoordinatorState.broadcasts_since`: the deltas since, or a full snapshot). Every watcher
-sends from the same encoded bytes, held once: a delta's are the broadcast history's, a snapshot's are made once per
-version (off the event loop) and kept while it is the newest; each data message is made as it is sent.
+sends from the same encoded bytes, held once: a delta's are the broadcast history's, a lossy snapshot's are `Θ̂`'s own
+(held while sent, `CoordinatorState.snapshot_broadcast`), an fp32 one's are made once per version; each data message
+is made as it is sent.
 
 Domain errors (`diloco.errors`) become status codes in `diloco.rpc.status`; nothing here decides policy.
 """
@@ -190,6 +191,12 @@ def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
     )
 
 
+def _release_unsent(job: asyncio.Future[tuple[Broadcast, Callable[[], None]]]) -> None:
+    """Lets go of a snapshot taken for a watch that ended meanwhile."""
+    if not job.cancelled() and job.exception() is None:
+        job.result()[1]()
+
+
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     """Thin gRPC layer over `CoordinatorState`. `checkpoint` writes a checkpoint now and returns its path
     and version (None when checkpoints are off); `work`: the executor for upload decoding and checkpoints; `ha`:
@@ -225,7 +232,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.bulk_port = 0  # set once the bulk upload server listens; 0: learners upload over gRPC
         self.params_changed = LoopSignal()
         state.add_listener(self.params_changed.notify)
-        self._snapshot: tuple[int, asyncio.Future[Broadcast]] | None = None  # (newest version when asked, snapshot)
         self._send = SendSlots(SEND_SLOTS, SEND_SLOT_LEASE_S)
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -274,8 +280,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         while not self.state.stopping:
             changed = self.params_changed.waiter()  # before reading: a version published after this wakes it
             newest, chain = self.state.broadcasts_since(held, named)
-            if self._snapshot is not None and self._snapshot[0] != newest.version:
-                self._snapshot = None  # an older version's snapshot (model-sized) is not kept; senders hold theirs
             if chain == [] and named is not None:  # it holds the current version, checksum and all: say so
                 async with self._send.slot():
                     yield coordinator_pb2.ParametersChunk(header=self._held_header(newest, named, worker_id))
@@ -286,29 +290,44 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 await changed.wait()
                 await self._send.turn()  # a new version wakes every watcher at once: they go on a few at a time
                 continue
-            for item in chain if chain is not None else [None]:  # None: a full snapshot
-                async with self._send.slot():  # the header is built in the slot too: it is the loop's work
-                    b = item if item is not None else await self._newest_snapshot(newest.version)
-                    first = coordinator_pb2.ParametersChunk(header=self._header(b))
-                    if worker_id:
-                        first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
-                    yield first
-                for part in chunks(b.data, chunk_bytes=self.chunk_bytes):
-                    async with self._send.slot():
-                        yield coordinator_pb2.ParametersChunk(data=bytes(part))  # a copy of one chunk, while sent
-                    self.state.count_sent(len(part))
-                held = b.version
+            if chain is None:  # a full snapshot: a view of Θ̂, held (kept as it is) while it is sent
+                snap, release = await self._held_snapshot()
+                try:
+                    async for msg in self._messages(snap, worker_id):
+                        yield msg
+                finally:
+                    release()
+                held = snap.version
+                del snap  # not kept while waiting: a round closing during the send left these bytes to the holders
+            else:
+                for d in chain:
+                    async for msg in self._messages(d, worker_id):
+                        yield msg
+                    held = d.version
             if not request.follow:
                 return
 
-    async def _newest_snapshot(self, newest: int) -> Broadcast:
-        """The full snapshot of the newest version (`newest` when asked), made once off the event loop (a lossy
-        codec's is a model-sized copy of the shadow) and shared by every watcher."""
-        cached = self._snapshot
-        if cached is None or cached[0] != newest:
-            cached = (newest, asyncio.ensure_future(self._blocking(self.state.snapshot_broadcast)))
-            self._snapshot = cached
-        return await asyncio.shield(cached[1])
+    async def _held_snapshot(self) -> tuple[Broadcast, Callable[[], None]]:
+        """`CoordinatorState.snapshot_broadcast` off the event loop; a watch cancelled while it is taken lets go of
+        the hold once it is (else the next round would copy Θ̂ for nobody)."""
+        job = asyncio.ensure_future(self._blocking(self.state.snapshot_broadcast))
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:
+            job.add_done_callback(_release_unsent)
+            raise
+
+    async def _messages(self, b: Broadcast, worker_id: str) -> AsyncIterator[coordinator_pb2.ParametersChunk]:
+        """One broadcast's messages: its header (with `worker_id`'s plan), then its bytes in chunks."""
+        async with self._send.slot():  # the header is built in the slot too: it is the loop's work
+            first = coordinator_pb2.ParametersChunk(header=self._header(b))
+            if worker_id:
+                first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+            yield first
+        for part in chunks(b.data, chunk_bytes=self.chunk_bytes):
+            async with self._send.slot():
+                yield coordinator_pb2.ParametersChunk(data=bytes(part))  # a copy of one chunk, while sent
+            self.state.count_sent(len(part))
 
     def _held_header(self, pub: Published, checksum: int, worker_id: str) -> coordinator_pb2.ParametersHeader:
         """The header that tells a watcher it holds the current version `pub` (crc32 `checksum`): no payload."""

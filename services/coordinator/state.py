@@ -7,7 +7,7 @@ No gRPC here: the servicer turns protos into the domain types below and calls th
 
 Control calls never wait on bulk work (ALGORITHM.md section 9). Locks, always taken in this order:
 - `work` (re-entrant): the tensors (merge buffer, parameters, outer state, broadcast shadow). Held to fold a
-  pseudo-gradient in, to step and encode a closed round, to encode a full snapshot of the shadow, and to copy the
+  pseudo-gradient in, to step and encode a closed round, to hold a full snapshot of the shadow, and to copy the
   parameters for a checkpoint or an evaluation.
 - `lock`: the core's bookkeeping (registry, ledger, round policy) and everything else here; held only briefly,
   never for tensor work. Status, plans, registration and throughput reports take only this lock.
@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ from diloco.core.coordinator import (
     WorkPlan,
 )
 from diloco.core.energy import PauseDelay, Policy, PolicyConfig, PowerSource, decide
+from diloco.core.holds import Holds
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
 from diloco.core.uploads import (
@@ -221,7 +222,7 @@ class CoordinatorState:
         self.fingerprint = fingerprint
         self.codec = codec
         self.numel = core.params.numel()
-        # uploads are held encoded (in reused buffers), measured on arrival, decoded again by the merge
+        # uploads are held encoded (in buffers reused within a round), measured on arrival, decoded again by the merge
         self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
         self.uploads = Uploads(
             UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
@@ -259,6 +260,7 @@ class CoordinatorState:
         self._round_seconds: dict[str, float] = {}  # under `work`: where the last round's close spent its time
         self.broadcast_codec = broadcast_codec
         self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
+        self._params_holds = Holds()  # readers of Θ outside `work` (`hold_params`: the evaluation)
         self._published = Published(core.version, self.epoch, (), core.finished)
         self._refresh_gauges()
         # the fleet's counters go on from the book's totals (a checkpoint's, when resumed from one)
@@ -565,6 +567,12 @@ class CoordinatorState:
         if closed is None:
             return None
         started = time.perf_counter()
+        # idle upload buffers go back to the system: the close is the coordinator's peak (the momentum, the merge
+        # buffer and the shadow's update beside Θ), and idle buffers would sit beside it; within a round they are
+        # reused as uploads come and go
+        self.buffers.drop_idle()
+        if self._params_holds.let_go():  # Θ is being read (evaluated): this round steps a copy, the reader keeps Θ
+            self.core.params = self.core.params.clone()
         applied = self.core.step(closed)
         stepped = time.perf_counter()
         if self.on_stepped is not None:
@@ -681,6 +689,13 @@ class CoordinatorState:
         self.log.info("eval.done", version=version, val_loss=round(loss, 6), eval_tokens=tokens)
 
     # --- parameters -----------------------------------------------------------------------------------------------
+    def hold_params(self) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Θ (`core.params`) as it is now, for the caller holding `work`, and the function to call (once, from any
+        thread) when done reading it: until then no round writes that tensor (one closing meanwhile steps a copy,
+        which becomes `core.params`), so it is read without `work` and without a copy of its own."""
+        with self.work:
+            return self.core.params, self._params_holds.hold()
+
     def published(self) -> Published:
         return self._published  # one reference, replaced whole under the lock: reading it needs no lock
 
@@ -702,18 +717,19 @@ class CoordinatorState:
         finished = pub.finished and d.version == pub.version
         return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
 
-    def snapshot_broadcast(self) -> Broadcast:
-        """The shadow of the newest version in full. Lossy broadcasts: a copy of `Θ̂` (which moves with every
-        round), made under `work` (heavy: it waits behind a round or an upload being folded in); fp32 ones: the
-        bytes made with the version."""
+    def snapshot_broadcast(self) -> tuple[Broadcast, Callable[[], None]]:
+        """The shadow of the newest version in full, and the function to call once it is sent. Lossy broadcasts: a
+        view of `Θ̂` itself (no copy), held until released (a round closing meanwhile writes the next `Θ̂` into a new
+        tensor: `BroadcastShadow.hold`), taken under `work` (it waits behind a round or an upload being folded in);
+        fp32 ones: the bytes made with the version."""
         if self.shadow.lossy:
             with self.work:
-                snap = self.shadow.snapshot()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
-                data = torch.frombuffer(snap.data, dtype=torch.uint8).clone().numpy().data  # releases the GIL
+                snap, release = self.shadow.hold()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
                 with self.lock:
-                    return replace(self._snapshot_locked(snap), data=data)
+                    return self._snapshot_locked(snap), release
         with self.lock:
-            return self._snapshot_locked(self.shadow.snapshot())
+            snap, release = self.shadow.hold()
+            return self._snapshot_locked(snap), release
 
     def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
         ids = self._applied_by_version.get(snap.version, ())
