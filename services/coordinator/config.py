@@ -427,7 +427,8 @@ _SERVICE_FLAGS: list[Flag] = [
         "--replication-log",
         int,
         0,
-        "round-log entries kept for hot standbys to catch up from (0: no replication service)",
+        "round-log entries kept for hot standbys to catch up from (0: no replication service); each holds a "
+        "model-sized fp32 update, so the leader's memory grows by K model sizes: keep K small for large models",
     ),
     (
         "--sync-replicas",
