@@ -358,6 +358,28 @@ def test_a_leader_that_took_over_behind_the_versions_received_makes_the_learner_
     assert core.next_action(1.0) == FetchPlan()
 
 
+@pytest.mark.parametrize("applied_by_new_leader", [False, True])
+def test_a_takeover_settles_the_accepted_submission_the_learner_waits_for(applied_by_new_leader: bool) -> None:
+    """The old leader accepted the learner's submission for round 3 and died before closing it. A new leader at
+    version 2 never applies it (its ledger rolled the cursors back): the learner resyncs instead of waiting for
+    round 3, which it would do for good (no submission while one waits: the job stalled at quorum). A new leader
+    at version 3 holds that round: the submission is applied, and the learner goes on."""
+    core = started()
+    train(core, H)
+    submit(core)
+    core.upload_accepted(1.0, "p-1", 3)
+    assert not core.can_submit
+    at = 3 if applied_by_new_leader else 2
+    core.params_arrived(1.0, at, 9, plan((0, 1, H * TOK), (1, 1, 100)))
+    assert core.worker_id == "w1" and core.coordinator_epoch == 9
+    if applied_by_new_leader:
+        assert core.can_submit and core.next_action(1.0) == Rebase(3)
+    else:
+        assert state(core) is LearnerState.RESYNCING
+        assert core.next_action(1.0) == Load(2, 0, reset_codec=True)
+        assert core.next_action(1.0) == FetchPlan() and core.can_submit
+
+
 def test_retryable_failures_change_nothing_but_the_give_up_clock() -> None:
     core = started()
     assert core.rpc_failed(1.0, Rpc.GET_WORK_PLAN, "UNAVAILABLE") is Reaction.FAILOVER

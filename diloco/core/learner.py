@@ -21,7 +21,7 @@ States (`LearnerState`) and what moves between them (`[Action]`: what `next_acti
     any registered --session_ended / REREGISTER / another epoch without a plan---> UNREGISTERED
     any registered --a higher epoch with this learner's plan (a standby took over, knowing it): the learner
                      adopts the epoch and stays registered; when the new leader is behind the versions it
-                     received -------------------------------------------------> RESYNCING
+                     received, or lacks the round of the accepted submission it waits for ----> RESYNCING
     any            --stop() or a broadcast that says finished--------------------> DRAINING
     DRAINING       --[Wait] for the upload in flight (until the drain deadline), [Submit] the unsent steps (not
                      after finished), [Deregister]-------------------------------> DONE
@@ -403,11 +403,17 @@ class LearnerCore:
     def _taken_over(self, now: float, version: int, coordinator_epoch: int) -> None:
         """A new leader (`coordinator_epoch`, higher) took this registration over with the learner table and is
         at `version`: stay registered under its epoch. If it is behind a version this learner received (its
-        standby did not hold it), what was trained since is void: resync onto `version`."""
+        standby did not hold it), or this learner waits for the round of a submission the old leader accepted and
+        the new one does not hold, what was trained since is void: resync onto `version`."""
         self.coordinator_epoch = coordinator_epoch
         self.detail = f"coordinator epoch {coordinator_epoch} took this learner over at version {version}"
-        if version < self.latest_version:
+        if self.awaiting is not None and self.awaiting_round is not None and self.awaiting_round <= version:
+            self.awaiting = self.awaiting_round = None  # its round is in the new leader's history: applied
+        # an accepted submission whose round the new leader does not hold is void there (its ledger rolled the
+        # cursors back to committed) and would never be applied: waiting for it would stop this learner for good
+        if version < self.latest_version or self.awaiting is not None:
             self.latest_version = version - 1  # `version` is the newest known again
+            self.awaiting = self.awaiting_round = None
             self._apply(now, Reaction.RESYNC, self.detail)
 
     def plan_received(self, now: float, plan: WorkPlan) -> None:
