@@ -319,12 +319,21 @@ class HaCluster:
         self.killed.add(r.name)
         at = time.time()
         self.cluster.kill(r.name)
+        self._gone(r)
         return at
 
     def stop_replica(self, r: Replica) -> None:
         """SIGTERM (a standby exits 0); the supervisor starts it again."""
         self.killed.add(r.name)
         self.cluster.stop_child(r.name, grace_s=15)
+        self._gone(r)
+
+    def _gone(self, r: Replica) -> None:
+        """`r`'s process exited: read the rest of its log, then forget what it held as a standby, which says
+        nothing of its next incarnation (else a stopped standby counted as in step with a leader that went on
+        publishing without it, until the next incarnation's first line was read)."""
+        self.pump()
+        r.held = None
 
     def status(self, r: Replica, timeout_s: float = 3.0) -> coordinator_pb2.GetStatusResponse:
         with channel(r.address) as ch:
