@@ -176,9 +176,11 @@ def test_a_refused_delta_changes_nothing() -> None:
     assert d1 is not None
     decoded = get_codec("int8").decode(d1.data, d1.meta)
     held = f.params
+    assert held is not None
+    before = held.clone()
     assert f.delta(1, 0, decoded, d1.checksum ^ 1) is Refusal.CHECKSUM
     assert f.delta(2, 1, decoded, d1.checksum) is Refusal.NO_BASE  # not for the version held
-    assert f.version == 0 and f.params is held
+    assert f.version == 0 and f.params is held and torch.equal(bits(held), bits(before))
     assert not isinstance(f.delta(1, 0, decoded, d1.checksum), Refusal)
     assert f.delta(1, 0, decoded, d1.checksum) is Refusal.NO_BASE  # the same delta again: never applied twice
     assert f.version == 1
@@ -203,6 +205,42 @@ def test_a_delta_added_window_by_window_as_it_decodes_is_bit_identical(codec: st
     got = f.finish_delta(applying, d1.checksum)
     assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow)) and f.version == 1
     assert f.begin_delta(1, 0) is Refusal.NO_BASE  # never applied twice
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_fused_advance_is_bit_identical_to_decoding_the_bytes_sent(codec: str) -> None:
+    numel = (1 << 18) + 77  # several fused slabs, a short last block
+    thetas = walk(numel, 1)
+    base = thetas[0].clone()
+    base[::7] = -0.0  # a rounded -0.0 added to a -0.0 would give -0.0 where the decoder's 0.0 gives 0.0
+    target = thetas[1].clone()
+    target[::7] = -1e-9
+    target[:128] = base[:128]  # an all-zero block
+    shadow = BroadcastShadow(base, 0, codec)
+    d1 = shadow.advance(target, 1)
+    assert d1 is not None
+    decoded = get_codec(codec).decode(d1.data, d1.meta)
+    assert torch.equal(bits(shadow.shadow), bits(base + decoded))
+    assert d1.checksum == params_checksum(shadow.shadow) and d1.base_checksum == params_checksum(base)
+
+
+def test_windows_out_of_order_give_the_same_version_and_checksum() -> None:
+    numel = 10_000
+    thetas = walk(numel, 1)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    d1 = shadow.advance(thetas[1], 1)
+    assert d1 is not None
+    decoded = get_codec("int8").decode(d1.data, d1.meta)
+    f = BroadcastFollower()
+    held = thetas[0].clone()
+    f.snapshot(0, held)
+    applying = f.begin_delta(1, 0)
+    assert not isinstance(applying, Refusal)
+    applying.dense(6000, decoded[6000:])  # not the next window: the base is copied first, then added in place
+    applying.dense(0, decoded[:6000])
+    assert torch.equal(bits(held), bits(thetas[0]))  # the held base is never written
+    got = f.finish_delta(applying, d1.checksum)
+    assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow))
 
 
 def test_non_finite_parameters_fall_back_to_a_snapshot() -> None:

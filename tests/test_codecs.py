@@ -458,6 +458,37 @@ def test_decayed_feedback_bounds_the_residual_of_a_repeated_delta() -> None:
         ErrorFeedback(codec, 10, decay=1.5)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("block_size", [16, 128, 4096])
+@pytest.mark.parametrize("numel", [1, 15, 1001, (1 << 17) + 77])
+def test_fused_encode_toward_is_bit_identical_to_the_plain_path(name: str, block_size: int, numel: int) -> None:
+    codec = get_codec(name, block_size=block_size)
+    g = torch.Generator().manual_seed(numel)
+    shadow = torch.randn(numel, generator=g)
+    params = shadow + 1e-3 * torch.randn(numel, generator=g)
+    shadow[::7] = -0.0  # rounded to -0.0: the decoder's 0.0 keeps Θ̂'s -0.0 a 0.0 after the add
+    params[::7] = -1e-9
+    params[::11] = shadow[::11]
+    params[:block_size] = shadow[:block_size]  # an all-zero block
+    fused, plain = torch.empty(numel), torch.empty(numel)
+    data, meta, crc = codec.encode_toward(params, shadow, fused)
+    plain_data, plain_meta, plain_crc = Codec.encode_toward(codec, params, shadow, plain)  # sub, encode, decode, add
+    assert bytes(data) == bytes(plain_data) and meta == plain_meta and crc == plain_crc
+    assert torch.equal(fused.view(torch.int32), plain.view(torch.int32))
+    assert crc == zlib.crc32(fused.numpy().tobytes())
+    in_place = shadow.clone()
+    codec.encode_toward(params, in_place, in_place)
+    assert torch.equal(in_place.view(torch.int32), fused.view(torch.int32))
+
+
+def test_encode_toward_checks_its_buffers() -> None:
+    codec = get_codec("int8")
+    with pytest.raises(CodecError, match="one size"):
+        codec.encode_toward(torch.zeros(4), torch.zeros(4), torch.zeros(5))
+    with pytest.raises(CodecError, match="contiguous 1-D float32"):
+        codec.encode_toward(torch.zeros(4), torch.zeros(4, dtype=torch.float64), torch.zeros(4))
+
+
 def test_encode_and_subtract_needs_a_contiguous_cpu_target() -> None:
     codec = get_codec("int8", block_size=16)
     with pytest.raises(CodecError, match="works in place"):

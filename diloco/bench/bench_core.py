@@ -123,9 +123,10 @@ def bench_broadcast(
     numel: int, repeats: int = 3, codec: str = DEFAULT_BROADCAST_CODEC, seed: int = 0
 ) -> dict[str, Any]:
     """The broadcast path of one version (ALGORITHM.md section 10), as the services run it: the coordinator's
-    `BroadcastShadow.advance` (encode `Θ − Θ̂` once, decode it, `Θ̂ += D(q)`, crc32 of `Θ̂`, scratch lent as the
-    merge buffer is) and one learner applying it (`BroadcastFollower.begin_delta`: a copy of its `Θ̂`, the payload
-    decoded window by window into it, `finish_delta`: its crc32), against a `copy_` of the vector."""
+    `BroadcastShadow.advance` (encode `Θ − Θ̂` once, `Θ̂ += D(q)`, crc32 of `Θ̂`: fused slab by slab, scratch lent as
+    the merge buffer is) and one learner applying it (`BroadcastFollower.begin_delta`: the payload decoded window by
+    window and added to its `Θ̂` into a new tensor, crc32 chained; `finish_delta`), against a `copy_` of the
+    vector."""
     gen = torch.Generator().manual_seed(seed)
     theta = torch.randn(numel, generator=gen)
     dst = torch.empty_like(theta)

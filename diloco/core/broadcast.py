@@ -1,9 +1,11 @@
 """Compressed broadcasts with downlink error feedback (ALGORITHM.md section 10). Pure: no gRPC, no clock.
 
 The coordinator holds a shadow `Θ̂` of what it has sent. Publishing version v encodes `q_v = Q(Θ_v − Θ̂)` with the
-broadcast codec and sets `Θ̂ ← Θ̂ + D(q_v)`, where `D(q_v)` is decoded from the very bytes sent, by the decoder every
-learner runs (`Codec.decode`), and added with one fp32 `add` in the same order: a learner that held `Θ̂_{v−1}` and
-applies `q_v` holds exactly `Θ̂_v`, bit for bit. The residual `Θ − Θ̂` is carried into the next broadcast.
+broadcast codec and sets `Θ̂ ← Θ̂ + D(q_v)`, where `D(q_v)` is what every learner's decoder makes of the very bytes sent,
+added with one fp32 `add` in the same order: a learner that held `Θ̂_{v−1}` and applies `q_v` holds exactly `Θ̂_v`,
+bit for bit. Both sides work slab by slab in cache (`Codec.encode_toward`, `ApplyingDelta`): the difference, the
+decoded values and the checksum never take a pass over model-sized memory of their own. The residual `Θ − Θ̂` is
+carried into the next broadcast.
 
 `BroadcastShadow` (coordinator side) keeps the last `history` encoded deltas, at most `history_bytes_ratio`
 (default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from zlib_ng.zlib_ng import crc32
 
-from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec, iter_chunks
+from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec
 from diloco.core.holds import Holds
 
 __all__ = [
@@ -164,29 +166,24 @@ class BroadcastShadow:
             self._reset(params, version)
             return None
         assert self._shadow is not None
-        if scratch is not None and scratch.shape == self._shadow.shape and scratch.device.type == "cpu":
-            work = scratch
-        else:
-            if self._scratch is None:
+        if scratch is None or scratch.shape != self._shadow.shape or scratch.device.type != "cpu":
+            if self._scratch is None and not self.codec.blockwise:  # blockwise codecs need no model-sized scratch
                 self._scratch = torch.empty_like(self._shadow)
-            work = self._scratch
-        torch.sub(params.detach().to("cpu", torch.float32).reshape(-1), self._shadow, out=work)
+            scratch = self._scratch
+        theta = params.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        held = self._holds.let_go()  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same adds)
+        target = torch.empty_like(self._shadow) if held else self._shadow
         try:
-            data, meta = self.codec.encode(work)
+            # q = Q(Θ − Θ̂), Θ̂ + D(q) decoded from the very bytes sent, and its crc32: one fused pass where the codec
+            # has one (blockwise codecs), else with a model-sized scratch
+            data, meta, checksum = self.codec.encode_toward(theta, self._shadow, target, scratch)
         except CodecError:
             self._reset(params, version)
             return None
-        decoder = self.codec.decoder(meta, work)  # D(q): exactly what a learner decodes
-        for chunk in iter_chunks(data):  # a chunk at a time, as learners receive it: no payload-sized temporaries
-            decoder.feed(chunk)
-        decoder.finish()
         base_checksum = self.checksum
-        if self._holds.let_go():  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same adds)
-            self._shadow = torch.add(self._shadow, work)
-        else:
-            self._shadow.add_(work)
+        self._shadow = target
         self.version, self._snapshot = version, None
-        self.checksum = params_checksum(self._shadow)
+        self.checksum = checksum
         return Delta(version, version - 1, data, meta, self.checksum, base_checksum)
 
     def record(self, delta: Delta | None) -> None:
@@ -299,32 +296,67 @@ class BroadcastFollower:
     def begin_delta(self, version: int, base: int) -> ApplyingDelta | Refusal:
         """Start applying the delta from `base` to `version` as it is decoded: hand the returned window sink to
         the decoder (`Codec.decoder(meta, sink=...)`), then `finish_delta`. No decoded copy of the delta is made:
-        each window is added into a copy of the held `Θ̂` (the same fp32 adds as `delta`)."""
+        each window is added to the held `Θ̂` into a new tensor (the same fp32 adds as `delta`); the held one is
+        left as it is until the checksum passes."""
         if self.params is None or self.version is None or base != self.version or version != base + 1:
             return Refusal.NO_BASE
-        return ApplyingDelta(version, base, self.params.clone())
+        return ApplyingDelta(version, base, self.params)
 
     def finish_delta(self, applying: ApplyingDelta, checksum: int) -> torch.Tensor | Refusal:
         """The delta is complete (its payload verified): adopt `Θ̂_version` if its checksum matches."""
         if self.version != applying.base:
             return Refusal.NO_BASE
-        if params_checksum(applying.new) != checksum:
+        new = applying.result()
+        if applying.checksum() != checksum:
             return Refusal.CHECKSUM
-        self.version, self.params = applying.version, applying.new
-        return applying.new
+        self.version, self.params = applying.version, new
+        return new
 
 
-@dataclass
 class ApplyingDelta:
-    """A window sink (`diloco.core.codecs.WindowSink`) adding a delta's decoded windows into `new`, a copy of
-    `Θ̂_base` that becomes `Θ̂_version`."""
+    """A window sink (`diloco.core.codecs.WindowSink`) building `Θ̂_version` = `Θ̂_base` + the delta's decoded
+    windows in a new tensor, without touching `Θ̂_base` (`base_params`). Windows that come in order, each right
+    after the last (as the dense decoders hand them over), are added into place straight from the base, and the
+    crc32 of the new bytes is chained while they are in cache: no copy of the base first, no checksum pass after.
+    Anything else (a window out of order, sparse entries) copies the rest of the base first and adds in place."""
 
-    version: int
-    base: int
-    new: torch.Tensor
+    def __init__(self, version: int, base: int, base_params: torch.Tensor) -> None:
+        self.version = version
+        self.base = base
+        self._base_params = base_params
+        self._new = torch.empty_like(base_params)
+        self._filled: int | None = 0  # new[:filled] is final and chained into _crc; None: new is whole
+        self._crc = 0
 
     def dense(self, start: int, values: torch.Tensor) -> None:
-        self.new[start : start + values.numel()].add_(values)
+        end = start + values.numel()
+        if start != self._filled:
+            self._copy_rest()
+        if self._filled is None:
+            self._new[start:end].add_(values)
+            return
+        window = torch.add(self._base_params[start:end], values, out=self._new[start:end])
+        self._crc = crc32(window.numpy().data.cast("B"), self._crc)
+        self._filled = end
 
     def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
-        self.new.index_add_(0, index, values)
+        self._copy_rest()
+        self._new.index_add_(0, index, values)
+
+    def _copy_rest(self) -> None:
+        """Make `new` whole: the base's values where no window has come yet."""
+        if self._filled is not None:
+            self._new[self._filled :].copy_(self._base_params[self._filled :])
+            self._filled = None
+
+    def result(self) -> torch.Tensor:
+        """`Θ̂_version`, once every window has come."""
+        if self._filled != self._new.numel():
+            self._copy_rest()
+        return self._new
+
+    def checksum(self) -> int:
+        """`params_checksum(self.result())`, from the chain when the windows came in order."""
+        if self._filled == self._new.numel():
+            return self._crc
+        return params_checksum(self.result())

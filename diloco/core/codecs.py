@@ -86,6 +86,8 @@ MAX_TOPK_NUMEL = 1 << 32  # indices are uint32
 
 # elements per step of the encode loops: large enough for few Python steps, small enough to stay in cache
 _SLAB = 1 << 20
+# elements per step of `encode_toward`: its two fp32 scratch slabs and the slabs it reads and writes stay in L2
+_FUSED_SLAB = 1 << 17
 _PARALLEL_CRC_MIN_BYTES = 8 << 20
 _TOPK_SAMPLED_MIN_NUMEL = 1 << 18  # below this, plain torch.topk is fast enough
 _TOPK_SAMPLE = 1 << 18
@@ -465,6 +467,36 @@ class Codec(ABC):
         target.sub_(self.decode(data, meta))
         return data, meta
 
+    def encode_toward(
+        self, params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
+        """Encode `params − shadow` and write `shadow + D(q)` into `out` (`shadow` itself or another buffer; D is
+        this codec's decoder, fed the very bytes), bit for bit what a receiver holding `shadow` gets when it
+        decodes the payload and adds it with one fp32 add. Returns the payload, its meta and the crc32 of `out`'s
+        fp32 bytes. All three are contiguous 1-D float32 CPU tensors of one size; on a `CodecError` `out` holds
+        garbage. This plain version works in `scratch` (model-sized, else allocated); blockwise codecs fuse it."""
+        self._check_toward(params, shadow, out)
+        if scratch is None or scratch.shape != params.shape or scratch.device.type != "cpu":
+            scratch = torch.empty_like(params)
+        work = torch.sub(params, shadow, out=scratch)
+        data, meta = self.encode(work)
+        decoder = self.decoder(meta, work)
+        for chunk in iter_chunks(data):  # a chunk at a time, as receivers get it: no payload-sized temporaries
+            decoder.feed(chunk)
+        decoder.finish()
+        torch.add(shadow, work, out=out)
+        return data, meta, crc32(out.numpy().data.cast("B"))
+
+    @staticmethod
+    def _check_toward(params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor) -> None:
+        for t in (params, shadow, out):
+            if t.dtype != torch.float32 or t.dim() != 1 or t.device.type != "cpu" or not t.is_contiguous():
+                raise CodecError("encode_toward takes contiguous 1-D float32 CPU tensors")
+        if not params.numel() == shadow.numel() == out.numel() >= 1:
+            raise CodecError(
+                f"encode_toward needs vectors of one size, got {params.numel()}, {shadow.numel()}, {out.numel()}"
+            )
+
     def _finish(
         self, parts: Sequence[bytes | memoryview], numel: int, block_size: int = 0, topk_count: int = 0
     ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
@@ -609,11 +641,52 @@ class _BlockCodec(Codec):
         data = payload.data
         return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs)
 
+    def encode_toward(
+        self, params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
+        """Fused slab by slab, while each slab is in cache: the plain path's bits without its model-sized passes.
+        q * scale is what the decoder computes from the nibble or byte (an exact whole number times the scale),
+        with a rounded -0.0 made 0.0 as the decoder has it (q + 0.0: every other value unchanged). No model-sized
+        scratch is needed: `scratch` is not used."""
+        numel = params.numel()
+        self._check_toward(params, shadow, out)
+        bs = self.block_size
+        blocks, full = -(-numel // bs), numel // bs * bs
+        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
+        scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
+        values = torch.from_numpy(payload[4 * blocks :])
+        diff = torch.empty(min(_FUSED_SLAB, full), dtype=torch.float32)
+        scratch = torch.empty_like(diff)
+        crc = 0
+        for start in range(0, full, _FUSED_SLAB):
+            end = min(start + _FUSED_SLAB, full)
+            x = torch.sub(params[start:end], shadow[start:end], out=diff[: end - start]).view(-1, bs)
+            first, at = start // bs, self._packed_bytes(start)
+            work = scratch[: end - start].view(-1, bs)
+            block_scales = scales[first : first + x.shape[0]]
+            self._quantize(x, work, block_scales, False, values[at : at + self._packed_bytes(end - start)])
+            decoded = work.mul_(block_scales[:, None]).add_(0.0).view(-1)
+            torch.add(shadow[start:end], decoded, out=out[start:end])
+            crc = crc32(out[start:end].numpy().data.cast("B"), crc)
+        if full < numel:  # the short last block, padded with zeros as `_encode` does
+            padded = torch.zeros(1, bs, dtype=torch.float32)
+            torch.sub(params[full:], shadow[full:], out=padded[0, : numel - full])
+            packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
+            work = torch.empty_like(padded)
+            self._quantize(padded, work, scales[-1:], False, packed)
+            values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(numel - full)])
+            decoded = work.mul_(scales[-1:, None]).add_(0.0).view(-1)[: numel - full]
+            torch.add(shadow[full:], decoded, out=out[full:])
+            crc = crc32(out[full:].numpy().data.cast("B"), crc)
+        _check_finite(bool(torch.isfinite(scales).all()), self.name)
+        data = payload.data
+        return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs), crc
+
     def _quantize(
         self, x: torch.Tensor, work: torch.Tensor, scales: torch.Tensor, subtract: bool, out: torch.Tensor
     ) -> None:
         """Quantize the blocks `x` (rows) into `out` (their packed bytes, uint8), writing their scales; `work` is
-        scratch of x's shape."""
+        scratch of x's shape, left holding the rounded values q (with subtract, q * scale)."""
         # max |x| per block as max(max x, -min x): two reductions that only read x (abs would write a copy first);
         # the same values, NaN propagating; abs_ makes an all-zero block's -0.0 a 0.0
         amax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_()).abs_()
