@@ -136,6 +136,19 @@ def test_int4_layout_packs_low_nibble_first_with_odd_padding() -> None:
     assert meta.encoded_bytes == encoded_size("int4", 17, 16) == 4 * 2 + 9
 
 
+@pytest.mark.parametrize("block_size", [16, 4096])
+def test_int4_decodes_every_nibble_as_the_layout_says(block_size: int) -> None:
+    numel = 2 * codecs._UNPACK_STEP + 3 * block_size + 5  # several decoder steps and a short last block
+    codec = get_codec("int4", block_size=block_size)
+    data, meta = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(3)))
+    blocks = -(-numel // block_size)
+    raw = np.frombuffer(bytes(data), dtype=np.uint8)
+    scales = raw[: 4 * blocks].view("<f4")
+    nibbles = np.stack([raw[4 * blocks :] & 15, raw[4 * blocks :] >> 4], axis=1).reshape(-1)[:numel]
+    expected = (nibbles.astype(np.float32) - np.float32(8)) * np.repeat(scales, block_size)[:numel]
+    assert np.array_equal(codec.decode(data, meta).numpy().view(np.int32), expected.view(np.int32))
+
+
 def test_topk_layout_is_ascending_index_value_records() -> None:
     _, data, meta = _encode("topk", [0.0, 5.0, -1.0, -9.0, 2.0], topk_fraction=0.4)
     assert data == struct.pack("<IfIf", 1, 5.0, 3, -9.0)
