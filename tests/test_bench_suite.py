@@ -37,7 +37,7 @@ def rows_of(readme: str, first_cells: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # every section once (quick); it ran past 600 s while other jobs shared the 2 cores
+@pytest.mark.timeout(600)
 def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict[str, Any]]) -> None:
     out, results = quick
     readme = (out / "README.md").read_text()
