@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.metrics import Metrics
-from services.worker.uploader import Uploader, UploadJob
+from services.worker.uploader import ClosedChannel, Uploader, UploadJob
 
 
 class Refusing(coordinator_pb2_grpc.CoordinatorServicer):
@@ -71,3 +71,15 @@ def test_a_refusal_naming_the_leader_is_retried_at_once_there(serve: list[grpc.S
     assert len(hinted) == len(unhinted) == 5
     assert max(hinted) <= 0.1  # every try after a named leader starts the backoff afresh
     assert unhinted[-1] > 0.5  # without a name the delays grow: the same outage, seen again
+
+
+def test_a_closed_channel_error_reads_as_unavailable_and_nothing_else_does() -> None:
+    """The leader-following client closes a channel when it moves; a call already holding that channel's stub gets
+    grpc's ValueError, which killed the upload thread (seen in test_ha_failover: the learner then waited for its
+    upload for good). The uploader now reads it as UNAVAILABLE (`ClosedChannel`), retried at the address now
+    followed; any other ValueError is raised as before. (A call on a closed channel is not made here: with this grpc
+    build it can crash the test process.)"""
+    e = ClosedChannel.of(ValueError("Cannot invoke RPC on closed channel!"))
+    assert e.code() is grpc.StatusCode.UNAVAILABLE and "failover" in e.details()
+    with pytest.raises(ValueError, match="another fault"):
+        ClosedChannel.of(ValueError("not that, another fault"))

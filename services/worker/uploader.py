@@ -30,6 +30,28 @@ from services.worker.metrics import Metrics
 Response = coordinator_pb2.SubmitPseudoGradientResponse
 
 
+class ClosedChannel(grpc.RpcError):
+    """A call made on a channel that the leader-following client closed meanwhile (it moved to another address):
+    grpc raises ValueError for it. It means what UNAVAILABLE means: try again, at the address now followed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self._details = message
+
+    @staticmethod
+    def of(e: ValueError) -> ClosedChannel:
+        """The ValueError of a closed channel as a ClosedChannel; any other ValueError is raised again."""
+        if "closed channel" not in str(e):
+            raise e
+        return ClosedChannel(f"the channel was closed by a failover meanwhile ({e})")
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
 @dataclass(frozen=True)
 class UploadJob:
     header: coordinator_pb2.SubmissionHeader
@@ -93,7 +115,10 @@ class Uploader:
         while True:
             header.resume_offset = offset
             try:
-                resp = self._bulk(bulk_port, header, payload, offset) if bulk_port else self._grpc(header, payload)
+                try:
+                    resp = self._bulk(bulk_port, header, payload, offset) if bulk_port else self._grpc(header, payload)
+                except ValueError as e:
+                    raise ClosedChannel.of(e) from e
             except grpc.RpcError as e:  # a BulkError is one too, with the same codes
                 code = e.code().name
                 reaction = react(Rpc.SUBMIT, code)
@@ -144,6 +169,9 @@ class Uploader:
                 timeout=self.cfg.rpc_timeout_s,
             )
         except grpc.RpcError:
+            return 0
+        except ValueError as e:
+            ClosedChannel.of(e)  # re-raises anything else
             return 0
         return size if st.complete else min(size, max(0, st.received_bytes))
 
