@@ -63,6 +63,24 @@ V = TypeVar("V")
 # --- coordinator replicas (real processes) --------------------------------------------------------------------
 
 
+def ha_cluster_config(tmp_path: Path, outer_steps: int, min_quorum: int = 1) -> ClusterConfig:
+    """The HA multi-process tests' cluster: two learners slowed 2x of the tiny task, decoupled rounds, a checkpoint
+    every 2 rounds (the replicas are added with `spawn_replica`)."""
+    return ClusterConfig(
+        workers=2,
+        mode="decoupled",
+        slowdowns=(2.0, 2.0),
+        outer_steps=outer_steps,
+        local_steps=10,
+        min_local_steps=2,
+        min_quorum=min_quorum,
+        checkpoint_every=2,
+        run_dir=tmp_path / "run",
+        task_args=TINY_TASK_ARGS,
+        insecure=True,
+    )
+
+
 def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str, port: int = 0) -> Proc:
     """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task (`port`: the
     one it had, to start it again as a supervisor would)."""

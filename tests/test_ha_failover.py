@@ -24,7 +24,6 @@ import grpc
 import pytest
 
 from diloco.cluster import (
-    TINY_TASK_ARGS,
     ClusterConfig,
     LocalCluster,
     LogFollower,
@@ -38,26 +37,14 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, healthd_for_replicas, spawn_replica
+from tests.support import Events, ha_cluster_config, healthd_for_replicas, spawn_replica
 
 TARGET = 16
 
 
 @pytest.mark.timeout(150)
 def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, tmp_path: Path) -> None:
-    cfg = ClusterConfig(
-        workers=2,
-        mode="decoupled",
-        slowdowns=(2.0, 2.0),
-        outer_steps=TARGET,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=1,
-        checkpoint_every=2,
-        run_dir=tmp_path / "run",
-        task_args=TINY_TASK_ARGS,
-        insecure=True,
-    )
+    cfg = ha_cluster_config(tmp_path, TARGET)
     with LocalCluster(cfg) as cluster:
         ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
 
@@ -166,19 +153,7 @@ def test_a_submission_the_leader_took_before_it_crashed_is_answered_once_or_trai
     leader kills itself instead of answering the first submission it applied in round CRASH_ROUND or later
     (`applied`: with --sync-replicas 1 the standby holds that round) or the first it accepted into such a round
     (`accepted`: the round is open, only the dead leader held it)."""
-    cfg = ClusterConfig(
-        workers=2,
-        mode="decoupled",
-        slowdowns=(2.0, 2.0),
-        outer_steps=12,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=2,
-        checkpoint_every=2,
-        run_dir=tmp_path / "run",
-        task_args=TINY_TASK_ARGS,
-        insecure=True,
-    )
+    cfg = ha_cluster_config(tmp_path, 12, min_quorum=2)
     with LocalCluster(cfg) as cluster:
         ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
         fault = ("--fault-crash-before-answer", f"{kind}@{CRASH_ROUND}")

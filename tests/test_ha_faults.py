@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from diloco.cluster import (
-    TINY_TASK_ARGS,
     ClusterConfig,
     LocalCluster,
     LogFollower,
@@ -35,7 +34,7 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, healthd_for_replicas, spawn_replica
+from tests.support import Events, ha_cluster_config, healthd_for_replicas, spawn_replica
 
 TARGET = 14
 # fenced at once after SIGCONT (its lease ran out while it was frozen), then: 1 s drain, final checkpoint, a bounded
@@ -54,19 +53,7 @@ class Pair:
 
 
 def config(tmp_path: Path) -> ClusterConfig:
-    return ClusterConfig(
-        workers=2,
-        mode="decoupled",
-        slowdowns=(2.0, 2.0),
-        outer_steps=TARGET,
-        local_steps=10,
-        min_local_steps=2,
-        min_quorum=1,
-        checkpoint_every=2,
-        run_dir=tmp_path / "run",
-        task_args=TINY_TASK_ARGS,
-        insecure=True,
-    )
+    return ha_cluster_config(tmp_path, TARGET)
 
 
 def start(cluster: LocalCluster, etcd: EtcdServer) -> Pair:
