@@ -192,16 +192,17 @@ def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
     coords = Coordinators(cfg.coordinators, cfg.security, who="worker", log=lambda: _Log(), clock=lambda: now[0])
     try:
         assert coords.address == a and coords.addresses == (a, b, c)
-        coords.failover("connection refused")
+        assert coords.failover("connection refused", tried=a)  # True: the next try goes elsewhere
         assert coords.address == b
-        coords.failover("connection refused")  # the same outage seen by another thread: not moved again
-        assert coords.address == b
+        # the same outage seen by another thread: not moved again, but its next try goes to another address too
+        assert coords.failover("connection refused", tried=a) and coords.address == b
+        assert not coords.failover("connection refused", tried=b)  # within the dwell: b again, backoff grows
         now[0] += MIN_DWELL_S
-        coords.failover("")
+        assert coords.failover("", tried=b)
         assert coords.address == c
         coords.failover(f"not the leader; leader is at {a}")  # a named leader: at once
         assert coords.address == a and coords.moves == 3
-        coords.failover(f"not the leader; leader is at {a}")  # already there
+        assert not coords.failover(f"not the leader; leader is at {a}", tried=a)  # already there
         assert coords.address == a and coords.moves == 3
         assert callable(coords.Register)  # the RPCs are the current stub's
     finally:

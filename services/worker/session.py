@@ -63,11 +63,14 @@ class Broadcast:
     plan: WorkPlan | None
     applied: tuple[str, ...]
     finished: bool
+    bulk_port: int | None = None  # the sending coordinator's bulk port (0: none); None: not a learner's header
 
     @classmethod
     def from_proto(cls, worker_id: str, h: coordinator_pb2.ParametersHeader) -> Broadcast:
         plan = plan_from_proto(h.plan, h.version) if h.HasField("plan") else None
-        return cls(worker_id, h.version, h.coordinator_epoch, plan, tuple(h.applied_submission_ids), h.finished)
+        bulk_port = h.bulk_port if plan is not None else None
+        applied = tuple(h.applied_submission_ids)
+        return cls(worker_id, h.version, h.coordinator_epoch, plan, applied, h.finished, bulk_port)
 
 
 def plan_from_proto(p: common_pb2.WorkPlan, version: int) -> WorkPlan:
