@@ -41,6 +41,7 @@ import base64
 import contextlib
 import json
 import math
+import re
 import ssl
 import threading
 from dataclasses import dataclass
@@ -408,7 +409,8 @@ class EtcdElection:
 def tls_refused(where: str, err: requests.exceptions.SSLError) -> EtcdTlsRefused:
     """What a failed handshake means, and which file to check."""
     text = str(err)
-    reason = text[text.find("[SSL") :].split(" (_ssl")[0] if "[SSL" in text else text[-200:]
+    found = re.search(r"\[SSL[^\]]*\][^(')]*|EOF occurred in violation of protocol", text)
+    reason = found.group(0).strip() if found else text[-200:]
     if "WRONG_VERSION_NUMBER" in text:
         return EtcdTlsRefused(f"{where}: TLS: etcd does not speak TLS there ({reason}); give its http:// address")
     if "CERTIFICATE_VERIFY_FAILED" in text:
