@@ -270,7 +270,7 @@ class LeadershipDriver:
                 self._emit(self._machine.resign_failed(now))
             # CAMPAIGN: reported by _campaign
         n = self._failures[action] = self._failures.get(action, 0) + 1
-        fields = {"action": action.value, "failures_in_a_row": n, "error": str(err)}
+        fields = {"action": action.value, "failures_in_a_row": n, "error": str(err), "etcd": self._election.endpoint}
         if n == 1:
             self._log.warning("leadership.call_failed", **fields)
         else:

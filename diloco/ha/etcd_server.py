@@ -17,6 +17,7 @@ that can be killed and restarted on its own.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -148,6 +149,20 @@ class EtcdServer:
         except OSError:
             return False
 
+    def status(self) -> dict[str, object]:
+        """This member's answer to etcd's maintenance status call (its id in header.member_id, its raft leader's in
+        leader; ids as strings)."""
+        context = self.tls.context() if self.tls else None
+        req = urllib.request.Request(f"{self.url}/v3/maintenance/status", data=b"{}", method="POST")
+        with urllib.request.urlopen(req, timeout=2.0, context=context) as r:
+            reply: dict[str, object] = json.loads(r.read())
+            return reply
+
+    def member_id(self) -> str:
+        header = self.status()["header"]
+        assert isinstance(header, dict)
+        return str(header["member_id"])
+
     def kill(self) -> None:
         """SIGKILL and reap; idempotent."""
         proc, self.proc = self.proc, None
@@ -211,6 +226,21 @@ class EtcdCluster:
     def member_at(self, endpoint: str) -> EtcdServer:
         """The member serving HOST:PORT."""
         return next(m for m in self.members if f"{m.host}:{m.port}" == endpoint)
+
+    def raft_leader(self) -> EtcdServer | None:
+        """The member the running members name as their raft leader (None: they do not agree on a running one)."""
+        named = {m.member_id(): m for m in self.members if m.proc is not None}
+        leaders = {m.status().get("leader") for m in named.values()}
+        return named.get(str(leaders.pop())) if len(leaders) == 1 else None
+
+    def lead_first(self) -> EtcdServer:
+        """Order the members so that the raft leader comes first (the endpoint a replica given `urls` uses until it
+        fails); returns it."""
+        leader = self.raft_leader()
+        if leader is None:
+            raise RuntimeError("the members do not agree on a raft leader")
+        self.members.sort(key=lambda m: m is not leader)
+        return leader
 
     def stop(self) -> None:
         for m in self.members:

@@ -207,7 +207,8 @@ class HaReplica:
     # --- duties ---------------------------------------------------------------------------------------------
     def _follow(self, address: str) -> None:
         self._stop_follower()
-        follower, chan = follower_from(replace(self.cfg, etcd="", follow=address, replica_id=self.replica_id))
+        cfg = replace(self.cfg, etcd="", etcd_ca_file="", etcd_cert_file="", etcd_key_file="")  # a --follow standby
+        follower, chan = follower_from(replace(cfg, follow=address, replica_id=self.replica_id))
         follower.on_acked = self._acked  # in step with a leader: may take over
         self._follower, self._channel, self._following = follower, chan, address
         follower.start()
