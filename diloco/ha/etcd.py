@@ -102,16 +102,19 @@ class EtcdTls:
         if bool(self.cert_file) != bool(self.key_file):
             given, missing = ("--etcd-cert-file", "--etcd-key-file")[:: 1 if self.cert_file else -1]
             raise ConfigError(f"{given} is given without {missing}: give both (the client certificate and its key)")
-        self.context()
+        self._check_files()
 
     @property
     def client_cert(self) -> tuple[str, str] | None:
         return (self.cert_file, self.key_file) if self.cert_file else None
 
-    def context(self) -> ssl.SSLContext:
-        """An SSL context of these files (the check made at construction); `ConfigError` naming the flag of the
-        file that cannot be read or is not what it should be."""
-        for flag, path in (("--etcd-ca-file", self.ca_file), *_pair_flags(self.client_cert)):
+    def _check_files(self) -> None:
+        """Load the files as a client would; `ConfigError` naming the flag of the file that cannot be read or is not
+        what it should be (a CA certificate; a certificate and its own key)."""
+        files = [("--etcd-ca-file", self.ca_file)]
+        if self.cert_file:
+            files += [("--etcd-cert-file", self.cert_file), ("--etcd-key-file", self.key_file)]
+        for flag, path in files:
             try:
                 with open(path, "rb"):
                     pass
@@ -129,11 +132,6 @@ class EtcdTls:
                     f"--etcd-cert-file/--etcd-key-file: {self.cert_file!r} and {self.key_file!r} are not a PEM "
                     f"certificate and its own private key ({e})"
                 ) from e
-        return ctx
-
-
-def _pair_flags(cert: tuple[str, str] | None) -> tuple[tuple[str, str], ...]:
-    return () if cert is None else (("--etcd-cert-file", cert[0]), ("--etcd-key-file", cert[1]))
 
 
 @dataclass(frozen=True)
