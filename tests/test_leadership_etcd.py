@@ -468,3 +468,18 @@ def test_plain_http_to_an_https_etcd_fails_at_once(etcd_tls: EtcdServer) -> None
         assert time.monotonic() - started < election.cfg.call_timeout_s
     finally:
         election.close()
+
+
+def test_https_to_a_plain_http_etcd_fails_at_once(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """etcd closes a TLS handshake on its plain HTTP port as it does one without a client certificate: the message
+    names both causes."""
+    write_bundle(tmp_path / "pki", clients=[], hosts=("127.0.0.1",), tokens=False)
+    files = EtcdTls(str(tmp_path / "pki" / "ca.pem"))
+    election = EtcdElection(EtcdConfig(host=etcd_server.host, port=etcd_server.port, key=KEY, tls=files))
+    try:
+        started = time.monotonic()
+        with pytest.raises(EtcdTlsRefused, match=r"etcd refused the handshake .*or etcd serves plain HTTP there"):
+            election.observe()
+        assert time.monotonic() - started < election.cfg.call_timeout_s
+    finally:
+        election.close()

@@ -389,7 +389,7 @@ class EtcdElection:
             reply = client.post(client.get_url(path), json=body)
         except etcd_errors.ConnectionFailedError as e:
             if isinstance(e.__context__, requests.exceptions.SSLError):  # etcd3gw wraps what requests raised
-                return tls_refused(where, e.__context__)
+                return _tls_refused(where, e.__context__)
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.ConnectionTimeoutError as e:
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
@@ -404,13 +404,11 @@ class EtcdElection:
         return reply
 
 
-def tls_refused(where: str, err: requests.exceptions.SSLError) -> EtcdTlsRefused:
+def _tls_refused(where: str, err: requests.exceptions.SSLError) -> EtcdTlsRefused:
     """What a failed handshake means, and which file to check."""
     text = str(err)
     found = re.search(r"\[SSL[^\]]*\][^(')]*|EOF occurred in violation of protocol", text)
     reason = found.group(0).strip() if found else text[-200:]
-    if "WRONG_VERSION_NUMBER" in text:
-        return EtcdTlsRefused(f"{where}: TLS: etcd does not speak TLS there ({reason}); give its http:// address")
     if "CERTIFICATE_VERIFY_FAILED" in text:
         return EtcdTlsRefused(
             f"{where}: TLS: etcd's certificate is not trusted ({reason}); --etcd-ca-file must be the CA that signed "
@@ -418,5 +416,6 @@ def tls_refused(where: str, err: requests.exceptions.SSLError) -> EtcdTlsRefused
         )
     return EtcdTlsRefused(
         f"{where}: TLS: etcd refused the handshake ({reason}); with --client-cert-auth it needs --etcd-cert-file and "
-        "--etcd-key-file: a client certificate signed by a CA in etcd's --trusted-ca-file"
+        "--etcd-key-file: a client certificate signed by a CA in etcd's --trusted-ca-file (or etcd serves plain HTTP "
+        "there: give its http:// address)"
     )
