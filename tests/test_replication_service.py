@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from services.coordinator import checkpoint
 from services.coordinator.replication import LOG_CHUNK_BYTES, data_message, digest_to_proto, read_message
 from services.coordinator.server import CoordinatorServer
 from services.coordinator.standby import StandbyConfig, StandbyFollower
-from tests.support import Env, T, code_of, config, gauge, make_upload, pb, register, submit, wait_for
+from tests.support import Env, T, code_of, config, gauge, make_upload, pb, register, requests, submit, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 State = tuple[torch.Tensor, dict[str, Any]]
@@ -257,6 +258,72 @@ def test_a_run_of_degraded_versions_is_logged_once_and_counted_each(
         assert (restored["version"], restored["degraded_versions"], restored["quiet_versions"]) == (4, 3, 2)
         assert gauge(env, "degraded_versions_total") == 3
         assert len([r for r in logs if r["event"] == "replication.degraded"]) == 1
+
+
+def held_submission(env: Env, leader: Leader) -> tuple[threading.Thread, list[object]]:
+    """A submission closing a round, sent on a thread of its own (a held round answers it late): the thread, and
+    what it got (the response or the RpcError)."""
+    leader.n += 1
+    h, data, _ = make_upload(env, leader.reg, f"{leader.ids}{leader.n}", seed=leader.n)
+    got: list[object] = []
+
+    def send() -> None:
+        try:
+            got.append(env.stub.SubmitPseudoGradient(iter(requests(h, data)), timeout=60))
+        except grpc.RpcError as e:
+            got.append(e)
+
+    thread = threading.Thread(target=send, name="held-submission", daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_waiting_for_a_standby_a_version_is_held_until_a_new_standby_holds_it(
+    start: Callable[..., Env], followers: Callable[..., Follower]
+) -> None:
+    """--when-no-standby wait, no standby: the round's version is not published and its submission not answered,
+    however long (here past the 1 s ack timeout); the time held is counted as it passes. A standby that joins then
+    gets its snapshot (taken by the round holding the tensors) and acknowledges; the version goes out."""
+    with structlog.testing.capture_logs() as logs:
+        env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=1.0, when_no_standby="wait")
+        leader = Leader(env)
+        thread, got = held_submission(env, leader)
+        wait_for("the round to be held", lambda: any(r["event"] == "replication.holding" for r in logs), 20.0)
+        wait_for("1.5 s held, counted", lambda: (gauge(env, "held_seconds_total") or 0.0) >= 1.5, 20.0)
+        assert env.server.state.published().version == 0 and not got, "a held version reached learners"
+        assert gauge(env, "holding") == 1 and gauge(env, "held_versions_total") == 1
+        f = followers(env)
+        thread.join(30)
+        (resp,) = got
+        assert isinstance(resp, pb.SubmitPseudoGradientResponse) and resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED
+        assert resp.version == 1 and env.server.state.published().version == 1 and f.f.version == 1
+        (released,) = [r for r in logs if r["event"] == "replication.released"]
+        assert released["version"] == 1 and released["acked"] == ["standby-1"] and released["held_s"] >= 1.5
+        assert gauge(env, "holding") == 0 and gauge(env, "degraded_versions_total") == 0
+        assert not [r for r in logs if r["event"] == "replication.degraded"]
+        leader._keep()
+        f.reach(1)
+        assert same_bits(f.states[1], leader.states[1])
+        leader.round()  # followed now: acknowledged, published at once
+        assert gauge(env, "held_versions_total") == 1
+
+
+def test_a_held_version_is_withheld_when_the_coordinator_stops(start: Callable[..., Env]) -> None:
+    """Stopping while a version is held: it is never published, and the submission that closed its round is told to
+    resend (UNAVAILABLE), not that it was applied."""
+    with structlog.testing.capture_logs() as logs:
+        env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=1.0, when_no_standby="wait")
+        leader = Leader(env)
+        thread, got = held_submission(env, leader)
+        wait_for("the round to be held", lambda: any(r["event"] == "replication.holding" for r in logs), 20.0)
+        env.server.stop(0)
+        thread.join(30)
+        (err,) = got
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "resend" in (err.details() or "")
+        assert env.server.state.published().version == 0 and env.server.core.version == 1
+        assert [r["version"] for r in logs if r["event"] == "replication.withheld"] == [1]
+        assert [r["version"] for r in logs if r["event"] == "round.unpublished"] == [1]
 
 
 def test_a_stalled_standby_costs_one_bounded_wait(start: Callable[..., Env]) -> None:
