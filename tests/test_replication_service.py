@@ -22,6 +22,7 @@ import structlog
 import torch
 from google.protobuf.message import DecodeError
 
+from diloco.cluster import LogFollower, LogLine
 from diloco.core.replication import digest
 from diloco.rpc.server import channel
 from diloco.task.factory import Fingerprint
@@ -31,7 +32,20 @@ from services.coordinator import checkpoint
 from services.coordinator.replication import LOG_CHUNK_BYTES, data_message, digest_to_proto, read_message
 from services.coordinator.server import CoordinatorServer
 from services.coordinator.standby import StandbyConfig, StandbyFollower
-from tests.support import Env, T, code_of, config, gauge, make_upload, pb, register, requests, submit, wait_for
+from tests.support import (
+    Env,
+    T,
+    code_of,
+    config,
+    gauge,
+    make_upload,
+    pb,
+    register,
+    requests,
+    scrape,
+    submit,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(90)
 State = tuple[torch.Tensor, dict[str, Any]]
@@ -412,6 +426,54 @@ def test_python_m_services_coordinator_follow_of_another_task_exits_2_naming_wha
     )
     assert proc.returncode == 2, proc.stderr
     assert "refused this standby" in proc.stderr and "model" in proc.stderr
+
+
+def test_a_follow_standby_serves_its_role_version_lag_and_epoch_on_its_metrics_port(
+    start: Callable[..., Env], tmp_path: Path
+) -> None:
+    """`python -m services.coordinator --follow ... --metrics-port 0`: a real standby process, scraped over HTTP."""
+    env = start(replication_log=4)
+    leader = Leader(env)
+    leader.round()
+    task = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4"]
+    args = ["--follow", env.server.address, "--insecure", "--replica-id", "s-metrics", "--metrics-port", "0"]
+    log = tmp_path / "standby.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.coordinator", *args, *task, "--max-bytes", "400000", "--shards", "8"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        events = LogFollower(log)
+        lines: list[LogLine] = []
+
+        def started() -> LogLine | None:
+            lines.extend(events.read())
+            assert proc.poll() is None, [x.fields for x in lines]
+            return next((x for x in lines if x.event == "standby.started"), None)
+
+        port = int(str(wait_for("the standby to start", started, 60.0).fields["metrics_port"]))
+        assert port > 0
+
+        def at(version: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+            m = scrape(port)
+            return m if m.get(("diloco_standby_version", ())) == version else None
+
+        m = wait_for("the standby to report version 1", lambda: at(1), 60.0)
+        role = {labels[0][1]: v for (name, labels), v in m.items() if name == "diloco_replica_role"}
+        assert role == {"leader": 0.0, "standby": 1.0, "candidate": 0.0}
+        assert m[("diloco_standby_epoch", ())] == float(env.server.state.epoch)
+        assert m[("diloco_standby_lag_versions", ())] == 0
+        assert m[("diloco_standby_snapshots_total", ())] == 1 and m[("diloco_standby_resyncs_total", ())] == 0
+        assert not [k for k in m if k[0].startswith("diloco_coordinator_")], "a standby serves no leader metrics"
+        leader.round()
+        leader.round()
+        m = wait_for("the standby to report version 3", lambda: at(3), 30.0)
+        assert m[("diloco_standby_lag_versions", ())] == 0 and m[("diloco_standby_snapshots_total", ())] == 1
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
 
 
 # --- the data messages' bytes -------------------------------------------------------------------------------------
