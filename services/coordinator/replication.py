@@ -8,10 +8,12 @@ Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just bef
 broadcast is encoded: all run holding the state's `work` lock, before the new version is published.
 `round_stepped` builds the entry (the bookkeeping read under the state's `lock`), appends it and wakes the
 streams, which send it while the leader encodes its broadcast; `round_applied`, with `sync_replicas` > 0, then
-waits, still holding `work`, until the standbys acknowledged it or the wait ends (`SyncGate`): while it waits,
-uploads are not folded in (control calls go on). Snapshots for standbys
-are copied under `work` on the coordinator's work executor, never on the event loop; the log's own condition
-(`_cond`) is a leaf lock.
+waits, still holding `work`, until the standbys acknowledged it or the wait ends (`SyncGate`; with
+`--when-no-standby wait` it ends only with the acks, or when the log stops: the version is then withheld): while it
+waits, uploads are not folded in (control calls go on). Snapshots for standbys are copied under `work` on a thread of
+their own, never on the event loop; while a round holds `work` waiting, that round's thread copies them for the
+standbys that ask (a standby joining then could otherwise never acknowledge the version held). The log's own
+condition (`_cond`) is a leaf lock.
 
 Epoch. The coordinator epoch is the log's: under etcd leadership (`--etcd`) it is the leadership epoch; without
 it, a new one at every start, so a restarted leader's messages are newer than its previous incarnation's and a
