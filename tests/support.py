@@ -16,6 +16,7 @@ import math
 import queue
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.cli.ctl import state_name
 from diloco.cluster import (  # noqa: F401  (wait_for and the rest are re-exported for the tests)
@@ -93,6 +95,17 @@ def spawn_replica(cluster: LocalCluster, etcd: EtcdServer | EtcdCluster, name: s
         args += ["--etcd-ca-file", str(tls.ca_file)]
         args += ["--etcd-cert-file", str(pki / "coordinator.pem"), "--etcd-key-file", str(pki / "coordinator.key")]
     return cluster.start_replica(name, ",".join(m.url for m in members), port=port, args=args)
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The samples of a Prometheus endpoint on this machine: (name, labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def healthd_for_replicas(cluster: LocalCluster, *names: str) -> dict[str, int]:

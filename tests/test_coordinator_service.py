@@ -685,6 +685,9 @@ def test_parse_reads_flags_with_env_fallbacks() -> None:
     crash = parse(["--fault-crash-before-answer", "accepted@7", "--insecure"], {}).crash_fault()
     assert crash == CrashFault(applied=False, round=7) and crash.matches(False, 8) and not crash.matches(True, 8)
     assert parse(["--insecure"], {}).crash_fault() is None
+    replicated = ["--replication-log", "2", "--sync-replicas", "1", "--insecure"]
+    assert parse(replicated, {"DILOCO_WHEN_NO_STANDBY": "wait"}).when_no_standby == "wait"
+    assert parse(replicated, {}).when_no_standby == "publish"
 
 
 @pytest.mark.parametrize(
@@ -699,6 +702,8 @@ def test_parse_reads_flags_with_env_fallbacks() -> None:
         (["--fault-crash-before-answer", "applied"], {}, "--fault-crash-before-answer"),
         (["--fault-crash-before-answer", "dropped@3"], {}, "--fault-crash-before-answer"),
         ([], {"DILOCO_FAULT_CRASH_BEFORE_ANSWER": "accepted@0"}, "--fault-crash-before-answer"),
+        (["--when-no-standby", "maybe"], {}, "when_no_standby"),
+        (["--when-no-standby", "wait", "--replication-log", "2"], {}, "--sync-replicas"),
     ],
 )
 def test_bad_configuration_names_the_field(argv: list[str], env: dict[str, str], field: str) -> None:

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from diloco.cli.main import main
 from diloco.cluster import (
@@ -31,7 +29,7 @@ from diloco.cluster import (
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, spawn_replica
+from tests.support import Events, scrape, spawn_replica
 
 TARGET = 1000  # not reached: the test ends once the new leader has made rounds of its own
 
@@ -41,17 +39,6 @@ def ctl(capsys: pytest.CaptureFixture[str], addresses: str, *args: str) -> tuple
     code = main(["ctl", "--coordinator", addresses, "--insecure", "--json", *args])
     out = capsys.readouterr()
     return code, json.loads(out.out) if code == 0 else None, out.err
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The samples of a Prometheus endpoint: (name, labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
 
 
 @pytest.mark.timeout(150)

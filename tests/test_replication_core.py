@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import zlib
 from typing import Any
 
@@ -17,6 +18,7 @@ from diloco.core.coordinator import Accepted, CoordinatorConfig, CoordinatorCore
 from diloco.core.ledger import ShardRange
 from diloco.core.outer import OuterConfig
 from diloco.core.replication import (
+    WHEN_NO_STANDBY,
     Digest,
     EntryMeta,
     Gate,
@@ -28,6 +30,7 @@ from diloco.core.replication import (
     Snapshot,
     Standby,
     SyncGate,
+    WhenNoStandby,
     digest,
 )
 from diloco.core.rounds import RoundConfig
@@ -584,6 +587,25 @@ def test_a_standby_that_misses_the_deadline_is_not_waited_for_until_it_catches_u
     assert g.decide(3, since=4.0, now=4.0).gate is Gate.WAIT  # caught up: waited for again
     g.unfollow("a")
     assert g.decide(3, since=4.0, now=4.0).gate is Gate.DEGRADED
+
+
+def test_waiting_for_a_standby_the_gate_holds_where_it_would_degrade_until_one_acknowledges() -> None:
+    """--when-no-standby wait: no follower, or the timeout passed, is HOLD with no deadline (never DEGRADED), and
+    the version goes out once enough standbys hold it, one that joined meanwhile included."""
+    g = SyncGate(required=1, timeout_s=2.0, when_no_standby=WhenNoStandby.WAIT)
+    g.appended(1)
+    d = g.decide(1, since=0.0, now=0.0)
+    assert d.gate is Gate.HOLD and d.deadline == math.inf and d.missing == ()
+    g.follow("a")
+    assert g.decide(1, since=0.0, now=1.0).gate is Gate.WAIT  # within the timeout: the usual bounded wait
+    d = g.decide(1, since=0.0, now=100.0)
+    assert d.gate is Gate.HOLD and d.missing == ("a",) and g.replicas()[0].lagging
+    g.ack("a", 1)
+    assert g.decide(1, since=0.0, now=100.0).gate is Gate.PUBLISH
+    g.unfollow("a")
+    g.appended(2)
+    assert g.decide(2, since=200.0, now=10_000.0).gate is Gate.HOLD
+    assert WHEN_NO_STANDBY == ("publish", "wait") and SyncGate(1, 1.0).when_no_standby is WhenNoStandby.PUBLISH
 
 
 # --- the spare a standby steps on ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ import structlog
 import torch
 from google.protobuf.message import DecodeError
 
+from diloco.cluster import LogFollower, LogLine
 from diloco.core.replication import digest
 from diloco.rpc.server import channel
 from diloco.task.factory import Fingerprint
@@ -30,7 +32,20 @@ from services.coordinator import checkpoint
 from services.coordinator.replication import LOG_CHUNK_BYTES, data_message, digest_to_proto, read_message
 from services.coordinator.server import CoordinatorServer
 from services.coordinator.standby import StandbyConfig, StandbyFollower
-from tests.support import Env, T, code_of, config, gauge, make_upload, pb, register, submit, wait_for
+from tests.support import (
+    Env,
+    T,
+    code_of,
+    config,
+    gauge,
+    make_upload,
+    pb,
+    register,
+    requests,
+    scrape,
+    submit,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(90)
 State = tuple[torch.Tensor, dict[str, Any]]
@@ -259,6 +274,72 @@ def test_a_run_of_degraded_versions_is_logged_once_and_counted_each(
         assert len([r for r in logs if r["event"] == "replication.degraded"]) == 1
 
 
+def held_submission(env: Env, leader: Leader) -> tuple[threading.Thread, list[object]]:
+    """A submission closing a round, sent on a thread of its own (a held round answers it late): the thread, and
+    what it got (the response or the RpcError)."""
+    leader.n += 1
+    h, data, _ = make_upload(env, leader.reg, f"{leader.ids}{leader.n}", seed=leader.n)
+    got: list[object] = []
+
+    def send() -> None:
+        try:
+            got.append(env.stub.SubmitPseudoGradient(iter(requests(h, data)), timeout=60))
+        except grpc.RpcError as e:
+            got.append(e)
+
+    thread = threading.Thread(target=send, name="held-submission", daemon=True)
+    thread.start()
+    return thread, got
+
+
+def test_waiting_for_a_standby_a_version_is_held_until_a_new_standby_holds_it(
+    start: Callable[..., Env], followers: Callable[..., Follower]
+) -> None:
+    """--when-no-standby wait, no standby: the round's version is not published and its submission not answered,
+    however long (here past the 1 s ack timeout); the time held is counted as it passes. A standby that joins then
+    gets its snapshot (taken by the round holding the tensors) and acknowledges; the version goes out."""
+    with structlog.testing.capture_logs() as logs:
+        env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=1.0, when_no_standby="wait")
+        leader = Leader(env)
+        thread, got = held_submission(env, leader)
+        wait_for("the round to be held", lambda: any(r["event"] == "replication.holding" for r in logs), 20.0)
+        wait_for("1.5 s held, counted", lambda: (gauge(env, "held_seconds_total") or 0.0) >= 1.5, 20.0)
+        assert env.server.state.published().version == 0 and not got, "a held version reached learners"
+        assert gauge(env, "holding") == 1 and gauge(env, "held_versions_total") == 1
+        f = followers(env)
+        thread.join(30)
+        (resp,) = got
+        assert isinstance(resp, pb.SubmitPseudoGradientResponse) and resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED
+        assert resp.version == 1 and env.server.state.published().version == 1 and f.f.version == 1
+        (released,) = [r for r in logs if r["event"] == "replication.released"]
+        assert released["version"] == 1 and released["acked"] == ["standby-1"] and released["held_s"] >= 1.5
+        assert gauge(env, "holding") == 0 and gauge(env, "degraded_versions_total") == 0
+        assert not [r for r in logs if r["event"] == "replication.degraded"]
+        leader._keep()
+        f.reach(1)
+        assert same_bits(f.states[1], leader.states[1])
+        leader.round()  # followed now: acknowledged, published at once
+        assert gauge(env, "held_versions_total") == 1
+
+
+def test_a_held_version_is_withheld_when_the_coordinator_stops(start: Callable[..., Env]) -> None:
+    """Stopping while a version is held: it is never published, and the submission that closed its round is told to
+    resend (UNAVAILABLE), not that it was applied."""
+    with structlog.testing.capture_logs() as logs:
+        env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=1.0, when_no_standby="wait")
+        leader = Leader(env)
+        thread, got = held_submission(env, leader)
+        wait_for("the round to be held", lambda: any(r["event"] == "replication.holding" for r in logs), 20.0)
+        env.server.stop(0)
+        thread.join(30)
+        (err,) = got
+        assert isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.UNAVAILABLE
+        assert "resend" in (err.details() or "")
+        assert env.server.state.published().version == 0 and env.server.core.version == 1
+        assert [r["version"] for r in logs if r["event"] == "replication.withheld"] == [1]
+        assert [r["version"] for r in logs if r["event"] == "round.unpublished"] == [1]
+
+
 def test_a_stalled_standby_costs_one_bounded_wait(start: Callable[..., Env]) -> None:
     env = start(replication_log=4, sync_replicas=1, replica_ack_timeout_s=1.0)
     leader = Leader(env)
@@ -345,6 +426,54 @@ def test_python_m_services_coordinator_follow_of_another_task_exits_2_naming_wha
     )
     assert proc.returncode == 2, proc.stderr
     assert "refused this standby" in proc.stderr and "model" in proc.stderr
+
+
+def test_a_follow_standby_serves_its_role_version_lag_and_epoch_on_its_metrics_port(
+    start: Callable[..., Env], tmp_path: Path
+) -> None:
+    """`python -m services.coordinator --follow ... --metrics-port 0`: a real standby process, scraped over HTTP."""
+    env = start(replication_log=4)
+    leader = Leader(env)
+    leader.round()
+    task = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch-size", "4"]
+    args = ["--follow", env.server.address, "--insecure", "--replica-id", "s-metrics", "--metrics-port", "0"]
+    log = tmp_path / "standby.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.coordinator", *args, *task, "--max-bytes", "400000", "--shards", "8"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        events = LogFollower(log)
+        lines: list[LogLine] = []
+
+        def started() -> LogLine | None:
+            lines.extend(events.read())
+            assert proc.poll() is None, [x.fields for x in lines]
+            return next((x for x in lines if x.event == "standby.started"), None)
+
+        port = int(str(wait_for("the standby to start", started, 60.0).fields["metrics_port"]))
+        assert port > 0
+
+        def at(version: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+            m = scrape(port)
+            return m if m.get(("diloco_standby_version", ())) == version else None
+
+        m = wait_for("the standby to report version 1", lambda: at(1), 60.0)
+        role = {labels[0][1]: v for (name, labels), v in m.items() if name == "diloco_replica_role"}
+        assert role == {"leader": 0.0, "standby": 1.0, "candidate": 0.0}
+        assert m[("diloco_standby_epoch", ())] == float(env.server.state.epoch)
+        assert m[("diloco_standby_lag_versions", ())] == 0
+        assert m[("diloco_standby_snapshots_total", ())] == 1 and m[("diloco_standby_resyncs_total", ())] == 0
+        assert not [k for k in m if k[0].startswith("diloco_coordinator_")], "a standby serves no leader metrics"
+        leader.round()
+        leader.round()
+        m = wait_for("the standby to report version 3", lambda: at(3), 30.0)
+        assert m[("diloco_standby_lag_versions", ())] == 0 and m[("diloco_standby_snapshots_total", ())] == 1
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
 
 
 # --- the data messages' bytes -------------------------------------------------------------------------------------

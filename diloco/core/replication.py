@@ -39,7 +39,9 @@ standbys acknowledged v (or a newer version). Waiting is bounded: when fewer sta
 meet the requirement, or `timeout_s` passed since v was appended, v is published anyway (DEGRADED) and the
 standbys that did not answer in time are marked lagging: they are not waited for again until they catch up (ack
 the newest version appended at the time of the ack). So a stalled or slow standby costs one timeout, not one per
-round.
+round. That is the default choice of availability (`WhenNoStandby.PUBLISH`); with `WhenNoStandby.WAIT` (durability)
+the gate never publishes without the acknowledgements: where it would degrade it says HOLD, with no deadline, until
+enough standbys acknowledged v (a standby that joins meanwhile counts once it holds v).
 
 Byte layouts (little-endian; `n` = numel; crc32 = `zlib.crc32`):
 - entry payload: Δ (n float32) ‖ bookkeeping (UTF-8 JSON: {"core": ..., "applied": the round's outcomes, each
@@ -642,6 +644,17 @@ class Gate(enum.Enum):
     PUBLISH = "publish"  # enough standbys hold the version
     WAIT = "wait"  # wait for acks until `deadline`
     DEGRADED = "degraded"  # publish without them (too few following, or the timeout passed)
+    HOLD = "hold"  # do not publish without them, however long it takes (WhenNoStandby.WAIT)
+
+
+class WhenNoStandby(enum.Enum):
+    """What a leader does with a version when too few standbys can acknowledge it (`--when-no-standby`)."""
+
+    PUBLISH = "publish"  # availability: publish it degraded after the bounded wait
+    WAIT = "wait"  # durability: hold it back from learners until enough standbys acknowledged it
+
+
+WHEN_NO_STANDBY = tuple(w.value for w in WhenNoStandby)
 
 
 @dataclass(frozen=True)
@@ -673,13 +686,14 @@ class _Replica:
 class SyncGate:
     """Which standbys hold which version, and whether version v may be published (module docstring)."""
 
-    def __init__(self, required: int, timeout_s: float) -> None:
+    def __init__(self, required: int, timeout_s: float, when_no_standby: WhenNoStandby = WhenNoStandby.PUBLISH) -> None:
         if required < 0:
             raise ConfigError(f"sync replicas must be >= 0, got {required}")
         if not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ConfigError(f"replica ack timeout must be a finite number > 0, got {timeout_s}")
         self.required = required
         self.timeout_s = timeout_s
+        self.when_no_standby = when_no_standby
         self.newest = 0  # the newest version appended (what a lagging standby must reach)
         self._replicas: dict[str, _Replica] = {}
 
@@ -721,8 +735,9 @@ class SyncGate:
         return tuple(sorted(w for w, r in self._replicas.items() if r.acked >= version))
 
     def decide(self, version: int, since: float, now: float) -> GateDecision:
-        """May `version` (appended at `since`) be published at `now`? A DEGRADED decision marks the followers that
-        did not ack it as lagging (a transition: call it once per decision taken)."""
+        """May `version` (appended at `since`) be published at `now`? A DEGRADED or HOLD decision marks the
+        followers that did not ack it in time as lagging (a transition: call it once per decision taken; a HOLD may be
+        asked again, it only marks them again). HOLD names every follower not holding `version` yet."""
         acked = tuple(sorted(w for w, r in self._replicas.items() if r.acked >= version))
         if len(acked) >= self.required:
             return GateDecision(Gate.PUBLISH, acked, ())
@@ -731,4 +746,7 @@ class SyncGate:
             return GateDecision(Gate.WAIT, acked, waiting, since + self.timeout_s)
         for w in waiting:
             self._replicas[w].lagging = True
+        if self.when_no_standby is WhenNoStandby.WAIT:
+            behind = tuple(sorted(w for w, r in self._replicas.items() if r.acked < version))
+            return GateDecision(Gate.HOLD, acked, behind)
         return GateDecision(Gate.DEGRADED, acked, waiting)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
+
+
+@dataclass(frozen=True)
+class ServedMetrics:
+    """A registry someone already serves on `port` (`serve_metrics`): a service given one registers its metrics there
+    and binds no port of its own (a coordinator replica serves one port from its start, through its promotion)."""
+
+    registry: CollectorRegistry
+    port: int
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> tuple[Any, int]:

@@ -7,14 +7,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from prometheus_client import CollectorRegistry
 
 from diloco import log as logging
 from diloco.errors import ConfigError
 from diloco.heap import return_freed_memory
+from diloco.rpc.metrics import serve_metrics
 from diloco.rpc.server import tune_gc
 from diloco.signals import on_stop_signal
 from services.coordinator.config import CoordinatorServiceConfig, parse
 from services.coordinator.ha import HaReplica
+from services.coordinator.metrics import ReplicaCollector, ReplicaRole
 from services.coordinator.server import CoordinatorServer, load_carbon
 from services.coordinator.standby import follower_from
 
@@ -59,16 +62,28 @@ def _standby(cfg: CoordinatorServiceConfig, log: Any) -> int:
     except ConfigError as e:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2
+    registry = CollectorRegistry()
+    counts = lambda: (follower.snapshots, follower.resyncs)  # noqa: E731
+    registry.register(ReplicaCollector(lambda: ReplicaRole.STANDBY, follower.view, counts))
+    try:
+        metrics, metrics_port = serve_metrics(registry, cfg.host, cfg.metrics_port)
+    except OSError as e:
+        print(f"diloco coordinator: cannot serve metrics on port {cfg.metrics_port}: {e}", file=sys.stderr)
+        chan.close()
+        return 2
 
     def stop(name: str) -> None:
         log.info("coordinator.signal", signal=name)
         follower.stop()
 
     on_stop_signal(stop, "standby-stop")
-    log.info("standby.started", leader=cfg.follow, replica_id=follower.cfg.replica_id)
+    log.info("standby.started", leader=cfg.follow, replica_id=follower.cfg.replica_id, metrics_port=metrics_port)
     follower.start()
     follower.wait()
     chan.close()
+    if metrics is not None:
+        metrics.shutdown()
+        metrics.server_close()
     if follower.failed:
         print(f"diloco coordinator: the leader refused this standby: {follower.failed}", file=sys.stderr)
         return 2

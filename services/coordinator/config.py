@@ -22,6 +22,7 @@ from diloco.core.energy import POLICY_NAMES, Policy, PolicyConfig, parse_policy
 from diloco.core.guard import GuardConfig, adamw_move_bound
 from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
+from diloco.core.replication import WHEN_NO_STANDBY, WhenNoStandby
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
 from diloco.flags import Flag, config_from_flags, parse_bool
@@ -138,6 +139,8 @@ class CoordinatorServiceConfig:
     replication_log: int = 0  # round-log entries kept for hot standbys (diloco.v1.Replication); 0: none served
     sync_replicas: int = 0  # publish a version to learners only once this many standbys hold it (a bounded wait)
     replica_ack_timeout_s: float = 5.0  # the longest a round waits for standby acks before publishing anyway
+    # with too few standbys acknowledging: publish degraded (availability) or hold the version back (durability)
+    when_no_standby: str = WhenNoStandby.PUBLISH.value
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
     etcd: str = ""  # http(s)://HOST:PORT[,...] of etcd's members: campaign there (services/coordinator/ha.py)
@@ -213,6 +216,12 @@ class CoordinatorServiceConfig:
                 "sync_replicas needs the replication service: set replication_log (--replication-log) >= 1"
             )
         _float_min("replica_ack_timeout_s", self.replica_ack_timeout_s, 0.0, open_=True)
+        _choice("when_no_standby", self.when_no_standby, WHEN_NO_STANDBY)
+        if self.when_no_standby == WhenNoStandby.WAIT.value and not self.sync_replicas:
+            raise ConfigError(
+                "when_no_standby wait holds each version until --sync-replicas standbys acknowledged it: set "
+                "sync_replicas (--sync-replicas) >= 1, or use --when-no-standby publish"
+            )
         if not isinstance(self.follow, str) or (self.follow and ":" not in self.follow):
             raise ConfigError(f"follow must be HOST:PORT of the leading coordinator or '', got {self.follow!r}")
         if not isinstance(self.replica_id, str) or len(self.replica_id) > 256 or not self.replica_id.isprintable():
@@ -459,7 +468,16 @@ _SERVICE_FLAGS: list[Flag] = [
         "--replica-ack-timeout-s",
         float,
         5.0,
-        "longest a round waits for standby acks; then it is published anyway (replication.degraded)",
+        "longest a round waits for standby acks; then it is published anyway (replication.degraded), unless "
+        "--when-no-standby wait",
+    ),
+    (
+        "--when-no-standby",
+        str,
+        WhenNoStandby.PUBLISH.value,
+        "what a leader does with a version too few standbys acknowledged (--sync-replicas): publish (availability: "
+        "publish it degraded after --replica-ack-timeout-s) or wait (durability: hold it back from learners, however "
+        "long, until a standby acknowledges it; replication.holding / replication.released)",
     ),
     ("--follow", str, "", "HOST:PORT of the leading coordinator: run as its hot standby instead of serving"),
     ("--replica-id", str, "", "this replica's name ('': standby-<hostname>; with --etcd: coordinator-<host>-<port>)"),

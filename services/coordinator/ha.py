@@ -27,6 +27,11 @@ catching up in time, the step-down is refused (FAILED_PRECONDITION) and the lead
 While not leading, the replica serves a stand-in on its advertised port (`NotLeaderServer`): every Coordinator
 call gets UNAVAILABLE naming the leader, and health says NOT_SERVING, so a learner that reached a standby moves to
 the leader. The stand-in is stopped just before the server binds the same port.
+
+Metrics (`--metrics-port`): the replica binds the port once, at its start, and serves its own series whatever it
+does (`ReplicaCollector`: its role; while it follows, the version it applied, how far behind the leader it is, the
+epoch it follows; the snapshots and resyncs it took). A promoted server registers the leader's metrics in the same
+registry (`ServedMetrics`): the same port then serves them too, with no second bind.
 """
 
 from __future__ import annotations
@@ -41,15 +46,18 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry
 
 from diloco import log as logging
 from diloco.core.leadership import Duty, Handover, LeaderInfo, LeadershipConfig, duty
 from diloco.errors import FailedPrecondition, not_leader
 from diloco.ha.driver import LeadershipDriver
 from diloco.ha.etcd import EtcdElection
+from diloco.rpc.metrics import ServedMetrics, serve_metrics
 from diloco.rpc.status import details_of, status_of
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.metrics import ReplicaCollector, ReplicaRole, StandbyView
 from services.coordinator.replication import ReplicationLog
 from services.coordinator.server import SERVICE_NAME, CoordinatorServer
 from services.coordinator.standby import StandbyFollower, follower_from
@@ -148,6 +156,10 @@ class HaReplica:
         self._channel: grpc.Channel | None = None
         self._following = ""
         self._standin: NotLeaderServer | None = None
+        self._metrics_http: Any = None  # the metrics port's HTTP server (None: no --metrics-port)
+        self.served_metrics: ServedMetrics | None = None  # the registry served there and the port bound
+        self._counts_lock = threading.Lock()  # `_follower` and the counts of the followers before it
+        self._counted = (0, 0)  # snapshots and resyncs of the followers stopped so far
         self._stop = threading.Event()
         self._step_down_call = threading.Lock()  # one step-down at a time
         self._stepping_down = threading.Event()  # a step-down call is running: the replica does not retire yet
@@ -158,6 +170,36 @@ class HaReplica:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def role(self) -> ReplicaRole:
+        if self.server is not None:
+            return ReplicaRole.LEADER
+        return ReplicaRole.STANDBY if self._follower is not None else ReplicaRole.CANDIDATE
+
+    def _standby_view(self) -> StandbyView | None:
+        follower = self._follower
+        return follower.view() if follower is not None else None
+
+    def _standby_counts(self) -> tuple[int, int]:
+        with self._counts_lock:
+            (snapshots, resyncs), follower = self._counted, self._follower
+        if follower is not None:
+            snapshots, resyncs = snapshots + follower.snapshots, resyncs + follower.resyncs
+        return snapshots, resyncs
+
+    def _serve_metrics(self) -> None:
+        """Bind `--metrics-port` (if given) for the whole life of the replica (module docstring)."""
+        registry = CollectorRegistry()
+        registry.register(ReplicaCollector(self.role, self._standby_view, self._standby_counts))
+        server, port = serve_metrics(registry, self.cfg.host, self.cfg.metrics_port)
+        if server is not None:
+            self._metrics_http, self.served_metrics = server, ServedMetrics(registry, port)
+
+    def _stop_metrics(self) -> None:
+        server, self._metrics_http = self._metrics_http, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
 
     def hint(self) -> str:
         leader = self.driver.view().leader
@@ -170,13 +212,18 @@ class HaReplica:
 
     def run(self) -> int:
         try:
+            self._serve_metrics()
             self._standin = NotLeaderServer(self.cfg, self.hint)
         except OSError as e:  # before anything started: one line saying what to do, no traceback
-            self.log.error("replica.bind_failed", address=self.address, error=str(e))
+            self._stop_metrics()
+            self.log.error(
+                "replica.bind_failed", address=self.address, metrics_port=self.cfg.metrics_port, error=str(e)
+            )
             return EXIT_UNBOUND
         self._standin.start()
         self.driver.start()
-        self.log.info("replica.started", address=self.address, etcd=self.cfg.etcd)
+        port = self.served_metrics.port if self.served_metrics is not None else -1
+        self.log.info("replica.started", address=self.address, etcd=self.cfg.etcd, metrics_port=port)
         code = 0
         try:
             while not self._stop.wait(POLL_S):
@@ -235,6 +282,7 @@ class HaReplica:
             step_down=self.step_down,
             # a standby a leader vouched for holds its learner table: those learners need not register again
             adopt_learners=held is not None and self.in_step,
+            served_metrics=self.served_metrics,  # the same port goes on, now with the leader's metrics too
         )
         server.start()
         self.server, self.promoted_at = server, time.monotonic()
@@ -319,10 +367,13 @@ class HaReplica:
         """Stop following; write what the standby holds as a checkpoint (the server resumes from it). Returns the
         version it held."""
         follower, chan = self._follower, self._channel
-        self._follower, self._channel, self._following = None, None, ""
         if follower is None:
             return None
         follower.stop()
+        with self._counts_lock:  # its counts move to the totals as it goes (a counter never goes down)
+            snapshots, resyncs = self._counted
+            self._counted = (snapshots + follower.snapshots, resyncs + follower.resyncs)
+            self._follower, self._channel, self._following = None, None, ""
         if chan is not None:
             chan.close()
         version = follower.version
@@ -345,3 +396,4 @@ class HaReplica:
             self._standin.stop()
             self._standin = None
         self.driver.stop(resign=True)  # gives the key back only if it is still ours
+        self._stop_metrics()

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:  # replication imports the state, which imports this module
@@ -62,6 +64,20 @@ class CoordinatorMetrics:
             _PREFIX + "degraded_versions",
             "Versions published without the standby acknowledgements --sync-replicas asks for",
             registry=r,
+        )
+        self.held_versions = Counter(
+            _PREFIX + "held_versions",
+            "Versions held back from learners until a standby acknowledged them (--when-no-standby wait)",
+            registry=r,
+        )
+        self.held_seconds = Counter(
+            _PREFIX + "held_seconds",
+            "Seconds versions were held back from learners with too few standbys acknowledging (--when-no-standby "
+            "wait), counted as they pass",
+            registry=r,
+        )
+        self.holding = Gauge(
+            _PREFIX + "holding", "1 while a version is held back waiting for a standby, else 0", registry=r
         )
         self.quarantines = Counter(
             _PREFIX + "quarantines", "Learners quarantined after a refused (outlier, non-finite) submission", registry=r
@@ -159,5 +175,95 @@ class HaCollector(Collector):
                 "diloco_replica_lag_versions",
                 "Versions a standby following the round log is behind its newest entry",
                 labels=["replica"],
+            ),
+        )
+
+
+class ReplicaRole(enum.Enum):
+    """What a coordinator replica does now, as its metrics say it (`diloco_replica_role{role=...}`)."""
+
+    LEADER = "leader"  # it serves learners
+    STANDBY = "standby"  # it follows a leader's round log
+    CANDIDATE = "candidate"  # neither: no leader is known yet (it campaigns), or it is between two leaders
+
+
+@dataclass(frozen=True)
+class StandbyView:
+    """A standby as its own metrics show it: the version it applied (None: none yet), the newest version its leader
+    had appended when it last answered an acknowledgement (None: not known yet), the epoch of the log it follows,
+    and the snapshots it loaded and resyncs it asked for, since the process started."""
+
+    version: int | None
+    leader_version: int | None
+    epoch: int
+    snapshots: int
+    resyncs: int
+
+
+class ReplicaCollector(Collector):
+    """A replica's own series at scrape time, served from the replica's metrics port whatever it does: its role
+    (`diloco_replica_role{role=...}`, 1 for the current one, 0 for the others) and, from `standby()` (None: not
+    following now), `diloco_standby_version`, `diloco_standby_lag_versions` (versions behind the leader, once the
+    leader said its newest), `diloco_standby_epoch`, `diloco_standby_snapshots_total` and
+    `diloco_standby_resyncs_total` (those two also after a promotion: they never go down)."""
+
+    def __init__(
+        self,
+        role: Callable[[], ReplicaRole],
+        standby: Callable[[], StandbyView | None],
+        counts: Callable[[], tuple[int, int]],
+    ) -> None:
+        """`counts()`: (snapshots, resyncs) since the process started, also while not following."""
+        self._role = role
+        self._standby = standby
+        self._counts = counts
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families())
+
+    def collect(self) -> Iterator[Metric]:
+        role, version, lag, epoch, snapshots, resyncs = self._families()
+        now = self._role()
+        for r in ReplicaRole:
+            role.add_metric([r.value], 1.0 if r is now else 0.0)
+        taken, asked = self._counts()
+        snapshots.add_metric([], taken)
+        resyncs.add_metric([], asked)
+        yield from (role, snapshots, resyncs)
+        v = self._standby()
+        if v is None:
+            return
+        epoch.add_metric([], v.epoch)
+        yield epoch
+        if v.version is None:
+            return
+        version.add_metric([], v.version)
+        yield version
+        if v.leader_version is not None:
+            lag.add_metric([], max(0, v.leader_version - v.version))
+            yield lag
+
+    @staticmethod
+    def _families() -> tuple[
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        GaugeMetricFamily,
+        CounterMetricFamily,
+        CounterMetricFamily,
+    ]:
+        return (
+            GaugeMetricFamily(
+                "diloco_replica_role", "1 for what this coordinator replica does now, else 0", labels=["role"]
+            ),
+            GaugeMetricFamily("diloco_standby_version", "The version this standby applied (its leader's state)"),
+            GaugeMetricFamily(
+                "diloco_standby_lag_versions",
+                "Versions this standby is behind its leader's newest (as the leader last answered an acknowledgement)",
+            ),
+            GaugeMetricFamily("diloco_standby_epoch", "The coordinator epoch of the round log this standby follows"),
+            CounterMetricFamily("diloco_standby_snapshots", "Snapshots this replica loaded from a leader"),
+            CounterMetricFamily(
+                "diloco_standby_resyncs", "Times this replica refused an entry and asked its leader for a snapshot"
             ),
         )

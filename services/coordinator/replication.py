@@ -8,10 +8,12 @@ Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just bef
 broadcast is encoded: all run holding the state's `work` lock, before the new version is published.
 `round_stepped` builds the entry (the bookkeeping read under the state's `lock`), appends it and wakes the
 streams, which send it while the leader encodes its broadcast; `round_applied`, with `sync_replicas` > 0, then
-waits, still holding `work`, until the standbys acknowledged it or the wait ends (`SyncGate`): while it waits,
-uploads are not folded in (control calls go on). Snapshots for standbys
-are copied under `work` on the coordinator's work executor, never on the event loop; the log's own condition
-(`_cond`) is a leaf lock.
+waits, still holding `work`, until the standbys acknowledged it or the wait ends (`SyncGate`; with
+`--when-no-standby wait` it ends only with the acks, or when the log stops: the version is then withheld): while it
+waits, uploads are not folded in (control calls go on). Snapshots for standbys are copied under `work` on a thread of
+their own, never on the event loop; while a round holds `work` waiting, that round's thread copies them for the
+standbys that ask (a standby joining then could otherwise never acknowledge the version held). The log's own
+condition (`_cond`) is a leaf lock.
 
 Epoch. The coordinator epoch is the log's: under etcd leadership (`--etcd`) it is the leadership epoch; without
 it, a new one at every start, so a restarted leader's messages are newer than its previous incarnation's and a
@@ -38,12 +40,14 @@ from diloco.core.replication import (
     Digest,
     EntryMeta,
     Gate,
+    GateDecision,
     LogEntry,
     ReplicaLag,
     RoundLog,
     Snapshot,
     SnapshotMeta,
     SyncGate,
+    WhenNoStandby,
     digest,
 )
 from diloco.errors import FailedPrecondition, InvalidArgument
@@ -61,6 +65,8 @@ SERVICE_NAME = "diloco.v1.Replication"
 # default limit on a received message (4 MiB)
 LOG_CHUNK_BYTES = (4 << 20) - (1 << 10)
 _DATA_TAG = b"\x1a"  # LogMessage.data: field 3, length-delimited
+HOLD_COUNT_S = 1.0  # while a version is held (--when-no-standby wait), the held time is counted this often
+SNAPSHOT_RETRY_S = 0.05  # a snapshot asked for tries to take `work` this often (a round holding it takes it meanwhile)
 T = TypeVar("T")
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -204,6 +210,19 @@ def follow_log(channel: grpc.Channel) -> Callable[..., Any]:
 # --- the log ------------------------------------------------------------------------------------------------------
 
 
+class _SnapshotAsk:
+    """A snapshot a standby waits for: taken by whichever thread holds `work` first (`ReplicationLog.snapshot`)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.snapshot: Snapshot | None = None
+
+    def give(self, snapshot: Snapshot) -> None:
+        if not self.done.is_set():
+            self.snapshot = snapshot
+            self.done.set()
+
+
 class ReplicationLog:
     """The leader's round log, its followers and the publish gate; thread-safe (module docstring)."""
 
@@ -214,6 +233,7 @@ class ReplicationLog:
         entries: int,
         sync_replicas: int = 0,
         ack_timeout_s: float = 5.0,
+        when_no_standby: WhenNoStandby = WhenNoStandby.PUBLISH,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.state = state
@@ -222,7 +242,7 @@ class ReplicationLog:
         core = state.core
         with state.work:
             self._log = RoundLog(core.version, digest(core.params, core.outer), entries)
-        self._gate = SyncGate(sync_replicas, ack_timeout_s)
+        self._gate = SyncGate(sync_replicas, ack_timeout_s, when_no_standby)
         self._gate.appended(core.version)
         self._cond = threading.Condition()
         self._pending: tuple[int, torch.Tensor, int] | None = None  # under `work`: the Δ of the round stepping
@@ -230,6 +250,7 @@ class ReplicationLog:
         self._listeners: list[Callable[[], None]] = []
         self._degraded = 0  # versions published degraded in a row (0: not degraded)
         self._quiet = 0  # of those, the ones not logged (nobody missed a deadline: no standby followed, or lagged)
+        self._asks: list[_SnapshotAsk] = []  # under `_cond`: snapshots wanted by standbys, not taken yet
         self.stopping = False
         self.log = logging.get("coordinator", epoch=state.epoch)
         core.on_step = self._on_step
@@ -271,26 +292,74 @@ class ReplicationLog:
         for listener in listeners:
             listener()
 
-    def round_applied(self, applied: RoundApplied) -> None:
+    def round_applied(self, applied: RoundApplied) -> bool:
         """Under `work`, after a round's step and its broadcast, before it is published: with `sync_replicas`, wait
-        for the standbys to acknowledge its entry (appended by `round_stepped`)."""
+        for the standbys to acknowledge its entry (appended by `round_stepped`). False: do not publish it (the log
+        stopped while the version was held for a standby: no learner may receive a version no standby holds)."""
         with self._cond:
             newest = self._log.newest
         if newest != applied.version:
             raise RuntimeError(f"round {applied.version} was applied without its entry in the replication log")
-        self._await_acks(applied.version, self._appended_at)
+        return self._await_acks(applied.version, self._appended_at)
 
-    def _await_acks(self, version: int, since: float) -> None:
+    def _await_acks(self, version: int, since: float) -> bool:
         if not self._gate.required:
-            return
+            return True
+        held_at: float | None = None  # when the gate first said HOLD for this version
+        counted = 0.0  # of the time held, what `held_seconds` counts already
+        while True:
+            with self._cond:
+                asks, self._asks = self._asks, []
+                if not asks:
+                    d = self._gate.decide(version, since, self.clock())
+                    if self.stopping or d.gate in (Gate.PUBLISH, Gate.DEGRADED):
+                        break
+                    if d.gate is Gate.HOLD and held_at is None:
+                        held_at = self.clock()
+                        self._holding(version, d)
+                    self._cond.wait(HOLD_COUNT_S if d.gate is Gate.HOLD else max(0.0, d.deadline - self.clock()))
+            for ask in asks:  # standbys asking for a snapshot while this thread holds `work`: it takes them
+                ask.give(self._snapshot_now())
+            if held_at is not None:
+                counted = self._count_held(held_at, counted)
+        if held_at is not None:
+            self._count_held(held_at, counted)
+            self.state.metrics.holding.set(0)
+        if d.gate in (Gate.WAIT, Gate.HOLD):  # the log stopped first
+            if self._gate.when_no_standby is WhenNoStandby.PUBLISH:
+                return True
+            self.log.warning("replication.withheld", version=version, reason="stopping", acked=list(d.acked))
+            return False
+        if held_at is not None:
+            self.log.info(
+                "replication.released", version=version, acked=list(d.acked), held_s=round(self.clock() - held_at, 4)
+            )
+            return True
+        self._published_after(version, d, since)
+        return True
+
+    def _holding(self, version: int, d: GateDecision) -> None:
+        self.state.metrics.held_versions.inc()
+        self.state.metrics.holding.set(1)
+        self.log.warning(
+            "replication.holding",
+            version=version,
+            required=self._gate.required,
+            acked=list(d.acked),
+            behind=list(d.missing),
+            hint="--when-no-standby wait: learners get this version once a standby acknowledges it; start a "
+            "standby (another replica with the same flags) or see `diloco ctl status`",
+        )
+
+    def _count_held(self, held_at: float, counted: float) -> float:
+        """Add the time held since the last count to `held_seconds`; returns the time counted so far."""
+        total = self.clock() - held_at
+        self.state.metrics.held_seconds.inc(max(0.0, total - counted))
+        return max(counted, total)
+
+    def _published_after(self, version: int, d: GateDecision, since: float) -> None:
+        """Log and count a version published after the bounded wait (degraded, or restored after degraded ones)."""
         with self._cond:
-            while True:
-                if self.stopping:
-                    return
-                d = self._gate.decide(version, since, self.clock())
-                if d.gate is not Gate.WAIT:
-                    break
-                self._cond.wait(max(0.0, d.deadline - self.clock()))
             degraded, was, quiet = d.gate is Gate.DEGRADED, self._degraded, self._quiet
             # logged when it starts and when a standby misses a deadline (a wait it cost); the rest is counted
             logged = degraded and (not was or bool(d.missing))
@@ -319,7 +388,29 @@ class ReplicationLog:
             )
 
     def snapshot(self) -> Snapshot:
-        """The whole state at the newest version, copied under `work` (heavy: run it off the event loop)."""
+        """The whole state at the newest version, copied under `work` (heavy: run it off the event loop). While a
+        round holds `work` waiting for acknowledgements, the waiting thread takes the copy (a standby joining then
+        must get its snapshot, or it could never acknowledge the version held)."""
+        ask = _SnapshotAsk()
+        with self._cond:
+            self._asks.append(ask)
+            self._cond.notify_all()
+        try:
+            while not ask.done.is_set():
+                if self.state.work.acquire(timeout=SNAPSHOT_RETRY_S):
+                    try:
+                        if not ask.done.is_set():
+                            ask.give(self._snapshot_now())
+                    finally:
+                        self.state.work.release()
+            assert ask.snapshot is not None
+            return ask.snapshot
+        finally:
+            with self._cond:
+                if ask in self._asks:
+                    self._asks.remove(ask)
+
+    def _snapshot_now(self) -> Snapshot:
         with self.state.work:
             return Snapshot.of_core(self.state.snapshot(), self.epoch)
 

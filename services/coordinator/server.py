@@ -21,11 +21,12 @@ from diloco import log as logging
 from diloco.core.coordinator import CoordinatorCore, RoundApplied, Submission
 from diloco.core.energy import CarbonTrace
 from diloco.core.leadership import Handover, LeadershipView
+from diloco.core.replication import WhenNoStandby
 from diloco.core.uploads import Outcome
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
-from diloco.rpc.metrics import serve_metrics
+from diloco.rpc.metrics import ServedMetrics, serve_metrics
 from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
 from diloco.task.factory import Task, build_task
@@ -73,21 +74,24 @@ class CoordinatorServer:
         leadership: Callable[[], LeadershipView] | None = None,
         step_down: Callable[[str], Handover] | None = None,
         adopt_learners: bool = False,
+        served_metrics: ServedMetrics | None = None,
     ) -> None:
         """`epoch`: the coordinator epoch to serve under (with --etcd: the leadership epoch; None: a new one from
         the clock); `fence`: raises NotLeader while this replica may not accept work or publish; `leadership`: the
         replica's leadership view (GetStatus, metrics); `step_down`: hands leadership to a standby (the StepDown
         RPC; None: refused, there is no leadership to hand over); `adopt_learners`: the checkpoint is a standby's
         state written at its promotion: keep its learner table (`CoordinatorCore.restore`), so learners go on
-        without registering again."""
+        without registering again; `served_metrics`: a metrics port the caller already serves (a replica's, from before
+        its promotion): the metrics go in its registry and no port is bound here."""
         self.cfg = cfg
+        self._served_metrics = served_metrics
         self._adopt_learners = adopt_learners
         self._epoch = epoch
         self._fence = fence
         self._leadership = leadership
         self._step_down = step_down
         self.clock = clock
-        self.metrics = CoordinatorMetrics()
+        self.metrics = CoordinatorMetrics(served_metrics.registry if served_metrics is not None else None)
         self.log = logging.get("coordinator")
         self.metrics_port = -1
         self.resumed_from: Path | None = None
@@ -102,6 +106,7 @@ class CoordinatorServer:
         self._threads: list[threading.Thread] = []
         self._carbon: CarbonFeed | None = None  # asks --carbon-provider for live intensities
         self._work: ThreadPoolExecutor | None = None
+        self._snapshots: ThreadPoolExecutor | None = None  # with a round log: takes standbys' snapshots
         self._task: Task | None = None
         self._eval_model: nn.Module | None = None
         self._jobs = threading.Condition()
@@ -252,6 +257,7 @@ class CoordinatorServer:
                 entries=cfg.replication_log,
                 sync_replicas=cfg.sync_replicas,
                 ack_timeout_s=cfg.replica_ack_timeout_s,
+                when_no_standby=WhenNoStandby(cfg.when_no_standby),
             )
         servicer = CoordinatorServicer(
             state,
@@ -276,7 +282,10 @@ class CoordinatorServer:
         )
         service.add(lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server))
         if replication is not None:
-            follow = ReplicationServicer(replication, fingerprint=task.fingerprint, work=self._work)
+            # snapshots on a thread of their own: uploads waiting for a round held for a standby may occupy every
+            # work thread, and that standby's snapshot must still be taken
+            self._snapshots = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replication-snapshot")
+            follow = ReplicationServicer(replication, fingerprint=task.fingerprint, work=self._snapshots)
             service.add(lambda server: add_replication_to_server(follow, server))
         self._threads = [
             threading.Thread(target=state.run_poller, name="coordinator-rounds", daemon=True),
@@ -304,7 +313,10 @@ class CoordinatorServer:
                 executor=self._work,  # one bound on upload decoding over both paths
             )
             servicer.bulk_port = self._bulk.start()
-        self._metrics_server, self.metrics_port = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
+        if self._served_metrics is None:
+            self._metrics_server, self.metrics_port = serve_metrics(self.metrics.registry, cfg.host, cfg.metrics_port)
+        else:
+            self.metrics_port = self._served_metrics.port
         self.log.info(
             "coordinator.serving",
             address=service.address,
@@ -357,8 +369,9 @@ class CoordinatorServer:
                 self._jobs.notify_all()
             for t in self._threads:
                 t.join()
-            if self._work is not None:
-                self._work.shutdown(wait=True)
+            for pool in (self._work, self._snapshots):
+                if pool is not None:
+                    pool.shutdown(wait=True)
             if self.cfg.checkpoint_dir and self._last_ckpt_version != self.core.version:
                 self.checkpoint_now()
             if self._metrics_server is not None:
@@ -388,24 +401,27 @@ class CoordinatorServer:
         os.kill(os.getpid(), signal.SIGKILL)
 
     # --- after every round ----------------------------------------------------------------------------------------
-    def _on_round(self, applied: RoundApplied) -> None:
+    def _on_round(self, applied: RoundApplied) -> bool:
         """Called after a round's outer step, holding the state's tensor lock (`work`) but not its control lock, before
         the version is published: log it for the standbys (and wait for them), copy Θ for an evaluation, and ask the
-        jobs thread for it and for a checkpoint (newest wins)."""
-        if self._replication is not None:  # first: the entry, and with --sync-replicas the wait for standbys
-            self._replication.round_applied(applied)
+        jobs thread for it and for a checkpoint (newest wins). False: withhold the version (the round log stopped
+        while it was held for a standby)."""
+        # first: the entry, and with --sync-replicas the wait for standbys
+        if self._replication is not None and not self._replication.round_applied(applied):
+            return False
         cfg = self.cfg
         v = applied.version
         last = bool(self.core.cfg.target_outer_steps) and v >= self.core.cfg.target_outer_steps
         want_eval = bool(cfg.eval_every) and (v % cfg.eval_every == 0 or last)
         want_ckpt = bool(cfg.checkpoint_dir) and (v % cfg.checkpoint_every == 0 or last)
         if not (want_eval or want_ckpt):
-            return
+            return True
         if want_eval:
             self._request_eval(v)
         with self._jobs:
             self._ckpt_request = self._ckpt_request or want_ckpt
             self._jobs.notify_all()
+        return True
 
     def _request_eval(self, version: int) -> None:
         """Holding the state's `work` lock (Θ is `version`'s): point the evaluation model at Θ, held (or copy Θ

@@ -37,6 +37,7 @@ from diloco.v1 import replication_pb2 as rpb
 from diloco.v1 import replication_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
+from services.coordinator.metrics import StandbyView
 from services.coordinator.replication import digest_to_proto, follow_log, header_from_proto
 
 
@@ -93,12 +94,19 @@ class StandbyFollower:
         self._last_ckpt = -1
         self._header_at = 0.0  # when the header of the message being received came (monotonic)
         self.written: int | None = None  # the version of the newest checkpoint this follower wrote itself
+        self._leader_version: int | None = None  # under `_lock`: the leader's newest, as its last ack answer said
         self.log = logging.get("coordinator", role="standby", replica_id=cfg.replica_id)
 
     @property
     def version(self) -> int | None:
         with self._lock:
             return self.standby.version
+
+    def view(self) -> StandbyView:
+        """What this standby holds, for its metrics."""
+        with self._lock:
+            s = self.standby
+            return StandbyView(s.version, self._leader_version, s.epoch, self.snapshots, self.resyncs)
 
     def start(self) -> None:
         if self._thread is None:
@@ -232,12 +240,14 @@ class StandbyFollower:
             replica_id=self.cfg.replica_id, version=version, epoch=epoch, digest=digest_to_proto(digest)
         )
         try:
-            self._stub.AckLog(request, timeout=self.cfg.call_timeout_s)
+            answer = self._stub.AckLog(request, timeout=self.cfg.call_timeout_s)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the leader holds other bits at this version
                 raise ResyncRequired(ResyncReason.CHECKSUM, f"the leader refused the ack: {e.details()}") from None
             self.log.info("replication.ack_failed", version=version, code=e.code().name)  # the gate copes
             return
+        with self._lock:
+            self._leader_version = answer.leader_version
         if self.on_acked is not None:
             self.on_acked(version)
 

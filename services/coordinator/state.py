@@ -54,7 +54,7 @@ from diloco.core.uploads import (
     UploadRefused,
     Uploads,
 )
-from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader
+from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader, Unavailable
 from diloco.rpc.payload import BufferPool, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import J_PER_KWH, SNAPSHOT_KEY, Charge, EnergyBook, LearnerEnergy
@@ -190,8 +190,10 @@ class UploadStream:
 
 class CoordinatorState:
     """Everything the servicer needs, thread-safe. `on_round` is called after every round's outer step, holding
-    `work` but not `lock` (so it may copy the parameters; `snapshot()` is safe there); `on_stepped` too, earlier:
-    right after the step, before the broadcast is encoded (the round log sends the entry to standbys meanwhile)."""
+    `work` but not `lock` (so it may copy the parameters; `snapshot()` is safe there), and says whether the version
+    may be published (False: withhold it, the coordinator is stopping before a standby held it); `on_stepped` too,
+    earlier: right after the step, before the broadcast is encoded (the round log sends the entry to standbys
+    meanwhile)."""
 
     def __init__(
         self,
@@ -208,7 +210,7 @@ class CoordinatorState:
         metrics: CoordinatorMetrics,
         max_uploads_per_worker: int = 2,
         clock: Callable[[], float] = time.time,
-        on_round: Callable[[RoundApplied], None] | None = None,
+        on_round: Callable[[RoundApplied], bool] | None = None,
         energy: EnergyBook | None = None,
         placement: PolicyConfig | None = None,
     ) -> None:
@@ -588,9 +590,12 @@ class CoordinatorState:
         }
         self._merge_s = 0.0
         if self.on_round is not None:
-            self.on_round(applied)
+            publish = self.on_round(applied)
             # the round hook: with --sync-replicas, the wait for the standbys' acks left after the encode
             self._round_seconds["hook_s"] = time.perf_counter() - encoded
+            if not publish:
+                self.log.warning("round.unpublished", version=applied.version, reason="withheld: no standby holds it")
+                return applied
         if not self.leading():
             self.log.warning("round.unpublished", version=applied.version, reason="not the leader any more")
             return applied
@@ -900,6 +905,12 @@ class CoordinatorState:
                 self.log.info("worker.released", worker_id=sub.worker_id, by="clean_submission")
             del payload, done  # the encoded bytes go (back to the pool) before a round closes
             applied = self._close_round(now)
+        if applied is not None and self._published.version < applied.version:
+            # stepped, never published (fenced, or withheld while stopping): a standby may not hold it, so the
+            # learner must not count on it; it resends to the leader, which answers it or takes it as new
+            raise Unavailable(
+                f"round {applied.version} was not published (this coordinator stopped leading); resend the submission"
+            )
         with self.lock:
             version = self.core.version
         outcome = Outcome(applied is not None, version, taken.staleness, applied.version if applied else taken.round)
