@@ -53,7 +53,7 @@ from diloco.core.coordinator import (
     RoundApplied,
     Submission,
 )
-from diloco.core.merge import MergeAccumulator, Segment
+from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.core.outer import OuterOptimizer, build_outer
 from diloco.core.rounds import CloseReason, Pending
 from diloco.errors import ConfigError, InvalidArgument
@@ -236,26 +236,44 @@ class FragmentedCoordinator:
     def fragments(self) -> int:
         return self.layout.fragments
 
-    def check(self, fs: FragmentSubmission, delta: torch.Tensor) -> float:
+    def check(self, fs: FragmentSubmission, delta: torch.Tensor | EncodedDelta) -> float:
         """Everything about the fragment itself, before any state changes: index, layout, length. Returns the
-        pseudo-gradient's norm per inner step (for the core's guard)."""
+        pseudo-gradient's norm per inner step (for the core's guard). `delta`: a tensor, or an upload held encoded
+        (`EncodedDelta`, measured on arrival against the fragment's segments)."""
         p = self.layout.check_index(fs.fragment)
         self.layout.check_fingerprint(fs.fingerprint)
-        if delta.dim() != 1 or delta.numel() != self.layout.size(p):
+        numel = delta.meta.numel if isinstance(delta, EncodedDelta) else delta.numel()
+        flat = isinstance(delta, EncodedDelta) or delta.dim() == 1
+        if numel != self.layout.size(p) or not flat:
             raise InvalidArgument(
-                f"pseudo-gradient of fragment {p} has {delta.numel()} elements; the fragment has {self.layout.size(p)}"
+                f"pseudo-gradient of fragment {p} has {numel} elements; the fragment has {self.layout.size(p)}"
             )
-        return float(torch.linalg.vector_norm(delta)) / max(1, fs.sub.steps)
+        norm = delta.norm() if isinstance(delta, EncodedDelta) else float(torch.linalg.vector_norm(delta))
+        return norm / max(1, fs.sub.steps)
 
     def accept(self, fs: FragmentSubmission, delta: torch.Tensor, now: float) -> AcceptResult:
         """Validate, take (the core's bookkeeping: admission, ledger, pending), fold into the fragment's buffer,
         and close a round if the policy says so."""
         per_step = self.check(fs, delta)
-        taken = self.core.take(fs.sub, per_step, now)
-        self._fragment_of[fs.sub.submission_id] = fs.fragment
-        self.accs[fs.fragment].add(delta, fs.sub.tokens)
+        taken = self.take(fs, per_step, now)
+        self.fold(fs.fragment, delta, fs.sub.tokens)
         applied = self.poll(now)
         return replace(taken, round=applied.version if applied else taken.round, applied=applied)
+
+    def take(self, fs: FragmentSubmission, per_step: float, now: float) -> AcceptResult:
+        """The bookkeeping of an acceptance (`CoordinatorCore.take`), given `check`'s norm, and which fragment the
+        submission is of; the caller `fold`s it next, before the round can close (the service's split path)."""
+        taken = self.core.take(fs.sub, per_step, now)
+        self._fragment_of[fs.sub.submission_id] = fs.fragment
+        return taken
+
+    def fold(self, fragment: int, delta: torch.Tensor | EncodedDelta, tokens: int) -> None:
+        """Tensor work: add a taken pseudo-gradient of `fragment` to that fragment's merge buffer."""
+        self.accs[fragment].add(delta, tokens)
+
+    def segments_of(self, p: int) -> list[Segment]:
+        """Fragment p's merge segments (what an upload of it is measured against on arrival)."""
+        return self.accs[p].segments
 
     def poll(self, now: float) -> RoundApplied | None:
         closed = self.core.close(now)
