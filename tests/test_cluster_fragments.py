@@ -15,8 +15,9 @@ P = 2
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_cluster_with_two_fragments_trains_to_its_target_exactly_once(tmp_path: Path) -> None:
-    cfg = cluster_config(tmp_path, workers=2, outer_steps=12, coordinator_args=("--fragments", str(P)))
+@pytest.mark.parametrize("mode", ["decoupled", "sync"])
+def test_cluster_with_two_fragments_trains_to_its_target_exactly_once(tmp_path: Path, mode: str) -> None:
+    cfg = cluster_config(tmp_path, workers=2, mode=mode, outer_steps=12, coordinator_args=("--fragments", str(P)))
     with running(cfg) as c:
         assert_finished_and_learned(c)  # finished, loss well below an untrained model's, the ledger exactly once
         header = next(iter(c.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))).header
@@ -28,6 +29,8 @@ def test_cluster_with_two_fragments_trains_to_its_target_exactly_once(tmp_path: 
         # every learner submitted every fragment, one fragment per submission (worker ids are NAME-INCARNATION)
         submitted = {(str(e["worker_id"]).rsplit("-", 1)[0], e["fragment"]) for e in accepted}
         assert submitted == {(f"worker{i}", p) for i in range(2) for p in range(P)}, submitted
+        refused = [e for e in coordinator.all("submission.rejected") if e.get("reason") != "finished"]
+        assert not refused, refused  # no fragment looked like an outlier to the guard, none was stale
         stepped = [e["fragments"] for e in coordinator.all("round.closed")]
         assert len(stepped) == header.version and all(isinstance(f, list) and f for f in stepped)
         losses = {e["version"]: e["val_loss"] for e in coordinator.all("eval.done")}

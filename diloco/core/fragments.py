@@ -25,6 +25,8 @@ Protocol (core and simulator; the gRPC services adopt it later, see docs/fragmen
   (including what is in flight in their own submission). After a submission of p, `base[p] ← θ[p]` only.
 - Weights: a fragment's merge weight is the submission's tokens, the tokens of about H_m/P steps; learners
   submit every fragment at the same cadence, so these weights are proportional to the tokens behind each Δ[p].
+- The norm guard (`diloco.core.guard`) keeps one window of norms per fragment: a fragment's per-step norm is
+  judged against the median of that fragment's.
 - P = 1 is not this module: the simulator and services use `CoordinatorCore` and whole-vector rebases exactly
   as before.
 
@@ -53,6 +55,7 @@ from diloco.core.coordinator import (
     RoundApplied,
     Submission,
 )
+from diloco.core.guard import NormGuard
 from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.core.outer import OuterOptimizer, build_outer
 from diloco.core.rounds import CloseReason, Pending
@@ -230,6 +233,9 @@ class FragmentedCoordinator:
         self.outers: list[OuterOptimizer] = [build_outer(core.cfg.outer) for _ in range(layout.fragments)]
         self.fragment_versions = [core.version] * layout.fragments
         self.fragment_steps = [0] * layout.fragments
+        # the norm guard's median per fragment: fragments differ in size and layers, so their per-step norms do
+        # (by 10x on the tiny test GPT: one median would refuse the larger fragment's as outliers)
+        self.guards = [NormGuard(core.cfg.guard) for _ in range(layout.fragments)]
         self._fragment_of: dict[str, int] = {}  # pending submission id -> fragment
 
     @property
@@ -263,7 +269,7 @@ class FragmentedCoordinator:
     def take(self, fs: FragmentSubmission, per_step: float, now: float) -> AcceptResult:
         """The bookkeeping of an acceptance (`CoordinatorCore.take`), given `check`'s norm, and which fragment the
         submission is of; the caller `fold`s it next, before the round can close (the service's split path)."""
-        taken = self.core.take(fs.sub, per_step, now)
+        taken = self.core.take(fs.sub, per_step, now, self.guards[fs.fragment])
         self._fragment_of[fs.sub.submission_id] = fs.fragment
         return taken
 
@@ -332,6 +338,7 @@ class FragmentedCoordinator:
             "outer": [dict(o.state_dict()) for o in self.outers],
             "versions": list(self.fragment_versions),
             "steps": list(self.fragment_steps),
+            "guard_norms": [g.snapshot() for g in self.guards],
         }
         return snap
 
@@ -344,6 +351,7 @@ class FragmentedCoordinator:
             bounds = tuple(int(b) for b in frag["bounds"])
             outer = list(frag["outer"])
             versions, steps = [int(v) for v in frag["versions"]], [int(s) for s in frag["steps"]]
+            guards = [[float(n) for n in g] for g in frag.get("guard_norms", [[]] * len(versions))]
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"checkpoint fragment state is malformed: {e}") from e
         if bounds != self.layout.bounds or frag.get("fingerprint") != self.layout.fingerprint:
@@ -351,12 +359,14 @@ class FragmentedCoordinator:
                 f"checkpoint fragment layout {frag.get('fingerprint')!r} is not this run's "
                 f"({self.layout.fingerprint}); restart with the --fragments the checkpoint was written with"
             )
-        if not len(outer) == len(versions) == len(steps) == self.fragments:
+        if not len(outer) == len(versions) == len(steps) == len(guards) == self.fragments:
             raise InvalidArgument(f"checkpoint fragment state does not hold {self.fragments} fragments")
         self.core.restore(dict(snap))
         for o, state in zip(self.outers, outer, strict=True):
             o.load_state_dict(state)
         self.fragment_versions, self.fragment_steps = versions, steps
+        for g, norms in zip(self.guards, guards, strict=True):
+            g.restore(norms)
         self._fragment_of = {}
         for acc in self.accs:
             acc.reset()
