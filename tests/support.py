@@ -43,7 +43,7 @@ from diloco.cluster import (  # noqa: F401  (wait_for and the rest are re-export
     wait_for,
 )
 from diloco.core.codecs import get_codec
-from diloco.ha.etcd_server import EtcdServer
+from diloco.ha.etcd_server import EtcdCluster, EtcdServer
 from diloco.rpc.payload import meta_to_proto
 from diloco.rpc.server import channel
 from diloco.task.data import DataConfig
@@ -81,11 +81,18 @@ def ha_cluster_config(tmp_path: Path, outer_steps: int, min_quorum: int = 1) -> 
     )
 
 
-def spawn_replica(cluster: LocalCluster, etcd: EtcdServer, name: str, *extra: str, port: int = 0) -> Proc:
+def spawn_replica(cluster: LocalCluster, etcd: EtcdServer | EtcdCluster, name: str, *extra: str, port: int = 0) -> Proc:
     """A coordinator replica under etcd leadership with a synchronous standby, on the cluster's task (`port`: the
-    one it had, to start it again as a supervisor would)."""
-    args = ("--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra)
-    return cluster.start_replica(name, etcd.url, port=port, args=args)
+    one it had, to start it again as a supervisor would). Given an `EtcdCluster`, every member in its order; over
+    https when etcd serves it, with the CA and the coordinator's certificate of conftest's `etcd_pki`."""
+    members = etcd.members if isinstance(etcd, EtcdCluster) else [etcd]
+    tls = members[0].tls
+    args = ["--replication-log", "16", "--sync-replicas", "1", "--replica-ack-timeout-s", "2", *extra]
+    if tls is not None:
+        pki = tls.ca_file.parent
+        args += ["--etcd-ca-file", str(tls.ca_file)]
+        args += ["--etcd-cert-file", str(pki / "coordinator.pem"), "--etcd-key-file", str(pki / "coordinator.key")]
+    return cluster.start_replica(name, ",".join(m.url for m in members), port=port, args=args)
 
 
 def healthd_for_replicas(cluster: LocalCluster, *names: str) -> dict[str, int]:

@@ -79,7 +79,9 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert all(rows_of(readme, f"`{c}`") for c in ("fp32", "sparse", "topk")), "sparse: a row per codec"
     assert all(rows_of(readme, f"P = {p}") for p in (1, 2, 4)), "fragments: a row per P"
     if etcd_binary() is not None:  # without it the section says it did not run (conftest: CI has it)
-        assert rows_of(readme, "kill → first round committed by the new leader"), "ha: no failover row"
+        assert rows_of(readme, "kill → first round committed by the new leader"), (
+            f"ha: no failover row; the soak said: {results['sections']['ha']['error']!r}"
+        )
         assert rows_of(readme, "default model (`diloco coordinator` defaults)"), "ha: no replication-cost rows"
     assert "| seeds (rule) |" in readme and "2 (mean and every seed)" in readme, "targets: seeds and rule"
     for name in ("time-to-target", "compression", "outer", "layout"):  # every loss comparison ran every seed

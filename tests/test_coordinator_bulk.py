@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import struct
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import grpc
 import pytest
@@ -15,9 +16,11 @@ import torch
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import MAGIC, BulkError, bulk_upload
+from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.security import SecurityConfig
 from diloco.rpc.server import channel
 from diloco.task.params import param_specs
@@ -56,7 +59,12 @@ def test_registration_advertises_the_bulk_port_and_an_upload_over_it_is_accepted
     assert a.bulk_port > 0 and a.bulk_port != env.server.port
     header, data, _ = make_upload(env, a, "s1")
     resp = upload(env, a, header, data)
-    assert resp.outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
+    assert resp.outcome == pb.SUBMISSION_OUTCOME_ACCEPTED and resp.coordinator_epoch == a.coordinator_epoch
+    # the headers a learner's watch gets name the bulk port too: a leader that took it over has its own
+    watch = env.stub.WatchParameters(pb.WatchParametersRequest(worker_id=a.worker_id, follow=False), timeout=T)
+    first = next(iter(watch))
+    assert first.header.bulk_port == a.bulk_port
+    watch.cancel()
     header_b, data_b, _ = make_upload(env, b, "s2", seed=1)
     assert upload(env, b, header_b, data_b).outcome == pb.SUBMISSION_OUTCOME_APPLIED
     assert env.server.core.version == 1 and env.server.core.ledger.committed_tokens() == 256
@@ -193,11 +201,19 @@ def test_a_worker_whose_bulk_port_went_away_finishes_the_upload_over_the_rpc(env
         dead_port = s.getsockname()[1]
     header, data, _ = make_upload(env, reg, "s1")
     metrics = Metrics()
-    uploader = Uploader(env.stub, cfg, metrics, lambda _: None, lambda: structlog.get_logger())
+    coords = Coordinators(cfg.coordinators, cfg.security, who="worker", log=structlog.get_logger)
+    stub = cast(coordinator_pb2_grpc.CoordinatorStub, coords)
+    uploader = Uploader(stub, cfg, metrics, lambda _: None, structlog.get_logger, coords.failover)
     try:
-        result = uploader.upload(UploadJob(header, data, dead_port))
+        with capture_logs() as logs:
+            result = uploader.upload(UploadJob(header, data, dead_port))
     finally:
         uploader.close()
-    assert result.reaction is None and result.pending_round >= 1
+        coords.close()
+    assert result.reaction is None and result.pending_round >= 1 and result.epoch == reg.coordinator_epoch
     assert env.server.state.upload_status(reg.worker_id, "s1") == (len(data), True)
     assert metrics.uploads.labels(outcome="accepted")._value.get() == 1
+    # at once, and without moving: a refused bulk port says nothing about which replica leads (a learner taken over
+    # by a new leader held the old one's port; it used to move off the leader and back on every upload)
+    assert coords.moves == 0 and not [e for e in logs if e["event"] == "worker.upload_retry"]
+    assert [e["port"] for e in logs if e["event"] == "worker.bulk_unavailable"] == [dead_port]

@@ -17,8 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cluster import TINY_TASK_ARGS, wait_for
 from diloco.errors import ConfigError, not_leader
+from diloco.ha.etcd import EtcdTls
 from diloco.rpc.coordinators import MIN_DWELL_S, Coordinators
 from diloco.rpc.server import channel
+from diloco.rpc.tls import write_bundle
 from diloco.v1 import coordinator_pb2 as pb
 from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.config import CoordinatorServiceConfig, parse, parse_etcd_endpoints
@@ -131,19 +133,23 @@ def test_a_replica_that_cannot_bind_its_port_says_so_in_one_line_and_exits_4(tmp
     ],
 )
 def test_etcd_endpoints_parse(value: str, expected: tuple[tuple[str, int], ...]) -> None:
-    assert parse_etcd_endpoints(value) == expected
+    assert parse_etcd_endpoints(value) == ("http" if value else "", expected)
+    if value:
+        assert parse_etcd_endpoints(value.replace("http:", "https:")) == ("https", expected)
 
 
 @pytest.mark.parametrize(
     ("value", "match"),
     [
-        ("127.0.0.1:2379", "http://HOST:PORT"),
-        ("https://127.0.0.1:2379", "http://HOST:PORT"),
+        ("127.0.0.1:2379", "http\\(s\\)://HOST:PORT"),
+        ("ftp://127.0.0.1:2379", "http\\(s\\)://HOST:PORT"),
         ("http://10.0.0.1:2379", "loopback"),
+        ("https://10.0.0.1:2379", "https without a client certificate"),
+        ("http://127.0.0.1:1,https://127.0.0.1:2", "the same scheme"),
         ("http://127.0.0.1:99999", "1..65535"),
         (
             ",".join(f"http://127.0.0.1:{p}" for p in range(1, 7)),
-            "6 endpoints given; give http://HOST:PORT, or up to 5",
+            "6 endpoints given; give http\\(s\\)://HOST:PORT, or up to 5",
         ),
         ("http://127.0.0.1:1,http://127.0.0.1:1", "given twice"),
         ("http://127.0.0.1:1,", "got ''"),
@@ -165,7 +171,9 @@ def test_etcd_needs_checkpoints_and_the_replication_log_and_excludes_follow(tmp_
     with pytest.raises(ConfigError, match="exclude"):
         parse([*etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", "--follow", "127.0.0.1:1"], {})
     cfg = parse([*etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", "--replica-id", "r1"], {})
-    assert cfg.etcd_endpoints() == (("127.0.0.1", 2379),) and cfg.replica_id == "r1"
+    reached = cfg.etcd_config()
+    assert reached is not None and reached.endpoints == (("127.0.0.1", 2379),) and reached.tls is None
+    assert cfg.replica_id == "r1"
 
 
 def test_etcd_off_loopback_needs_the_private_network_flag(tmp_path: Path) -> None:
@@ -174,15 +182,80 @@ def test_etcd_off_loopback_needs_the_private_network_flag(tmp_path: Path) -> Non
     flags = ["--etcd", "http://etcd:2379", "--checkpoint-dir", str(tmp_path), "--replication-log", "4"]
     with pytest.raises(ConfigError, match="--etcd-private-network true"):
         parse(["--insecure", *flags], {})
-    cfg = parse(["--insecure", *flags, "--etcd-private-network", "true"], {})
-    assert cfg.etcd_endpoints() == (("etcd", 2379),)
-    cfg = parse(["--insecure", *flags], {"DILOCO_ETCD_PRIVATE_NETWORK": "1"})
-    assert cfg.etcd_endpoints() == (("etcd", 2379),)
-    assert parse_etcd_endpoints("http://10.0.0.1:2379", private_network=True) == (("10.0.0.1", 2379),)
-    with pytest.raises(ConfigError, match="http://HOST:PORT"):  # still one well-formed endpoint
+    for cfg in (
+        parse(["--insecure", *flags, "--etcd-private-network", "true"], {}),
+        parse(["--insecure", *flags], {"DILOCO_ETCD_PRIVATE_NETWORK": "1"}),
+    ):
+        etcd = cfg.etcd_config()
+        assert etcd is not None and etcd.endpoints == (("etcd", 2379),)
+    assert parse_etcd_endpoints("http://10.0.0.1:2379", private_network=True) == ("http", (("10.0.0.1", 2379),))
+    with pytest.raises(ConfigError, match="HOST:PORT"):  # still one well-formed endpoint
         parse_etcd_endpoints("etcd:2379", private_network=True)
     with pytest.raises(ConfigError, match="etcd_private_network"):
         CoordinatorServiceConfig(etcd_private_network="yes")  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`diloco certs --etcd`'s folder, and a file that is no PEM at all."""
+    d = tmp_path_factory.mktemp("pki")
+    write_bundle(d, clients=[], hosts=("localhost", "127.0.0.1"), tokens=False, etcd=True)
+    (d / "garbage.pem").write_text("not a certificate\n")
+    return d
+
+
+def replica_flags(tmp_path: Path, etcd: str, *extra: str) -> list[str]:
+    return ["--insecure", "--etcd", etcd, "--checkpoint-dir", str(tmp_path), "--replication-log", "4", *extra]
+
+
+def test_etcd_over_https_takes_its_ca_and_a_client_certificate(tmp_path: Path, pki: Path) -> None:
+    """https: etcd's certificate is checked against --etcd-ca-file; a client certificate (etcd with
+    --client-cert-auth) lets etcd tell who writes, so it may then be off loopback without --etcd-private-network."""
+    ca, cert, key = str(pki / "ca.pem"), str(pki / "coordinator.pem"), str(pki / "coordinator.key")
+    mutual = ("--etcd-ca-file", ca, "--etcd-cert-file", cert, "--etcd-key-file", key)
+    etcd = parse(replica_flags(tmp_path, "https://127.0.0.1:2379, https://localhost:2380", *mutual), {}).etcd_config()
+    assert etcd is not None and etcd.scheme == "https" and etcd.tls == EtcdTls(ca, cert, key)
+    assert etcd.endpoints == (("127.0.0.1", 2379), ("localhost", 2380))
+    etcd = parse(replica_flags(tmp_path, "https://etcd:2379", *mutual), {}).etcd_config()
+    assert etcd is not None and etcd.endpoints == (("etcd", 2379),) and etcd.tls is not None
+    env = {"DILOCO_ETCD_CA_FILE": ca}  # the CA alone (etcd without client certificates), from the environment
+    etcd = parse(replica_flags(tmp_path, "https://127.0.0.1:2379"), env).etcd_config()
+    assert etcd is not None and etcd.tls == EtcdTls(ca) and etcd.tls.client_cert is None
+
+
+@pytest.mark.parametrize(
+    ("etcd", "files", "match"),
+    [
+        ("https://127.0.0.1:2379", {}, "etcd over https needs the CA .* --etcd-ca-file FILE"),
+        ("https://127.0.0.1:2379", {"cert": "coordinator.pem", "key": "coordinator.key"}, "--etcd-ca-file FILE"),
+        ("http://127.0.0.1:2379", {"ca": "ca.pem"}, "^--etcd-ca-file: for etcd over https"),
+        ("", {"cert": "coordinator.pem", "key": "coordinator.key"}, "--etcd-cert-file, --etcd-key-file: for etcd"),
+        ("https://127.0.0.1:2379", {"ca": "missing.pem"}, "--etcd-ca-file: cannot read .*missing.pem"),
+        ("https://127.0.0.1:2379", {"ca": "."}, "--etcd-ca-file: cannot read"),  # a folder: unreadable as a file
+        ("https://127.0.0.1:2379", {"ca": "garbage.pem"}, "--etcd-ca-file: .*garbage.pem' holds no PEM CA"),
+        ("https://127.0.0.1:2379", {"ca": "ca.pem", "cert": "coordinator.pem"}, "without --etcd-key-file"),
+        ("https://127.0.0.1:2379", {"ca": "ca.pem", "key": "coordinator.key"}, "^--etcd-key-file is given without"),
+        (
+            "https://127.0.0.1:2379",
+            {"ca": "ca.pem", "cert": "missing.pem", "key": "coordinator.key"},
+            "--etcd-cert-file: cannot read",
+        ),
+        (
+            "https://127.0.0.1:2379",
+            {"ca": "ca.pem", "cert": "coordinator.pem", "key": "etcd.key"},  # another certificate's key
+            "--etcd-cert-file/--etcd-key-file: .* not a PEM certificate and its own private key",
+        ),
+        ("https://10.0.0.1:2379", {"ca": "ca.pem"}, "https without a client certificate"),
+    ],
+)
+def test_bad_etcd_tls_settings_are_refused_naming_the_flag(
+    tmp_path: Path, pki: Path, etcd: str, files: dict[str, str], match: str
+) -> None:
+    flags = [a for kind, name in files.items() for a in (f"--etcd-{kind}-file", str(pki / name))]
+    if not etcd:
+        flags = ["--insecure", *flags]
+    with pytest.raises(ConfigError, match=match):
+        parse(replica_flags(tmp_path, etcd, *flags) if etcd else flags, {})
 
 
 def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
@@ -192,16 +265,17 @@ def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
     coords = Coordinators(cfg.coordinators, cfg.security, who="worker", log=lambda: _Log(), clock=lambda: now[0])
     try:
         assert coords.address == a and coords.addresses == (a, b, c)
-        coords.failover("connection refused")
+        assert coords.failover("connection refused", tried=a)  # True: the next try goes elsewhere
         assert coords.address == b
-        coords.failover("connection refused")  # the same outage seen by another thread: not moved again
-        assert coords.address == b
+        # the same outage seen by another thread: not moved again, but its next try goes to another address too
+        assert coords.failover("connection refused", tried=a) and coords.address == b
+        assert not coords.failover("connection refused", tried=b)  # within the dwell: b again, backoff grows
         now[0] += MIN_DWELL_S
-        coords.failover("")
+        assert coords.failover("", tried=b)
         assert coords.address == c
         coords.failover(f"not the leader; leader is at {a}")  # a named leader: at once
         assert coords.address == a and coords.moves == 3
-        coords.failover(f"not the leader; leader is at {a}")  # already there
+        assert not coords.failover(f"not the leader; leader is at {a}", tried=a)  # already there
         assert coords.address == a and coords.moves == 3
         assert callable(coords.Register)  # the RPCs are the current stub's
     finally:

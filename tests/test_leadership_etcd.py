@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import etcd3gw
 import pytest
@@ -20,8 +21,17 @@ import requests
 from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
 from diloco.errors import ConfigError
 from diloco.ha.driver import LeadershipDriver
-from diloco.ha.etcd import MAX_HANGING, EtcdConfig, EtcdElection, EtcdUnavailable, EtcdUnreachable
+from diloco.ha.etcd import (
+    MAX_HANGING,
+    EtcdConfig,
+    EtcdElection,
+    EtcdTls,
+    EtcdTlsRefused,
+    EtcdUnavailable,
+    EtcdUnreachable,
+)
 from diloco.ha.etcd_server import EtcdServer
+from diloco.rpc.tls import write_bundle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -37,9 +47,10 @@ SLACK_S = 0.5  # scheduling on a shared 2-core machine
 class Cluster:
     etcd: EtcdServer
     drivers: dict[str, LeadershipDriver] = field(default_factory=dict)
+    tls: EtcdTls | None = None  # how the replicas reach an etcd serving over https
 
     def add(self, replica_id: str, start: bool = True) -> LeadershipDriver:
-        election = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY))
+        election = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY, tls=self.tls))
         d = LeadershipDriver(replica_id, f"{replica_id}.test:7000", election, CFG)
         self.drivers[replica_id] = d
         if start:
@@ -58,7 +69,7 @@ class Cluster:
 
     def holder(self) -> LeaderInfo | None:
         """The leader key as etcd has it now (a separate client)."""
-        probe = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY))
+        probe = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY, tls=self.tls))
         try:
             return probe.observe()
         finally:
@@ -378,3 +389,97 @@ def test_a_replica_given_several_endpoints_moves_past_a_dead_or_hung_one(cluster
 def test_bad_endpoint_lists_are_config_errors(others: tuple[tuple[str, int], ...], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         EtcdConfig(host="127.0.0.1", port=2379, others=others)
+
+
+# --- over https -------------------------------------------------------------------------------------------------
+
+
+def client_tls(etcd: EtcdServer) -> EtcdTls:
+    """What a replica is given for the `etcd_tls` fixture's etcd: its CA and the coordinator's certificate."""
+    assert etcd.tls is not None
+    pki = etcd.tls.ca_file.parent
+    return EtcdTls(str(pki / "ca.pem"), str(pki / "coordinator.pem"), str(pki / "coordinator.key"))
+
+
+def test_leadership_is_acquired_and_kept_over_tls(etcd_tls: EtcdServer) -> None:
+    """etcd serving https only with --client-cert-auth: replicas given its CA and a client certificate signed by it
+    elect one leader, the other follows, and the leader keeps its lease past the TTL."""
+    cluster = Cluster(etcd_tls, tls=client_tls(etcd_tls))
+    try:
+        a, b = cluster.add("a"), cluster.add("b")
+        leader = one_leader(cluster)
+        follower = b if leader is a else a
+        lv = leader.view()
+        assert lv.epoch >= 1 and cluster.holder() == lv.leader
+        until("the follower knows the leader", lambda: follower.view().leader == lv.leader, cluster, 5.0)
+        end = time.monotonic() + CFG.lease_ttl_s + 0.5
+        until("past the TTL", lambda: time.monotonic() > end, cluster, 10.0)
+        assert leader.may_accept() and leader.view().epoch == lv.epoch and cluster.holder() == lv.leader
+    finally:
+        for d in cluster.drivers.values():
+            d.stop(resign=False)
+
+
+@pytest.mark.parametrize(
+    ("ca", "cert", "match"),
+    [
+        ("ca.pem", "", "etcd refused the handshake .* needs --etcd-cert-file and --etcd-key-file"),
+        ("ca.pem", "other/coordinator", "etcd refused the handshake .* needs --etcd-cert-file and --etcd-key-file"),
+        ("other/ca.pem", "coordinator", "etcd's certificate is not trusted .*--etcd-ca-file must be the CA"),
+    ],
+    ids=["no-client-certificate", "client-certificate-of-another-ca", "another-ca"],
+)
+def test_a_replica_with_the_wrong_tls_files_is_refused_at_once_saying_which(
+    etcd_tls: EtcdServer, tmp_path: Path, ca: str, cert: str, match: str
+) -> None:
+    """A handshake that fails is an answer, not a hang: every call fails within milliseconds (not at
+    call_timeout_s) with `EtcdTlsRefused` naming the flag to check, and a driver so configured never leads."""
+    assert etcd_tls.tls is not None
+    pki = etcd_tls.tls.ca_file.parent
+    write_bundle(pki / "other", clients=[], hosts=("localhost", "127.0.0.1"), tokens=False)  # another CA
+    files = EtcdTls(str(pki / ca), *((str(pki / f"{cert}.pem"), str(pki / f"{cert}.key")) if cert else ()))
+    election = EtcdElection(EtcdConfig(host=etcd_tls.host, port=etcd_tls.port, key=KEY, tls=files))
+    try:
+        for call in (election.observe, lambda: election.campaign("a", "a.test:7000", 2)):
+            started = time.monotonic()
+            with pytest.raises(EtcdTlsRefused, match=match):
+                call()
+            assert time.monotonic() - started < election.cfg.call_timeout_s
+    finally:
+        election.close()
+    cluster = Cluster(etcd_tls, tls=files)
+    try:
+        d = cluster.add("a")
+        end = time.monotonic() + 1.0
+        until("1 s of campaigns", lambda: time.monotonic() > end, cluster, 5.0)
+        assert d.view().role is not Role.LEADER and not d.may_accept()
+        cluster.tls = client_tls(etcd_tls)
+        assert cluster.holder() is None  # nothing was written
+    finally:
+        d.stop(resign=False)
+
+
+def test_plain_http_to_an_https_etcd_fails_at_once(etcd_tls: EtcdServer) -> None:
+    election = EtcdElection(EtcdConfig(host=etcd_tls.host, port=etcd_tls.port, key=KEY))
+    try:
+        started = time.monotonic()
+        with pytest.raises(EtcdUnreachable):
+            election.observe()
+        assert time.monotonic() - started < election.cfg.call_timeout_s
+    finally:
+        election.close()
+
+
+def test_https_to_a_plain_http_etcd_fails_at_once(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """etcd closes a TLS handshake on its plain HTTP port as it does one without a client certificate: the message
+    names both causes."""
+    write_bundle(tmp_path / "pki", clients=[], hosts=("127.0.0.1",), tokens=False)
+    files = EtcdTls(str(tmp_path / "pki" / "ca.pem"))
+    election = EtcdElection(EtcdConfig(host=etcd_server.host, port=etcd_server.port, key=KEY, tls=files))
+    try:
+        started = time.monotonic()
+        with pytest.raises(EtcdTlsRefused, match=r"etcd refused the handshake .*or etcd serves plain HTTP there"):
+            election.observe()
+        assert time.monotonic() - started < election.cfg.call_timeout_s
+    finally:
+        election.close()

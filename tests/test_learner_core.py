@@ -380,6 +380,54 @@ def test_a_takeover_settles_the_accepted_submission_the_learner_waits_for(applie
         assert core.next_action(1.0) == FetchPlan() and core.can_submit
 
 
+def test_a_submission_the_new_leader_accepted_before_its_first_broadcast_is_waited_for() -> None:
+    """The learner's upload reached the new leader (epoch 9) before that leader's first broadcast reached the
+    learner: the acceptance names epoch 9, so the takeover keeps it (the new leader holds it for round 3) and the
+    learner trains on instead of throwing its steps away."""
+    core = started()
+    train(core, H)
+    submit(core)
+    core.upload_accepted(1.0, "p-1", 3, epoch=9)
+    train(core, 2)
+    assert not core.params_arrived(1.0, 2, 9, plan((0, 1, H * TOK), (1, 1, 100)))  # the version it holds
+    assert state(core) is LearnerState.TRAINING and core.progress.steps == 2 and not core.can_submit
+    assert core.params_arrived(1.0, 3, 9)  # round 3 closed at the new leader: applied
+    assert core.can_submit and core.next_action(1.0) == Rebase(3)
+
+
+def test_an_upload_in_flight_at_the_takeover_is_not_void_its_outcome_decides() -> None:
+    """The upload follows the leader: a takeover while it is in flight leaves it alone. Accepted there, it is waited
+    for; an acceptance that comes from the old leader after the takeover (a late reply) is void: resync."""
+    for epoch, resyncs in ((9, False), (7, True)):
+        core = started()
+        train(core, H)
+        submit(core)
+        core.params_arrived(1.0, 2, 9, plan((0, 1, H * TOK), (1, 1, 100)))
+        assert state(core) is LearnerState.TRAINING and core.uploading == "p-1"
+        core.upload_accepted(1.0, "p-1", 3, epoch=epoch)
+        assert (state(core) is LearnerState.RESYNCING) is resyncs
+        if resyncs:
+            assert core.next_action(1.0) == Load(2, 0, reset_codec=True) and core.can_submit
+        else:
+            assert core.awaiting == "p-1" and core.awaiting_round == 3
+
+
+def test_a_learner_that_cannot_submit_trains_at_most_max_unsent_rounds_then_waits() -> None:
+    """Its upload is stuck (an outage): it trains on up to `max_unsent_rounds` submissions' worth of steps (the
+    ledger would refuse a longer range, voiding all of it), then waits for the upload's outcome or a version."""
+    core = started(max_unsent_rounds=2)
+    train(core, H)
+    submit(core)
+    train(core, 2 * H)
+    assert core.next_action(1.0) == Wait(None) and core.progress.steps == 2 * H
+    core.upload_accepted(1.0, "p-1", 3)
+    assert core.params_arrived(1.0, 3, 7)
+    assert core.next_action(1.0) == Rebase(3)
+    assert isinstance(core.next_action(1.0), Submit)  # the 2 H steps waiting go out at once
+    with pytest.raises(ConfigError):
+        LearnerConfig(max_unsent_rounds=0)
+
+
 def test_retryable_failures_change_nothing_but_the_give_up_clock() -> None:
     core = started()
     assert core.rpc_failed(1.0, Rpc.GET_WORK_PLAN, "UNAVAILABLE") is Reaction.FAILOVER

@@ -19,6 +19,7 @@ import grpc
 import pytest
 import torch
 from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.main import main
@@ -165,6 +166,23 @@ def test_certs_command_writes_a_verifiable_bundle(tmp_path: Path) -> None:
     assert main(["certs", "--out", str(out)]) == 2
     assert main(["certs", "--out", str(out), "--force", "--names", "a,b"]) == 0
     assert (out / "a.pem").is_file() and (out / "b.pem").is_file()
+    assert not (out / "etcd.pem").exists()  # etcd's certificate only when asked
+
+
+def test_certs_command_issues_etcd_a_server_certificate_when_asked(tmp_path: Path) -> None:
+    """`--etcd`: etcd.pem/etcd.key from the same CA, for the hosts given, usable by etcd as a server and by its
+    grpc gateway as a client of itself; no learner may be called etcd."""
+    out = tmp_path / "tls"
+    assert main(["certs", "--out", str(out), "--etcd", "--hosts", "etcd-a,127.0.0.1"]) == 0
+    ca = x509.load_pem_x509_certificate((out / "ca.pem").read_bytes())
+    cert = x509.load_pem_x509_certificate((out / "etcd.pem").read_bytes())
+    cert.verify_directly_issued_by(ca)
+    assert stat.S_IMODE((out / "etcd.key").stat().st_mode) == 0o600
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"etcd", "etcd-a"} <= set(san.get_values_for_type(x509.DNSName))
+    usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usage)
+    assert main(["certs", "--out", str(tmp_path / "w"), "--names", "etcd"]) == 2
 
 
 # --- mutual TLS -------------------------------------------------------------------------------------------------

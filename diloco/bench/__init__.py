@@ -9,8 +9,9 @@ the suite and writes the report in `docs/benchmarks/` and the generated blocks o
   latency while a round closes); `settings.py` (the simulator and cluster settings), `seeds.py` (mean and spread
   over seeds, and the one rule by which a seeded target passes), `report.py` (Markdown and plots from
   `results.json` alone).
-- `bench_core`, `bench_upload`, `bench_bulk`, `bench_control` and `startup_bench` also run on their own:
-  `python -m diloco.bench.bench_core --help`.
+- the section modules but `sim_bench` and `cluster_bench` (and `bench_bulk`, outside the suite) also run on their
+  own, all through one entry (`section.standalone`: the module's flags and `--json`, torch on the suite's one
+  thread, progress on stderr): `python -m diloco.bench.bench_core --help`.
 
 Nothing here imports `diloco.cli`; the CLI imports this package only when `diloco bench` runs.
 """

@@ -20,7 +20,6 @@ shared machine; ratios matter.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -28,11 +27,13 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
 
+from diloco.bench.section import Log, standalone
 from diloco.rpc.bulk import BUFFER_BYTES, SEND_PIECE_BYTES, BulkServer, BulkSink, bulk_upload
 from diloco.v1 import coordinator_pb2
 
@@ -148,14 +149,14 @@ def bulk_runner(
     return run
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mb", type=int, default=400)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--buffer-kb", type=int, default=BUFFER_BYTES >> 10, help="the server's receive buffer size")
     p.add_argument("--torch-threads", type=int, default=1)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args()
+
+
+def measure(a: argparse.Namespace, log: Log) -> dict[str, Any]:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     torch.set_num_threads(a.torch_threads)
     size = a.mb << 20
@@ -188,20 +189,21 @@ def main() -> None:
         k: {"gbps": size / v / 1e9, "x_tcp": size / v / 1e9 / tcp, "cpu_s_per_gb": cpu[k] / (size / 1e9)}
         for k, v in best.items()
     }
-    if a.json:
-        print(
-            json.dumps(
-                {"mb": a.mb, "repeats": a.repeats, "buffer_kb": a.buffer_kb, "cpus": os.cpu_count(), "rows": rows},
-                indent=2,
-            )
-        )
-        return
-    print(f"{a.mb} MiB, best of {a.repeats}, {os.cpu_count()} CPUs, {a.buffer_kb} KiB receive buffers")
-    for k, r in rows.items():
-        print(f"  {k:<18} {r['gbps']:6.2f} GB/s  {r['x_tcp']:5.2f}x TCP  {r['cpu_s_per_gb']:5.2f} CPU s/GB")
-    ok = rows["bulk (overlap)"]["x_tcp"] >= TARGET_X_TCP
-    print(f"target bulk (overlap) >= {TARGET_X_TCP}x TCP: {'met' if ok else 'NOT met'}")
+    return {"mb": a.mb, "repeats": a.repeats, "buffer_kb": a.buffer_kb, "cpus": os.cpu_count(), "rows": rows}
+
+
+def text(r: dict[str, Any]) -> str:
+    lines = [f"{r['mb']} MiB, best of {r['repeats']}, {r['cpus']} CPUs, {r['buffer_kb']} KiB receive buffers"]
+    for k, x in r["rows"].items():
+        lines.append(f"  {k:<18} {x['gbps']:6.2f} GB/s  {x['x_tcp']:5.2f}x TCP  {x['cpu_s_per_gb']:5.2f} CPU s/GB")
+    ok = r["rows"]["bulk (overlap)"]["x_tcp"] >= TARGET_X_TCP
+    lines.append(f"target bulk (overlap) >= {TARGET_X_TCP}x TCP: {'met' if ok else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(__doc__, _flags, measure, text, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

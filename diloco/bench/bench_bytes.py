@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +40,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
-import torch
 
-from diloco.bench.section import Context, Result, table
+from diloco.bench.section import Context, Log, Result, quick_flag, standalone, table
 from diloco.bench.seeds import check, fmt, target_met, values
 from diloco.bench.settings import FULL, PROFILES, QUICK, SimSettings
 from diloco.bench.sim_bench import (
@@ -232,16 +231,12 @@ def plots(result: Result, out: Path) -> list[str]:
     return ["bytes_per_token.png"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the small settings of `diloco bench --quick`")
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # as the suite runs it
-    s = (QUICK if args.quick else FULL).sim
-    result = run(s, QUICK_GRID if args.quick else GRID, SimRunner(print))
-    print(markdown(result))
-    print(json.dumps(result["checks"], indent=2))
+def main(argv: Sequence[str] | None = None) -> int:
+    def go(a: argparse.Namespace, log: Log) -> Result:
+        return run((QUICK if a.quick else FULL).sim, QUICK_GRID if a.quick else GRID, SimRunner(log))
+
+    return standalone(__doc__, quick_flag, go, markdown, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

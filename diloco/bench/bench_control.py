@@ -22,7 +22,7 @@ import multiprocessing as mp
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
@@ -32,7 +32,7 @@ import grpc
 import torch
 
 from diloco import log as logging
-from diloco.bench.section import Context, table
+from diloco.bench.section import Context, Log, standalone, table
 from diloco.core.codecs import get_codec
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore
 from diloco.core.rounds import RoundConfig
@@ -340,24 +340,32 @@ def markdown(r: dict[str, Any]) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--numel", type=int, default=FULL.numel, help="parameters of the flat model (fp32)")
     ap.add_argument("--rounds", type=int, default=FULL.rounds, help="rounds to close")
     ap.add_argument("--interval-ms", type=float, default=FULL.interval_ms, help="a GetStatus call is due this often")
-    args = ap.parse_args(argv)
+
+
+def _run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     logging.configure("bench", level="warning")
-    r = run(args.numel, args.rounds, args.interval_ms / 1e3)
-    print(
-        f"GetStatus during round close + broadcast ({r['numel']:,} parameters, {r['rounds']} rounds, sync, 2 learners)"
-    )
-    print(f"{'calls':>8} {'>50 ms':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'mean ms':>9}  round s")
+    return run(args.numel, args.rounds, args.interval_ms / 1e3)
+
+
+def _text(r: dict[str, Any]) -> str:
     rounds = " ".join(f"{s:.2f}" for s in r["round_s"])
-    print(
-        f"{r['calls']:>8} {r['over_50ms']:>7} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} {r['max_ms']:>9.2f} "
-        f"{r['mean_ms']:>9.2f}  {rounds}"
+    return "\n".join(
+        [
+            f"GetStatus during round close + broadcast ({r['numel']:,} parameters, {r['rounds']} rounds, sync, "
+            "2 learners)",
+            f"{'calls':>8} {'>50 ms':>7} {'p50 ms':>9} {'p99 ms':>9} {'max ms':>9} {'mean ms':>9}  round s",
+            f"{r['calls']:>8} {r['over_50ms']:>7} {r['p50_ms']:>9.2f} {r['p99_ms']:>9.2f} {r['max_ms']:>9.2f} "
+            f"{r['mean_ms']:>9.2f}  {rounds}",
+        ]
     )
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(__doc__, _flags, _run, _text, argv)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ Outer step: our Nesterov against `torch.optim.SGD(nesterov=True).step()` on the 
 Codecs: for a float32 vector of `--numel` elements, time a plain `dst.copy_(src)` (the limit: the least any
 codec must do is read the input and write an output) and, per codec, `encode` plus a streaming decode fed
 1 MiB chunks into a preallocated buffer (as a receiver decodes into its accumulation buffer). Figures are the
-best of `--repeats` runs; GB/s counts the fp32 input bytes.
+best of `--repeats` runs, on one torch thread as in the suite; GB/s counts the fp32 input bytes.
 
     python -m diloco.bench.bench_core --numel 100000000 [--repeats 3] [--json]
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import sys
 import time
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from diloco.bench.section import Context, table
+from diloco.bench.section import Context, Log, console_table, standalone, table
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, BroadcastFollower, BroadcastShadow, Refusal
 from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks
 from diloco.core.outer import Nesterov
@@ -209,55 +208,35 @@ def bench_outer(numel: int, repeats: int = 3, steps: int = 3) -> list[dict[str, 
     ]
 
 
-def _print_table(title: str, rows: list[dict[str, Any]], caption: str = "") -> None:
-    columns = [
-        ("name", "{}"),
-        ("encode_s", "{:.3f}"),
-        ("decode_s", "{:.3f}"),
-        ("total_s", "{:.3f}"),
-        ("gb_per_s", "{:.2f}"),
-        ("x_copy", "{:.1f}"),
-        ("x_limit", "{:.2f}"),
-        ("compression", "{:.2f}"),
-        ("max_abs_err", "{:.3g}"),
-    ]
-    cells = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, fmt in columns] for r in rows]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(key), *(len(c[i]) for c in cells)) for i, (key, _) in enumerate(columns)]
-        print(title)
-        if caption:
-            print(caption)
-        print("  ".join(key.rjust(w) for (key, _), w in zip(columns, widths, strict=True)))
-        for c in cells:
-            print("  ".join(v.rjust(w) for v, w in zip(c, widths, strict=True)))
-        return
-    table = Table(title=title, caption=caption or None)
-    for key, _ in columns:
-        table.add_column(key, justify="left" if key == "name" else "right")
-    for c in cells:
-        table.add_row(*c)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+COLUMNS = (
+    ("name", "{}"),
+    ("encode_s", "{:.3f}"),
+    ("decode_s", "{:.3f}"),
+    ("total_s", "{:.3f}"),
+    ("gb_per_s", "{:.2f}"),
+    ("x_copy", "{:.1f}"),
+    ("x_limit", "{:.2f}"),
+    ("compression", "{:.2f}"),
+    ("max_abs_err", "{:.3g}"),
+)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _table(title: str, rows: list[dict[str, Any]], caption: str) -> str:
+    cells = [[fmt.format(r[key]) if r.get(key) is not None else "-" for key, fmt in COLUMNS] for r in rows]
+    return console_table(title, [key for key, _ in COLUMNS], cells, caption)
+
+
+def _flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=int, default=100_000_000)
     parser.add_argument("--repeats", type=int, default=3, help="best of N")
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--topk-fraction", type=float, default=0.01)
     parser.add_argument("--codecs", default=",".join(CODEC_NAMES), help="comma-separated subset")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     parser.add_argument("--skip", default="", help="comma-separated sections to skip: codecs,outer")
-    args = parser.parse_args(argv)
-    env = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-    }
+
+
+def _run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
+    """The module on its own: the codecs and the outer step as the flags say."""
     skip = set(args.skip.split(","))
     codec_rows = (
         []
@@ -271,20 +250,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     outer_rows = [] if "outer" in skip else bench_outer(args.numel, args.repeats)
-    if args.json:
-        json.dump({"env": env, "codecs": codec_rows, "outer": outer_rows}, sys.stdout, indent=2)
-        print()
-        return 0
-    caption = ", ".join(f"{k} {v}" for k, v in env.items())
-    if codec_rows:
-        _print_table(
-            f"codecs: encode + streaming decode (1 MiB chunks) of {args.numel:,} float32, best of {args.repeats}",
-            codec_rows,
-            caption=caption,
-        )
-    if outer_rows:
-        _print_table(f"outer step on {args.numel:,} parameters, best of {args.repeats}", outer_rows, caption=caption)
-    return 0
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+    return {"env": env, "numel": args.numel, "repeats": args.repeats, "codecs": codec_rows, "outer": outer_rows}
+
+
+def _tables(r: dict[str, Any]) -> str:
+    caption = ", ".join(f"{k} {v}" for k, v in r["env"].items())
+    n, repeats = r["numel"], r["repeats"]
+    tables = []
+    if r["codecs"]:
+        title = f"codecs: encode + streaming decode (1 MiB chunks) of {n:,} float32, best of {repeats}"
+        tables.append(_table(title, r["codecs"], caption))
+    if r["outer"]:
+        tables.append(_table(f"outer step on {n:,} parameters, best of {repeats}", r["outer"], caption))
+    return "\n".join(tables)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(__doc__, _flags, _run, _tables, argv)
 
 
 # --- the suite's `core` section ---------------------------------------------------------------------------------

@@ -18,17 +18,14 @@ and a final loss at most 1% above `speed`'s (a lower loss passes); `carbon` emit
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from diloco.bench.section import Context, Result, table
+from diloco.bench.section import Context, Result, quick_flag, standalone, table
 from diloco.bench.seeds import aggregate, check, fmt, target_met, values
 from diloco.bench.sim_bench import summarize
 from diloco.core.energy import POLICY_NAMES, CarbonTrace
@@ -248,15 +245,9 @@ def markdown(result: Result) -> str:
     return "\n\n".join([head, table(headers, rows), note, "\n".join(timeline)])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the small settings of `diloco bench --quick`")
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # as the suite runs it
-    result = run(QUICK if args.quick else FULL, print)
-    print(markdown(result))
-    print(json.dumps(result["checks"], indent=2))
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(__doc__, quick_flag, lambda a, log: run(QUICK if a.quick else FULL, log), markdown, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

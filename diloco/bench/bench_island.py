@@ -19,7 +19,6 @@ the all-reduce costs more than half a small batch saves. The figure that transfe
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -29,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from diloco.bench.section import Context, Log, table
+from diloco.bench.section import Context, Log, standalone, table
 from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, seconds_until
 
 LOSS_TOLERANCE = 0.01  # the island's loss within 1% of the single process's (issue #12)
@@ -159,15 +158,16 @@ def markdown(r: dict[str, Any]) -> str:
     return head + "\n\n" + table(cols, rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outer-steps", type=int, default=FULL.outer_steps)
     p.add_argument("--local-steps", type=int, default=FULL.local_steps)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    r = run(IslandSettings(outer_steps=a.outer_steps, local_steps=a.local_steps), print)
-    print(json.dumps(r, indent=2) if a.json else markdown(r))
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def go(a: argparse.Namespace, log: Log) -> dict[str, Any]:
+        return run(IslandSettings(outer_steps=a.outer_steps, local_steps=a.local_steps), log)
+
+    return standalone(__doc__, _flags, go, markdown, argv)
 
 
 if __name__ == "__main__":

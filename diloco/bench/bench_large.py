@@ -26,7 +26,6 @@ decoding a version, Θ̂ updated).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 
-from diloco.bench.section import Context, Log, table
+from diloco.bench.section import Context, Log, standalone, table
 from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, seconds_until
 
 COORDINATOR_TARGET = 4.5  # x fp32 model bytes: Θ, momentum, merge buffer, shadow (issue #13 item 4)
@@ -262,15 +261,16 @@ def markdown(r: dict[str, Any]) -> str:
     return f"{head}\n\n{mem}\n\n{times}\n\nDelta broadcasts as received: {sizes}."
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=FULL.model)
     p.add_argument("--outer-steps", type=int, default=FULL.outer_steps)
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
-    r = run(LargeSettings(model=a.model, outer_steps=a.outer_steps), print)
-    print(json.dumps(r, indent=2) if a.json else markdown(r))
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    def go(a: argparse.Namespace, log: Log) -> dict[str, Any]:
+        return run(LargeSettings(model=a.model, outer_steps=a.outer_steps), log)
+
+    return standalone(__doc__, _flags, go, markdown, argv)
 
 
 if __name__ == "__main__":

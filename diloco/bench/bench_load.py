@@ -54,7 +54,6 @@ import contextlib
 import datetime
 import gc
 import itertools
-import json
 import math
 import multiprocessing as mp
 import os
@@ -73,7 +72,7 @@ from typing import Any
 
 import grpc
 
-from diloco.bench.section import Context, Log, table
+from diloco.bench.section import Context, Log, quick_flag, standalone, table
 from diloco.cluster import TINY_TASK_ARGS, ClusterConfig, LocalCluster, LogFollower
 from diloco.errors import ConfigError
 from diloco.rpc.server import channel, tune_gc
@@ -1081,10 +1080,9 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n\n".join(parts)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learners", default="", help="comma-separated N (default: the profile's, 100,300,1000 in full)")
-    p.add_argument("--quick", action="store_true", help="the quick profile's settings (CI)")
+    quick_flag(p)
     for name in (
         "active_s",
         "submit_interval_s",
@@ -1100,19 +1098,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
     for name in ("learners_per_channel", "learners_per_process", "register_concurrency"):
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print the result as JSON instead of Markdown")
-    a = p.parse_args(argv)
+
+
+def _settings(a: argparse.Namespace) -> LoadSettings:
+    """The profile's settings with the flags given (`ConfigError` names what is wrong)."""
     base = QUICK if a.quick else FULL
     try:
         learners = tuple(int(x) for x in a.learners.split(",") if x.strip()) or base.learners
-        over = {k: v for k, v in vars(a).items() if k in asdict(base) and k != "learners" and v is not None}
-        s = replace(base, learners=learners, **over)
-    except (ValueError, ConfigError) as e:
-        print(f"bench_load: {e}", file=sys.stderr)
-        return 2
-    result = run(s, lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(result, indent=1, default=str) if a.json else markdown(result))
-    return 0
+    except ValueError as e:
+        raise ConfigError(f"--learners: {e}") from None
+    over = {k: v for k, v in vars(a).items() if k in asdict(base) and k != "learners" and v is not None}
+    return replace(base, learners=learners, **over)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(__doc__, _flags, lambda a, log: run(_settings(a), log), markdown, argv)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,13 @@ with 2-bit values at 1/64: 3.14, 2.63, 2.33, 2.35; 4-bit values at β = 0.5: 2.3
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from diloco.bench.section import Context, Result, table
+from diloco.bench.section import Context, Result, quick_flag, standalone, table
 from diloco.bench.seeds import check, fmt, target_met, values
 from diloco.bench.sim_bench import SimRunner
 from diloco.core.codecs import SparseCodec, get_codec
@@ -172,15 +169,11 @@ def markdown(result: Result) -> str:
     return "\n\n".join([head, table(headers, rows), note])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the small settings of `diloco bench --quick`")
-    args = parser.parse_args()
-    torch.set_num_threads(1)  # as the suite runs it
-    result = run(QUICK if args.quick else FULL, SimRunner(print))
-    print(markdown(result))
-    print(json.dumps(result["checks"], indent=2))
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(
+        __doc__, quick_flag, lambda a, log: run(QUICK if a.quick else FULL, SimRunner(log)), markdown, argv
+    )
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -15,7 +15,7 @@ Timings, best of `--repeats`:
   fully decoded and crc-checked, before accept), read from its Prometheus endpoint.
 - accept: from the end of that upload time to the coordinator's `submission.accepted` log line (its wall-clock
   timestamp): accept, merge and the outer step.
-- diagnostic sink rows: the same RPC against a `--sink` process built on the services' own gRPC wiring
+- diagnostic sink rows: the same RPC against a sink process built on the services' own gRPC wiring
   (`GrpcService`) that only reads the messages, or also decodes them as the coordinator does: the transport's
   own limit, and the cost of decoding in the handler.
 GB/s is payload bytes / seconds; `x TCP` is that over the raw TCP rate.
@@ -64,13 +64,14 @@ import grpc
 import torch
 from zlib_ng.zlib_ng import crc32  # the payload crc, as diloco.core.codecs computes it
 
-from diloco.bench.section import Context, table
+from diloco.bench.section import Context, console_table, parser, standalone, table
 from diloco.cluster import wait_serving
 from diloco.core.codecs import EncodedMeta, get_codec, iter_chunks
 from diloco.core.coordinator import CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
 from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.core.outer import OuterConfig, build_outer
+from diloco.errors import ConfigError
 from diloco.rpc.bulk import bulk_upload
 from diloco.rpc.payload import CHUNK_BYTES, UploadReceiver, chunks, meta_from_proto, meta_to_proto
 from diloco.rpc.server import GrpcService, channel
@@ -521,7 +522,7 @@ DECODE_KEY = "x-bench-decode"
 
 
 def serve_sink() -> int:
-    """`--sink`: serve `SubmitPseudoGradient` with the services' gRPC wiring (`GrpcService`, same options and
+    """The sink process: serve `SubmitPseudoGradient` with the services' gRPC wiring (`GrpcService`, same options and
     thread pool). It reads the header, then every data message; with metadata x-bench-decode=1 it also decodes
     them as the coordinator does (`UploadReceiver`: the bytes kept, each chunk decoded into the sums of squares).
     Prints its port, serves until stdin closes."""
@@ -563,11 +564,11 @@ def serve_sink() -> int:
 
 
 class Sink:
-    """The `--sink` server in its own process; `close()` stops and reaps it."""
+    """The sink server (`serve_sink`) in its own process; `close()` stops and reaps it."""
 
     def __init__(self, timeout_s: float) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "diloco.bench.bench_upload", "--sink"],
+            [sys.executable, "-c", "from diloco.bench.bench_upload import serve_sink; raise SystemExit(serve_sink())"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -767,25 +768,8 @@ def decoder_freed_by_refcount(codec: str) -> bool:
 
 
 # --- output ---------------------------------------------------------------------------------------------------
-def _print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], caption: str = "") -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-        print(title)
-        print("  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True)))
-        for r in rows:
-            print("  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)))
-        if caption:
-            print(caption)
-        return
-    table = Table(title=title, caption=caption or None)
-    for i, c in enumerate(columns):
-        table.add_column(c, justify="left" if i == 0 else "right")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=None if sys.stdout.isatty() else 170).print(table)
+def _table(title: str, columns: Sequence[str], rows: Sequence[Sequence[str]], caption: str = "") -> str:
+    return console_table(title, columns, rows, caption, width=170)
 
 
 def _mb(n: float) -> str:
@@ -796,13 +780,14 @@ def _f(x: float | None, fmt: str) -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def print_report(doc: dict[str, Any]) -> None:
+def report_text(doc: dict[str, Any]) -> str:
+    """The module's own report: its tables and targets, for the terminal."""
     m, tcp = doc["model"], doc["tcp"]
-    print(
+    out = [
         f"model: GPT d_model={m['d_model']} layers={m['n_layers']} heads={m['n_heads']} seq_len={m['seq_len']} "
         f"vocab={m['vocab_size']}: {m['numel']:,} parameters (asked for {m['params_asked']:,}); "
         f"{m['fp32_bytes'] / 1e6:,.1f} MB fp32; {doc['chunk_bytes'] >> 10} KiB chunks; best of {doc['repeats']}"
-    )
+    ]
     rows = [["raw TCP (limit)", _mb(tcp["bytes"]), f"{tcp['seconds']:.3f}", f"{tcp['gb_per_s']:.2f}", "1.00"]]
     rows[0] += ["-"] * 5
     for g in [*doc["grpc"], *doc.get("bulk", [])]:
@@ -835,26 +820,28 @@ def print_report(doc: dict[str, Any]) -> None:
                 "-",
             ]
         )
-    _print_table(
-        "Upload throughput (payload bytes / seconds)",
-        [
-            "path",
-            "bytes",
-            "RPC s",
-            "GB/s",
-            "x TCP",
-            "upload s",
-            "upload GB/s",
-            "upload x TCP",
-            "accept s",
-            "model GB/s",
-        ],
-        rows,
-        "RPC: client, first message to response; for the coordinator it includes decode, accept, merge and the "
-        "outer step. upload: the coordinator's upload_seconds (header to payload decoded, before accept). accept: "
-        "payload decoded to its submission.accepted log line (accept, merge, outer step). "
-        "model GB/s: fp32 model bytes / RPC s. sink: the same RPC on the services' gRPC wiring in another "
-        "process that only reads the messages (or also decodes them like the coordinator).",
+    out.append(
+        _table(
+            "Upload throughput (payload bytes / seconds)",
+            [
+                "path",
+                "bytes",
+                "RPC s",
+                "GB/s",
+                "x TCP",
+                "upload s",
+                "upload GB/s",
+                "upload x TCP",
+                "accept s",
+                "model GB/s",
+            ],
+            rows,
+            "RPC: client, first message to response; for the coordinator it includes decode, accept, merge and the "
+            "outer step. upload: the coordinator's upload_seconds (header to payload decoded, before accept). accept: "
+            "payload decoded to its submission.accepted log line (accept, merge, outer step). "
+            "model GB/s: fp32 model bytes / RPC s. sink: the same RPC on the services' gRPC wiring in another "
+            "process that only reads the messages (or also decodes them like the coordinator).",
+        )
     )
     mem_rows = [
         [
@@ -871,48 +858,56 @@ def print_report(doc: dict[str, Any]) -> None:
         ]
         for r in doc["uploads"]
     ]
-    _print_table(
-        "Coordinator memory per upload (peak RSS over the RSS just before it)",
-        [
-            "upload",
-            "payload",
-            "fp32 buffer",
-            "RSS before",
-            "upload peak +",
-            "/ payload",
-            "RPC peak +",
-            "/ payload",
-            "/ fp32 buffer",
-            "retained",
-        ],
-        mem_rows,
-        f"upload peak: RSS sampled every {doc['rss_interval_ms']:g} ms up to the end of the server's upload time. "
-        "RPC peak: VmHWM (reset before each upload) read after the response, i.e. including accept, merge and "
-        "the outer step. "
-        "retained: RSS after the response minus RSS before."
-        + ("" if doc["hwm_exact"] else " VmHWM could not be reset here: sampled peaks instead."),
+    out.append(
+        _table(
+            "Coordinator memory per upload (peak RSS over the RSS just before it)",
+            [
+                "upload",
+                "payload",
+                "fp32 buffer",
+                "RSS before",
+                "upload peak +",
+                "/ payload",
+                "RPC peak +",
+                "/ payload",
+                "/ fp32 buffer",
+                "retained",
+            ],
+            mem_rows,
+            f"upload peak: RSS sampled every {doc['rss_interval_ms']:g} ms up to the end of the server's upload time. "
+            "RPC peak: VmHWM (reset before each upload) read after the response, i.e. including accept, merge and "
+            "the outer step. "
+            "retained: RSS after the response minus RSS before."
+            + ("" if doc["hwm_exact"] else " VmHWM could not be reset here: sampled peaks instead."),
+        )
     )
     if doc["breakdown"]:
-        _print_table(
-            "Where the time goes (this process, one thread, no network; best of repeats)",
-            ["stage", "bytes", "s", "GB/s"],
-            [[b["stage"], _mb(b["bytes"]), f"{b['seconds']:.3f}", f"{b['gb_per_s']:.2f}"] for b in doc["breakdown"]],
+        out.append(
+            _table(
+                "Where the time goes (this process, one thread, no network; best of repeats)",
+                ["stage", "bytes", "s", "GB/s"],
+                [
+                    [b["stage"], _mb(b["bytes"]), f"{b['seconds']:.3f}", f"{b['gb_per_s']:.2f}"]
+                    for b in doc["breakdown"]
+                ],
+            )
         )
     freed = ", ".join(
         f"{c}: {'yes' if ok else 'NO (reference cycle)'}" for c, ok in doc["decoder_freed_by_refcount"].items()
     )
-    print(f"streaming decoder (and its fp32 buffer) freed as soon as it is dropped: {freed}")
+    out.append(f"streaming decoder (and its fp32 buffer) freed as soon as it is dropped: {freed}")
     t = doc["target"]
-    print(
+    out.append(
         f"target gRPC fp32 >= {t['x_tcp']:.1f}x raw TCP: whole RPC {t['rpc_x_tcp']:.2f}x -> "
         f"{'MET' if t['rpc_met'] else 'NOT MET'}; upload phase alone {t['upload_x_tcp']:.2f}x -> "
         f"{'MET' if t['upload_met'] else 'NOT MET'}"
     )
     if t.get("bulk_upload_x_tcp") is not None:
-        print(
+        out.append(
             f"target bulk-port fp32 >= {t['x_tcp']:.1f}x raw TCP: whole upload {t['bulk_rpc_x_tcp']:.2f}x; upload "
             f"phase alone {t['bulk_upload_x_tcp']:.2f}x -> {'MET' if t['bulk_upload_met'] else 'NOT MET'}"
         )
+    return "\n".join(out)
 
 
 # --- main -----------------------------------------------------------------------------------------------------
@@ -926,12 +921,14 @@ def pick_or_override(args: argparse.Namespace) -> ModelConfig:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.params < 1 or args.repeats < 1:
+        raise ConfigError("--params and --repeats must be >= 1")
     torch.set_num_threads(1)  # like the services: one torch thread each on small machines
     model_cfg = pick_or_override(args)
     numel = gpt_numel(model_cfg.d_model, model_cfg.n_layers, model_cfg.seq_len, model_cfg.vocab_size)
     codecs = list(dict.fromkeys(c.strip() for c in args.codecs.split(",") if c.strip()))
     if "fp32" not in codecs:
-        raise SystemExit("--codecs must include fp32 (the reference payload, also sent over raw TCP)")
+        raise ConfigError("--codecs must include fp32 (the reference payload, also sent over raw TCP)")
     tcp_s: list[float] = []
     results: list[UploadResult] = []
     sink_s: dict[tuple[str, bool], list[float]] = {}
@@ -1068,8 +1065,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+def _flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=int, default=100_000_000, help="about this many model parameters")
     parser.add_argument("--repeats", type=int, default=2, help="best of N (memory: every upload is listed)")
     parser.add_argument("--codecs", default="fp32,int8", help="comma-separated; fp32 is the reference")
@@ -1081,24 +1077,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rss-interval-ms", type=float, default=2.0, help="how often the coordinator's RSS is read")
     parser.add_argument("--no-breakdown", dest="breakdown", action="store_false", help="skip the in-process stages")
     parser.add_argument("--no-sink", dest="sink", action="store_false", help="skip the diagnostic gRPC sink rows")
-    parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    parser.add_argument("--sink", dest="serve_sink", action="store_true", help=argparse.SUPPRESS)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.serve_sink:
-        return serve_sink()
-    if args.params < 1 or args.repeats < 1:
-        parser.error("--params and --repeats must be >= 1")
-    doc = run(args)
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print_report(doc)
-    return 0
+    return standalone(__doc__, _flags, lambda args, log: run(args), report_text, argv)
 
 
 # --- the suite's `upload` section -------------------------------------------------------------------------------
@@ -1109,7 +1091,7 @@ QUICK_ARGS = ("--params", "200000", "--repeats", "1")
 def section(ctx: Context) -> dict[str, Any]:
     argv = QUICK_ARGS if ctx.quick else FULL_ARGS
     ctx.log(f"  python -m diloco.bench.bench_upload {' '.join(argv)}")
-    doc = run(build_parser().parse_args(argv))
+    doc = run(parser(__doc__, _flags).parse_args(argv))
     doc["argv"] = list(argv)
     doc["coordinator"].pop("log_tail", None)
     t = doc["target"]

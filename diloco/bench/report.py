@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from diloco.bench.cluster_bench import rate
-from diloco.bench.section import table
+from diloco.bench.section import checks_md, table, verdict
 from diloco.bench.seeds import RULE, fmt, values
 from diloco.bench.sim_bench import EQUAL_LOSS_RULE, equal_loss_fmt
 
@@ -44,10 +44,6 @@ def mb(n: float) -> str:
 
 def secs(x: float | None) -> str:
     return "never" if x is None else f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
-
-
-def verdict(ok: bool | None) -> str:
-    return "n/a" if ok is None else "**pass**" if ok else "**FAIL**"
 
 
 def command(section: str, quick: bool) -> str:
@@ -818,10 +814,8 @@ def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]
             sec.markdown(result),
             "",
         ]
-        for c in result.get("checks", []):
-            body.append(f"- {c['name']}: {c['measured']} (target: {c['target']}) → {verdict(c['pass'])}")
         if result.get("checks"):
-            body.append("")
+            body += [checks_md(result), ""]
     readme = out / "README.md"
     readme.write_text("\n".join(head) + "\n\n" + "\n".join(body).rstrip() + "\n")
     written.append(readme)

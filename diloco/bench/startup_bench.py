@@ -47,7 +47,7 @@ from typing import IO, Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from diloco.bench.section import Context, Log, table
+from diloco.bench.section import Context, Log, standalone, table
 from diloco.rpc.security import SecurityConfig
 from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, write_bundle
 
@@ -403,14 +403,12 @@ def markdown(r: dict[str, Any]) -> str:
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+def _flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=FULL.repeats)
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the Markdown table")
-    a = p.parse_args(argv)
-    result = measure(StartupSettings(repeats=a.repeats), lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(result, indent=1) if a.json else markdown(result))
-    return 0 if all(c["pass"] for c in result["checks"]) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return standalone(__doc__, _flags, lambda a, log: measure(StartupSettings(repeats=a.repeats), log), markdown, argv)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ reach its target; learners then exit 0 with reason `finished`, as they should; a
 
 from __future__ import annotations
 
-import argparse
 import enum
-import json
 import os
 import statistics
 import sys
@@ -48,7 +46,7 @@ from typing import Any
 
 import grpc
 
-from diloco.bench.section import Context, Log, table
+from diloco.bench.section import Context, Log, quick_flag, standalone, table
 from diloco.cluster import (
     TINY_TASK_ARGS,
     ClusterConfig,
@@ -663,13 +661,7 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="the short storm of `diloco bench --quick`")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the Markdown")
-    a = p.parse_args(argv)
-    result = measure(QUICK if a.quick else FULL, lambda line: print(line, file=sys.stderr, flush=True))
-    print(json.dumps(result, indent=1) if a.json else markdown(result))
-    return 0 if all(c["pass"] for c in result["checks"]) else 1
+    return standalone(__doc__, quick_flag, lambda a, log: measure(QUICK if a.quick else FULL, log), markdown, argv)
 
 
 if __name__ == "__main__":

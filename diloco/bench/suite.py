@@ -38,7 +38,7 @@ from diloco.bench import (
     startup_bench,
     storm,
 )
-from diloco.bench.section import Context, Log, Section
+from diloco.bench.section import TORCH_THREADS, Context, Log, Section, pin_threads
 from diloco.bench.settings import FULL, QUICK
 from diloco.errors import ConfigError
 
@@ -165,7 +165,8 @@ CHECKOUT = Path(__file__).resolve().parents[2]
 def _machine() -> str:
     return (
         f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPU cores (shared with other jobs), no GPU used, "
-        f"Python {platform.python_version()}, torch {torch.__version__} with 1 thread"
+        f"Python {platform.python_version()}, torch {torch.__version__} with {TORCH_THREADS} "
+        f"thread{'s' if TORCH_THREADS > 1 else ''}"
     )
 
 
@@ -234,7 +235,7 @@ def run_suite(out: Path, *, quick: bool = False, only: Sequence[str] = (), log: 
 
     Each section run records where it was measured (`meta.measured[name]`: commit, dirty flag, date, machine,
     wall time), so a report that keeps some sections from an earlier run says which commit each one is from."""
-    torch.set_num_threads(1)
+    pin_threads()
     profile = QUICK if quick else FULL
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"

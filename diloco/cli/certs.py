@@ -35,6 +35,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="DNS names and IPs the services are reached by (server certificate SANs), comma-separated",
     )
     p.add_argument("--no-tokens", action="store_true", help="do not write join.token and admin.token")
+    p.add_argument(
+        "--etcd",
+        action="store_true",
+        help="also etcd.pem/etcd.key: etcd's server certificate (SANs from --hosts), for coordinator leadership over "
+        "https (docs/ha.md)",
+    )
     p.add_argument("--force", action="store_true", help="overwrite an existing CA in DIR")
     p.set_defaults(func=run)
 
@@ -48,7 +54,14 @@ def run(a: argparse.Namespace) -> int:
         raise ConfigError("--hosts: give at least one DNS name or IP")
     if (a.out / "ca.pem").exists() and not a.force:
         raise ConfigError(f"{a.out} already holds a CA (ca.pem); pass --force to replace every certificate")
-    written = write_bundle(a.out, clients=clients, hosts=hosts, tokens=not a.no_tokens)
+    written = write_bundle(a.out, clients=clients, hosts=hosts, tokens=not a.no_tokens, etcd=a.etcd)
     print(f"wrote {len(written)} files to {a.out}: " + ", ".join(p.name for p in written))
     print(f"services: --tls-dir {a.out} (coordinator, healthd); workers: --tls-name <name>; ctl: --tls-name admin")
+    if a.etcd:
+        d = a.out
+        print(
+            f"etcd: --cert-file {d}/etcd.pem --key-file {d}/etcd.key --trusted-ca-file {d}/ca.pem --client-cert-auth; "
+            f"coordinators: --etcd https://HOST:2379 --etcd-ca-file {d}/ca.pem --etcd-cert-file {d}/coordinator.pem "
+            f"--etcd-key-file {d}/coordinator.key"
+        )
     return 0

@@ -15,13 +15,15 @@ States (`LearnerState`) and what moves between them (`[Action]`: what `next_acti
     TRAINING       --[Train]... steps >= H_m, no submission outstanding: [Submit]-> TRAINING (decoupled, async)
                                                                                  | WAITING_ROUND (sync)
                      (sync: H_m steps done while the last upload's answer is still due: [Wait] for it)
+                     (decoupled: max_unsent_rounds x H_m steps done and still no submission possible: [Wait])
     WAITING_ROUND  --a version newer than the base: [Load]------------------------> TRAINING | SHARDLESS
     any registered --a refused upload (RESYNC, DROP_UPLOAD)----------------------> RESYNCING
     RESYNCING      --params known: [Load(reset_codec=True)], cursors forgotten----> SHARDLESS (fetches the plan now)
     any registered --session_ended / REREGISTER / another epoch without a plan---> UNREGISTERED
     any registered --a higher epoch with this learner's plan (a standby took over, knowing it): the learner
                      adopts the epoch and stays registered; when the new leader is behind the versions it
-                     received, or lacks the round of the accepted submission it waits for ----> RESYNCING
+                     received, or an older leader accepted the submission it waits for and its round is not
+                     in the new leader's history (also when that acceptance arrives after the takeover) --> RESYNCING
     any            --stop() or a broadcast that says finished--------------------> DRAINING
     DRAINING       --[Wait] for the upload in flight (until the drain deadline), [Submit] the unsent steps (not
                      after finished), [Deregister]-------------------------------> DONE
@@ -286,6 +288,10 @@ class LearnerConfig:
     plan_poll_initial_s: float = 0.1  # a learner without shards asks for a plan again after this, doubling
     plan_poll_max_s: float = 2.0
     give_up_after_s: float | None = None  # exit when no coordinator call succeeded for this long (None: never)
+    # while it cannot submit (an upload in flight or a round awaited), train at most this many submissions' worth of
+    # steps, then wait: the ledger refuses a range longer than a shard (the whole submission would be lost), and
+    # steps piled up against an old base are stale anyway
+    max_unsent_rounds: int = 8
 
     def __post_init__(self) -> None:
         for name in ("drain_timeout_s", "plan_poll_initial_s", "plan_poll_max_s"):
@@ -297,6 +303,8 @@ class LearnerConfig:
         g = self.give_up_after_s
         if g is not None and not (math.isfinite(g) and g > 0):
             raise ConfigError(f"give_up_after_s must be a finite number > 0 or None (never), got {g}")
+        if not 1 <= self.max_unsent_rounds <= 1000:
+            raise ConfigError(f"max_unsent_rounds must be in [1, 1000], got {self.max_unsent_rounds}")
 
 
 _SESSION_STATES = frozenset(
@@ -328,6 +336,7 @@ class LearnerCore:
     uploading: str | None = None  # submission id of the upload in flight
     awaiting: str | None = None  # submission id accepted (or in flight) whose round has not been applied
     awaiting_round: int | None = None  # the version that will include it
+    awaiting_epoch: int = 0  # the epoch of the coordinator that accepted `awaiting`
     finished: bool = False
     stopping: bool = False
     drain_deadline: float = math.inf
@@ -403,15 +412,17 @@ class LearnerCore:
     def _taken_over(self, now: float, version: int, coordinator_epoch: int) -> None:
         """A new leader (`coordinator_epoch`, higher) took this registration over with the learner table and is
         at `version`: stay registered under its epoch. If it is behind a version this learner received (its
-        standby did not hold it), or this learner waits for the round of a submission the old leader accepted and
-        the new one does not hold, what was trained since is void: resync onto `version`."""
+        standby did not hold it), or this learner waits for the round of a submission an older leader accepted
+        and the new one does not hold, what was trained since is void: resync onto `version`. A submission this
+        leader accepted itself (before its first broadcast reached this learner), or one still uploading (the
+        upload follows the leader and its outcome decides), is waited for as before."""
         self.coordinator_epoch = coordinator_epoch
         self.detail = f"coordinator epoch {coordinator_epoch} took this learner over at version {version}"
         if self.awaiting is not None and self.awaiting_round is not None and self.awaiting_round <= version:
             self.awaiting = self.awaiting_round = None  # its round is in the new leader's history: applied
         # an accepted submission whose round the new leader does not hold is void there (its ledger rolled the
         # cursors back to committed) and would never be applied: waiting for it would stop this learner for good
-        if version < self.latest_version or self.awaiting is not None:
+        if version < self.latest_version or self._void_acceptance():
             self.latest_version = version - 1  # `version` is the newest known again
             self.awaiting = self.awaiting_round = None
             self._apply(now, Reaction.RESYNC, self.detail)
@@ -427,14 +438,19 @@ class LearnerCore:
         self._proposed = None
         self.progress.consumed(shard_id, epoch, start, end)
 
-    def upload_accepted(self, now: float, submission_id: str, pending_round: int, applied: bool = False) -> None:
-        """The coordinator holds submission `submission_id` for round `pending_round` (`applied`: it was merged
-        already, a duplicate of an earlier upload)."""
+    def upload_accepted(
+        self, now: float, submission_id: str, pending_round: int, applied: bool = False, epoch: int | None = None
+    ) -> None:
+        """The coordinator of `epoch` (None: not said, the one this learner follows) holds submission
+        `submission_id` for round `pending_round` (`applied`: it was merged already, a duplicate of an earlier
+        upload). An acceptance by an older leader than the one that took this learner over since is void (see
+        `_taken_over`): resync."""
         self.contact(now)
         if submission_id != self.uploading:
             return
         self.uploading = None
         if self.awaiting == submission_id:
+            self.awaiting_epoch = self.coordinator_epoch if epoch is None else epoch
             # sync with fragments trains on past a submission: "applied in round r" may come before version r does,
             # and the next fragment must wait for it (sync refuses any staleness: a resync would lose those steps)
             early = applied and self.fragments > 1 and self.mode == "sync" and self.latest_version < pending_round
@@ -442,6 +458,15 @@ class LearnerCore:
                 self.awaiting = self.awaiting_round = None
             else:
                 self.awaiting_round = pending_round or None
+            if self._void_acceptance():
+                self.awaiting = self.awaiting_round = None
+                detail = f"submission {submission_id} was accepted by epoch {epoch}, which no longer leads"
+                self._apply(now, Reaction.RESYNC, detail)
+
+    def _void_acceptance(self) -> bool:
+        """The submission awaited was accepted by an older leader than the one followed now (which may not hold
+        it: its ledger rolled back to what was committed). One still uploading is not: its outcome decides."""
+        return self.awaiting is not None and self.uploading is None and self.awaiting_epoch < self.coordinator_epoch
 
     def upload_failed(self, now: float, submission_id: str, reaction: Reaction, detail: str = "") -> None:
         """The upload of `submission_id` ended without acceptance; `reaction` is `react(Rpc.SUBMIT, code)` of the
@@ -543,6 +568,8 @@ class LearnerCore:
             # a sync round is exactly H_m steps: the next round's version can arrive before the answer to the upload
             # that closed the previous one (the coordinator broadcasts it first); wait for that answer, not train on
             return Wait(None)
+        if self.progress.steps >= self.cfg.max_unsent_rounds * self.due_steps:
+            return Wait(None)  # cannot submit (else it would have): the upload's outcome or a version wakes it
         if not self.progress.cursors:
             self.state = LearnerState.SHARDLESS
             self._poll_at, self._poll_backoff_s = now, 0.0

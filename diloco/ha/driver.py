@@ -270,7 +270,7 @@ class LeadershipDriver:
                 self._emit(self._machine.resign_failed(now))
             # CAMPAIGN: reported by _campaign
         n = self._failures[action] = self._failures.get(action, 0) + 1
-        fields = {"action": action.value, "failures_in_a_row": n, "error": str(err)}
+        fields = {"action": action.value, "failures_in_a_row": n, "error": str(err), "etcd": self._election.endpoint}
         if n == 1:
             self._log.warning("leadership.call_failed", **fields)
         else:
@@ -291,7 +291,8 @@ class LeadershipDriver:
 
     def _emit(self, transitions: list[Transition]) -> None:
         """Log each transition (called with the lock held): at info when leadership starts, ends or is given
-        back; campaign attempts and a follower learning the holder at debug (they repeat while etcd is away)."""
+        back; campaign attempts and a follower learning the holder at debug (they repeat while etcd is away). `etcd`:
+        the endpoint calls go to now."""
         for t in transitions:
             leader: LeaderInfo | None = self._machine.leader
             notable = Role.CANDIDATE not in (t.previous, t.role) or t.role is Role.LEADER or t.role in _HOLDING
@@ -304,4 +305,5 @@ class LeadershipDriver:
                 reason=t.reason,
                 leader=leader.replica_id if leader else None,
                 at=round(t.at, 6) if math.isfinite(t.at) else None,
+                etcd=self._election.endpoint,
             )

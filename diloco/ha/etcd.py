@@ -26,6 +26,13 @@ such a record is left out.
 
 Every failure to get an answer is `EtcdUnavailable` (the caller retries); a key that does not hold a leader
 record is `MalformedLeaderKey` (also unavailable: nobody can tell who leads until it is fixed).
+
+Over https (`EtcdConfig.tls`, an `EtcdTls`): every endpoint is reached over TLS, etcd's certificate verified against
+`ca_file` (for the host name the endpoint gives), and, with `cert_file`/`key_file`, this replica presents its client
+certificate (an etcd started with `--client-cert-auth`). The files are read and checked when the `EtcdTls` is made.
+A handshake that fails (etcd's certificate not signed by that CA, or this replica's refused by etcd) fails the call
+at once as `EtcdTlsRefused`, whose message says which file to check; it is retried like any call without an answer
+(another member may hold other certificates), so a replica with the wrong files never leads and says why.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import base64
 import contextlib
 import json
 import math
+import re
+import ssl
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -59,8 +68,70 @@ class EtcdUnreachable(EtcdUnavailable):
     """The endpoint gave no answer (refused, timed out, hanging, a server error): the next call tries the next."""
 
 
+class EtcdTlsRefused(EtcdUnreachable):
+    """The TLS handshake with the endpoint failed: its certificate is not trusted, or it refused this replica's."""
+
+
 class MalformedLeaderKey(EtcdUnavailable):
     """The leader key exists but does not hold a leader record."""
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """etcd over https: `ca_file`, the CA that signed etcd's certificate (PEM); `cert_file` and `key_file`, this
+    replica's client certificate and key (PEM), both or neither (etcd with `--client-cert-auth` needs them). The files
+    are read and checked here, so a missing, unreadable or wrong one is a `ConfigError` naming its flag."""
+
+    ca_file: str
+    cert_file: str = ""
+    key_file: str = ""
+
+    def __post_init__(self) -> None:
+        for flag, path in (
+            ("--etcd-ca-file", self.ca_file),
+            ("--etcd-cert-file", self.cert_file),
+            ("--etcd-key-file", self.key_file),
+        ):
+            if not isinstance(path, str) or not path.isprintable():
+                raise ConfigError(f"{flag} must be a path, got {path!r}")
+        if not self.ca_file:
+            raise ConfigError(
+                "etcd over https needs the CA that signed etcd's certificate: --etcd-ca-file FILE (ca.pem of the TLS "
+                "folder when `diloco certs --etcd` wrote etcd's certificate)"
+            )
+        if bool(self.cert_file) != bool(self.key_file):
+            given, missing = ("--etcd-cert-file", "--etcd-key-file")[:: 1 if self.cert_file else -1]
+            raise ConfigError(f"{given} is given without {missing}: give both (the client certificate and its key)")
+        self._check_files()
+
+    @property
+    def client_cert(self) -> tuple[str, str] | None:
+        return (self.cert_file, self.key_file) if self.cert_file else None
+
+    def _check_files(self) -> None:
+        """Load the files as a client would; `ConfigError` naming the flag of the file that cannot be read or is not
+        what it should be (a CA certificate; a certificate and its own key)."""
+        files = [("--etcd-ca-file", self.ca_file)]
+        if self.cert_file:
+            files += [("--etcd-cert-file", self.cert_file), ("--etcd-key-file", self.key_file)]
+        for flag, path in files:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as e:
+                raise ConfigError(f"{flag}: cannot read {path!r} ({e.strerror or e})") from e
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+        except (ssl.SSLError, ValueError) as e:
+            raise ConfigError(f"--etcd-ca-file: {self.ca_file!r} holds no PEM CA certificate ({e})") from e
+        if self.client_cert is not None:
+            try:
+                ctx.load_cert_chain(self.cert_file, self.key_file)
+            except (ssl.SSLError, ValueError) as e:
+                raise ConfigError(
+                    f"--etcd-cert-file/--etcd-key-file: {self.cert_file!r} and {self.key_file!r} are not a PEM "
+                    f"certificate and its own private key ({e})"
+                ) from e
 
 
 @dataclass(frozen=True)
@@ -70,8 +141,11 @@ class EtcdConfig:
     key: str = "/diloco/coordinator/leader"
     call_timeout_s: float = 0.5
     others: tuple[tuple[str, int], ...] = ()  # more members of the same etcd cluster, tried in turn (module docstring)
+    tls: EtcdTls | None = None  # None: plain HTTP; else https to every endpoint (module docstring)
 
     def __post_init__(self) -> None:
+        if self.tls is not None and not isinstance(self.tls, EtcdTls):
+            raise ConfigError(f"etcd tls must be an EtcdTls or None, got {type(self.tls).__name__}")
         if not isinstance(self.others, tuple) or len(self.others) > MAX_ENDPOINTS - 1:
             raise ConfigError(f"etcd: at most {MAX_ENDPOINTS} endpoints, as a tuple of (host, port)")
         for host, port in self.endpoints:
@@ -90,6 +164,10 @@ class EtcdConfig:
     @property
     def endpoints(self) -> tuple[tuple[str, int], ...]:
         return ((self.host, self.port), *self.others)
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
 
 
 @dataclass(frozen=True)
@@ -127,10 +205,15 @@ class EtcdElection:
     def __init__(self, cfg: EtcdConfig) -> None:
         self.cfg = cfg
         session = requests.Session()
-        session.trust_env = False  # no proxy from the environment between a replica and its etcd
+        session.trust_env = False  # no proxy (nor CA bundle) from the environment between a replica and its etcd
+        if cfg.tls is not None:  # etcd3gw ignores its own TLS arguments when given a session
+            session.verify = cfg.tls.ca_file
+            session.cert = cfg.tls.client_cert
         self._session = session
         self._clients = [
-            etcd3gw.client(host=h, port=p, timeout=cfg.call_timeout_s, api_path="/v3/", session=session)
+            etcd3gw.client(
+                host=h, port=p, protocol=cfg.scheme, timeout=cfg.call_timeout_s, api_path="/v3/", session=session
+            )
             for h, p in cfg.endpoints
         ]
         self._at = 0  # the endpoint calls go to now
@@ -304,7 +387,11 @@ class EtcdElection:
         """The request itself (on its own thread): the reply, or the failure to raise."""
         try:
             reply = client.post(client.get_url(path), json=body)
-        except (etcd_errors.ConnectionFailedError, etcd_errors.ConnectionTimeoutError) as e:
+        except etcd_errors.ConnectionFailedError as e:
+            if isinstance(e.__context__, requests.exceptions.SSLError):  # etcd3gw wraps what requests raised
+                return _tls_refused(where, e.__context__)
+            return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+        except etcd_errors.ConnectionTimeoutError as e:
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.InternalServerError as e:  # a member without quorum, say: another may answer
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
@@ -315,3 +402,20 @@ class EtcdElection:
         if not isinstance(reply, dict):
             return EtcdUnavailable(f"{where}: the reply is not a JSON object")
         return reply
+
+
+def _tls_refused(where: str, err: requests.exceptions.SSLError) -> EtcdTlsRefused:
+    """What a failed handshake means, and which file to check."""
+    text = str(err)
+    found = re.search(r"\[SSL[^\]]*\][^(')]*|EOF occurred in violation of protocol", text)
+    reason = found.group(0).strip() if found else text[-200:]
+    if "CERTIFICATE_VERIFY_FAILED" in text:
+        return EtcdTlsRefused(
+            f"{where}: TLS: etcd's certificate is not trusted ({reason}); --etcd-ca-file must be the CA that signed "
+            "etcd's --cert-file, and that certificate must name the host given in --etcd"
+        )
+    return EtcdTlsRefused(
+        f"{where}: TLS: etcd refused the handshake ({reason}); with --client-cert-auth it needs --etcd-cert-file and "
+        "--etcd-key-file: a client certificate signed by a CA in etcd's --trusted-ca-file (or etcd serves plain HTTP "
+        "there: give its http:// address)"
+    )

@@ -4,11 +4,12 @@ docs/ha.md).
 
 One channel at a time, to the address in use. A coordinator call that ends with a FAILOVER code
 (`diloco.core.leadership.FAILOVER_CODES`: UNAVAILABLE, the replica is down, draining or does not lead) moves it
-(`failover(details)`): to the leader the refusal names ("not the leader; leader is at HOST:PORT"; a hint must meet
-the security rules of a configured address, else it is ignored), else to the next address round robin (the pure
-`failover_target`). Without a hint, a move within `MIN_DWELL_S` of the previous one is taken as the same outage
-seen by another thread (a learner's watcher, uploader and control calls) and not made again. Calls still running
-on the old channel end CANCELLED when it is closed.
+(`failover(details, tried)`): to the leader the refusal names ("not the leader; leader is at HOST:PORT"; a hint
+must meet the security rules of a configured address, else it is ignored), else to the next address round robin
+(the pure `failover_target`). Without a hint, a move within `MIN_DWELL_S` of the previous one is taken as the same
+outage seen by another thread (a learner's watcher, uploader and control calls) and not made again. Calls still
+running on the old channel end CANCELLED when it is closed. A retry loop whose next try goes to another address
+than the one that failed starts its backoff afresh (`failover` says so).
 
 `Coordinators` stands in for a `CoordinatorStub` (every RPC attribute is the current stub's), so a learner's
 threads use it unchanged and call `failover` themselves on the FAILOVER reaction of their status table. A
@@ -75,11 +76,14 @@ class Coordinators:
         with self._lock:
             return self._stub
 
-    def failover(self, details: str = "") -> None:
-        """A coordinator call got a FAILOVER code: move to the leader `details` names, else to the next address."""
+    def failover(self, details: str = "", tried: str = "") -> bool:
+        """A coordinator call to `tried` got a FAILOVER code: move to the leader `details` names, else to the next
+        address. True when the address in use now is not `tried` (moved by this call or by another thread's): the
+        caller's next try goes to another replica, so it starts its backoff afresh rather than wait out the delay
+        grown against the one that failed (the new leader is then found within a dwell, not a capped backoff)."""
         with self._lock:
             if self._closed:
-                return
+                return False
             now = self._clock()
             target = failover_target(self.addresses, self.address, details)
             hinted = bool(leader_hint(details))
@@ -90,13 +94,14 @@ class Coordinators:
                     self._say("leader_hint_refused", address=target, error=str(e))
                     target, hinted = failover_target(self.addresses, self.address, ""), False
             if target == self.address or (not hinted and now - self._switched_at < MIN_DWELL_S):
-                return
+                return bool(tried) and self.address != tried
             old, previous = self._channel, self.address
             self._channel = self._security.channel(target, admin=self._admin)
             self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
             self.address, self._switched_at, self.moves = target, now, self.moves + 1
         self._say("coordinator_moved", previous=previous, address=target, hinted=hinted)
         old.close()
+        return True
 
     def moved_by(self, error: grpc.RpcError) -> bool:
         """Move on `error` when its code is a FAILOVER code; True when it was one."""

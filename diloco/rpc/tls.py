@@ -5,7 +5,9 @@ Layout of a TLS folder (what `diloco certs --out DIR` writes and what `--tls-dir
     ca.pem, ca.key          the CA (keep ca.key off the nodes; it only issues certificates)
     <name>.pem, <name>.key  one certificate and key per identity: `coordinator` and `healthd` (server and client
                             certificates, with SANs for every host name or IP they are reached by), `admin` (for
-                            `diloco ctl`), and each worker (`worker`, or worker0..N-1, or the names given)
+                            `diloco ctl`), and each worker (`worker`, or worker0..N-1, or the names given); with
+                            `diloco certs --etcd`, `etcd` too (etcd's --cert-file/--key-file, same SANs; replicas
+                            reach it with --etcd-ca-file ca.pem and coordinator.pem/.key as client certificate)
     join.token, admin.token the bearer tokens (see `diloco.rpc.auth`)
 
 A process reads `ca.pem` and its own `<name>.pem`/`<name>.key`, `<name>` being its `--tls-name`. Keys and tokens are
@@ -34,7 +36,8 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
 
 SERVICE_NAMES = ("coordinator", "healthd")
-RESERVED_NAMES = (*SERVICE_NAMES, "admin")  # identities that are not learners
+ETCD_NAME = "etcd"  # etcd's server certificate, for the coordinators' leadership over https (docs/ha.md)
+RESERVED_NAMES = (*SERVICE_NAMES, ETCD_NAME, "admin")  # identities that are not learners
 DEFAULT_HOSTS = ("coordinator", "healthd", "localhost", "127.0.0.1")
 JOIN_TOKEN_FILE = "join.token"
 ADMIN_TOKEN_FILE = "admin.token"
@@ -231,9 +234,11 @@ def write_bundle(
     clients: Sequence[str] = ("worker",),
     hosts: Sequence[str] = DEFAULT_HOSTS,
     tokens: bool = True,
+    etcd: bool = False,
 ) -> list[Path]:
-    """Write a CA, server+client certificates for the services (SANs: `hosts`), client certificates for `admin`
-    and each name in `clients`, and (with `tokens`) fresh join and admin tokens. Returns the files written."""
+    """Write a CA, server+client certificates for the services (SANs: `hosts`; with `etcd`, for etcd too), client
+    certificates for `admin` and each name in `clients`, and (with `tokens`) fresh join and admin tokens. Returns
+    the files written."""
     from cryptography.hazmat.primitives import serialization
 
     d = Path(out)
@@ -246,7 +251,7 @@ def write_bundle(
     (d / "ca.pem").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     _write_private(d / "ca.key", _key_pem(ca_key))
     written = [d / "ca.pem", d / "ca.key"]
-    for name in SERVICE_NAMES:
+    for name in (*SERVICE_NAMES, *((ETCD_NAME,) if etcd else ())):
         _write_pair(d, name, *issue(ca_cert, ca_key, name, hosts, server=True))
         written += [d / f"{name}.pem", d / f"{name}.key"]
     for name in ("admin", *clients):

@@ -89,7 +89,7 @@ class WatchParametersRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ..., held_crc32: _Optional[int] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "fragment_versions")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "bulk_port", "fragment_versions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class ParametersHeader(_message.Message):
     DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
     PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     version: int
     coordinator_epoch: int
@@ -109,8 +110,9 @@ class ParametersHeader(_message.Message):
     delta_from: int
     params_crc32: int
     held: bool
+    bulk_port: int
     fragment_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -157,16 +159,18 @@ class SubmitPseudoGradientRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SubmissionHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmitPseudoGradientResponse(_message.Message):
-    __slots__ = ("outcome", "version", "staleness", "round")
+    __slots__ = ("outcome", "version", "staleness", "round", "coordinator_epoch")
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     outcome: SubmissionOutcome
     version: int
     staleness: int
     round: int
-    def __init__(self, outcome: _Optional[_Union[SubmissionOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., round: _Optional[int] = ...) -> None: ...
+    coordinator_epoch: int
+    def __init__(self, outcome: _Optional[_Union[SubmissionOutcome, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., round: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ...) -> None: ...
 
 class GetUploadStatusRequest(_message.Message):
     __slots__ = ("worker_id", "submission_id")

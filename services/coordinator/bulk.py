@@ -19,8 +19,8 @@ SUBMIT_METHOD = f"/{auth.COORDINATOR_SERVICE}/SubmitPseudoGradient"
 class _UploadSink:
     """One bulk connection feeding one upload: the `UploadStream` the gRPC path uses, answering in protos."""
 
-    def __init__(self, stream: UploadStream) -> None:
-        self.stream = stream
+    def __init__(self, stream: UploadStream, epoch: int) -> None:
+        self.stream, self.epoch = stream, epoch
         self.expected_bytes = stream.expected_bytes
 
     def feed(self, data: memoryview) -> None:
@@ -33,7 +33,7 @@ class _UploadSink:
         self.stream.close()
 
     def finish(self) -> coordinator_pb2.SubmitPseudoGradientResponse:
-        return submit_response(self.stream.finish())
+        return submit_response(self.stream.finish(), self.epoch)
 
 
 class BulkUploads:
@@ -56,4 +56,4 @@ class BulkUploads:
         opened = open_submission(self.state, request, self.specs, identity)
         if isinstance(opened, coordinator_pb2.SubmitPseudoGradientResponse):
             return opened  # a duplicate: the earlier outcome, nothing changes
-        return _UploadSink(opened)
+        return _UploadSink(opened, self.state.epoch)

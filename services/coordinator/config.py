@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, codec_class
@@ -33,6 +34,9 @@ from diloco.task.data import DataConfig, check_eval_tokens
 from diloco.task.factory import TaskConfig, task_from_flags
 from diloco.task.inner import InnerConfig
 from diloco.task.model import ModelConfig
+
+if TYPE_CHECKING:  # diloco.ha.etcd (requests, etcd3gw) is imported only by a coordinator given --etcd
+    from diloco.ha.etcd import EtcdConfig
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CRASH_FAULT = re.compile(r"(applied|accepted)@([0-9]{1,9})")  # --fault-crash-before-answer
@@ -140,8 +144,11 @@ class CoordinatorServiceConfig:
     replica_ack_timeout_s: float = 5.0  # the longest a round waits for standby acks before publishing anyway
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
-    etcd: str = ""  # http://HOST:PORT[,...] of etcd's members (loopback): campaign there (services/coordinator/ha.py)
-    etcd_private_network: bool = False  # etcd may be off loopback: the network to it is private (containers)
+    etcd: str = ""  # http(s)://HOST:PORT[,...] of etcd's members: campaign there (services/coordinator/ha.py)
+    etcd_private_network: bool = False  # plain HTTP (or https without a client cert) off loopback: a private network
+    etcd_ca_file: str = ""  # https: the CA that signed etcd's certificate (PEM)
+    etcd_cert_file: str = ""  # https: this replica's client certificate for etcd (PEM; with etcd_key_file)
+    etcd_key_file: str = ""  # https: its private key (PEM)
     fault_crash_before_answer: str = ""  # fault tests only: `CrashFault` ("": never)
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -216,7 +223,7 @@ class CoordinatorServiceConfig:
             raise ConfigError(f"replica_id must be at most 256 printable characters, got {self.replica_id!r}")
         if not isinstance(self.etcd_private_network, bool):
             raise ConfigError(f"etcd_private_network must be true or false, got {self.etcd_private_network!r}")
-        self.etcd_endpoints()
+        self.etcd_config()
         self.crash_fault()
         self._check_fragments()
         if self.etcd:
@@ -249,12 +256,24 @@ class CoordinatorServiceConfig:
                 "carry per-fragment steps; drop --etcd, --follow and --replication-log, or use --fragments 1"
             )
 
-    def etcd_endpoints(self) -> tuple[tuple[str, int], ...]:
-        """`etcd` as ((host, port), ...), the members of one etcd cluster in the order tried; () when not set.
-        `ConfigError` unless each is http://HOST:PORT with a loopback host (the etcd adapter speaks plain HTTP
-        without auth, so it must not leave the machine), or any host with `etcd_private_network` (a network nobody
-        else joins, e.g. compose's)."""
-        return parse_etcd_endpoints(self.etcd, private_network=self.etcd_private_network)
+    def etcd_config(self) -> EtcdConfig | None:
+        """How to reach etcd (None: no `etcd`): its members in the order tried, over http or https (with the CA and
+        client certificate files, read and checked here). `ConfigError` naming the flag unless the endpoints parse
+        (`parse_etcd_endpoints`: off loopback only with https and a client certificate, or a private network),
+        https has its CA, and the files are given only for https."""
+        from diloco.ha.etcd import EtcdConfig, EtcdTls
+
+        client_cert = bool(self.etcd_cert_file)
+        scheme, endpoints = parse_etcd_endpoints(self.etcd, self.etcd_private_network, client_cert=client_cert)
+        files = [f for f in ("ca", "cert", "key") if getattr(self, f"etcd_{f}_file")]
+        if files and scheme != "https":
+            flags = ", ".join(f"--etcd-{f}-file" for f in files)
+            raise ConfigError(f"{flags}: for etcd over https; give --etcd https://HOST:PORT[,...] or leave them out")
+        if not endpoints:
+            return None
+        tls = EtcdTls(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file) if scheme == "https" else None
+        (host, port), *others = endpoints
+        return EtcdConfig(host=host, port=port, others=tuple(others), tls=tls)
 
     def crash_fault(self) -> CrashFault | None:
         """The crash `fault_crash_before_answer` asks for (None: none)."""
@@ -470,17 +489,33 @@ _SERVICE_FLAGS: list[Flag] = [
         "--etcd",
         str,
         "",
-        "http://HOST:PORT of etcd (loopback), or up to 5 members comma-separated (tried in turn when one does not "
-        "answer): campaign for leadership; the winner serves, the others follow it as hot standbys and take over "
-        "when its lease expires (needs --checkpoint-dir and --replication-log)",
+        "http(s)://HOST:PORT of etcd, or up to 5 members comma-separated (tried in turn when one does not answer): "
+        "campaign for leadership; the winner serves, the others follow it as hot standbys and take over when its "
+        "lease expires (needs --checkpoint-dir and --replication-log). http: loopback only (or "
+        "--etcd-private-network); https: needs --etcd-ca-file, and off loopback a client certificate",
     ),
     (
         "--etcd-private-network",
         parse_bool,
         False,
-        "let --etcd name a host off loopback (true/false): etcd is spoken to in plain HTTP without auth, so only "
-        "over a private network that nobody else joins (a compose or docker bridge network)",
+        "let --etcd name a host off loopback in plain HTTP, or over https without a client certificate (true/false): "
+        "etcd then cannot tell who writes, so only over a private network that nobody else joins (a compose or "
+        "docker bridge network)",
     ),
+    (
+        "--etcd-ca-file",
+        str,
+        "",
+        "etcd over https: the CA that signed etcd's certificate (PEM, e.g. TLS folder's ca.pem)",
+    ),
+    (
+        "--etcd-cert-file",
+        str,
+        "",
+        "etcd over https: this replica's client certificate (PEM, with --etcd-key-file), for an etcd started with "
+        "--client-cert-auth (e.g. the TLS folder's coordinator.pem)",
+    ),
+    ("--etcd-key-file", str, "", "etcd over https: the client certificate's private key (PEM)"),
     (
         "--fault-crash-before-answer",
         str,
@@ -516,38 +551,51 @@ _TASK_FLAGS: list[Flag] = [
 
 MAX_ETCD_ENDPOINTS = 5  # etcd members a replica may be given (--etcd A,B,C): it moves on when one does not answer
 _LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-FORMS = "http://HOST:PORT, or up to 5 of them comma-separated (members of one etcd cluster)"
+FORMS = "http(s)://HOST:PORT, or up to 5 of them comma-separated (members of one etcd cluster)"
 
 
-def parse_etcd_endpoints(value: object, private_network: bool = False) -> tuple[tuple[str, int], ...]:
-    """'' -> (); 'http://HOST:PORT[,http://HOST:PORT...]' (each HOST loopback, or any host when `private_network`;
-    at most `MAX_ETCD_ENDPOINTS`, no repeats) -> ((HOST, PORT), ...); anything else is a ConfigError."""
+def parse_etcd_endpoints(
+    value: object, private_network: bool = False, client_cert: bool = False
+) -> tuple[str, tuple[tuple[str, int], ...]]:
+    """'' -> ('', ()); 'SCHEME://HOST:PORT[,SCHEME://HOST:PORT...]' (one scheme, http or https, for every member; at
+    most `MAX_ETCD_ENDPOINTS`, no repeats) -> (SCHEME, ((HOST, PORT), ...)); anything else is a ConfigError. A host
+    off loopback needs https with a client certificate (`client_cert`: etcd can tell who writes), or
+    `private_network` (a network nobody else joins, e.g. compose's)."""
     if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
         raise ConfigError(f"etcd must be {FORMS}, at most 512 printable characters, got {value!r} (flag --etcd)")
     if not value:
-        return ()
+        return "", ()
     parts = [p.strip() for p in value.split(",")]
     if len(parts) > MAX_ETCD_ENDPOINTS:
         raise ConfigError(f"etcd: {len(parts)} endpoints given; give {FORMS} (flag --etcd)")
-    endpoints = tuple(_etcd_endpoint(p, private_network) for p in parts)
+    parsed = [_etcd_endpoint(p) for p in parts]
+    schemes = {scheme for scheme, _ in parsed}
+    if len(schemes) > 1:
+        raise ConfigError(f"etcd: give every member with the same scheme, all http:// or all https://, got {value!r}")
+    (scheme,) = schemes
+    endpoints = tuple(endpoint for _, endpoint in parsed)
     if len(set(endpoints)) != len(endpoints):
         raise ConfigError(f"etcd: an endpoint is given twice in {value!r}; give each member once (flag --etcd)")
-    return endpoints
+    open_ok = private_network or (scheme == "https" and client_cert)
+    for host, _ in endpoints:
+        if not open_ok and host not in _LOOPBACK and not host.startswith("127."):
+            how = "plain HTTP" if scheme == "http" else "https without a client certificate"
+            raise ConfigError(
+                f"etcd endpoint must be on loopback with {how} (etcd cannot tell who writes), got host {host!r} (flag "
+                "--etcd); give https:// with --etcd-ca-file, --etcd-cert-file and --etcd-key-file (etcd with "
+                "--client-cert-auth), or on a private network (containers) add --etcd-private-network true"
+            )
+    return scheme, endpoints
 
 
-def _etcd_endpoint(text: str, private_network: bool) -> tuple[str, int]:
-    m = re.fullmatch(r"http://(\[::1\]|[A-Za-z0-9.\-]+):([0-9]{1,5})/?", text)
+def _etcd_endpoint(text: str) -> tuple[str, tuple[str, int]]:
+    m = re.fullmatch(r"(https?)://(\[::1\]|[A-Za-z0-9.\-]+):([0-9]{1,5})/?", text)
     if m is None:
-        raise ConfigError(f"etcd endpoint must be http://HOST:PORT, got {text[:80]!r}; give {FORMS} (flag --etcd)")
-    host, port = m.group(1), int(m.group(2))
-    if not private_network and host not in _LOOPBACK and not host.startswith("127."):
-        raise ConfigError(
-            f"etcd endpoint must be on loopback (plain HTTP, no auth), got host {host!r} (flag --etcd); on a private "
-            "network (containers) add --etcd-private-network true"
-        )
+        raise ConfigError(f"etcd endpoint must be http(s)://HOST:PORT, got {text[:80]!r}; give {FORMS} (flag --etcd)")
+    scheme, host, port = m.group(1), m.group(2), int(m.group(3))
     if not 1 <= port <= 65535:
         raise ConfigError(f"etcd port must be in 1..65535, got {port} (flag --etcd)")
-    return host.strip("[]"), port
+    return scheme, (host.strip("[]"), port)
 
 
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -46,7 +46,7 @@ from diloco import log as logging
 from diloco.core.leadership import Duty, Handover, LeaderInfo, LeadershipConfig, duty
 from diloco.errors import FailedPrecondition, not_leader
 from diloco.ha.driver import LeadershipDriver
-from diloco.ha.etcd import EtcdConfig, EtcdElection
+from diloco.ha.etcd import EtcdElection
 from diloco.rpc.status import details_of, status_of
 from services.coordinator import checkpoint
 from services.coordinator.config import CoordinatorServiceConfig
@@ -133,15 +133,14 @@ class HaReplica:
     serve on its address."""
 
     def __init__(self, cfg: CoordinatorServiceConfig, leadership: LeadershipConfig = LeadershipConfig()) -> None:
-        endpoints = cfg.etcd_endpoints()
-        assert endpoints, "HaReplica needs cfg.etcd"
-        (host, port), *others = endpoints
+        etcd = cfg.etcd_config()
+        assert etcd is not None, "HaReplica needs cfg.etcd"
         if cfg.port == 0:
             cfg = replace(cfg, port=free_port(cfg.host))
         self.cfg = cfg
         self.address = f"{cfg.host}:{cfg.port}"
         self.replica_id = cfg.replica_id or f"coordinator-{socket.gethostname()}-{cfg.port}"
-        election = EtcdElection(EtcdConfig(host=host, port=port, others=tuple(others)))
+        election = EtcdElection(etcd)
         self.driver = LeadershipDriver(self.replica_id, self.address, election, leadership)
         self.server: CoordinatorServer | None = None
         self.promoted_at: float | None = None  # monotonic time of the promotion (None: never led)
@@ -208,7 +207,8 @@ class HaReplica:
     # --- duties ---------------------------------------------------------------------------------------------
     def _follow(self, address: str) -> None:
         self._stop_follower()
-        follower, chan = follower_from(replace(self.cfg, etcd="", follow=address, replica_id=self.replica_id))
+        cfg = replace(self.cfg, etcd="", etcd_ca_file="", etcd_cert_file="", etcd_key_file="")  # a --follow standby
+        follower, chan = follower_from(replace(cfg, follow=address, replica_id=self.replica_id))
         follower.on_acked = self._acked  # in step with a leader: may take over
         self._follower, self._channel, self._following = follower, chan, address
         follower.start()

@@ -167,7 +167,7 @@ def open_submission(
             raise state.reject(e, "identity") from None
     opened = state.open_upload(header)
     if isinstance(opened, Outcome):
-        return submit_response(opened)
+        return submit_response(opened, state.epoch)
     return opened
 
 
@@ -180,7 +180,8 @@ def learner_name(state: CoordinatorState, worker_id: str, submission_id: str = "
     return state.worker_name(worker_id)
 
 
-def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
+def submit_response(r: Outcome, epoch: int) -> coordinator_pb2.SubmitPseudoGradientResponse:
+    """The reply to an upload (or a duplicate of one) taken by the coordinator of `epoch`."""
     return coordinator_pb2.SubmitPseudoGradientResponse(
         outcome=coordinator_pb2.SUBMISSION_OUTCOME_APPLIED
         if r.applied
@@ -188,6 +189,7 @@ def submit_response(r: Outcome) -> coordinator_pb2.SubmitPseudoGradientResponse:
         version=r.version,
         staleness=r.staleness,
         round=r.round,
+        coordinator_epoch=epoch,
     )
 
 
@@ -332,6 +334,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             first = coordinator_pb2.ParametersChunk(header=self._header(b))
             if worker_id:
                 first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+                first.header.bulk_port = self.bulk_port
             yield first
         for part in chunks(b.data, chunk_bytes=self.chunk_bytes):
             async with self._send.slot():
@@ -351,6 +354,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         if worker_id:
             header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
+            header.bulk_port = self.bulk_port
         return header
 
     def _header(self, b: Broadcast) -> coordinator_pb2.ParametersHeader:
@@ -399,7 +403,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 await _settle(feeding)
                 opened.interrupted()
                 raise
-            return submit_response(await self._blocking(opened.finish))
+            return submit_response(await self._blocking(opened.finish), self.state.epoch)
         except BaseException:
             await _settle(feeding)
             raise

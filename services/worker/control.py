@@ -16,7 +16,7 @@ import structlog
 from diloco.core import learner as core
 from diloco.core.coordinator import WorkPlan
 from diloco.errors import InvalidArgument
-from diloco.rpc.retry import StatusError, retry_while
+from diloco.rpc.retry import Backoff, StatusError, retry_while
 from diloco.rpc.vocab import power_to_proto
 from diloco.task.inner import Throughput
 from diloco.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
@@ -55,10 +55,12 @@ class Control:
         learner: core.LearnerCore,
         stopping: Callable[[], bool],
         log: Callable[[], structlog.stdlib.BoundLogger],
-        failover: Callable[[str], None] = lambda _details: None,
+        failover: Callable[[str, str], bool] = lambda _details, _tried: False,
+        address: Callable[[], str] = lambda: "",
     ) -> None:
         self.stub, self.cfg, self.learner, self.stopping, self.log = stub, cfg, learner, stopping, log
         self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
+        self.address = address  # the coordinator address in use
 
     def register(
         self, name: str, tp: Throughput | None, device_kind: str, power: Reading | None = None
@@ -92,11 +94,18 @@ class Control:
         reaction), the learner is stopping (Deregister: past the drain deadline) or gave up."""
         leaving = rpc is core.Rpc.DEREGISTER
 
+        backoff, tried = Backoff(), [""]
+
+        def attempt() -> T:
+            tried[0] = self.address()
+            return fn()
+
         def retry(e: grpc.RpcError) -> bool:
             now = time.monotonic()
             reaction = self.learner.rpc_failed(now, rpc, e.code().name, e.details() or "")
             if reaction is core.Reaction.FAILOVER:
-                self.failover(e.details() or "")
+                if self.failover(e.details() or "", tried[0]):
+                    backoff.reset()  # another replica: the first try there is prompt, not this outage's n-th
             elif reaction is not core.Reaction.RETRY:
                 self.log().warning("worker.rpc_refused", call=rpc.value, code=e.code().name, action=reaction.value)
             return reaction.retries and not self.learner.give_up_due(now)
@@ -110,7 +119,7 @@ class Control:
             return leaving and time.monotonic() >= self.learner.drain_deadline
 
         try:
-            result = retry_while(fn, rpc.value, retry=retry, wait=wait)
+            result = retry_while(attempt, rpc.value, retry=retry, wait=wait, backoff=backoff)
         except grpc.RpcError as e:
             self.log().debug("worker.rpc_ended", call=rpc.value, code=e.code().name)
             return None

@@ -92,13 +92,16 @@ class Broadcast:
     plan: WorkPlan | None
     applied: tuple[str, ...]
     finished: bool
+    bulk_port: int | None = None  # the sending coordinator's bulk port (0: none); None: not a learner's header
     fragment_versions: tuple[int, ...] = ()  # streaming fragments: the version that last stepped each (() none)
 
     @classmethod
     def from_proto(cls, worker_id: str, h: coordinator_pb2.ParametersHeader) -> Broadcast:
         plan = plan_from_proto(h.plan, h.version) if h.HasField("plan") else None
+        bulk_port = h.bulk_port if plan is not None else None
         applied = tuple(h.applied_submission_ids)
-        return cls(worker_id, h.version, h.coordinator_epoch, plan, applied, h.finished, tuple(h.fragment_versions))
+        versions = tuple(h.fragment_versions)
+        return cls(worker_id, h.version, h.coordinator_epoch, plan, applied, h.finished, bulk_port, versions)
 
 
 def plan_from_proto(p: common_pb2.WorkPlan, version: int) -> WorkPlan:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from diloco.core.leadership import leader_hint
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.rpc.bulk import bulk_upload, client_ssl_context_from_dir
 from diloco.rpc.payload import chunks
@@ -67,6 +66,7 @@ class UploadResult:
     pending_round: int = 0
     applied: bool = False
     detail: str = ""
+    epoch: int | None = None  # the accepting coordinator's epoch (None: it did not say)
 
 
 class Uploader:
@@ -77,7 +77,7 @@ class Uploader:
         metrics: Metrics,
         post: Callable[[object], None],
         log: Callable[[], structlog.stdlib.BoundLogger],
-        failover: Callable[[str], None] = lambda _details: None,
+        failover: Callable[[str, str], bool] = lambda _details, _tried: False,
         address: Callable[[], str] | None = None,
     ) -> None:
         self.stub, self.cfg, self.metrics, self.post, self.log = stub, cfg, metrics, post, log
@@ -114,6 +114,7 @@ class Uploader:
         backoff = Backoff()
         while True:
             header.resume_offset = offset
+            tried = self.address()
             try:
                 try:
                     resp = self._bulk(bulk_port, header, payload, offset) if bulk_port else self._grpc(header, payload)
@@ -122,10 +123,14 @@ class Uploader:
             except grpc.RpcError as e:  # a BulkError is one too, with the same codes
                 code = e.code().name
                 reaction = react(Rpc.SUBMIT, code)
-                if reaction is Reaction.FAILOVER:
-                    self.failover(e.details() or "")
-                    if leader_hint(e.details() or ""):
-                        backoff.reset()  # a leader named: the first try there is prompt, not this outage's n-th
+                if reaction is Reaction.FAILOVER and bulk_port:
+                    # the bulk port is not there (a coordinator that moved or restarted): say so over gRPC at
+                    # once, whose answer moves this learner if the coordinator did (the port is not the leader's)
+                    self.log().warning("worker.bulk_unavailable", submission_id=sid, port=bulk_port, code=code)
+                    bulk_port, offset = 0, self._resume_offset(wid, sid, len(payload))
+                    continue
+                if reaction is Reaction.FAILOVER and self.failover(e.details() or "", tried):
+                    backoff.reset()  # another replica: the first try there is prompt, not this outage's n-th
                 if reaction.retries and not self._closed.is_set():
                     if time.monotonic() - started < self.cfg.retry_total_s:
                         sleep_s = backoff.next_s(e)
@@ -157,7 +162,8 @@ class Uploader:
                 steps=header.steps,
                 seconds=round(time.monotonic() - started, 3),
             )
-            return UploadResult(wid, sid, None, pending_round=resp.round, applied=applied)
+            epoch = resp.coordinator_epoch or None
+            return UploadResult(wid, sid, None, pending_round=resp.round, applied=applied, epoch=epoch)
 
     def _resume_offset(self, worker_id: str, submission_id: str, size: int) -> int:
         """Where to resume: what the coordinator holds (all of it when the submission is complete: sending the

@@ -63,12 +63,14 @@ class Watcher:
         numel: int,
         post: Callable[[object], None],
         log: structlog.stdlib.BoundLogger,
-        failover: Callable[[str], None] = lambda _details: None,
+        failover: Callable[[str, str], bool] = lambda _details, _tried: False,
         version0: torch.Tensor | None = None,
+        address: Callable[[], str] = lambda: "",
     ) -> None:
         self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
         self.post, self.log = post, log
         self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
+        self.address = address  # the coordinator address in use
         self.follower = BroadcastFollower()  # touched by the watch thread only
         # the version 0 this learner built and its checksum, named until a version is delivered or it is refused
         self._own: tuple[torch.Tensor, int] | None = None
@@ -97,6 +99,7 @@ class Watcher:
                 self.follower.snapshot(0, self._own[0])  # the base of the deltas from version 0
                 req.held_crc32 = self._own[1]
             refusal: grpc.RpcError | None = None  # its retry hint, if any, sets the least wait before the next try
+            tried = self.address()
             try:
                 call = self.stub.WatchParameters(req)
                 self._call = call
@@ -160,8 +163,8 @@ class Watcher:
                 if reaction is Reaction.REREGISTER:
                     self.post(SessionLost(self.worker_id, e.details() or e.code().name))
                     return
-                if reaction is Reaction.FAILOVER:
-                    self.failover(e.details() or "")
+                if reaction is Reaction.FAILOVER and self.failover(e.details() or "", tried):
+                    backoff.reset()  # another replica: the first try there is prompt, not this outage's n-th
                 self.log.warning("worker.watch_retry", code=e.code().name, details=e.details())
                 self.post(WatchFailed(self.worker_id, e.code().name))  # counts toward giving up
                 after = 0  # the next stream starts with the current version: its arrival shows contact again

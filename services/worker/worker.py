@@ -104,15 +104,22 @@ class Worker:
         self.inbox: queue.Queue[object] = queue.Queue()
         self.replica = Replica(cfg, self.device, self.metrics, island)
         self.reg: Registration | None = None
+        self.bulk_port = 0  # the bulk upload port of the coordinator followed (0: upload over gRPC)
         self.watcher: Watcher | None = None
         self.exit_reason = ""
         self._stop_requested = False
         failover = self.coordinators.failover
         self.uploader = Uploader(
-            self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log, failover, lambda: self.coordinators.address
+            self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log, failover, self._address
         )
         self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log)
-        self.control = Control(self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log, failover)
+        self.control = Control(
+            self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log, failover, self._address
+        )
+
+    def _address(self) -> str:
+        """The coordinator address in use now (the leader-following client's)."""
+        return self.coordinators.address
 
     def stop(self) -> None:
         """Drain: hand the unsent steps back, deregister, say "leaving" to healthd, return from `run`. Safe from a
@@ -189,11 +196,13 @@ class Worker:
                 now, b.version, b.epoch, b.plan, b.applied, b.finished, fragment_versions=versions
             ):
                 self.replica.params = (b.version, event.flat)
+            if b.worker_id == c.worker_id and b.epoch == c.coordinator_epoch and b.bulk_port is not None:
+                self.bulk_port = b.bulk_port  # a leader that took this learner over has its own bulk port
         elif isinstance(event, UploadResult):
             if event.worker_id != c.worker_id:
                 return
             if event.reaction is None:
-                c.upload_accepted(now, event.submission_id, event.pending_round, event.applied)
+                c.upload_accepted(now, event.submission_id, event.pending_round, event.applied, event.epoch)
             else:
                 c.upload_failed(now, event.submission_id, event.reaction, event.detail)
         elif isinstance(event, SessionLost):
@@ -211,8 +220,9 @@ class Worker:
             self.watcher = w = None
         if w is None and wid and self.core.exit is None:
             epoch, numel, v0 = self.core.coordinator_epoch, self.replica.numel, self.replica.version0
+            failover, address = self.coordinators.failover, self._address
             self.watcher = Watcher(
-                self.stub, wid, epoch, numel, self.inbox.put, self.log, self.coordinators.failover, version0=v0
+                self.stub, wid, epoch, numel, self.inbox.put, self.log, failover, version0=v0, address=address
             )
 
     def _do(self, a: core.Action) -> None:
@@ -264,7 +274,7 @@ class Worker:
         reg = self.control.register(self.name, self.replica.throughput(), self.device_kind, self.power.reading())
         if reg is None:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
-        self.reg = reg
+        self.reg, self.bulk_port = reg, reg.bulk_port
         if self.island is not None:
             self.island.session(reg.task_json, reg.codec, reg.task_fingerprint)
         self.replica.start_session(reg.task_json, reg.codec, reg.task_fingerprint, reg.init_seed)
@@ -291,8 +301,7 @@ class Worker:
             self.core.plan_received(time.monotonic(), plan)
 
     def _upload_job(self, a: core.Submit) -> UploadJob:
-        assert self.reg is not None
-        return self.replica.upload_job(a, self.reg.bulk_port if self.cfg.upload_path == "auto" else 0)
+        return self.replica.upload_job(a, self.bulk_port if self.cfg.upload_path == "auto" else 0)
 
     def _deregister(self, worker_id: str, reason: str = "drained") -> None:
         """Best effort; then the leaving heartbeat, so healthd reports this learner LEFT, not DEAD."""
