@@ -252,6 +252,10 @@ def test_the_norm_guard_judges_each_fragment_against_its_own_median() -> None:
     f.accept(frag_sub(f, a, "big2", 1), torch.full((14,), 1e-2), 6.0)
     with pytest.raises(SubmissionRejected, match="median"):
         f.accept(frag_sub(f, a, "huge", 1), torch.full((14,), 1.0), 7.0)
+    # a fragment's pseudo-gradient holds every step since the learner's last submission of it: the submission's own
+    # steps (2) and those of its accepted submissions of the other fragment since ("big", "big2": 2 steps each)
+    fs = frag_sub(f, a, "next", 0)
+    assert f.steps_behind(fs) == 2 + 4 and f.check(fs, torch.full((10,), 1.0)) == pytest.approx(10**0.5 / 6)
     g = FragmentedCoordinator(cfg, torch.zeros(24), [1000] * 4, FragmentLayout.balanced(SIZES, 2))
     g.restore(f.snapshot())
     assert [x.snapshot() for x in g.guards] == [x.snapshot() for x in f.guards] and g.guards[1].warm

@@ -237,6 +237,8 @@ class FragmentedCoordinator:
         # (by 10x on the tiny test GPT: one median would refuse the larger fragment's as outliers)
         self.guards = [NormGuard(core.cfg.guard) for _ in range(layout.fragments)]
         self._fragment_of: dict[str, int] = {}  # pending submission id -> fragment
+        # learner -> per fragment, the inner steps of its submissions since its last one of that fragment
+        self._steps_since: dict[str, list[int]] = {}
 
     @property
     def fragments(self) -> int:
@@ -255,7 +257,15 @@ class FragmentedCoordinator:
                 f"pseudo-gradient of fragment {p} has {numel} elements; the fragment has {self.layout.size(p)}"
             )
         norm = delta.norm() if isinstance(delta, EncodedDelta) else float(torch.linalg.vector_norm(delta))
-        return norm / max(1, fs.sub.steps)
+        return norm / max(1, self.steps_behind(fs))
+
+    def steps_behind(self, fs: FragmentSubmission) -> int:
+        """The inner steps behind `Δ_m[p]`: every step since the learner's previous submission of p (or since it
+        adopted parameters), not only the `steps` since its previous submission of any fragment, which are about
+        1/P of them. The guard's per-step norm divides by these (else every fragment would look P times larger, and
+        a submission right after another, with few steps, an outlier)."""
+        since = self._steps_since.get(fs.sub.worker_id)
+        return fs.sub.steps + (since[fs.fragment] if since is not None else 0)
 
     def accept(self, fs: FragmentSubmission, delta: torch.Tensor, now: float) -> AcceptResult:
         """Validate, take (the core's bookkeeping: admission, ledger, pending), fold into the fragment's buffer,
@@ -271,6 +281,11 @@ class FragmentedCoordinator:
         submission is of; the caller `fold`s it next, before the round can close (the service's split path)."""
         taken = self.core.take(fs.sub, per_step, now, self.guards[fs.fragment])
         self._fragment_of[fs.sub.submission_id] = fs.fragment
+        if len(self._steps_since) > 2 * len(self.core.workers):  # records of departed learners go
+            self._steps_since = {w: v for w, v in self._steps_since.items() if w in self.core.workers}
+        since = self._steps_since.setdefault(fs.sub.worker_id, [0] * self.fragments)
+        for q in range(self.fragments):
+            since[q] = 0 if q == fs.fragment else since[q] + fs.sub.steps
         return taken
 
     def fold(self, fragment: int, delta: torch.Tensor | EncodedDelta, tokens: int) -> None:
@@ -368,6 +383,7 @@ class FragmentedCoordinator:
         for g, norms in zip(self.guards, guards, strict=True):
             g.restore(norms)
         self._fragment_of = {}
+        self._steps_since = {}
         for acc in self.accs:
             acc.reset()
 
