@@ -286,6 +286,8 @@ BAD_INPUTS: dict[str, tuple[Mutation, grpc.StatusCode]] = {
     "stale-shard-epoch": (_range(epoch=-1), PRECONDITION),
     "wrong-cursor": (_range(start=64, end=64), PRECONDITION),
     "wrong-coordinator-epoch": (_set(coordinator_epoch=1), PRECONDITION),
+    "fragment-on-a-run-without": (_set(fragment=1), INVALID),  # --fragments 1: no fragment, no layout
+    "layout-on-a-run-without": (_set(fragment_layout="0" * 16), INVALID),
 }
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.cli.main import main
-from diloco.core.coordinator import CoordinatorConfig, Lease, Submission, WorkPlan
+from diloco.core.coordinator import CoordinatorConfig, Lease, Submission, SubmissionRejected, WorkPlan
 from diloco.core.fragments import (
     FragmentedCoordinator,
     FragmentLayout,
@@ -23,7 +23,8 @@ from diloco.core.fragments import (
     first_fragment,
     schedule_gap,
 )
-from diloco.core.learner import LearnerCore, LearnerState, Load, Rebase, Submit, Train
+from diloco.core.guard import GuardConfig
+from diloco.core.learner import LearnerCore, LearnerState, Load, Rebase, Submit, Train, Wait
 from diloco.core.ledger import ShardRange
 from diloco.core.merge import Segment
 from diloco.core.outer import Nesterov, OuterConfig
@@ -234,6 +235,32 @@ def test_a_duplicate_fragment_submission_is_never_applied_twice() -> None:
     assert f.core.tokens_applied == 20
 
 
+def test_the_norm_guard_judges_each_fragment_against_its_own_median() -> None:
+    """Fragments' per-step norms differ (sizes, layers): fragment 1's ten times fragment 0's is no outlier, while
+    ten times fragment 1's own median still is."""
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(mode="async"),
+        local_steps=4,
+        min_local_steps=2,
+        guard=GuardConfig(outlier_factor=5.0, min_samples=2),
+    )
+    f = FragmentedCoordinator(cfg, torch.zeros(24), [1000] * 4, FragmentLayout.balanced(SIZES, 2))
+    a = f.core.register("a", 0.0).worker_id
+    for i in range(3):
+        f.accept(frag_sub(f, a, f"s{i}", 0), torch.full((10,), 1e-3), 1.0 + i)
+    assert f.accept(frag_sub(f, a, "big", 1), torch.full((14,), 1e-2), 5.0).applied is not None
+    f.accept(frag_sub(f, a, "big2", 1), torch.full((14,), 1e-2), 6.0)
+    with pytest.raises(SubmissionRejected, match="median"):
+        f.accept(frag_sub(f, a, "huge", 1), torch.full((14,), 1.0), 7.0)
+    # a fragment's pseudo-gradient holds every step since the learner's last submission of it: the submission's own
+    # steps (2) and those of its accepted submissions of the other fragment since ("big", "big2": 2 steps each)
+    fs = frag_sub(f, a, "next", 0)
+    assert f.steps_behind(fs) == 2 + 4 and f.check(fs, torch.full((10,), 1.0)) == pytest.approx(10**0.5 / 6)
+    g = FragmentedCoordinator(cfg, torch.zeros(24), [1000] * 4, FragmentLayout.balanced(SIZES, 2))
+    g.restore(f.snapshot())
+    assert [x.snapshot() for x in g.guards] == [x.snapshot() for x in f.guards] and g.guards[1].warm
+
+
 def test_checkpoint_round_trip_keeps_per_fragment_state_and_refuses_another_layout() -> None:
     f = fragmented()
     a, b = f.core.register("a", 0.0).worker_id, f.core.register("b", 0.0).worker_id
@@ -301,6 +328,22 @@ def test_the_learner_submits_one_fragment_at_a_time_on_the_schedule() -> None:
     s2 = core.next_action(2.0)
     assert isinstance(s2, Submit) and (s2.draft.fragment, s2.draft.base_version) == (2, 1)
     assert s2.draft.ranges == (ShardRange(0, 1, 20, 40),)  # the steps since the previous submission only
+
+
+def test_a_sync_learner_answered_applied_before_the_version_arrives_waits_for_it() -> None:
+    """The upload's answer ("applied in round 1") can overtake the broadcast of version 1 (the services: two
+    streams); the next fragment is submitted against version 1, not refused as stale."""
+    core = learner("sync")
+    steps(core, 2)
+    s = core.next_action(1.0)
+    assert isinstance(s, Submit)
+    steps(core, 2)
+    core.upload_accepted(1.0, s.draft.submission_id, pending_round=1, applied=True)
+    assert isinstance(core.next_action(1.0), Wait)  # due, its round applied, but version 1 not here yet
+    assert core.params_arrived(2.0, 1, 1, fragment_versions=(0, 1, 0, 0))
+    assert core.next_action(2.0) == Rebase(1, (1,))
+    s2 = core.next_action(2.0)
+    assert isinstance(s2, Submit) and s2.draft.base_version == 1
 
 
 def test_a_learner_refuses_a_broadcast_without_every_fragment_s_version() -> None:

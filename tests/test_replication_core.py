@@ -265,7 +265,7 @@ def test_a_core_restored_from_a_standby_answers_a_resubmission_as_the_leader_did
     new = CoordinatorCore(leader.core.cfg, torch.zeros(N), [100_000] * 6)
     new.restore(standby.core_snapshot())  # what a promoted replica resumes from (it writes it as a checkpoint)
     assert new.version == 1 and new.accepted("a") == first and not new.workers  # learners register again
-    table = Uploads(UploadLimits(N, 4 * N + 64, 10.0, 4), lambda meta: PayloadReceiver(meta, N))
+    table = Uploads(UploadLimits(N, 4 * N + 64, 10.0, 4), lambda h: PayloadReceiver(h.meta, N))
     _, meta = get_codec("fp32").encode(torch.zeros(N))
     resent = UploadHeader(a, EPOCH, meta, resume_offset=0)  # the old coordinator epoch: the lookup comes first
     assert table.open(resent, 5.0, new.accepted("a"), new.version) == Outcome(True, 1, 0, 1)

@@ -34,9 +34,9 @@ class Table:
         self.made = 0
         self.uploads = Uploads(UploadLimits(N, max_bytes, TTL, max_partial, max_per_worker), self._decoder)
 
-    def _decoder(self, meta: EncodedMeta) -> Decoder:
+    def _decoder(self, h: UploadHeader) -> Decoder:
         self.made += 1
-        return PayloadReceiver(meta, N)
+        return PayloadReceiver(h.meta, N)
 
 
 def payload(seed: int = 0, codec: str = "fp32") -> tuple[bytes, EncodedMeta, torch.Tensor]:

@@ -20,6 +20,7 @@ from rich.table import Table
 from diloco.cli.ctl import state_name
 from diloco.cluster import ClusterConfig, LocalCluster
 from diloco.core.codecs import CODEC_NAMES
+from diloco.core.fragments import check_fragments
 from diloco.core.rounds import MODES
 from diloco.errors import ConfigError
 from diloco.rpc.limits import MAX_WATTS
@@ -52,6 +53,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("-H", "--local-steps", type=int, default=30)
     p.add_argument("-K", "--min-quorum", type=int, default=2)
     p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
+    p.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="streaming fragments: the model in P fragments, each synchronised on its own every H steps (one every "
+        "~H/P steps; docs/fragments.md); each round steps about one fragment, so --outer-steps counts rounds",
+    )
     p.add_argument("--dead-after-s", type=float, default=2.0)
     p.add_argument("--run-dir", type=Path, default=None, help="logs and checkpoints (default runs/local-TIME)")
     p.add_argument(
@@ -116,6 +124,7 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
             f"--shard-model shards each island's model over its ranks: it needs --nproc-per-worker >= 2, "
             f"got {a.nproc_per_worker}"
         )
+    check_fragments(a.fragments, a.local_steps)
     if a.mode == "decoupled" and not 1 <= a.min_quorum <= a.workers:
         raise ConfigError(f"min_quorum (-K {a.min_quorum}) must be between 1 and --workers ({a.workers})")
     run_dir = a.run_dir or Path("runs") / time.strftime("local-%Y%m%d-%H%M%S")
@@ -139,7 +148,10 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         task_args=("--model", a.model) if a.model else (),
         nproc_per_worker=a.nproc_per_worker,
         worker_args=worker_args,
-        coordinator_args=("--placement", a.placement) if a.placement != "speed" else (),
+        coordinator_args=(
+            *(("--placement", a.placement) if a.placement != "speed" else ()),
+            *(("--fragments", str(a.fragments)) if a.fragments != 1 else ()),
+        ),
     )
 
 

@@ -742,18 +742,20 @@ class CoordinatorCore:
         norm = delta.norm() if isinstance(delta, EncodedDelta) else float(torch.linalg.vector_norm(delta))
         return norm / max(1, sub.steps)
 
-    def take(self, sub: Submission, per_step: float, now: float) -> AcceptResult:
+    def take(self, sub: Submission, per_step: float, now: float, guard: NormGuard | None = None) -> AcceptResult:
         """The bookkeeping of an acceptance, given the pseudo-gradient's norm per step (`measure`): admission,
         the guard, the ledger's accepted cursors, the learner's record and the round's pending set. No tensor
-        is touched; the caller `fold`s the pseudo-gradient next, before the round can `close`."""
+        is touched; the caller `fold`s the pseudo-gradient next, before the round can `close`. `guard`: the norms
+        to judge it against (streaming fragments: its fragment's; None: the core's own)."""
         staleness = self.admit(sub)
         rec = self.workers[sub.worker_id]
-        verdict = self.guard.check(per_step, self._ceiling())
+        guard = guard or self.guard
+        verdict = guard.check(per_step, self._ceiling())
         if not verdict.ok:
             raise self._refusal(sub, rec, verdict)
         receipt = self.ledger.accept(sub.worker_id, sub.ranges)
         self.receipts[sub.submission_id] = receipt
-        self.guard.record(per_step)
+        guard.record(per_step)
         released = rec.state == WorkerState.QUARANTINED
         rec.strikes = 0
         if released:

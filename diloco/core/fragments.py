@@ -25,6 +25,8 @@ Protocol (core and simulator; the gRPC services adopt it later, see docs/fragmen
   (including what is in flight in their own submission). After a submission of p, `base[p] ← θ[p]` only.
 - Weights: a fragment's merge weight is the submission's tokens, the tokens of about H_m/P steps; learners
   submit every fragment at the same cadence, so these weights are proportional to the tokens behind each Δ[p].
+- The norm guard (`diloco.core.guard`) keeps one window of norms per fragment: a fragment's per-step norm is
+  judged against the median of that fragment's.
 - P = 1 is not this module: the simulator and services use `CoordinatorCore` and whole-vector rebases exactly
   as before.
 
@@ -53,7 +55,8 @@ from diloco.core.coordinator import (
     RoundApplied,
     Submission,
 )
-from diloco.core.merge import MergeAccumulator, Segment
+from diloco.core.guard import NormGuard
+from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.core.outer import OuterOptimizer, build_outer
 from diloco.core.rounds import CloseReason, Pending
 from diloco.errors import ConfigError, InvalidArgument
@@ -230,32 +233,68 @@ class FragmentedCoordinator:
         self.outers: list[OuterOptimizer] = [build_outer(core.cfg.outer) for _ in range(layout.fragments)]
         self.fragment_versions = [core.version] * layout.fragments
         self.fragment_steps = [0] * layout.fragments
+        # the norm guard's median per fragment: fragments differ in size and layers, so their per-step norms do
+        # (by 10x on the tiny test GPT: one median would refuse the larger fragment's as outliers)
+        self.guards = [NormGuard(core.cfg.guard) for _ in range(layout.fragments)]
         self._fragment_of: dict[str, int] = {}  # pending submission id -> fragment
+        # learner -> per fragment, the inner steps of its submissions since its last one of that fragment
+        self._steps_since: dict[str, list[int]] = {}
 
     @property
     def fragments(self) -> int:
         return self.layout.fragments
 
-    def check(self, fs: FragmentSubmission, delta: torch.Tensor) -> float:
+    def check(self, fs: FragmentSubmission, delta: torch.Tensor | EncodedDelta) -> float:
         """Everything about the fragment itself, before any state changes: index, layout, length. Returns the
-        pseudo-gradient's norm per inner step (for the core's guard)."""
+        pseudo-gradient's norm per inner step (for the core's guard). `delta`: a tensor, or an upload held encoded
+        (`EncodedDelta`, measured on arrival against the fragment's segments)."""
         p = self.layout.check_index(fs.fragment)
         self.layout.check_fingerprint(fs.fingerprint)
-        if delta.dim() != 1 or delta.numel() != self.layout.size(p):
+        numel = delta.meta.numel if isinstance(delta, EncodedDelta) else delta.numel()
+        flat = isinstance(delta, EncodedDelta) or delta.dim() == 1
+        if numel != self.layout.size(p) or not flat:
             raise InvalidArgument(
-                f"pseudo-gradient of fragment {p} has {delta.numel()} elements; the fragment has {self.layout.size(p)}"
+                f"pseudo-gradient of fragment {p} has {numel} elements; the fragment has {self.layout.size(p)}"
             )
-        return float(torch.linalg.vector_norm(delta)) / max(1, fs.sub.steps)
+        norm = delta.norm() if isinstance(delta, EncodedDelta) else float(torch.linalg.vector_norm(delta))
+        return norm / max(1, self.steps_behind(fs))
+
+    def steps_behind(self, fs: FragmentSubmission) -> int:
+        """The inner steps behind `Δ_m[p]`: every step since the learner's previous submission of p (or since it
+        adopted parameters), not only the `steps` since its previous submission of any fragment, which are about
+        1/P of them. The guard's per-step norm divides by these (else every fragment would look P times larger, and
+        a submission right after another, with few steps, an outlier)."""
+        since = self._steps_since.get(fs.sub.worker_id)
+        return fs.sub.steps + (since[fs.fragment] if since is not None else 0)
 
     def accept(self, fs: FragmentSubmission, delta: torch.Tensor, now: float) -> AcceptResult:
         """Validate, take (the core's bookkeeping: admission, ledger, pending), fold into the fragment's buffer,
         and close a round if the policy says so."""
         per_step = self.check(fs, delta)
-        taken = self.core.take(fs.sub, per_step, now)
-        self._fragment_of[fs.sub.submission_id] = fs.fragment
-        self.accs[fs.fragment].add(delta, fs.sub.tokens)
+        taken = self.take(fs, per_step, now)
+        self.fold(fs.fragment, delta, fs.sub.tokens)
         applied = self.poll(now)
         return replace(taken, round=applied.version if applied else taken.round, applied=applied)
+
+    def take(self, fs: FragmentSubmission, per_step: float, now: float) -> AcceptResult:
+        """The bookkeeping of an acceptance (`CoordinatorCore.take`), given `check`'s norm, and which fragment the
+        submission is of; the caller `fold`s it next, before the round can close (the service's split path)."""
+        taken = self.core.take(fs.sub, per_step, now, self.guards[fs.fragment])
+        self._fragment_of[fs.sub.submission_id] = fs.fragment
+        if len(self._steps_since) > 2 * len(self.core.workers):  # records of departed learners go
+            self._steps_since = {w: v for w, v in self._steps_since.items() if w in self.core.workers}
+        since = self._steps_since.setdefault(fs.sub.worker_id, [0] * self.fragments)
+        for q in range(self.fragments):
+            since[q] = 0 if q == fs.fragment else since[q] + fs.sub.steps
+        return taken
+
+    def fold(self, fragment: int, delta: torch.Tensor | EncodedDelta, tokens: int) -> None:
+        """Tensor work: add a taken pseudo-gradient of `fragment` to that fragment's merge buffer."""
+        self.accs[fragment].add(delta, tokens)
+
+    def segments_of(self, p: int) -> list[Segment]:
+        """Fragment p's merge segments (what an upload of it is measured against on arrival)."""
+        return self.accs[p].segments
 
     def poll(self, now: float) -> RoundApplied | None:
         closed = self.core.close(now)
@@ -314,6 +353,7 @@ class FragmentedCoordinator:
             "outer": [dict(o.state_dict()) for o in self.outers],
             "versions": list(self.fragment_versions),
             "steps": list(self.fragment_steps),
+            "guard_norms": [g.snapshot() for g in self.guards],
         }
         return snap
 
@@ -326,6 +366,7 @@ class FragmentedCoordinator:
             bounds = tuple(int(b) for b in frag["bounds"])
             outer = list(frag["outer"])
             versions, steps = [int(v) for v in frag["versions"]], [int(s) for s in frag["steps"]]
+            guards = [[float(n) for n in g] for g in frag.get("guard_norms", [[]] * len(versions))]
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"checkpoint fragment state is malformed: {e}") from e
         if bounds != self.layout.bounds or frag.get("fingerprint") != self.layout.fingerprint:
@@ -333,13 +374,16 @@ class FragmentedCoordinator:
                 f"checkpoint fragment layout {frag.get('fingerprint')!r} is not this run's "
                 f"({self.layout.fingerprint}); restart with the --fragments the checkpoint was written with"
             )
-        if not len(outer) == len(versions) == len(steps) == self.fragments:
+        if not len(outer) == len(versions) == len(steps) == len(guards) == self.fragments:
             raise InvalidArgument(f"checkpoint fragment state does not hold {self.fragments} fragments")
         self.core.restore(dict(snap))
         for o, state in zip(self.outers, outer, strict=True):
             o.load_state_dict(state)
         self.fragment_versions, self.fragment_steps = versions, steps
+        for g, norms in zip(self.guards, guards, strict=True):
+            g.restore(norms)
         self._fragment_of = {}
+        self._steps_since = {}
         for acc in self.accs:
             acc.reset()
 

@@ -451,7 +451,10 @@ class LearnerCore:
         self.uploading = None
         if self.awaiting == submission_id:
             self.awaiting_epoch = self.coordinator_epoch if epoch is None else epoch
-            if applied or (pending_round and self.latest_version >= pending_round):
+            # sync with fragments trains on past a submission: "applied in round r" may come before version r does,
+            # and the next fragment must wait for it (sync refuses any staleness: a resync would lose those steps)
+            early = applied and self.fragments > 1 and self.mode == "sync" and self.latest_version < pending_round
+            if (applied and not early) or (pending_round and self.latest_version >= pending_round):
                 self.awaiting = self.awaiting_round = None
             else:
                 self.awaiting_round = pending_round or None

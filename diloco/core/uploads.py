@@ -88,11 +88,17 @@ class Decoder(Protocol):
 
 @dataclass(frozen=True)
 class UploadLimits:
-    numel: int  # the model's parameters: every payload decodes to this many
+    numel: int  # the model's parameters: every payload decodes to this many (without fragments)
     max_bytes: int  # the largest encoded payload accepted
     ttl_s: float  # an idle partial upload is kept this long for a resume
     max_partial: int  # uploads held in all (streaming or idle)
     max_per_worker: int = 2
+    # streaming fragments (`diloco.core.fragments`): fragment p's payload decodes to fragment_numels[p]; () none
+    fragment_numels: tuple[int, ...] = ()
+
+    def numel_of(self, fragment: int) -> int:
+        """What a payload of `fragment` decodes to (the caller checked the index: `FragmentLayout.check_index`)."""
+        return self.fragment_numels[fragment] if self.fragment_numels else self.numel
 
     def __post_init__(self) -> None:
         if self.numel < 1 or self.max_bytes < 1:
@@ -111,6 +117,8 @@ class UploadHeader:
     coordinator_epoch: int
     meta: EncodedMeta
     resume_offset: int
+    fragment: int = 0  # streaming fragments: the fragment the payload is of (0 without)
+    layout: str = ""  # streaming fragments: the layout's fingerprint the learner cut it with ("" without)
 
 
 @dataclass(frozen=True)
@@ -132,6 +140,7 @@ class Upload:
     decoder: Decoder
     started_at: float
     touched_at: float
+    fragment: int = 0  # streaming fragments: the fragment the payload is of
     gen: int = 0  # bumped by every stream that takes the upload over, and when it completes or fails
     streams: int = 0  # streams feeding it now; 0: idle, kept for a resume
     over: bool = False  # completed or failed: the table drops it
@@ -178,12 +187,13 @@ class Complete:
     meta: EncodedMeta
     payload: torch.Tensor | EncodedDelta
     started_at: float
+    fragment: int = 0  # streaming fragments: the fragment the payload is of
 
 
 class Uploads:
-    """The upload table (see the module docstring). `decoder(meta)` makes the decoder of a new upload."""
+    """The upload table (see the module docstring). `decoder(header)` makes the decoder of a new upload."""
 
-    def __init__(self, limits: UploadLimits, decoder: Callable[[EncodedMeta], Decoder]) -> None:
+    def __init__(self, limits: UploadLimits, decoder: Callable[[UploadHeader], Decoder]) -> None:
         self.limits = limits
         self._decoder = decoder
         self._table: OrderedDict[str, Upload] = OrderedDict()  # oldest first
@@ -200,7 +210,7 @@ class Uploads:
         sub, lim = h.sub, self.limits
         self._prune(now)
         try:
-            h.meta.validate(expected_numel=lim.numel)
+            h.meta.validate(expected_numel=lim.numel_of(h.fragment))
         except CodecError as e:
             raise UploadRefused(e, "bad_payload_spec") from None
         if h.meta.encoded_bytes > lim.max_bytes:
@@ -215,7 +225,7 @@ class Uploads:
         if up is not None and up.over:  # completed or failed, its last stream not closed yet: gone
             up = None
         if h.resume_offset != 0:
-            if up is not None and (up.sub != sub or up.meta != h.meta):
+            if up is not None and (up.sub != sub or up.meta != h.meta or up.fragment != h.fragment):
                 raise UploadRefused(
                     FailedPrecondition(
                         f"submission {sub.submission_id} was started with another header; "
@@ -241,7 +251,7 @@ class Uploads:
                 dropped = ()
             else:
                 dropped = self._make_room(sub.worker_id)  # before the decoder takes a buffer
-            up = Upload(sub, h.meta, self._decoder(h.meta), now, now)
+            up = Upload(sub, h.meta, self._decoder(h), now, now, fragment=h.fragment)
         up.gen += 1
         up.streams += 1
         up.touched_at = now
@@ -278,7 +288,7 @@ class Uploads:
             self._fail(up)
             raise UploadRefused(e, "bad_payload") from None
         self._fail(up)  # complete: no stream may feed it again, and the table drops it
-        return Complete(up.sub, up.meta, payload, up.started_at)
+        return Complete(up.sub, up.meta, payload, up.started_at, up.fragment)
 
     def broken(self, stream: Stream) -> Upload:
         """`stream` broke mid-payload: the bytes held stay for a resume until `ttl_s` passes. Returns the upload

@@ -45,7 +45,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker_name: _Optional[str] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., model_fingerprint: _Optional[str] = ..., zone: _Optional[str] = ..., price_per_hour: _Optional[float] = ..., spot: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port", "task_fingerprint", "init_seed")
+    __slots__ = ("worker_id", "coordinator_epoch", "version", "plan", "mode", "codec", "healthd_address", "task_json", "bulk_port", "task_fingerprint", "init_seed", "fragments", "fragment_bounds", "fragment_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,9 @@ class RegisterResponse(_message.Message):
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     TASK_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     INIT_SEED_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     coordinator_epoch: int
     version: int
@@ -68,7 +71,10 @@ class RegisterResponse(_message.Message):
     bulk_port: int
     task_fingerprint: str
     init_seed: int
-    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ..., task_fingerprint: _Optional[str] = ..., init_seed: _Optional[int] = ...) -> None: ...
+    fragments: int
+    fragment_bounds: _containers.RepeatedScalarFieldContainer[int]
+    fragment_layout: str
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ..., task_fingerprint: _Optional[str] = ..., init_seed: _Optional[int] = ..., fragments: _Optional[int] = ..., fragment_bounds: _Optional[_Iterable[int]] = ..., fragment_layout: _Optional[str] = ...) -> None: ...
 
 class WatchParametersRequest(_message.Message):
     __slots__ = ("worker_id", "after_version", "follow", "held_crc32")
@@ -83,7 +89,7 @@ class WatchParametersRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ..., held_crc32: _Optional[int] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "bulk_port")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "bulk_port", "fragment_versions")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +100,7 @@ class ParametersHeader(_message.Message):
     PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     version: int
     coordinator_epoch: int
     payload: _common_pb2.PayloadSpec
@@ -104,7 +111,8 @@ class ParametersHeader(_message.Message):
     params_crc32: int
     held: bool
     bulk_port: int
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    fragment_versions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -115,7 +123,7 @@ class ParametersChunk(_message.Message):
     def __init__(self, header: _Optional[_Union[ParametersHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SubmissionHeader(_message.Message):
-    __slots__ = ("worker_id", "coordinator_epoch", "submission_id", "base_version", "tokens", "steps", "ranges", "payload", "resume_offset", "plan_seq")
+    __slots__ = ("worker_id", "coordinator_epoch", "submission_id", "base_version", "tokens", "steps", "ranges", "payload", "resume_offset", "plan_seq", "fragment", "fragment_layout")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SUBMISSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +134,8 @@ class SubmissionHeader(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     RESUME_OFFSET_FIELD_NUMBER: _ClassVar[int]
     PLAN_SEQ_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     coordinator_epoch: int
     submission_id: str
@@ -136,7 +146,9 @@ class SubmissionHeader(_message.Message):
     payload: _common_pb2.PayloadSpec
     resume_offset: int
     plan_seq: int
-    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., submission_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.ShardRange, _Mapping]]] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., resume_offset: _Optional[int] = ..., plan_seq: _Optional[int] = ...) -> None: ...
+    fragment: int
+    fragment_layout: str
+    def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., submission_id: _Optional[str] = ..., base_version: _Optional[int] = ..., tokens: _Optional[int] = ..., steps: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[_common_pb2.ShardRange, _Mapping]]] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., resume_offset: _Optional[int] = ..., plan_seq: _Optional[int] = ..., fragment: _Optional[int] = ..., fragment_layout: _Optional[str] = ...) -> None: ...
 
 class SubmitPseudoGradientRequest(_message.Message):
     __slots__ = ("header", "data")

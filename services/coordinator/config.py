@@ -19,6 +19,7 @@ from diloco.core.broadcast import BROADCAST_CODECS, DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import CODEC_NAMES, codec_class
 from diloco.core.coordinator import CoordinatorConfig
 from diloco.core.energy import POLICY_NAMES, Policy, PolicyConfig, parse_policy
+from diloco.core.fragments import check_fragments
 from diloco.core.guard import GuardConfig, adamw_move_bound
 from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
@@ -98,6 +99,9 @@ class CoordinatorServiceConfig:
     min_local_steps: int = 5
     fixed_local_steps: bool = False  # True: every learner runs `local_steps` (no dynamic H_m)
     scale_partial_rounds: bool = True  # a decoupled round without every learner takes a partial step
+    # streaming fragments (docs/fragments.md): P contiguous fragments, each synchronised on its own every H steps;
+    # 1: the whole model every H steps (no fragments)
+    fragments: int = 1
     codec: str = "int8"
     broadcast_codec: str = DEFAULT_BROADCAST_CODEC  # to learners: fp32 snapshots, or deltas with error feedback
     broadcast_history: int = 8  # encoded broadcast deltas kept; a learner further behind gets a full snapshot
@@ -230,6 +234,7 @@ class CoordinatorServiceConfig:
             raise ConfigError(f"etcd_private_network must be true or false, got {self.etcd_private_network!r}")
         self.etcd_config()
         self.crash_fault()
+        self._check_fragments()
         if self.etcd:
             if self.follow:
                 raise ConfigError("etcd and follow exclude each other: with --etcd, etcd says whom to follow")
@@ -249,6 +254,16 @@ class CoordinatorServiceConfig:
             )
         self.core_config()  # the core's own checks (outer lr/momentum, quorum against expected workers)
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
+
+    def _check_fragments(self) -> None:
+        """P >= 1 and <= H (`check_fragments`; against the model's tensors once it is built: the server). The
+        round log for standbys (--replication-log, --follow, --etcd) does not carry fragments yet: refused."""
+        check_fragments(self.fragments, self.local_steps)
+        if self.fragments > 1 and (self.etcd or self.follow or self.replication_log):
+            raise ConfigError(
+                "fragments > 1 (--fragments) is not built for replicas yet: the round log for standbys does not "
+                "carry per-fragment steps; drop --etcd, --follow and --replication-log, or use --fragments 1"
+            )
 
     def etcd_config(self) -> EtcdConfig | None:
         """How to reach etcd (None: no `etcd`): its members in the order tried, over http or https (with the CA and
@@ -373,6 +388,13 @@ _SERVICE_FLAGS: list[Flag] = [
         parse_bool,
         True,
         "decoupled: a round closed without every learner steps in proportion to the inner steps it holds",
+    ),
+    (
+        "--fragments",
+        int,
+        1,
+        "streaming fragments: P contiguous fragments of the model, each synchronised on its own every H steps "
+        "(one every ~H/P steps); 1: the whole model every H steps. 1 <= P <= H and the model's tensors",
     ),
     ("--codec", str, "int8", f"upload codec: {', '.join(CODEC_NAMES)}"),
     (

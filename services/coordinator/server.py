@@ -20,6 +20,7 @@ from torch import nn
 from diloco import log as logging
 from diloco.core.coordinator import CoordinatorCore, RoundApplied, Submission
 from diloco.core.energy import CarbonTrace
+from diloco.core.fragments import FragmentedCoordinator, FragmentLayout, check_fragments
 from diloco.core.leadership import Handover, LeadershipView
 from diloco.core.replication import WhenNoStandby
 from diloco.core.uploads import Outcome
@@ -185,14 +186,30 @@ class CoordinatorServer:
         view_flat_(model, params)  # the model's own parameters go: it views Θ (when it can: fp32 on the CPU)
         specs = param_specs(model)
         shard_lengths = [task.corpus.shard_length(i) for i in range(task.corpus.num_shards)]
-        core = CoordinatorCore(cfg.core_config(), params, shard_lengths, merge_segments(model))
+        segments = merge_segments(model)
+        frag: FragmentedCoordinator | None = None
+        if cfg.fragments > 1:  # streaming fragments: the same core, the tensor work per fragment
+            p = check_fragments(cfg.fragments, cfg.local_steps, len(segments))  # P <= the model's tensors
+            layout = FragmentLayout.of_segments(segments, p)
+            frag = FragmentedCoordinator(cfg.core_config(), params, shard_lengths, layout, segments)
+            core = frag.core
+        else:
+            core = CoordinatorCore(cfg.core_config(), params, shard_lengths, segments)
         totals = Totals()
         if cfg.checkpoint_dir:
             found = checkpoint.load_latest(cfg.checkpoint_dir)
             if found is not None:
                 snap, path = found
                 try:
-                    core.restore(snap, learners_at=self.clock() if self._adopt_learners else None)
+                    if frag is not None:
+                        frag.restore(snap)
+                    elif "fragments" in snap:
+                        raise InvalidArgument(
+                            f"it was written with --fragments {len(snap['fragments'].get('versions', ()))}, this run "
+                            "has none; restart with the --fragments it was written with"
+                        )
+                    else:
+                        core.restore(snap, learners_at=self.clock() if self._adopt_learners else None)
                 except InvalidArgument as e:
                     raise ConfigError(
                         f"checkpoint {path} does not fit this run ({e}); point --checkpoint-dir elsewhere "
@@ -220,6 +237,7 @@ class CoordinatorServer:
             on_round=self._on_round,
             energy=EnergyBook(signal, totals),
             placement=cfg.policy_config(started),
+            fragments=frag,
         )
         state.fence = self._fence
         crash = cfg.crash_fault()
@@ -332,6 +350,7 @@ class CoordinatorServer:
             carbon_zones=sorted(trace.zones) if trace is not None else None,
             carbon_provider=cfg.carbon_provider or None,
             numel=params.numel(),
+            fragments=list(frag.layout.bounds) if frag is not None else None,
             shards=len(shard_lengths),
             fingerprint=task.fingerprint,
         )

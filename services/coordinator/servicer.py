@@ -102,7 +102,7 @@ def header_from_proto(h: coordinator_pb2.SubmissionHeader, specs: list[ParamSpec
     check_layout(h.payload, specs)
     ranges = tuple(ShardRange(r.shard_id, r.epoch, r.start, r.end) for r in h.ranges)
     sub = Submission(worker_id, submission_id, h.base_version, h.tokens, h.steps, ranges, h.plan_seq)
-    return UploadHeader(sub, h.coordinator_epoch, meta, h.resume_offset)
+    return UploadHeader(sub, h.coordinator_epoch, meta, h.resume_offset, h.fragment, h.fragment_layout)
 
 
 def _report(worker_id: str, tp: common_pb2.Throughput) -> Report:
@@ -263,7 +263,16 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             bulk_port=self.bulk_port,
             task_fingerprint=self.state.fingerprint,
             init_seed=self.init_seed,
+            **self._fragment_layout(),
         )
+
+    def _fragment_layout(self) -> dict[str, Any]:
+        """RegisterResponse's streaming-fragment fields (none without fragments)."""
+        frag = self.state.frag
+        if frag is None:
+            return {}
+        layout = frag.layout
+        return {"fragments": layout.fragments, "fragment_bounds": layout.bounds, "fragment_layout": layout.fingerprint}
 
     @status.streaming
     async def WatchParameters(
@@ -341,6 +350,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             finished=pub.finished,
             params_crc32=checksum,
             held=True,
+            fragment_versions=pub.fragment_versions,
         )
         if worker_id:
             header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
@@ -356,6 +366,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             applied_submission_ids=list(b.applied_ids),
             finished=b.finished,
             params_crc32=b.checksum,
+            fragment_versions=b.fragment_versions,
         )
         if b.delta_from is not None:
             header.delta_from = b.delta_from

@@ -42,6 +42,7 @@ from diloco.core.coordinator import (
     WorkPlan,
 )
 from diloco.core.energy import PauseDelay, Policy, PolicyConfig, PowerSource, decide
+from diloco.core.fragments import FragmentedCoordinator, FragmentSubmission
 from diloco.core.holds import Holds
 from diloco.core.ledger import ShardState
 from diloco.core.states import LIVE_STATES, WorkerState
@@ -54,7 +55,15 @@ from diloco.core.uploads import (
     UploadRefused,
     Uploads,
 )
-from diloco.errors import AlreadyExists, DilocoError, FailedPrecondition, NotFound, NotLeader, Unavailable
+from diloco.errors import (
+    AlreadyExists,
+    DilocoError,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    NotLeader,
+    Unavailable,
+)
 from diloco.rpc.payload import BufferPool, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import J_PER_KWH, SNAPSHOT_KEY, Charge, EnergyBook, LearnerEnergy
@@ -90,6 +99,7 @@ class Published:
     coordinator_epoch: int
     applied_ids: tuple[str, ...]
     finished: bool  # the run reached its target: this is the last version
+    fragment_versions: tuple[int, ...] = ()  # streaming fragments: the version that last stepped each (() none)
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,7 @@ class Broadcast:
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool
+    fragment_versions: tuple[int, ...] = ()  # streaming fragments: each fragment's version at `version` (() none)
 
 
 @dataclass(frozen=True)
@@ -213,8 +224,13 @@ class CoordinatorState:
         on_round: Callable[[RoundApplied], bool] | None = None,
         energy: EnergyBook | None = None,
         placement: PolicyConfig | None = None,
+        fragments: FragmentedCoordinator | None = None,
     ) -> None:
+        if fragments is not None and fragments.core is not core:
+            raise ValueError("fragments must wrap the state's core")
         self.core = core
+        # streaming fragments (docs/fragments.md): the tensor work of accept and close goes through it; None: P = 1
+        self.frag = fragments
         self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
         self.placement = placement or PolicyConfig()  # the placement policy (`diloco.core.energy.decide`)
         self.pause_delay = PauseDelay(self.placement.started_s or 0.0)  # what its pauses cost the job so far
@@ -226,9 +242,12 @@ class CoordinatorState:
         self.numel = core.params.numel()
         # uploads are held encoded (in buffers reused within a round), measured on arrival, decoded again by the merge
         self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
+        sizes = tuple(fragments.layout.size(p) for p in range(fragments.fragments)) if fragments else ()
         self.uploads = Uploads(
-            UploadLimits(self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker),
-            lambda meta: UploadReceiver(meta, self.numel, core.acc.segments, self.buffers),
+            UploadLimits(
+                self.numel, max_upload_bytes, upload_ttl_s, max_partial_uploads, max_uploads_per_worker, sizes
+            ),
+            self._receiver,
         )
         self.metrics = metrics
         metrics.idle_upload_buffer_bytes.set_function(lambda: self.buffers.idle[1])
@@ -258,12 +277,13 @@ class CoordinatorState:
         self.bytes_received = 0
         self.bytes_sent = 0
         self._applied_by_version: dict[int, tuple[str, ...]] = {}
+        self._fragments_by_version: dict[int, tuple[int, ...]] = {}  # fragments: each one's version, per version
         self._merge_s = 0.0  # under `work`: time spent checking and folding uploads since the last round closed
         self._round_seconds: dict[str, float] = {}  # under `work`: where the last round's close spent its time
         self.broadcast_codec = broadcast_codec
         self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
         self._params_holds = Holds()  # readers of Θ outside `work` (`hold_params`: the evaluation)
-        self._published = Published(core.version, self.epoch, (), core.finished)
+        self._published = Published(core.version, self.epoch, (), core.finished, self._fragment_versions())
         self._refresh_gauges()
         # the fleet's counters go on from the book's totals (a checkpoint's, when resumed from one)
         metrics.fleet_energy_joules.inc(self.energy.joules)
@@ -575,7 +595,7 @@ class CoordinatorState:
         self.buffers.drop_idle()
         if self._params_holds.let_go():  # Θ is being read (evaluated): this round steps a copy, the reader keeps Θ
             self.core.params = self.core.params.clone()
-        applied = self.core.step(closed)
+        applied = self.frag.step(closed) if self.frag is not None else self.core.step(closed)
         stepped = time.perf_counter()
         if self.on_stepped is not None:
             self.on_stepped(applied)
@@ -620,10 +640,14 @@ class CoordinatorState:
         with self.lock:
             self.last_round_at = self.clock()
             self._applied_by_version[applied.version] = ids
+            versions = self._fragment_versions()
+            if versions:
+                self._fragments_by_version[applied.version] = versions
             for v in [v for v in self._applied_by_version if v <= applied.version - _APPLIED_VERSIONS]:
                 del self._applied_by_version[v]
+                self._fragments_by_version.pop(v, None)
             self.shadow.record(delta)
-            self._published = Published(applied.version, self.epoch, ids, self.core.finished)
+            self._published = Published(applied.version, self.epoch, ids, self.core.finished, versions)
             m = self.metrics
             m.rounds.inc()
             m.pseudo_gradient_norm.set(applied.delta_norm)
@@ -640,6 +664,7 @@ class CoordinatorState:
             tokens=applied.tokens,
             staleness=applied.max_staleness,
             reason=applied.reason,
+            **({"fragments": self.frag.stepped_in(applied.version)} if self.frag else {}),
             delta_norm=round(applied.delta_norm, 6),
             **{k: round(v, 4) for k, v in self._round_seconds.items()},
         )
@@ -720,7 +745,18 @@ class CoordinatorState:
     def _delta_broadcast(self, d: Delta, pub: Published) -> Broadcast:
         ids = self._applied_by_version.get(d.version, ())
         finished = pub.finished and d.version == pub.version
-        return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished)
+        versions = self._fragments_at(d.version)
+        return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished, versions)
+
+    def _fragment_versions(self) -> tuple[int, ...]:
+        """Each fragment's version now (() without fragments)."""
+        return tuple(self.frag.fragment_versions) if self.frag is not None else ()
+
+    def _fragments_at(self, version: int) -> tuple[int, ...]:
+        """Under `lock`: each fragment's version as of `version` (published, or a delta still kept)."""
+        if self.frag is None:
+            return ()
+        return self._fragments_by_version.get(version) or self._published.fragment_versions
 
     def snapshot_broadcast(self) -> tuple[Broadcast, Callable[[], None]]:
         """The shadow of the newest version in full, and the function to call once it is sent. Lossy broadcasts: a
@@ -739,7 +775,8 @@ class CoordinatorState:
     def _snapshot_locked(self, snap: Snapshot) -> Broadcast:
         ids = self._applied_by_version.get(snap.version, ())
         finished = self._published.finished and self._published.version == snap.version
-        return Broadcast(snap.version, self.epoch, None, snap.checksum, snap.data, snap.meta, ids, finished)
+        versions = self._fragments_at(snap.version)
+        return Broadcast(snap.version, self.epoch, None, snap.checksum, snap.data, snap.meta, ids, finished, versions)
 
     def add_listener(self, listener: Callable[[], None]) -> None:
         """`listener()` is called (from the thread that published) after every new version and when stopping; it
@@ -771,6 +808,10 @@ class CoordinatorState:
         table); the ledger then checks its shards, epochs and cursors as for any submission."""
         sub = h.sub
         self.check_leading()
+        try:
+            self._check_fragment(h)
+        except InvalidArgument as e:
+            raise self.reject(e, "bad_fragment") from None
         with self.lock:
             known = self.core.accepted(sub.submission_id)
             version = self.core.version
@@ -809,6 +850,26 @@ class CoordinatorState:
             return opened
         self._log_dropped(opened.dropped)
         return UploadStream(self, opened.stream)
+
+    def _check_fragment(self, h: UploadHeader) -> None:
+        """The header's fragment and layout against this run's (`FragmentLayout.check_index`/`check_fingerprint`,
+        the one place); without fragments both must be unset."""
+        if self.frag is None:
+            if h.fragment or h.layout:
+                raise InvalidArgument(
+                    f"this coordinator runs without fragments (--fragments 1), the submission names fragment "
+                    f"{h.fragment} of layout {h.layout!r}: register again and submit the whole model"
+                )
+            return
+        self.frag.layout.check_index(h.fragment)
+        self.frag.layout.check_fingerprint(h.layout)
+
+    def _receiver(self, h: UploadHeader) -> UploadReceiver:
+        """The decoder of a new upload: measured on arrival against the merge segments of what it is of."""
+        if self.frag is None:
+            return UploadReceiver(h.meta, self.numel, self.core.acc.segments, self.buffers)
+        p = h.fragment
+        return UploadReceiver(h.meta, self.frag.layout.size(p), self.frag.segments_of(p), self.buffers)
 
     def _log_duplicate(self, h: UploadHeader, outcome: Outcome) -> None:
         self.log.info(
@@ -859,9 +920,11 @@ class CoordinatorState:
             except UploadRefused as e:
                 raise self.reject(e.error, e.reason) from None
         sub, payload = done.sub, done.payload
+        frag = self.frag
+        fs = FragmentSubmission(sub, done.fragment, frag.layout.fingerprint) if frag is not None else None
         merge_started = time.perf_counter()
-        try:
-            per_step = self.core.measure(sub, payload)  # reads only the payload
+        try:  # reads only the payload
+            per_step = frag.check(fs, payload) if frag is not None and fs else self.core.measure(sub, payload)
         except DilocoError as e:
             raise self.reject(e, e.code.lower()) from None
         with self.work:
@@ -869,7 +932,10 @@ class CoordinatorState:
             self.check_leading()  # last thing before the submission changes the round
             with self.lock:
                 try:
-                    taken = self.core.take(sub, per_step, now)
+                    if frag is not None and fs is not None:
+                        taken = frag.take(fs, per_step, now)
+                    else:
+                        taken = self.core.take(sub, per_step, now)
                 except AlreadyExists:  # a concurrent stream of the same submission won
                     known = self.core.accepted(sub.submission_id)
                     if known is None:
@@ -889,7 +955,10 @@ class CoordinatorState:
                 self.metrics.upload_seconds.observe(max(0.0, now - done.started_at))
                 self._refresh_gauges()
                 self._nudge_locked()
-            self.core.fold(payload, sub.tokens)
+            if frag is not None:
+                frag.fold(done.fragment, payload, sub.tokens)
+            else:
+                self.core.fold(payload, sub.tokens)
             self._merge_s += time.perf_counter() - merge_started
             self.log.info(
                 "submission.accepted",
@@ -898,6 +967,7 @@ class CoordinatorState:
                 base_version=sub.base_version,
                 staleness=taken.staleness,
                 tokens=sub.tokens,
+                **({"fragment": done.fragment} if self.frag else {}),
                 codec=done.meta.codec,
                 bytes=done.meta.encoded_bytes,
             )
@@ -1045,7 +1115,8 @@ class CoordinatorState:
         totals, costs charged up to now (`services.coordinator.energy.Totals`)."""
         with self.work, self.lock:
             self._charge(self.energy.accrue(self.clock()))
-            return {**self.core.snapshot(), SNAPSHOT_KEY: self.energy.totals().to_snapshot()}
+            snap = self.frag.snapshot() if self.frag is not None else self.core.snapshot()
+            return {**snap, SNAPSHOT_KEY: self.energy.totals().to_snapshot()}
 
     def stop(self) -> None:
         with self.lock:

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from diloco.core import learner as core
 from diloco.core.codecs import ErrorFeedback, get_codec
+from diloco.core.fragments import FragmentLayout
 from diloco.errors import ConfigError
 from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
@@ -49,6 +50,10 @@ class Replica:
         self.task_json = ""
         self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
         self.params: tuple[int, torch.Tensor] | None = None  # the newest version the core adopted, and its tensor
+        # streaming fragments (docs/fragments.md): the coordinator's layout and one error-feedback residual per
+        # fragment (None and []: the whole model, with `ef`)
+        self.layout: FragmentLayout | None = None
+        self.fragment_efs: list[ErrorFeedback] = []
         self.version0: torch.Tensor | None = None  # the initial parameters built here, until parameters are adopted
 
     def start_session(self, task_json: str, codec: str, fingerprint: str = "", init_seed: int = 0) -> None:
@@ -88,6 +93,20 @@ class Replica:
         self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel, decay=self.cfg.ef_decay or None)
         self.params = None
 
+    def use_fragments(self, layout: FragmentLayout | None, codec: str) -> None:
+        """The registration's fragment layout (None: no fragments): one fresh residual per fragment."""
+        if layout is not None and self.island is not None and self.island.sharded:
+            raise ConfigError("streaming fragments (--fragments > 1) are not built for sharded islands yet")
+        self.layout = layout
+        self.fragment_efs = (
+            [
+                ErrorFeedback(get_codec(codec), layout.size(p), decay=self.cfg.ef_decay or None)
+                for p in range(layout.fragments)
+            ]
+            if layout is not None
+            else []
+        )
+
     def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
         """Puts `model` on the device. None (the model's own loss) for a one-process fp32 learner; else the loss
         through bf16 autocast and, in an island, DistributedDataParallel (whose constructor broadcasts rank 0's
@@ -122,7 +141,12 @@ class Replica:
         self.version0 = None  # trained from the coordinator's parameters from now on: no registration names it
         # `flat` is the broadcast follower's Θ̂ of that version, never written again: the trainer's base is that
         # very tensor, not a copy
-        if isinstance(a, core.Rebase):
+        if isinstance(a, core.Rebase) and a.fragments is not None:
+            assert self.layout is not None
+            # streaming fragments: only those whose version changed; the others keep their local progress
+            self.trainer.rebase_ranges(flat, [self.layout.range(p) for p in a.fragments])
+            self.metrics.rebases.inc()
+        elif isinstance(a, core.Rebase):
             self.trainer.rebase(flat, share=True)  # keeps the steps not yet submitted
             self.metrics.rebases.inc()
         else:
@@ -132,6 +156,8 @@ class Replica:
                 log.info("worker.resync", reason=why, version=version)
                 self.metrics.resyncs.inc()
                 self.ef.reset()
+                for ef in self.fragment_efs:
+                    ef.reset()
         self.metrics.version.set(version)
 
     def train(self, a: core.Train) -> int:
@@ -159,6 +185,13 @@ class Replica:
         # the pseudo-gradient goes straight into the residual, a slice at a time (in a sharded island: after the
         # leader's GATHER, on rank 0's host); `fault_scale_updates` is fault injection (tests, chaos runs)
         scale = self.cfg.fault_scale_updates
-        payload, meta = self.ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
         self.metrics.tokens_per_s.set(self.trainer.throughput().tokens_per_s)
+        if self.layout is not None:  # one fragment: its slice (base ← θ there only), its own residual
+            p = a.draft.fragment
+            delta = trainer.submit_range(*self.layout.range(p))
+            if scale != 1.0:
+                delta.mul_(scale)
+            payload, meta = self.fragment_efs[p].compress(delta)
+            return UploadJob(header_of(a.draft, meta, self.specs, self.layout.fingerprint), payload, bulk_port)
+        payload, meta = self.ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
         return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)

@@ -191,7 +191,10 @@ class Worker:
         now, c = time.monotonic(), self.core
         if isinstance(event, Delivered):
             b = event.broadcast
-            if b.worker_id == c.worker_id and c.params_arrived(now, b.version, b.epoch, b.plan, b.applied, b.finished):
+            versions = b.fragment_versions
+            if b.worker_id == c.worker_id and c.params_arrived(
+                now, b.version, b.epoch, b.plan, b.applied, b.finished, fragment_versions=versions
+            ):
                 self.replica.params = (b.version, event.flat)
             if b.worker_id == c.worker_id and b.epoch == c.coordinator_epoch and b.bulk_port is not None:
                 self.bulk_port = b.bulk_port  # a leader that took this learner over has its own bulk port
@@ -275,11 +278,21 @@ class Worker:
         if self.island is not None:
             self.island.session(reg.task_json, reg.codec, reg.task_fingerprint)
         self.replica.start_session(reg.task_json, reg.codec, reg.task_fingerprint, reg.init_seed)
+        # streaming fragments: the coordinator's layout, checked against the model built here (ConfigError: exit 2)
+        self.replica.use_fragments(reg.layout(self.replica.specs, self.replica.numel), reg.codec)
+        self.core.use_fragments(reg.fragments)
         if not self.cfg.healthd and reg.healthd_address:
             self.heartbeats.address = reg.healthd_address
         self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
         self.core.registered(time.monotonic(), reg.worker_id, reg.epoch, reg.mode, reg.plan)
-        self.log.info("worker.registered", epoch=reg.epoch, version=reg.version, mode=reg.mode, codec=reg.codec)
+        self.log.info(
+            "worker.registered",
+            epoch=reg.epoch,
+            version=reg.version,
+            mode=reg.mode,
+            codec=reg.codec,
+            **({"fragments": reg.fragments} if reg.fragments > 1 else {}),
+        )
 
     def _fetch_plan(self) -> None:
         """Only a learner without shards (or after a resync) asks; the others get their plan with each version."""
