@@ -136,6 +136,16 @@ def test_int4_layout_packs_low_nibble_first_with_odd_padding() -> None:
     assert meta.encoded_bytes == encoded_size("int4", 17, 16) == 4 * 2 + 9
 
 
+def test_int4_packs_every_pair_of_values_as_the_layout_says() -> None:
+    # one block of 16 per pair (lo, hi): lo, hi, then fourteen 7s, so the scale is 1 and q = x
+    pairs = [(lo, hi) for lo in range(-7, 8) for hi in range(-7, 8)]
+    x = [v for lo, hi in pairs for v in (lo, hi, *[7.0] * 14)]
+    _, data, _ = _encode("int4", x, block_size=16)
+    values = np.frombuffer(data[4 * len(pairs) :], dtype=np.uint8).reshape(len(pairs), 8)
+    assert values[:, 0].tolist() == [(lo + 8) | (hi + 8) << 4 for lo, hi in pairs]
+    assert (values[:, 1:] == 0xFF).all()
+
+
 @pytest.mark.parametrize("block_size", [16, 4096])
 def test_int4_decodes_every_nibble_as_the_layout_says(block_size: int) -> None:
     numel = 2 * codecs._UNPACK_STEP + 3 * block_size + 5  # several decoder steps and a short last block
