@@ -858,7 +858,7 @@ class _BlockDecoder(StreamDecoder):
         for lo, hi in _steps(whole, _UNPACK_STEP // bs):  # a step at a time: `_unpack_nibbles`' scratch stays small
             window = self._window((first + lo) * bs, (hi - lo) * bs)
             _unpack_nibbles(packed[lo * half : hi * half], window, self._wide)
-            window.view(-1, bs).sub_(8.0).mul_(self._scales[first + lo : first + hi, None])
+            window.view(-1, bs).mul_(self._scales[first + lo : first + hi, None])
             self._emit((first + lo) * bs, window)
         rest = len(piece) - whole * half
         if rest:  # the short last block; with an odd numel its last nibble is padding
@@ -867,7 +867,7 @@ class _BlockDecoder(StreamDecoder):
             _unpack_nibbles(packed[whole * half :], values, self._wide)
             count = self.meta.numel - start
             window = self._window(start, count)
-            self._emit(start, window.copy_(values[:count]).sub_(8.0).mul_(self._scales[first + whole]))
+            self._emit(start, window.copy_(values[:count]).mul_(self._scales[first + whole]))
 
 
 def _steps(count: int, step: int) -> Iterator[tuple[int, int]]:
@@ -877,17 +877,21 @@ def _steps(count: int, step: int) -> Iterator[tuple[int, int]]:
 
 
 def _unpack_nibbles(packed: torch.Tensor, out: torch.Tensor, wide: np.ndarray) -> None:
-    """out[2i], out[2i+1] = low, high nibble of packed[i] (as floats 0..15). Each byte b widened to 16 bits,
-    (b | b << 4) & 0x0F0F holds the low nibble in its first byte and the high one in its second (little-endian),
-    so one contiguous uint8 -> float copy writes both (two strided copies take twice as long). `wide`: uint16
-    scratch of at least 2 * len(packed) elements (numpy: its integer ops are faster here than torch's)."""
+    """out[2i], out[2i+1] = low, high nibble of packed[i] minus 8 (as floats -8..7: the q of the layout). Each byte
+    b widened to 16 bits, (b | b << 4) & 0x0F0F holds the low nibble in its first byte and the high one in its
+    second (little-endian); 8 is taken off each byte there (mod 256: as int8, nibble - 8), so one contiguous
+    int8 -> float copy writes both, exact (two strided copies take twice as long; a float subtract afterwards
+    is a pass of its own). `wide`: uint16 scratch of at least 2 * len(packed) elements (numpy: its integer ops
+    are faster here than torch's)."""
     count = packed.numel()
     b, spread = wide[:count], wide[count : 2 * count]
     np.copyto(b, packed.numpy(), casting="safe")
     np.left_shift(b, 4, out=spread)
     np.bitwise_or(spread, b, out=spread)
     np.bitwise_and(spread, 0x0F0F, out=spread)
-    out.copy_(torch.from_numpy(spread.view(np.uint8)))
+    nibbles = spread.view(np.uint8)
+    np.subtract(nibbles, np.uint8(8), out=nibbles)  # bytewise, wrapping: no borrow crosses into the next nibble
+    out.copy_(torch.from_numpy(nibbles.view(np.int8)))
 
 
 class TopKCodec(Codec):
