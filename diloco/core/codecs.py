@@ -226,10 +226,9 @@ class _PayloadBuffer:
     kept buffer whenever nothing refers to the previous view any more: every export of it (its `.data`
     memoryview, slices of that, numpy or torch views over them) holds the view, so its weak reference dies only
     when all of them have (numpy slices of `memoryview.obj` would name the kept buffer instead: nothing does
-    that). While
-    the last payload is still held (say, queued for sending), or when two threads encode at once, `take` returns
-    fresh memory instead and the kept buffer stays as it is. The bytes written are the same either way. The cost:
-    between encodes, one payload's worth of memory stays allocated per codec instance."""
+    that). While the last payload is still held (say, queued for sending), or when two threads encode at once,
+    `take` returns fresh memory instead and the kept buffer stays as it is. The bytes written are the same either
+    way. The cost: between encodes, one payload's worth of memory stays allocated per codec instance."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
