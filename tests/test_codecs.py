@@ -136,6 +136,16 @@ def test_int4_layout_packs_low_nibble_first_with_odd_padding() -> None:
     assert meta.encoded_bytes == encoded_size("int4", 17, 16) == 4 * 2 + 9
 
 
+def test_int4_packs_every_pair_of_values_as_the_layout_says() -> None:
+    # one block of 16 per pair (lo, hi): lo, hi, then fourteen 7s, so the scale is 1 and q = x
+    pairs = [(lo, hi) for lo in range(-7, 8) for hi in range(-7, 8)]
+    x = [v for lo, hi in pairs for v in (lo, hi, *[7.0] * 14)]
+    _, data, _ = _encode("int4", x, block_size=16)
+    values = np.frombuffer(data[4 * len(pairs) :], dtype=np.uint8).reshape(len(pairs), 8)
+    assert values[:, 0].tolist() == [(lo + 8) | (hi + 8) << 4 for lo, hi in pairs]
+    assert (values[:, 1:] == 0xFF).all()
+
+
 @pytest.mark.parametrize("block_size", [16, 4096])
 def test_int4_decodes_every_nibble_as_the_layout_says(block_size: int) -> None:
     numel = 2 * codecs._UNPACK_STEP + 3 * block_size + 5  # several decoder steps and a short last block
@@ -492,6 +502,31 @@ def test_fused_encode_toward_is_bit_identical_to_the_plain_path(name: str, block
     in_place = shadow.clone()
     codec.encode_toward(params, in_place, in_place)
     assert torch.equal(in_place.view(torch.int32), fused.view(torch.int32))
+
+
+def _address(payload: bytes | bytearray | memoryview) -> int:
+    return int(np.frombuffer(payload, dtype=np.uint8).ctypes.data)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_a_held_payload_is_never_overwritten_and_a_dropped_one_lends_its_memory(name: str) -> None:
+    codec = get_codec(name, block_size=16)
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(1001, generator=g), torch.randn(1001, generator=g)
+    first, _ = codec.encode(a)
+    kept, address = bytes(first), _address(first)
+    chunks = list(iter_chunks(first, 100))  # views of it, as a sender holds them while streaming
+    del first
+    second, meta = codec.encode(b)  # the chunks still refer to the first payload's memory: fresh memory
+    assert b"".join(chunks) == kept and _address(second) != address
+    expected = bytes(second)
+    del chunks, second
+    third, third_meta = codec.encode(b)
+    assert _address(third) == address and bytes(third) == expected and third_meta == meta
+    del third
+    shadow = torch.zeros(1001)
+    data, meta, _ = codec.encode_toward(b, shadow, torch.empty(1001))
+    assert _address(data) == address and bytes(data) == expected
 
 
 def test_encode_toward_checks_its_buffers() -> None:

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -213,6 +215,37 @@ def _crc_of_parts(parts: Sequence[bytes | memoryview]) -> int:
     for part in parts:
         crc = crc32(part, crc)
     return crc
+
+
+class _PayloadBuffer:
+    """The memory of a codec's payloads, lent again once the last payload is gone.
+
+    A payload written into fresh memory pays a page fault per 4 KiB page (for the 103 MB of int8 at 100M
+    parameters, measured: 5-10 ms on a quiet machine, 30-40 ms on a loaded one): a learner encodes a payload of
+    the same size every round, and by then it has usually dropped the last one. `take` hands out a view of one
+    kept buffer whenever nothing refers to the previous view any more: every export of it (its `.data`
+    memoryview, slices of that, numpy or torch views over them) holds the view, so its weak reference dies only
+    when all of them have (numpy slices of `memoryview.obj` would name the kept buffer instead: nothing does
+    that). While the last payload is still held (say, queued for sending), or when two threads encode at once,
+    `take` returns fresh memory instead and the kept buffer stays as it is. The bytes written are the same either
+    way. The cost: between encodes, one payload's worth of memory stays allocated per codec instance."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: np.ndarray | None = None
+        self._lent: weakref.ref[np.ndarray] | None = None
+
+    def take(self, size: int) -> np.ndarray:
+        """`size` uninitialised bytes that no earlier payload still refers to."""
+        with self._lock:
+            if self._lent is not None and self._lent() is not None:
+                return np.empty(size, dtype=np.uint8)  # the last payload is still held: leave it alone
+            if self._kept is None or self._kept.size != size:
+                self._kept = None  # free the old buffer before allocating its successor
+                self._kept = np.empty(size, dtype=np.uint8)
+            payload = self._kept.view()
+            self._lent = weakref.ref(payload)
+            return payload
 
 
 def _check_input(flat: torch.Tensor) -> torch.Tensor:
@@ -575,6 +608,7 @@ class _BlockCodec(Codec):
     """Blockwise abs-max quantization to [-qmax, qmax] with one float32 scale per block."""
 
     qmax: ClassVar[int]
+    packing_scratch: ClassVar[int] = 0  # bytes of int8 scratch `_pack` needs per value
     blockwise = True
 
     @classmethod
@@ -594,14 +628,20 @@ class _BlockCodec(Codec):
                 f"{ALLOWED_BLOCK_SIZES[0]} to {ALLOWED_BLOCK_SIZES[-1]}"
             )
         self.block_size = block_size
+        self._payloads = _PayloadBuffer()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
 
     @abstractmethod
-    def _pack(self, rounded: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the bytes of the rounded block values (a float tensor of shape (blocks, block_size)) into `out`
-        (uint8, exactly as many bytes)."""
+    def _pack(self, rounded: torch.Tensor, out: torch.Tensor, packing: torch.Tensor) -> None:
+        """Write the bytes of the rounded block values (a float tensor of shape (blocks, block_size), left as it
+        is) into `out` (uint8, exactly as many bytes); `packing` is int8 scratch of `packing_scratch` bytes per
+        value."""
+
+    def _packing(self, values: int) -> torch.Tensor:
+        """`_pack`'s scratch for up to `values` values at a time (and for the short last block)."""
+        return torch.empty(self.packing_scratch * max(values, self.block_size), dtype=torch.int8)
 
     @staticmethod
     @abstractmethod
@@ -616,25 +656,27 @@ class _BlockCodec(Codec):
 
     def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
         """Quantize slab by slab straight into the payload: scales and packed values are written in place. The
-        payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL)."""
+        payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL), and its memory
+        is the last payload's when that one is gone (`_PayloadBuffer`)."""
         bs, numel = self.block_size, x.numel()
         blocks, full = -(-numel // bs), numel // bs * bs
-        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
+        payload = self._payloads.take(4 * blocks + self._packed_bytes(numel))
         scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
         values = torch.from_numpy(payload[4 * blocks :])
         scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
+        packing = self._packing(min(_SLAB, full))
         for start in range(0, full, _SLAB):
             slab = x[start : min(start + _SLAB, full)].view(-1, bs)
             first, at = start // bs, self._packed_bytes(start)  # start is a whole number of blocks: bytes are whole
             work = scratch[: slab.numel()].view(-1, bs)
             out = values[at : at + self._packed_bytes(slab.numel())]
-            self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract, out)
+            self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract, out, packing)
         if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
             tail = x[full:]
             padded = torch.zeros(1, bs, dtype=torch.float32)
             padded[0, : tail.numel()] = tail
             packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
-            self._quantize(padded, torch.empty_like(padded), scales[-1:], subtract, packed)
+            self._quantize(padded, torch.empty_like(padded), scales[-1:], subtract, packed, packing)
             values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(tail.numel())])
             if subtract:
                 tail.copy_(padded[0, : tail.numel()])
@@ -653,11 +695,12 @@ class _BlockCodec(Codec):
         self._check_toward(params, shadow, out)
         bs = self.block_size
         blocks, full = -(-numel // bs), numel // bs * bs
-        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
+        payload = self._payloads.take(4 * blocks + self._packed_bytes(numel))
         scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
         values = torch.from_numpy(payload[4 * blocks :])
         diff = torch.empty(min(_FUSED_SLAB, full), dtype=torch.float32)
         scratch = torch.empty_like(diff)
+        packing = self._packing(min(_FUSED_SLAB, full))
         crc = 0
         for start in range(0, full, _FUSED_SLAB):
             end = min(start + _FUSED_SLAB, full)
@@ -665,7 +708,7 @@ class _BlockCodec(Codec):
             first, at = start // bs, self._packed_bytes(start)
             work = scratch[: end - start].view(-1, bs)
             block_scales = scales[first : first + x.shape[0]]
-            self._quantize(x, work, block_scales, False, values[at : at + self._packed_bytes(end - start)])
+            self._quantize(x, work, block_scales, False, values[at : at + self._packed_bytes(end - start)], packing)
             decoded = work.mul_(block_scales[:, None]).add_(0.0).view(-1)
             torch.add(shadow[start:end], decoded, out=out[start:end])
             crc = crc32(out[start:end].numpy().data.cast("B"), crc)
@@ -674,7 +717,7 @@ class _BlockCodec(Codec):
             torch.sub(params[full:], shadow[full:], out=padded[0, : numel - full])
             packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
             work = torch.empty_like(padded)
-            self._quantize(padded, work, scales[-1:], False, packed)
+            self._quantize(padded, work, scales[-1:], False, packed, packing)
             values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(numel - full)])
             decoded = work.mul_(scales[-1:, None]).add_(0.0).view(-1)[: numel - full]
             torch.add(shadow[full:], decoded, out=out[full:])
@@ -684,10 +727,17 @@ class _BlockCodec(Codec):
         return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs), crc
 
     def _quantize(
-        self, x: torch.Tensor, work: torch.Tensor, scales: torch.Tensor, subtract: bool, out: torch.Tensor
+        self,
+        x: torch.Tensor,
+        work: torch.Tensor,
+        scales: torch.Tensor,
+        subtract: bool,
+        out: torch.Tensor,
+        packing: torch.Tensor,
     ) -> None:
         """Quantize the blocks `x` (rows) into `out` (their packed bytes, uint8), writing their scales; `work` is
-        scratch of x's shape, left holding the rounded values q (with subtract, q * scale)."""
+        scratch of x's shape, left holding the rounded values q (with subtract, q * scale); `packing` is
+        `_pack`'s."""
         # max |x| per block as max(max x, -min x): two reductions that only read x (abs would write a copy first);
         # the same values, NaN propagating; abs_ makes an all-zero block's -0.0 a 0.0
         amax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_()).abs_()
@@ -696,7 +746,7 @@ class _BlockCodec(Codec):
         inv = torch.div(self.qmax, amax).nan_to_num_(nan=0.0, posinf=0.0)
         # |x| * qmax/amax <= qmax (up to one rounding), so the rounded values stay in [-qmax, qmax]
         torch.mul(x, inv[:, None], out=work).round_()
-        self._pack(work, out)
+        self._pack(work, out, packing)
         if subtract:  # x -= q * scale, computed exactly as the decoder does
             x.sub_(work.mul_(scales[:, None]))
 
@@ -708,7 +758,7 @@ class Int8Codec(_BlockCodec):
     lossy = True
     qmax = 127
 
-    def _pack(self, rounded: torch.Tensor, out: torch.Tensor) -> None:
+    def _pack(self, rounded: torch.Tensor, out: torch.Tensor, packing: torch.Tensor) -> None:
         out.view(torch.int8).view_as(rounded).copy_(rounded)  # whole values in [-127, 127]: converted exactly
 
     @staticmethod
@@ -725,12 +775,18 @@ class Int4Codec(_BlockCodec):
     name = "int4"
     lossy = True
     qmax = 7
+    packing_scratch = 2  # the values as bytes, then the shifted words
 
-    def _pack(self, rounded: torch.Tensor, out: torch.Tensor) -> None:
-        pairs = rounded.view(rounded.shape[0], -1, 2)
-        # (lo + 8) + 16 * (hi + 8): exact in float32, in [17, 255]
-        packed = torch.add(pairs[..., 0], pairs[..., 1], alpha=16).add_(136.0)
-        out.view(packed.shape).copy_(packed)  # whole values in [17, 255]: converted exactly
+    def _pack(self, rounded: torch.Tensor, out: torch.Tensor, packing: torch.Tensor) -> None:
+        """In integers: each q + 8 (1..15) as a byte; a little-endian byte pair (lo, hi) read as the 16-bit word
+        w = lo + 256 * hi, w | w >> 4 holds lo + 16 * hi in its low byte. Exact, and about 2.7x faster than
+        pairing the floats (a strided add, then a float -> uint8 copy, torch's slow conversion)."""
+        count = rounded.numel()  # even: whole blocks of at least 16 values
+        nibbles = packing[:count].view_as(rounded).copy_(rounded).add_(8)  # whole values: converted exactly
+        words = nibbles.view(-1).view(torch.int16)
+        shifted = packing[count : 2 * count].view(torch.int16)
+        torch.bitwise_right_shift(words, 4, out=shifted)
+        out.copy_(words.bitwise_or_(shifted).bitwise_and_(0xFF))  # in [17, 255]: converted exactly
 
     @staticmethod
     def _packed_bytes(count: int) -> int:
@@ -801,7 +857,7 @@ class _BlockDecoder(StreamDecoder):
         for lo, hi in _steps(whole, _UNPACK_STEP // bs):  # a step at a time: `_unpack_nibbles`' scratch stays small
             window = self._window((first + lo) * bs, (hi - lo) * bs)
             _unpack_nibbles(packed[lo * half : hi * half], window, self._wide)
-            window.view(-1, bs).sub_(8.0).mul_(self._scales[first + lo : first + hi, None])
+            window.view(-1, bs).mul_(self._scales[first + lo : first + hi, None])
             self._emit((first + lo) * bs, window)
         rest = len(piece) - whole * half
         if rest:  # the short last block; with an odd numel its last nibble is padding
@@ -810,7 +866,7 @@ class _BlockDecoder(StreamDecoder):
             _unpack_nibbles(packed[whole * half :], values, self._wide)
             count = self.meta.numel - start
             window = self._window(start, count)
-            self._emit(start, window.copy_(values[:count]).sub_(8.0).mul_(self._scales[first + whole]))
+            self._emit(start, window.copy_(values[:count]).mul_(self._scales[first + whole]))
 
 
 def _steps(count: int, step: int) -> Iterator[tuple[int, int]]:
@@ -820,17 +876,21 @@ def _steps(count: int, step: int) -> Iterator[tuple[int, int]]:
 
 
 def _unpack_nibbles(packed: torch.Tensor, out: torch.Tensor, wide: np.ndarray) -> None:
-    """out[2i], out[2i+1] = low, high nibble of packed[i] (as floats 0..15). Each byte b widened to 16 bits,
-    (b | b << 4) & 0x0F0F holds the low nibble in its first byte and the high one in its second (little-endian),
-    so one contiguous uint8 -> float copy writes both (two strided copies take twice as long). `wide`: uint16
-    scratch of at least 2 * len(packed) elements (numpy: its integer ops are faster here than torch's)."""
+    """out[2i], out[2i+1] = low, high nibble of packed[i] minus 8 (as floats -8..7: the q of the layout). Each byte
+    b widened to 16 bits, (b | b << 4) & 0x0F0F holds the low nibble in its first byte and the high one in its
+    second (little-endian); 8 is taken off each byte there (mod 256: as int8, nibble - 8), so one contiguous
+    int8 -> float copy writes both, exact (two strided copies take twice as long; a float subtract afterwards
+    is a pass of its own). `wide`: uint16 scratch of at least 2 * len(packed) elements (numpy: its integer ops
+    are faster here than torch's)."""
     count = packed.numel()
     b, spread = wide[:count], wide[count : 2 * count]
     np.copyto(b, packed.numpy(), casting="safe")
     np.left_shift(b, 4, out=spread)
     np.bitwise_or(spread, b, out=spread)
     np.bitwise_and(spread, 0x0F0F, out=spread)
-    out.copy_(torch.from_numpy(spread.view(np.uint8)))
+    nibbles = spread.view(np.uint8)
+    np.subtract(nibbles, np.uint8(8), out=nibbles)  # bytewise, wrapping: no borrow crosses into the next nibble
+    out.copy_(torch.from_numpy(nibbles.view(np.int8)))
 
 
 class TopKCodec(Codec):
