@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -21,7 +22,7 @@ import structlog
 import torch
 
 from diloco.cluster import wait_for
-from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal, params_checksum
+from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, BroadcastShadow, Refusal, params_checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.payload import PayloadReceiver, meta_from_proto
@@ -205,6 +206,38 @@ def test_a_delta_added_window_by_window_as_it_decodes_is_bit_identical(codec: st
     got = f.finish_delta(applying, d1.checksum)
     assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow)) and f.version == 1
     assert f.begin_delta(1, 0) is Refusal.NO_BASE  # never applied twice
+
+
+def _applying(
+    f: BroadcastFollower, shadow: BroadcastShadow, theta: torch.Tensor, version: int
+) -> tuple[ApplyingDelta, int]:
+    """The delta to `version` (from the one before) received whole by `f`, not finished yet; and its checksum."""
+    d = shadow.advance(theta, version)
+    assert d is not None
+    applying = f.begin_delta(version, version - 1)
+    assert not isinstance(applying, Refusal)
+    PayloadReceiver(d.meta, theta.numel(), sink=applying).feed(memoryview(d.data))
+    return applying, d.checksum
+
+
+def test_a_finished_delta_keeps_no_version_alive() -> None:
+    """Once finished, the applying object (a watch loop keeps it until the next header) holds neither the base nor
+    the new version: the base is freed as soon as the follower (and the trainer) let go of it, and a version refused
+    for its checksum at once."""
+    thetas = walk((1 << 20) + 5, 2)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    f = BroadcastFollower()
+    held = shadow.shadow.clone()
+    f.snapshot(0, held)
+    base = weakref.ref(held)
+    del held
+    applying, checksum = _applying(f, shadow, thetas[1], 1)
+    assert not isinstance(f.finish_delta(applying, checksum), Refusal) and f.version == 1
+    assert base() is None  # `applying` is alive, and let go of version 0
+    applying, checksum = _applying(f, shadow, thetas[2], 2)
+    new = weakref.ref(applying.result())
+    assert f.finish_delta(applying, checksum ^ 1) is Refusal.CHECKSUM and f.version == 1
+    assert new() is None
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])

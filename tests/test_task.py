@@ -36,7 +36,7 @@ from diloco.task import (
     model_fingerprint,
     param_specs,
 )
-from diloco.task.data import stdlib_files
+from diloco.task.data import model_loss, stdlib_files
 from diloco.task.params import view_flat_
 
 CPU = torch.device("cpu")
@@ -528,15 +528,75 @@ def test_optimizer_state_persists_across_rounds(corpus: Corpus) -> None:
     tr = make_trainer(corpus)
     tr.train([(0, 0, 0)], 4)
     p = next(tr.model.parameters())
-    state = tr.optimizer.state[p]
+    state = tr.optimizer_state(p)
     exp_avg_sq = state["exp_avg_sq"].clone()
     tr.load_global(flatten_params(GPT(TINY, seed=5)))
-    assert tr.optimizer.state[p]["exp_avg_sq"] is state["exp_avg_sq"]  # load_global does not reset Adam
+    assert tr.optimizer_state(p)["exp_avg_sq"] is state["exp_avg_sq"]  # load_global does not reset Adam
     tr.train([(0, 0, 4 * 64)], 3)
-    assert int(tr.optimizer.state[p]["step"]) == 7
+    assert int(tr.optimizer_state(p)["step"]) == 7
     assert tr.steps_done == 7
-    assert tr.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(TINY_INNER, 6))
-    assert not torch.equal(tr.optimizer.state[p]["exp_avg_sq"], exp_avg_sq)
+    assert tr.optimizer is not None and tr.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(TINY_INNER, 6))
+    assert not torch.equal(tr.optimizer_state(p)["exp_avg_sq"], exp_avg_sq)
+
+
+NO_CLIP = dataclasses.replace(TINY_INNER, grad_clip=0.0)
+
+
+def test_stepping_in_backward_gives_the_same_bits_as_one_step_after_backward(corpus: Corpus) -> None:
+    """Without clipping each parameter steps in backward as its gradient completes: over several steps, rounds and
+    a rebase (warmup and decay, weight decay on some parameters only), the same parameters, AdamW state and losses,
+    bit for bit, as the whole model's step after backward."""
+    fused = make_trainer(corpus, NO_CLIP)
+    plain = InnerTrainer(GPT(TINY, seed=0), corpus, NO_CLIP, seq_len=TINY.seq_len, device=CPU, step_in_backward=False)
+    assert fused.in_backward and fused.optimizer is None
+    assert not plain.in_backward and plain.optimizer is not None
+    for tr in (fused, plain):
+        tr.load_global(flatten_params(GPT(TINY, seed=7)))
+    a, b = fused.train([(0, 0, 0), (1, 0, 0)], 4), plain.train([(0, 0, 0), (1, 0, 0)], 4)
+    assert a.loss == b.loss and torch.equal(a.pseudo_grad, b.pseudo_grad)
+    newer = flatten_params(GPT(TINY, seed=8))
+    for tr in (fused, plain):
+        tr.submit_into(torch.zeros(tr.numel))
+        tr.rebase(newer)
+    a, b = fused.train([(2, 0, 0)], 3), plain.train([(2, 0, 0)], 3)
+    assert a.loss == b.loss and torch.equal(fused.params_flat(), plain.params_flat())
+    for p, q in zip(fused.model.parameters(), plain.model.parameters(), strict=True):
+        sa, sb = fused.optimizer_state(p), plain.optimizer_state(q)
+        assert int(sa["step"]) == int(sb["step"]) == 7
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+        assert p.grad is None and q.grad is None
+
+
+def _live_grads_during_backward(tr: InnerTrainer, x: Tensor, y: Tensor) -> int:
+    """The most parameters holding a gradient at once while `tr` steps on a batch (seen from hooks that run after
+    the trainer's own)."""
+    params = list(tr.model.parameters())
+    most = 0
+
+    def seen(_: Tensor) -> None:
+        nonlocal most
+        most = max(most, sum(q.grad is not None for q in params))
+
+    handles = [p.register_post_accumulate_grad_hook(seen) for p in params]  # type: ignore[no-untyped-call]
+    tr.step(x, y)
+    for h in handles:
+        h.remove()
+    return most
+
+
+def test_stepping_in_backward_holds_no_gradient_of_the_whole_model(corpus: Corpus) -> None:
+    """Stepping in backward, each gradient is dropped as soon as its parameter stepped; with clipping, which needs
+    every gradient's norm first, all of them are alive at the end of backward. A backward outside `step` (not a
+    training step) leaves its gradients and the parameters alone."""
+    x, y, _ = corpus.batch(0, 0, NO_CLIP.batch_size, TINY.seq_len)
+    fused, clipped = make_trainer(corpus, NO_CLIP), make_trainer(corpus)
+    assert not clipped.in_backward
+    assert _live_grads_during_backward(fused, x, y) == 0
+    assert _live_grads_during_backward(clipped, x, y) == len(list(clipped.model.parameters()))
+    before = fused.params_flat()
+    model_loss(fused.model)(x, y).backward()  # type: ignore[no-untyped-call]
+    assert torch.equal(fused.params_flat(), before)
+    assert all(p.grad is not None for p in fused.model.parameters())
 
 
 def test_ranges_are_contiguous_and_sum_to_tokens(corpus: Corpus) -> None:

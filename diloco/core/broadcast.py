@@ -303,14 +303,21 @@ class BroadcastFollower:
         return ApplyingDelta(version, base, self.params)
 
     def finish_delta(self, applying: ApplyingDelta, checksum: int) -> torch.Tensor | Refusal:
-        """The delta is complete (its payload verified): adopt `Θ̂_version` if its checksum matches."""
-        if self.version != applying.base:
-            return Refusal.NO_BASE
-        new = applying.result()
-        if applying.checksum() != checksum:
-            return Refusal.CHECKSUM
-        self.version, self.params = applying.version, new
-        return new
+        """The delta is complete (its payload verified): adopt `Θ̂_version` if its checksum matches. Either way
+        `applying` lets go of both versions (`ApplyingDelta.release`)."""
+        try:
+            if self.version != applying.base:
+                return Refusal.NO_BASE
+            new = applying.result()
+            if applying.checksum() != checksum:
+                return Refusal.CHECKSUM
+            self.version, self.params = applying.version, new
+            return new
+        finally:
+            applying.release()
+
+
+_RELEASED = torch.empty(0)  # what a released `ApplyingDelta` holds instead of model-sized vectors
 
 
 class ApplyingDelta:
@@ -360,3 +367,10 @@ class ApplyingDelta:
         if self._filled == self._new.numel():
             return self._crc
         return params_checksum(self.result())
+
+    def release(self) -> None:
+        """Drop the references to `Θ̂_base` and the new tensor (finished: not used again). Whoever still holds this
+        object (a watch loop's variable until the next header) then keeps no model-sized vector alive: an older
+        `Θ̂` lives only as long as the follower or the trainer holds it."""
+        self._base_params = self._new = _RELEASED
+        self._filled = None

@@ -169,15 +169,34 @@ class LocalParams:
             load_flat_(self.model, flat)
 
 
+def _adamw(cfg: InnerConfig, params: list[Tensor]) -> torch.optim.AdamW:
+    """AdamW over `params`: weight decay on the matrices and embeddings, none on biases and gains (an empty group
+    is left out, unless both are)."""
+    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]] or groups,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        # one fused kernel per step: no model-sized temporaries, and on CPU about 2.4x faster than foreach
+        fused=all(p.device.type in ("cpu", "cuda") for p in params),
+    )
+
+
 class InnerTrainer:
     """One learner's model replica, AdamW state and base parameters.
 
     `slowdown > 1` sleeps `(slowdown - 1)·step_time` after each step, to emulate older hardware. `sleep` and
     `clock` are injectable for tests; `loss_fn` replaces `model.loss` (an island's DistributedDataParallel) and
     `params` how the parameters are read and written (default `LocalParams`, with the parameters in one flat
-    vector when there is no `loss_fn`; a sharded island's gathers them).
+    vector when there is no `loss_fn`; a sharded island's gathers them). `step_in_backward` (where the gradients are
+    this process's own, not synchronized by an island's wrapper): without clipping (`grad_clip=0`), each parameter
+    takes its AdamW step in backward as soon as its gradient is complete, and the gradient is dropped there, with
+    the same bits as one step over the whole model after backward; with clipping, which needs every gradient's
+    norm first, the steps come after backward.
 
-    Memory: besides the model, its gradients (freed after each step) and the AdamW state, a trainer keeps at most
+    Memory: besides the model, its gradients (freed after each step; stepping in backward, at most those not yet
+    complete) and the AdamW state, a trainer keeps at most
     one model-sized vector, the base: Θ_base until a submission, then θ_at_submit (the parameters whose
     pseudo-gradient was sent), which is all a later rebase needs. Adopted with `share=True` (the broadcast
     follower's versions, never written again), Θ_base is the caller's tensor itself, not a copy. With flat
@@ -202,6 +221,7 @@ class InnerTrainer:
         clock: Callable[[], float] = time.perf_counter,
         loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         params: ParamIO | None = None,
+        step_in_backward: bool = True,
     ) -> None:
         check_int("model", "seq_len", seq_len, minimum=1)
         check_float("trainer", "slowdown", slowdown, lo=1.0)
@@ -216,18 +236,18 @@ class InnerTrainer:
         self._loss: Callable[[Tensor, Tensor], Tensor] = loss_fn if loss_fn is not None else model_loss(self.model)
         self._sleep = sleep
         self._clock = clock
-        decay = [p for p in self.model.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.model.parameters() if p.ndim < 2]
-        self.optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": cfg.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=cfg.lr,
-            betas=cfg.betas,
-            # one fused kernel per step: no model-sized temporaries, and on CPU about 2.4x faster than foreach
-            fused=all(p.device.type in ("cpu", "cuda") for p in self.model.parameters()),
-        )
+        # no global gradient norm to wait for: each parameter may take its AdamW step as soon as its gradient is
+        # complete, and drop it (see `_step_one`)
+        self.in_backward = step_in_backward and cfg.grad_clip == 0
+        self.optimizer: torch.optim.AdamW | None = None  # the whole model's (None when stepping in backward)
+        self._param_opt: dict[Tensor, torch.optim.AdamW] = {}  # each parameter's own (stepping in backward)
+        if self.in_backward:
+            for p in self.model.parameters():
+                self._param_opt[p] = _adamw(cfg, [p])
+                p.register_post_accumulate_grad_hook(self._step_one)  # type: ignore[no-untyped-call]
+        else:
+            self.optimizer = _adamw(cfg, list(self.model.parameters()))
+        self._stepping = False  # inside `step`'s backward: the hooks step their parameter
         self.steps_done = 0
         self.numel = num_params(self.model)
         self.io: ParamIO = params if params is not None else LocalParams(self.model, self.device, flat=loss_fn is None)
@@ -377,16 +397,25 @@ class InnerTrainer:
     def step(self, x: Tensor, y: Tensor) -> float:
         """One AdamW step on a batch (any device); returns the loss before the update."""
         t0 = self._clock()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr_at(self.cfg, self.steps_done)
+        lr = lr_at(self.cfg, self.steps_done)
+        for opt in self._optimizers():
+            for group in opt.param_groups:
+                group["lr"] = lr
         self._hold_base()
-        self.optimizer.zero_grad(set_to_none=True)  # a step that raised may have left some
+        self._drop_grads()  # a step that raised may have left some
         loss = self._loss(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
-        loss.backward()  # type: ignore[no-untyped-call]
-        if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)  # no model-sized gradients between steps
+        if self.optimizer is None:
+            self._stepping = True  # each parameter steps in its hook, as its gradient completes
+            try:
+                loss.backward()  # type: ignore[no-untyped-call]
+            finally:
+                self._stepping = False
+        else:
+            loss.backward()  # type: ignore[no-untyped-call]
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+        self._drop_grads()  # no model-sized gradients between steps
         self.steps_done += 1
         value = float(loss.detach())  # synchronizes with the device, so the timing below is real
         elapsed = self._clock() - t0
@@ -399,6 +428,27 @@ class InnerTrainer:
         prev, ema = self._step_time_s, self._EMA
         self._step_time_s = elapsed if prev == 0.0 else (1 - ema) * prev + ema * elapsed
         return value
+
+    def _optimizers(self) -> list[torch.optim.AdamW]:
+        return [self.optimizer] if self.optimizer is not None else list(self._param_opt.values())
+
+    def optimizer_state(self, p: Tensor) -> dict[str, Tensor]:
+        """AdamW's state for parameter `p` (`step`, `exp_avg`, `exp_avg_sq`; empty before its first step)."""
+        opt = self.optimizer if self.optimizer is not None else self._param_opt[p]
+        return opt.state[p]
+
+    def _drop_grads(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def _step_one(self, p: Tensor) -> None:
+        """`p`'s gradient is complete (a post-accumulate-grad hook): its AdamW step, then the gradient is dropped,
+        so a backward holds at most the gradients not yet complete rather than the whole model's. The same fused
+        kernel on the same values as one step over the whole model: the same bits, as there is no clipping."""
+        if not self._stepping:  # a backward outside `step`: leave the gradient to its caller
+            return
+        self._param_opt[p].step()
+        p.grad = None
 
     def train(self, shards: Sequence[tuple[int, int, int]], steps: int) -> RoundResult:
         """Run `steps` AdamW steps, drawing batches round-robin from `shards` = [(shard_id, epoch, cursor)].

@@ -81,6 +81,7 @@ class Replica:
                 slowdown=self.cfg.slowdown,
                 loss_fn=loss_fn,
                 params=sharded,
+                step_in_backward=self.island is None,  # an island's gradients are synchronized after backward
             )
             if sharded is not None:
                 sharded.live = True  # every rank built its trainer: from now on the leader announces collectives
