@@ -183,6 +183,11 @@ LIMITS: Mapping[str, Bound] = {
         max_items=MAX_RANGES,
     ),
     _P + "SubmissionHeader.resume_offset": _count(0, "a byte offset", "send the offset GetUploadStatus reported"),
+    _P + "SubmissionHeader.fragment_layout": _text(
+        MAX_FINGERPRINT_CHARS,
+        "the fragment layout's fingerprint (16 hex characters, FragmentLayout.fingerprint; empty without fragments)",
+        "send the layout fingerprint Register returned, or leave it empty",
+    ),
     _P + "PayloadSpec.tensors": Bound(
         "one entry per parameter tensor; Llama-2-70B has 723, so 10,000 is ample",
         "describe the parameters as the coordinator does (ParametersHeader.payload)",
