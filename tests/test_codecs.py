@@ -508,27 +508,6 @@ def _address(payload: bytes | bytearray | memoryview) -> int:
     return int(np.frombuffer(payload, dtype=np.uint8).ctypes.data)
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_a_held_payload_is_never_overwritten_and_a_dropped_one_lends_its_memory(name: str) -> None:
-    codec = get_codec(name, block_size=16)
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.randn(1001, generator=g), torch.randn(1001, generator=g)
-    first, _ = codec.encode(a)
-    kept, address = bytes(first), _address(first)
-    chunks = list(iter_chunks(first, 100))  # views of it, as a sender holds them while streaming
-    del first
-    second, meta = codec.encode(b)  # the chunks still refer to the first payload's memory: fresh memory
-    assert b"".join(chunks) == kept and _address(second) != address
-    expected = bytes(second)
-    del chunks, second
-    third, third_meta = codec.encode(b)
-    assert _address(third) == address and bytes(third) == expected and third_meta == meta
-    del third
-    shadow = torch.zeros(1001)
-    data, meta, _ = codec.encode_toward(b, shadow, torch.empty(1001))
-    assert _address(data) == address and bytes(data) == expected
-
-
 def test_encode_toward_checks_its_buffers() -> None:
     codec = get_codec("int8")
     with pytest.raises(CodecError, match="one size"):

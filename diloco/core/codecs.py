@@ -43,9 +43,7 @@ from __future__ import annotations
 
 import math
 import sys
-import threading
 import warnings
-import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -215,37 +213,6 @@ def _crc_of_parts(parts: Sequence[bytes | memoryview]) -> int:
     for part in parts:
         crc = crc32(part, crc)
     return crc
-
-
-class _PayloadBuffer:
-    """The memory of a codec's payloads, lent again once the last payload is gone.
-
-    A payload written into fresh memory pays a page fault per 4 KiB page (for the 103 MB of int8 at 100M
-    parameters, measured: 5-10 ms on a quiet machine, 30-40 ms on a loaded one): a learner encodes a payload of
-    the same size every round, and by then it has usually dropped the last one. `take` hands out a view of one
-    kept buffer whenever nothing refers to the previous view any more: every export of it (its `.data`
-    memoryview, slices of that, numpy or torch views over them) holds the view, so its weak reference dies only
-    when all of them have (numpy slices of `memoryview.obj` would name the kept buffer instead: nothing does
-    that). While the last payload is still held (say, queued for sending), or when two threads encode at once,
-    `take` returns fresh memory instead and the kept buffer stays as it is. The bytes written are the same either
-    way. The cost: between encodes, one payload's worth of memory stays allocated per codec instance."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: np.ndarray | None = None
-        self._lent: weakref.ref[np.ndarray] | None = None
-
-    def take(self, size: int) -> np.ndarray:
-        """`size` uninitialised bytes that no earlier payload still refers to."""
-        with self._lock:
-            if self._lent is not None and self._lent() is not None:
-                return np.empty(size, dtype=np.uint8)  # the last payload is still held: leave it alone
-            if self._kept is None or self._kept.size != size:
-                self._kept = None  # free the old buffer before allocating its successor
-                self._kept = np.empty(size, dtype=np.uint8)
-            payload = self._kept.view()
-            self._lent = weakref.ref(payload)
-            return payload
 
 
 def _check_input(flat: torch.Tensor) -> torch.Tensor:
@@ -628,7 +595,6 @@ class _BlockCodec(Codec):
                 f"{ALLOWED_BLOCK_SIZES[0]} to {ALLOWED_BLOCK_SIZES[-1]}"
             )
         self.block_size = block_size
-        self._payloads = _PayloadBuffer()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
@@ -656,11 +622,12 @@ class _BlockCodec(Codec):
 
     def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
         """Quantize slab by slab straight into the payload: scales and packed values are written in place. The
-        payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL), and its memory
-        is the last payload's when that one is gone (`_PayloadBuffer`)."""
+        payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL). It is fresh memory
+        each time: keeping the last payload's for the next (saving its page faults, 5-10 ms at 100M parameters)
+        would keep a payload-sized buffer alive on a learner between rounds, against its peak-memory budget."""
         bs, numel = self.block_size, x.numel()
         blocks, full = -(-numel // bs), numel // bs * bs
-        payload = self._payloads.take(4 * blocks + self._packed_bytes(numel))
+        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
         scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
         values = torch.from_numpy(payload[4 * blocks :])
         scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
@@ -695,7 +662,7 @@ class _BlockCodec(Codec):
         self._check_toward(params, shadow, out)
         bs = self.block_size
         blocks, full = -(-numel // bs), numel // bs * bs
-        payload = self._payloads.take(4 * blocks + self._packed_bytes(numel))
+        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
         scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
         values = torch.from_numpy(payload[4 * blocks :])
         diff = torch.empty(min(_FUSED_SLAB, full), dtype=torch.float32)
