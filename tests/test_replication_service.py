@@ -461,8 +461,11 @@ def test_a_follow_standby_serves_its_role_version_lag_and_epoch_on_its_metrics_p
         assert port > 0
 
         def at(version: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float] | None:
+            """The scrape once the standby applied `version` and the leader answered its ack of it (the lag is
+            the leader's word: no series before that answer)."""
             m = scrape(port)
-            return m if m.get(("diloco_standby_version", ())) == version else None
+            lag_known = ("diloco_standby_lag_versions", ()) in m
+            return m if m.get(("diloco_standby_version", ())) == version and lag_known else None
 
         m = wait_for("the standby to report version 1", lambda: at(1), 60.0)
         role = {labels[0][1]: v for (name, labels), v in m.items() if name == "diloco_replica_role"}
