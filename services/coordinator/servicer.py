@@ -332,9 +332,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         """One broadcast's messages: its header (with `worker_id`'s plan), then its bytes in chunks."""
         async with self._send.slot():  # the header is built in the slot too: it is the loop's work
             first = coordinator_pb2.ParametersChunk(header=self._header(b))
-            if worker_id:
-                first.header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
-                first.header.bulk_port = self.bulk_port
+            self._to_learner(first.header, worker_id)
             yield first
         for part in chunks(b.data, chunk_bytes=self.chunk_bytes):
             async with self._send.slot():
@@ -352,10 +350,15 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             held=True,
             fragment_versions=pub.fragment_versions,
         )
+        self._to_learner(header, worker_id)
+        return header
+
+    def _to_learner(self, header: coordinator_pb2.ParametersHeader, worker_id: str) -> None:
+        """What a header says to the learner `worker_id` watching ("": an observer, nothing): its plan, and this
+        coordinator's bulk port (a learner taken over uploads there from then on)."""
         if worker_id:
             header.plan.CopyFrom(plan_to_proto(self.state.plan(worker_id)[0]))
             header.bulk_port = self.bulk_port
-        return header
 
     def _header(self, b: Broadcast) -> coordinator_pb2.ParametersHeader:
         """The header of a delta or snapshot, without a plan."""
