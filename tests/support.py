@@ -316,12 +316,13 @@ class RecordingCoordinator(coordinator_pb2_grpc.CoordinatorServicer):
 
 
 class CoordinatorEndpoint:
-    """A minimal real gRPC server (the generated `CoordinatorServicer`) that records what healthd tells it."""
+    """A minimal real gRPC server (the generated `CoordinatorServicer`) on loopback: by default one that records what
+    healthd tells it (`recorder`), else `servicer`."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, servicer: coordinator_pb2_grpc.CoordinatorServicer | None = None) -> None:
         self.recorder = RecordingCoordinator()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.recorder, self.server)
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer or self.recorder, self.server)
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
         assert self.port, f"cannot bind 127.0.0.1:{port}"
         self.server.start()

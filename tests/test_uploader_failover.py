@@ -5,7 +5,6 @@ first round by seconds). A bulk port that is gone is not a reason to move: tests
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any, cast
 
 import grpc
@@ -18,6 +17,7 @@ from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.worker.config import WorkerConfig
 from services.worker.metrics import Metrics
 from services.worker.uploader import ClosedChannel, Uploader, UploadJob
+from tests.support import CoordinatorEndpoint
 
 
 class Refusing(coordinator_pb2_grpc.CoordinatorServicer):
@@ -41,19 +41,15 @@ class Refusing(coordinator_pb2_grpc.CoordinatorServicer):
 @pytest.fixture
 def serve() -> Iterator[Callable[[Refusing], str]]:
     """Starts a real gRPC server for a servicer; returns its address."""
-    servers: list[grpc.Server] = []
+    endpoints: list[CoordinatorEndpoint] = []
 
     def start(servicer: Refusing) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
+        endpoints.append(CoordinatorEndpoint(servicer=servicer))
+        return endpoints[-1].address
 
     yield start
-    for s in servers:
-        s.stop(0)
+    for e in endpoints:
+        e.stop()
 
 
 def upload(addresses: list[str], bulk_port: int = 0) -> tuple[list[dict[str, Any]], Coordinators]:
