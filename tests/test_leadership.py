@@ -77,10 +77,15 @@ def test_identity_is_checked(replica_id: str, address: str) -> None:
 # --- a term, step by step ---------------------------------------------------------------------------------------
 
 
-def test_a_fresh_replica_campaigns_at_once() -> None:
+def test_a_fresh_replica_reads_first_then_campaigns_at_once() -> None:
     m = Leadership("a", "a:1", CFG)
-    assert (m.role, m.epoch, m.due(0.0)) == (Role.FOLLOWER, 0, Action.CAMPAIGN)
-    [t] = m.campaign_started(0.0)
+    assert (m.role, m.epoch, m.due(0.0), m.next_deadline()) == (Role.FOLLOWER, 0, Action.OBSERVE, -math.inf)
+    m.observe_failed(0.0)  # etcd away: read again, never campaign blind
+    assert m.due(0.05) is Action.NONE and m.due(CFG.retry_interval_s) is Action.OBSERVE
+    m.peers({}, 0.2)
+    m.observed(None, 0.2)  # nobody leads, no standby published a version: a new job
+    assert not m.behind and m.due(0.2) is Action.CAMPAIGN
+    [t] = m.campaign_started(0.2)
     assert (t.previous, t.role) == (Role.FOLLOWER, Role.CANDIDATE)
     assert m.due(10.0) is Action.NONE and m.next_deadline() is None  # the campaign is in flight
 
@@ -102,6 +107,37 @@ def test_a_replica_that_joins_a_running_job_lets_an_up_to_date_standby_take_over
     assert b.due(2.0) is not Action.CAMPAIGN and b.due(2.0 + CFG.orphan_after_s - 0.01) is not Action.CAMPAIGN
     assert b.next_deadline() is not None and b.next_deadline() <= 2.0 + CFG.orphan_after_s
     assert b.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN  # nobody took over: it leads with what it has
+
+
+def test_a_restart_that_finds_the_key_expired_defers_to_the_standby_that_published_a_version() -> None:
+    """The soak's finding on a quiet machine: the killed leader came back just after its lease expired. It must not
+    campaign before it has read the standbys' entries; then the vouched standby's entry makes it defer."""
+    a = standby("a", 41)  # in step with the dead leader, holding version 41
+    b = Leadership("b", "b:1", CFG)  # the dead leader's restart: its checkpoint may be older than 41
+    assert b.due(2.0) is Action.OBSERVE
+    b.peers({"a": 41}, 2.0)
+    b.observed(None, 2.0)
+    assert b.ahead == ("a",) and b.due(2.0) is not Action.CAMPAIGN
+    a.observed(None, 2.05)
+    assert a.due(2.05) is Action.CAMPAIGN
+    assert b.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN  # a never took over: b leads with what it has
+
+
+def test_a_replica_that_loses_its_first_campaign_is_behind_until_vouched_for() -> None:
+    m = Leadership("c", "c:1", CFG)
+    m.observed(None, 0.0)
+    m.campaign_started(0.0)
+    m.lost(OTHER, 0.1)  # a standby took the key between the read and the campaign
+    assert m.behind
+    m.caught_up(1.0)
+    m.observed(None, 3.0)
+    assert not m.behind and m.due(3.0) is Action.CAMPAIGN
+
+
+def test_a_replica_that_led_is_not_behind_when_it_sees_another_leader() -> None:
+    m = leader()
+    m.observed(OTHER, 1.0)  # deposed
+    assert m.role is Role.FOLLOWER and not m.behind
 
 
 def test_a_replica_behind_campaigns_at_once_after_a_leader_vouched_for_it() -> None:
@@ -266,10 +302,11 @@ def test_loser_follows_the_holder_and_campaigns_when_the_key_is_gone() -> None:
 
 def test_a_failed_campaign_is_retried() -> None:
     m = Leadership("a", "a:1", CFG)
+    m.observed(None, 0.0)
     m.campaign_started(0.0)
     [t] = m.campaign_failed(0.5, "connection refused")
     assert t.role is Role.FOLLOWER and t.reason == "campaign failed: connection refused"
-    assert m.due(0.5) is Action.OBSERVE  # nothing observed yet
+    assert m.due(0.5) is Action.OBSERVE  # the key's next read was due meanwhile
     m.observe_failed(0.5)
     assert m.due(0.55) is Action.NONE and m.next_deadline() == pytest.approx(0.6)
     assert m.due(0.6) is Action.CAMPAIGN

@@ -43,13 +43,16 @@ is refused (`check_epoch` / `require_epoch`: FAILED_PRECONDITION naming the curr
 a newer epoch is reported as AHEAD and changes nothing: only etcd says who leads, so a message can never raise the
 epoch (a corrupt one would otherwise lock out every real leader).
 
-Who may take over. A replica whose first campaign or read finds a leader joins a running job: its state (a
-checkpoint, perhaps written when it led before dying) may be older than a standby's, so it is *behind* until a
-leader vouches for its state (`caught_up`: the leader accepted its acknowledgement of a version it applied). While
-behind it campaigns only `orphan_after_s` after the key went, so an up-to-date standby takes over first; if none
-does, it leads with what it has. (Seen in the soak of `diloco bench --only ha`: a leader killed and restarted at
-once campaigned as its old key expired, won against the standby and served from its checkpoint, a version behind
-what learners held.)
+Who may take over. A replica reads the key and the standbys' entries before its first campaign (`observed`), so
+it never campaigns knowing nothing. A replica that sees another one lead before it has led or been vouched for joins
+a running job: its state (a checkpoint, perhaps written when it led before dying) may be older than a standby's, so
+it is *behind* until a leader vouches for its state (`caught_up`: the leader accepted its acknowledgement of a
+version it applied). While behind it campaigns only `orphan_after_s` after the key went, so an up-to-date standby
+takes over first; if none does, it leads with what it has. (Seen twice in the soak of `diloco bench --only ha`: a
+leader killed and restarted at once campaigned as its old key expired, won against the standby and served from its
+checkpoint, a version behind what learners held. First the restart read the key while its old lease still held
+it; later, on a quiet machine, the restart came up just after the lease expired and, campaigning before any read,
+won in the moment before the standby did: hence the read first, where the standby's entry makes it defer.)
 
 The newest standby wins. Each standby publishes the newest version a leader accepted its acknowledgement of
 (`hold`) under a key bound to a lease of its own, so the entry goes with the standby; followers read the others'
@@ -270,7 +273,8 @@ class Leadership:
         # Behind: the first read of the key found a leader (this replica joins a running job, e.g. restarted after
         # it died leading: its state may be older than a standby's) and no leader has vouched for its state since
         # (`caught_up`). While behind it campaigns only `orphan_after_s` after the key went (`_leaderless_since`).
-        self._first_read = True
+        self._first_read = True  # no read of the key yet: observe before any campaign
+        self._trusted = False  # it led, or a leader vouched for it, in this process: never behind again
         self.behind = False
         self._leaderless_since: float | None = None
         # The newest standby wins: the version this replica holds (`hold`; None: none vouched for yet), the other
@@ -314,7 +318,7 @@ class Leadership:
         """What the driver should do at `now` (call `tick(now)` first so time-driven transitions are applied)."""
         now = max(now, self._now)
         if self.role is Role.FOLLOWER:
-            if self.leader is None and now >= self._may_campaign_at():
+            if self.leader is None and not self._first_read and now >= self._may_campaign_at():
                 return Action.CAMPAIGN
             if now >= self._observe_at:
                 return Action.OBSERVE
@@ -334,7 +338,9 @@ class Leadership:
         """The earliest time at which something becomes due or a tick changes something (None: only an input
         can change anything)."""
         if self.role is Role.FOLLOWER:
-            return min(self._may_campaign_at(), self._observe_at) if self.leader is None else self._observe_at
+            if self.leader is None and not self._first_read:
+                return min(self._may_campaign_at(), self._observe_at)
+            return self._observe_at
         if self.role is Role.LEADER:
             fence = self.fence_at
             return min(self._renew_at, self._observe_at, fence if fence is not None else math.inf)
@@ -353,7 +359,7 @@ class Leadership:
         """A leader vouched for this replica's state (it acknowledged a version the standby applied): no longer
         behind."""
         self._advance(now)
-        self.behind = False
+        self._trusted, self.behind = True, False
 
     def hold(self, version: int, now: float) -> None:
         """A leader accepted this replica's acknowledgement of `version` (what it publishes to the other standbys)."""
@@ -397,7 +403,7 @@ class Leadership:
         out = self.tick(now)
         self._expect(Role.CANDIDATE, "won")
         now = self._now
-        self._first_read, self._leaderless_since = False, None
+        self._first_read, self._leaderless_since = False, None  # a campaign's outcome is a read of the key too
         if epoch <= self.epoch:
             # etcd's revisions went backwards (its data was lost): leading under this epoch would be refused
             # by everyone who saw the old one. Give the key back; the next wins come with higher revisions.
@@ -406,6 +412,7 @@ class Leadership:
             return out
         self.epoch = epoch
         self.leader = LeaderInfo(self.replica_id, self.address, epoch)
+        self._trusted, self.behind = True, False
         self._last_renewed = min(lease_granted_at, now)
         self._renew_at = self._last_renewed + self.cfg.renew_interval_s
         self._observe_at = now + self.cfg.renew_interval_s
@@ -417,9 +424,8 @@ class Leadership:
         """The key exists: `leader` holds it."""
         out = self.tick(now)
         self._expect(Role.CANDIDATE, "lost")
-        if self._first_read:  # the first campaign found a leader: this replica joins a running job
-            self._first_read, self.behind = False, True
-        self._leaderless_since = None
+        self._joins()
+        self._first_read, self._leaderless_since = False, None
         self._learn(leader)
         self._observe_at = self._now + self.cfg.observe_interval_s
         out.append(self._move(Role.FOLLOWER, self._now, f"{leader.replica_id} leads epoch {leader.epoch}"))
@@ -468,8 +474,9 @@ class Leadership:
         if holder is not None and holder.epoch < self.epoch:
             return out  # older than what this replica knows: ignored (epochs never go backwards)
         mine = holder is not None and holder.epoch == self.epoch and holder.replica_id == self.replica_id
-        if self._first_read:
-            self._first_read, self.behind = False, holder is not None and self.role is Role.FOLLOWER
+        self._first_read = False
+        if holder is not None and self.role is Role.FOLLOWER:
+            self._joins()
         if holder is None:
             if self._leaderless_since is None:
                 self._leaderless_since = now
@@ -542,6 +549,13 @@ class Leadership:
     def _expect(self, role: Role, what: str) -> None:
         if self.role is not role:
             raise FailedPrecondition(f"{what} is an input for a {role.value}; this replica is {self.role.value}")
+
+    def _joins(self) -> None:
+        """A follower learned that the key is held (by another replica, or by this one's earlier incarnation: a
+        restart whose old lease has not expired yet). Unless this replica led or was vouched for in this process,
+        it joins a running job: behind."""
+        if not self._trusted:
+            self.behind = True
 
     def _learn(self, leader: LeaderInfo) -> None:
         if leader.epoch >= self.epoch:
