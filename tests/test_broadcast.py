@@ -276,6 +276,82 @@ def test_windows_out_of_order_give_the_same_version_and_checksum() -> None:
     assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow))
 
 
+@pytest.mark.parametrize("codec", LOSSY)
+def test_a_fragment_s_delta_moves_only_its_range_as_one_shadow_per_fragment_would(codec: str) -> None:
+    """Streaming fragments in the services (ALGORITHM.md section 10): a round's delta covers the fragments it
+    stepped. The learner applying it, streamed window by window, holds `Θ̂` bit for bit with the whole vector's
+    checksum; outside the range `Θ̂` keeps its values (that residual waits for its fragment's own step); and each
+    delta's bytes are those of a shadow kept per fragment (the simulator's `FragmentShadows`)."""
+    from diloco.core.fragments import FragmentLayout, FragmentShadows
+
+    numel = 3 * (1 << 19) + 13  # several decode windows per fragment, short last blocks
+    layout = FragmentLayout.balanced([numel // 3, numel // 3, numel - 2 * (numel // 3)], 3)
+    thetas = walk(numel, 7)
+    shadow = BroadcastShadow(thetas[0], 0, codec, history=8, history_bytes_ratio=2.0)
+    per_fragment = FragmentShadows(thetas[0], layout, codec)
+    follower, skipper = BroadcastFollower(), BroadcastFollower()
+    for f in (follower, skipper):
+        f.snapshot(0, thetas[0].clone())
+    steps = [0] * layout.fragments
+    for v in range(1, 8):
+        p = v % layout.fragments
+        start, end = layout.range(p)
+        before = shadow.shadow.clone()
+        d = shadow.advance(thetas[v], v, span=(start, end))
+        assert d is not None and d.start == start and d.meta.numel == end - start
+        shadow.record(d)
+        steps[p] += 1
+        ref = per_fragment.advance(thetas[v], p, steps[p])
+        assert ref is not None and bytes(ref.data) == bytes(d.data)
+        assert torch.equal(bits(shadow.shadow), bits(per_fragment.shadow))
+        outside = torch.ones(numel, dtype=torch.bool)
+        outside[start:end] = False
+        assert torch.equal(bits(shadow.shadow[outside]), bits(before[outside]))
+        assert d.checksum == params_checksum(shadow.shadow) and d.base_checksum == params_checksum(before)
+        applying = follower.begin_delta(v, v - 1, d.start, d.meta.numel)
+        assert not isinstance(applying, Refusal)
+        receiver = PayloadReceiver(d.meta, d.meta.numel, sink=applying)
+        for i in range(0, len(d.data), 1 << 18):
+            receiver.feed(memoryview(d.data)[i : i + (1 << 18)])
+        receiver.verify()
+        got = follower.finish_delta(applying, d.checksum)
+        assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow))
+    chain = shadow.updates_since(skipper.version, 7)  # a learner behind gets the ranged deltas in order
+    assert chain is not None and [d.version for d in chain] == list(range(1, 8))
+    for d in chain:
+        decoded = get_codec(codec).decode(d.data, d.meta)
+        assert not isinstance(skipper.delta(d.version, d.base, decoded, d.checksum, d.start), Refusal)
+    assert torch.equal(bits(skipper.params), bits(shadow.shadow))  # type: ignore[arg-type]
+
+
+def test_a_ranged_delta_sent_while_a_snapshot_is_held_leaves_the_held_bytes_alone() -> None:
+    thetas = walk(4096, 1)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    snap, release = shadow.hold()
+    held = bytes(snap.data)
+    d = shadow.advance(thetas[1], 1, span=(1024, 3072))
+    assert d is not None and bytes(snap.data) == held
+    release()
+    expected = thetas[0].clone()
+    expected[1024:3072] += get_codec("int8").decode(d.data, d.meta)
+    assert torch.equal(bits(shadow.shadow), bits(expected)) and d.checksum == params_checksum(expected)
+
+
+def test_a_delta_whose_range_does_not_fit_is_refused() -> None:
+    thetas = walk(100, 1)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    with pytest.raises(CodecError, match="span"):
+        shadow.advance(thetas[1], 1, span=(50, 101))
+    f = BroadcastFollower()
+    f.snapshot(0, thetas[0].clone())
+    assert f.begin_delta(1, 0, 90, 11) is Refusal.SPAN and f.begin_delta(1, 0, 0, 0) is Refusal.SPAN
+    applying = f.begin_delta(1, 0, 90, 10)
+    assert not isinstance(applying, Refusal)
+    with pytest.raises(CodecError, match="past the delta's range"):
+        applying.dense(0, torch.zeros(11))
+    assert f.version == 0
+
+
 def test_non_finite_parameters_fall_back_to_a_snapshot() -> None:
     thetas = walk(64, 1)
     shadow = BroadcastShadow(thetas[0], 0, "int8")

@@ -38,3 +38,9 @@ def test_cluster_with_two_fragments_trains_to_its_target_exactly_once(tmp_path: 
         for name in ("worker0", "worker1"):
             text = (tmp_path / f"{name}.log").read_text()
             assert '"fragments": 2' in text and "worker.task_refused" not in text
+            assert "worker.broadcast_refused" not in text
+            # a round's delta covers the fragments it stepped: one stepping a single fragment sends only its range
+            received = Events(tmp_path / f"{name}.log").all("worker.broadcast_received")
+            spans = {(int(str(e["start"])), int(str(e["numel"]))) for e in received if e["delta_from"] is not None}
+            whole = max(start + numel for start, numel in spans)
+            assert any(start > 0 for start, _ in spans) and any(numel < whole for start, numel in spans), spans

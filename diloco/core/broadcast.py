@@ -85,7 +85,8 @@ def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
 @dataclass(frozen=True)
 class Delta:
     """`q_version`: applied to `Θ̂_base` (base = version − 1, crc32 `base_checksum`) it gives `Θ̂_version`, whose
-    crc32 is `checksum`."""
+    crc32 is `checksum`. It covers `meta.numel` values of the flat `Θ̂` from `start` (the whole vector, or the
+    fragments a round stepped); the rest of `Θ̂` is unchanged."""
 
     version: int
     base: int
@@ -93,6 +94,7 @@ class Delta:
     meta: EncodedMeta
     checksum: int
     base_checksum: int
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -157,11 +159,19 @@ class BroadcastShadow:
         self._snapshot = None
         self.checksum = params_checksum(self._shadow)
 
-    def advance(self, params: torch.Tensor, version: int, scratch: torch.Tensor | None = None) -> Delta | None:
+    def advance(
+        self,
+        params: torch.Tensor,
+        version: int,
+        scratch: torch.Tensor | None = None,
+        span: tuple[int, int] | None = None,
+    ) -> Delta | None:
         """Version `version` (the next one) has parameters `params` (`Θ`): move `Θ̂` towards them. Returns the
         delta to `record` (None for fp32, whose snapshot is encoded here, or when the delta could not be encoded,
         e.g. non-finite parameters: then `Θ̂ ← Θ` and learners get a snapshot). `scratch`: a model-sized fp32
-        CPU buffer free for this call (the coordinator lends its merge buffer), else one is kept here."""
+        CPU buffer free for this call (the coordinator lends its merge buffer), else one is kept here. `span`:
+        only `Θ̂[start:end]` moves (streaming fragments: the range a round stepped; the residual `Θ − Θ̂` elsewhere
+        waits for its own fragment's next step, as with one shadow per fragment), the delta covering that range."""
         if self.codec is None or version != self.version + 1:
             self._reset(params, version)
             return None
@@ -171,12 +181,22 @@ class BroadcastShadow:
                 self._scratch = torch.empty_like(self._shadow)
             scratch = self._scratch
         theta = params.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        shadow = self._shadow
+        start, end = _check_span(span, shadow.numel())
         held = self._holds.let_go()  # a snapshot of Θ̂ is being sent: the next Θ̂ goes into a new tensor (the same adds)
-        target = torch.empty_like(self._shadow) if held else self._shadow
+        target = torch.empty_like(shadow) if held else shadow
+        if held:
+            target[:start].copy_(shadow[:start])
+            target[end:].copy_(shadow[end:])
         try:
-            # q = Q(Θ − Θ̂), Θ̂ + D(q) decoded from the very bytes sent, and its crc32: one fused pass where the codec
-            # has one (blockwise codecs), else with a model-sized scratch
-            data, meta, checksum = self.codec.encode_toward(theta, self._shadow, target, scratch)
+            # q = Q(Θ − Θ̂) over the span, Θ̂ + D(q) decoded from the very bytes sent, and the crc32 of the whole new
+            # Θ̂ (chained across the span): one fused pass where the codec has one (blockwise codecs), else with a
+            # model-sized scratch
+            crc = crc32(target[:start].numpy().data.cast("B"))
+            part = scratch[start:end] if scratch is not None else None
+            span_of = slice(start, end)
+            data, meta, crc = self.codec.encode_toward(theta[span_of], shadow[span_of], target[span_of], part, crc)
+            checksum = crc32(target[end:].numpy().data.cast("B"), crc)
         except CodecError:
             self._reset(params, version)
             return None
@@ -184,7 +204,7 @@ class BroadcastShadow:
         self._shadow = target
         self.version, self._snapshot = version, None
         self.checksum = checksum
-        return Delta(version, version - 1, data, meta, self.checksum, base_checksum)
+        return Delta(version, version - 1, data, meta, self.checksum, base_checksum, start)
 
     def record(self, delta: Delta | None) -> None:
         """Make `advance`'s result visible to `updates_since` and, for fp32, `snapshot` (None: the history restarts
@@ -196,7 +216,7 @@ class BroadcastShadow:
             self._deltas.clear()
             return
         self._deltas.append(delta)
-        budget = self.history_bytes_ratio * 4 * delta.meta.numel
+        budget = self.history_bytes_ratio * 4 * self.shadow.numel()  # of a full snapshot, whatever the deltas cover
         while len(self._deltas) > 1 and sum(len(d.data) for d in self._deltas) > budget:
             self._deltas.popleft()
 
@@ -258,6 +278,15 @@ class BroadcastShadow:
         return torch.frombuffer(self._snapshot.data, dtype=torch.float32)
 
 
+def _check_span(span: tuple[int, int] | None, numel: int) -> tuple[int, int]:
+    if span is None:
+        return 0, numel
+    start, end = span
+    if not 0 <= start < end <= numel:
+        raise CodecError(f"a broadcast span must lie within the {numel} parameters and be non-empty, got {span}")
+    return start, end
+
+
 def _nothing() -> None:
     """Releases a hold on bytes nobody writes again."""
 
@@ -267,6 +296,7 @@ class Refusal(enum.Enum):
 
     NO_BASE = "no_base"  # a delta for a version other than the one after the held one (behind, ahead, or a repeat)
     CHECKSUM = "checksum"  # after applying, Θ̂ differs from the coordinator's
+    SPAN = "span"  # the delta's range does not lie within the parameters held
 
 
 class BroadcastFollower:
@@ -285,22 +315,31 @@ class BroadcastFollower:
         self.version, self.params = version, flat
         return flat
 
-    def delta(self, version: int, base: int, decoded: torch.Tensor, checksum: int) -> torch.Tensor | Refusal:
-        """Apply a decoded delta `D(q)` from `base` to `version`; a refusal leaves everything as it was."""
-        applying = self.begin_delta(version, base)
+    def delta(
+        self, version: int, base: int, decoded: torch.Tensor, checksum: int, start: int = 0
+    ) -> torch.Tensor | Refusal:
+        """Apply a decoded delta `D(q)` from `base` to `version`, covering `Θ̂[start:start + decoded.numel()]`; a
+        refusal leaves everything as it was."""
+        applying = self.begin_delta(version, base, start, decoded.numel())
         if isinstance(applying, Refusal):
             return applying
         applying.dense(0, decoded)
         return self.finish_delta(applying, checksum)
 
-    def begin_delta(self, version: int, base: int) -> ApplyingDelta | Refusal:
+    def begin_delta(self, version: int, base: int, start: int = 0, numel: int | None = None) -> ApplyingDelta | Refusal:
         """Start applying the delta from `base` to `version` as it is decoded: hand the returned window sink to
-        the decoder (`Codec.decoder(meta, sink=...)`), then `finish_delta`. No decoded copy of the delta is made:
-        each window is added to the held `Θ̂` into a new tensor (the same fp32 adds as `delta`); the held one is
-        left as it is until the checksum passes."""
+        the decoder (`Codec.decoder(meta, sink=...)`), then `finish_delta`. The delta covers `numel` values (None:
+        all) of `Θ̂` from `start` (`Delta.start`); the decoder's windows count from there. No decoded copy of the
+        delta is made: each window is added to the held `Θ̂` into a new tensor (the same fp32 adds as `delta`);
+        the held one is left as it is until the checksum passes. A range outside `Θ̂` is refused (`SPAN`)."""
         if self.params is None or self.version is None or base != self.version or version != base + 1:
             return Refusal.NO_BASE
-        return ApplyingDelta(version, base, self.params)
+        total = self.params.numel()
+        if numel is None:
+            numel = total - start
+        if not (start >= 0 and numel >= 1 and start + numel <= total):
+            return Refusal.SPAN
+        return ApplyingDelta(version, base, self.params, start, numel)
 
     def finish_delta(self, applying: ApplyingDelta, checksum: int) -> torch.Tensor | Refusal:
         """The delta is complete (its payload verified): adopt `Θ̂_version` if its checksum matches. Either way
@@ -322,21 +361,40 @@ _RELEASED = torch.empty(0)  # what a released `ApplyingDelta` holds instead of m
 
 class ApplyingDelta:
     """A window sink (`diloco.core.codecs.WindowSink`) building `Θ̂_version` = `Θ̂_base` + the delta's decoded
-    windows in a new tensor, without touching `Θ̂_base` (`base_params`). Windows that come in order, each right
-    after the last (as the dense decoders hand them over), are added into place straight from the base, and the
-    crc32 of the new bytes is chained while they are in cache: no copy of the base first, no checksum pass after.
-    Anything else (a window out of order, sparse entries) copies the rest of the base first and adds in place."""
+    windows in a new tensor, without touching `Θ̂_base` (`base_params`). The delta covers `numel` values from
+    `offset`; its windows count from there. Windows that come in order, each right after the last (as the dense
+    decoders hand them over), are added into place straight from the base, and the crc32 of the new bytes is
+    chained while they are in cache (the base's values before and after the range too, copied as they are): no
+    copy of the base first, no checksum pass after. Anything else (a window out of order, sparse entries) copies
+    the rest of the base first and adds in place."""
 
-    def __init__(self, version: int, base: int, base_params: torch.Tensor) -> None:
+    def __init__(
+        self, version: int, base: int, base_params: torch.Tensor, offset: int = 0, numel: int | None = None
+    ) -> None:
         self.version = version
         self.base = base
         self._base_params = base_params
         self._new = torch.empty_like(base_params)
+        self._offset = offset
+        self._end = base_params.numel() if numel is None else offset + numel
         self._filled: int | None = 0  # new[:filled] is final and chained into _crc; None: new is whole
         self._crc = 0
+        if offset:
+            self._copy_final(offset)
+
+    def _copy_final(self, end: int) -> None:
+        """new[filled:end] = the base's values there, chained into the crc."""
+        assert self._filled is not None
+        window = self._new[self._filled : end]
+        window.copy_(self._base_params[self._filled : end])
+        self._crc = crc32(window.numpy().data.cast("B"), self._crc)
+        self._filled = end
 
     def dense(self, start: int, values: torch.Tensor) -> None:
+        start += self._offset
         end = start + values.numel()
+        if end > self._end:
+            raise CodecError(f"a delta window ends at {end}, past the delta's range (to {self._end})")
         if start != self._filled:
             self._copy_rest()
         if self._filled is None:
@@ -348,7 +406,7 @@ class ApplyingDelta:
 
     def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
         self._copy_rest()
-        self._new.index_add_(0, index, values)
+        self._new.index_add_(0, index + self._offset if self._offset else index, values)
 
     def _copy_rest(self) -> None:
         """Make `new` whole: the base's values where no window has come yet."""
@@ -358,6 +416,8 @@ class ApplyingDelta:
 
     def result(self) -> torch.Tensor:
         """`Θ̂_version`, once every window has come."""
+        if self._filled == self._end:
+            self._copy_final(self._new.numel())  # the values after the delta's range, as the base has them
         if self._filled != self._new.numel():
             self._copy_rest()
         return self._new

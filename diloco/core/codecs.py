@@ -469,13 +469,19 @@ class Codec(ABC):
         return data, meta
 
     def encode_toward(
-        self, params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+        self,
+        params: torch.Tensor,
+        shadow: torch.Tensor,
+        out: torch.Tensor,
+        scratch: torch.Tensor | None = None,
+        crc: int = 0,
     ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
         """Encode `params − shadow` and write `shadow + D(q)` into `out` (`shadow` itself or another buffer; D is
         this codec's decoder, fed the very bytes), bit for bit what a receiver holding `shadow` gets when it
         decodes the payload and adds it with one fp32 add. Returns the payload, its meta and the crc32 of `out`'s
-        fp32 bytes. All three are contiguous 1-D float32 CPU tensors of one size; on a `CodecError` `out` holds
-        garbage. This plain version works in `scratch` (model-sized, else allocated); blockwise codecs fuse it."""
+        fp32 bytes, chained from `crc` (the crc32 of the bytes before them, for a range of a larger vector). All
+        three are contiguous 1-D float32 CPU tensors of one size; on a `CodecError` `out` holds garbage. This plain
+        version works in `scratch` (model-sized, else allocated); blockwise codecs fuse it."""
         self._check_toward(params, shadow, out)
         if scratch is None or scratch.shape != params.shape or scratch.device.type != "cpu":
             scratch = torch.empty_like(params)
@@ -486,7 +492,7 @@ class Codec(ABC):
             decoder.feed(chunk)
         decoder.finish()
         torch.add(shadow, work, out=out)
-        return data, meta, crc32(out.numpy().data.cast("B"))
+        return data, meta, crc32(out.numpy().data.cast("B"), crc)
 
     @staticmethod
     def _check_toward(params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor) -> None:
@@ -652,7 +658,12 @@ class _BlockCodec(Codec):
         return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs)
 
     def encode_toward(
-        self, params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor | None = None
+        self,
+        params: torch.Tensor,
+        shadow: torch.Tensor,
+        out: torch.Tensor,
+        scratch: torch.Tensor | None = None,
+        crc: int = 0,
     ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
         """Fused slab by slab, while each slab is in cache: the plain path's bits without its model-sized passes.
         q * scale is what the decoder computes from the nibble or byte (an exact whole number times the scale),
@@ -668,7 +679,6 @@ class _BlockCodec(Codec):
         diff = torch.empty(min(_FUSED_SLAB, full), dtype=torch.float32)
         scratch = torch.empty_like(diff)
         packing = self._packing(min(_FUSED_SLAB, full))
-        crc = 0
         for start in range(0, full, _FUSED_SLAB):
             end = min(start + _FUSED_SLAB, full)
             x = torch.sub(params[start:end], shadow[start:end], out=diff[: end - start]).view(-1, bs)

@@ -89,7 +89,7 @@ class WatchParametersRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ..., held_crc32: _Optional[int] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "bulk_port", "fragment_versions")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "bulk_port", "fragment_versions", "delta_start")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class ParametersHeader(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DELTA_START_FIELD_NUMBER: _ClassVar[int]
     version: int
     coordinator_epoch: int
     payload: _common_pb2.PayloadSpec
@@ -112,7 +113,8 @@ class ParametersHeader(_message.Message):
     held: bool
     bulk_port: int
     fragment_versions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ...) -> None: ...
+    delta_start: int
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., delta_start: _Optional[int] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")

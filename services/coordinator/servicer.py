@@ -373,6 +373,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         )
         if b.delta_from is not None:
             header.delta_from = b.delta_from
+            header.delta_start = b.delta_start
         return header
 
     def _act_as(self, context: Context, worker_id: str, submission_id: str = "") -> str:

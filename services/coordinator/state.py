@@ -116,6 +116,7 @@ class Broadcast:
     applied_ids: tuple[str, ...]
     finished: bool
     fragment_versions: tuple[int, ...] = ()  # streaming fragments: each fragment's version at `version` (() none)
+    delta_start: int = 0  # a delta covers meta.numel values of the flat shadow from here (fragments: their range)
 
 
 @dataclass(frozen=True)
@@ -600,7 +601,9 @@ class CoordinatorState:
         if self.on_stepped is not None:
             self.on_stepped(applied)
         logged = time.perf_counter()
-        delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend())
+        delta = self.shadow.advance(
+            self.core.params, applied.version, scratch=self.core.acc.lend(), span=self._stepped_span(applied.version)
+        )
         encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
@@ -621,6 +624,17 @@ class CoordinatorState:
             return applied
         self._publish(applied, delta)
         return applied
+
+    def _stepped_span(self, version: int) -> tuple[int, int] | None:
+        """The range of the flat parameters that `version`'s broadcast delta covers: with streaming fragments, from
+        the first to the last fragment the round stepped (usually one); else None (the whole model)."""
+        if self.frag is None:
+            return None
+        stepped = self.frag.stepped_in(version)
+        if not stepped:
+            return None
+        layout = self.frag.layout
+        return layout.range(min(stepped))[0], layout.range(max(stepped))[1]
 
     def check_leading(self) -> None:
         """Raise NotLeader (UNAVAILABLE, naming the leader) unless this replica may accept work now."""
@@ -746,7 +760,7 @@ class CoordinatorState:
         ids = self._applied_by_version.get(d.version, ())
         finished = pub.finished and d.version == pub.version
         versions = self._fragments_at(d.version)
-        return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished, versions)
+        return Broadcast(d.version, self.epoch, d.base, d.checksum, d.data, d.meta, ids, finished, versions, d.start)
 
     def _fragment_versions(self) -> tuple[int, ...]:
         """Each fragment's version now (() without fragments)."""

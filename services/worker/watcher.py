@@ -148,6 +148,8 @@ class Watcher:
                             "worker.broadcast_received",
                             version=header.version,
                             delta_from=header.delta_from if header.HasField("delta_from") else None,
+                            start=header.delta_start,  # a delta covers numel values from here (fragments: a range)
+                            numel=receiver.meta.numel,
                             bytes=receiver.meta.encoded_bytes,
                             seconds=round(time.monotonic() - receiving_since, 4),  # receive, decode, Θ̂ update
                         )
@@ -191,9 +193,14 @@ class Watcher:
         is decoded, into a copy of that base (no decoded copy of the delta)."""
         meta = meta_from_proto(header.payload)
         if header.HasField("delta_from"):
-            applying = self.follower.begin_delta(header.version, header.delta_from)
+            # a delta covers payload.numel values from delta_start (fragments: the range a round stepped); one that
+            # does not fit the model is received against the whole model's size, which refuses it
+            start, numel = header.delta_start, meta.numel
+            fits = numel >= 1 and start + numel <= self.numel
+            applying = self.follower.begin_delta(header.version, header.delta_from, start, numel) if fits else None
             if isinstance(applying, ApplyingDelta):
-                return PayloadReceiver(meta, self.numel, sink=applying), applying
+                return PayloadReceiver(meta, numel, sink=applying), applying
+            return PayloadReceiver(meta, numel if fits else self.numel), None
         return PayloadReceiver(meta, self.numel), None
 
     def _apply(
