@@ -108,6 +108,14 @@ class ResyncRequired(FailedPrecondition):
         self.reason = reason
 
 
+class LayoutMismatch(ResyncRequired):
+    """A message (checksums verified) holds another fragment layout than this standby's own flags cut (another
+    `--fragments`, or fragments on one side only): a snapshot would not help; the standby is not this leader's."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ResyncReason.CORRUPT, message)
+
+
 @dataclass(frozen=True)
 class Digest:
     """crc32 of Θ's float32 bytes and of the outer optimizer's state (module docstring)."""
@@ -632,25 +640,27 @@ class Standby:
             )
 
     def _fragments_book(self, core: Mapping[str, Any], what: str) -> dict[str, Any] | None:
-        """The fragment bookkeeping of a message (None without fragments), checked against this standby's layout:
-        bounds, fingerprint, and one version, step count and guard window per fragment."""
+        """The fragment bookkeeping of a message (None without fragments), checked against this standby's layout
+        (LayoutMismatch: bounds, fingerprint, or fragments on one side only) and for one version, step count and guard
+        window per fragment (CORRUPT)."""
         frag = core.get("fragments")
         layout = self.layout
         if layout is None:
             if frag is not None:
-                raise ResyncRequired(
-                    ResyncReason.CORRUPT, f"{what} holds fragments; this standby runs without (--fragments 1)"
+                raise LayoutMismatch(
+                    f"{what} holds fragments; this standby runs without (--fragments 1): start it with the "
+                    "leader's --fragments"
                 )
             return None
         if not isinstance(frag, dict):
-            raise ResyncRequired(
-                ResyncReason.CORRUPT, f"{what} holds no fragments; this standby runs {layout.fragments}"
+            raise LayoutMismatch(
+                f"{what} holds no fragments; this standby runs {layout.fragments} (--fragments): start it with the "
+                "leader's --fragments"
             )
         if frag.get("bounds") != list(layout.bounds) or frag.get("fingerprint") != layout.fingerprint:
-            raise ResyncRequired(
-                ResyncReason.CORRUPT,
+            raise LayoutMismatch(
                 f"{what} has fragment layout {frag.get('fingerprint')!r}, this standby {layout.fingerprint}: "
-                "start it with the leader's --fragments",
+                "start it with the leader's --fragments"
             )
         for key in ("versions", "steps", "guard_norms"):
             value = frag.get(key)

@@ -5,9 +5,11 @@ One thread: it opens `FollowLog` with what it holds (nothing at first), loads th
 it must, applies every entry after it in order, and acknowledges each version (`AckLog`, which is what the
 leader's `--sync-replicas` waits for). A refused message (a gap, an older epoch, a corrupt payload, a digest that
 does not match) changes nothing; the standby then drops the stream and asks again holding nothing, so the next
-thing it gets is a snapshot (`replication.resync`). A broken stream (the leader restarted, the network) is opened
-again with capped, jittered backoff, holding what it holds, so the leader sends only the entries it misses. A
-refusal by the leader (another task: FAILED_PRECONDITION) is final: `failed` says why and the thread ends.
+thing it gets is a snapshot (`replication.resync`); one of another fragment layout (`LayoutMismatch`: started
+with another `--fragments` than the leader's) is final, as a refusal by the leader is. A broken stream (the leader
+restarted, the network) is opened again with capped, jittered backoff, holding what it holds, so the leader sends
+only the entries it misses. A refusal by the leader (another task: FAILED_PRECONDITION) is final: `failed` says
+why and the thread ends.
 
 With `checkpoint_dir`, the standby writes its state every `checkpoint_every` versions in the coordinator's
 checkpoint format: a coordinator started on that folder resumes from the standby's version (a manual failover
@@ -29,7 +31,7 @@ import grpc
 
 from diloco import log as logging
 from diloco.core.fragments import FragmentLayout, layout_for
-from diloco.core.replication import Receiver, ResyncReason, ResyncRequired, Snapshot, Standby
+from diloco.core.replication import LayoutMismatch, Receiver, ResyncReason, ResyncRequired, Snapshot, Standby
 from diloco.errors import ConfigError
 from diloco.rpc.retry import Backoff, BackoffConfig
 from diloco.task.factory import build_task
@@ -174,6 +176,11 @@ class StandbyFollower:
                 if self._stop.is_set():
                     break
                 self.log.info("replication.stream_ended", version=self.version)
+            except LayoutMismatch as e:  # another --fragments than the leader's: final, as another task is
+                call.cancel()
+                self.failed = str(e)
+                self.log.error("replication.refused", error=self.failed)
+                return
             except ResyncRequired as e:
                 call.cancel()
                 self._resync, self.resyncs = True, self.resyncs + 1
