@@ -159,8 +159,6 @@ def test_checkpoints_keep_the_fragment_state_and_another_p_is_refused(
     [
         (["--fragments", "0"], "fragments must be an integer >= 1"),
         (["--fragments", "31"], "must be <= H"),  # local_steps 30
-        (["--fragments", "2", "--replication-log", "4"], "not built for replicas"),
-        (["--fragments", "2", "--follow", "127.0.0.1:1"], "not built for replicas"),
     ],
 )
 def test_bad_fragment_flags_are_refused(argv: list[str], match: str) -> None:
@@ -168,10 +166,16 @@ def test_bad_fragment_flags_are_refused(argv: list[str], match: str) -> None:
         parse(argv, {})
 
 
-def test_fragments_with_etcd_are_refused() -> None:
-    argv = ["--fragments", "2", "--etcd", "http://127.0.0.1:2379", "--replication-log", "4", "--checkpoint-dir", "x"]
-    with pytest.raises(ConfigError, match="not built for replicas"):
-        parse(argv, {})
+@pytest.mark.parametrize(
+    "replica",
+    [
+        ["--replication-log", "4"],
+        ["--follow", "127.0.0.1:1"],
+        ["--etcd", "http://127.0.0.1:2379", "--replication-log", "4", "--checkpoint-dir", "x"],
+    ],
+)
+def test_fragments_run_with_replicas(replica: list[str]) -> None:
+    assert parse(["--insecure", "--fragments", "2", *replica], {}).fragments == 2
 
 
 def test_more_fragments_than_tensors_is_refused(start: Callable[..., Env]) -> None:

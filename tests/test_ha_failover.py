@@ -14,6 +14,7 @@ log) takes the resent submission into its own round, once."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
@@ -139,6 +140,76 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
             "kill"
         )
         assert takeover_s < 10
+
+
+FRAGMENTS_TARGET = 14
+
+
+@pytest.mark.timeout(180)
+def test_with_fragments_the_standby_holds_the_leaders_bits_and_resumes_fragment_rounds_when_it_is_killed(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """`--fragments 2` on both replicas (docs/fragments.md, "Replicas"): each round-log entry names the fragments its
+    round stepped and carries their Δ; the standby replays them and, version by version, holds the leader's digest
+    (crc32 of Θ and of every fragment's outer state). The leader is SIGKILLed: the standby takes over and goes on
+    with fragment rounds to the target, the ledger exactly once."""
+    cfg = dataclasses.replace(ha_cluster_config(tmp_path, FRAGMENTS_TARGET), coordinator_args=("--fragments", "2"))
+    with LocalCluster(cfg) as cluster:
+        ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
+        a_log = Events(
+            cfg.run_dir / "coord-a.log", spawn_replica(cluster, etcd_server, "coord-a", port=ports["coord-a"])
+        )
+        promoted_a = wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60, interval_s=0.05)
+        b_log = Events(
+            cfg.run_dir / "coord-b.log", spawn_replica(cluster, etcd_server, "coord-b", port=ports["coord-b"])
+        )
+        wait_for("coord-b follows coord-a", lambda: b_log.first("replication.snapshot_loaded"), timeout_s=60)
+        b_addr = str(wait_for("coord-b's address", lambda: b_log.first("replica.started"))["address"])
+        cfg.worker_args.update({i: ("--coordinator", f"{promoted_a['address']},{b_addr}") for i in range(cfg.workers)})
+        for i in range(cfg.workers):
+            cluster.start_worker(i)
+
+        def applied_at_b() -> list[dict[str, object]]:
+            return b_log.all("replication.applied")
+
+        wait_for("coord-b applied 6 versions", lambda: len(applied_at_b()) >= 6, timeout_s=90, interval_s=0.2)
+        appended = {int(str(f["version"])): f for f in a_log.all("replication.appended")}
+        compared = 0
+        for f in applied_at_b():
+            leader = appended[int(str(f["version"]))]
+            assert isinstance(f["fragments"], list) and f["fragments"], f  # every entry steps fragments
+            assert f["fragments"] == leader["fragments"]
+            assert (f["params_crc32"], f["outer_crc32"]) == (leader["params_crc32"], leader["outer_crc32"]), (f, leader)
+            compared += 1
+        assert compared >= 6
+        assert {p for f in applied_at_b() for p in f["fragments"]} == {0, 1}  # type: ignore[attr-defined]
+        assert not b_log.all("replication.resync")  # no digest ever differed, no entry was refused
+
+        os.kill(cluster.procs["coord-a"].popen.pid, signal.SIGKILL)
+        cluster.procs["coord-a"].popen.wait(timeout=10)
+        promoted_b = wait_for("coord-b leads", lambda: b_log.first("replica.promoted"), timeout_s=30, interval_s=0.05)
+        assert int(str(promoted_b["epoch"])) > int(str(promoted_a["epoch"]))
+        took_over_at = int(str(promoted_b["version"]))
+
+        def version_at(address: str) -> int:
+            with channel(address) as ch:
+                v = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(coordinator_pb2.GetStatusRequest(), timeout=3)
+            return v.version
+
+        wait_for("the job finishes at coord-b", lambda: version_at(b_addr) >= FRAGMENTS_TARGET, 120, interval_s=0.2)
+        with channel(b_addr) as ch:
+            stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+            status = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=5)
+            ledger = stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=5)
+        assert status.finished and status.version == FRAGMENTS_TARGET
+        assert not ledger_problems(ledger_shards(ledger), status.tokens_applied), "exactly-once ledger broken"
+        rounds_b = [f for f in b_log.all("round.closed") if int(str(f["version"])) > took_over_at]
+        assert rounds_b, "coord-b closed no round of its own"
+        assert all(isinstance(f["fragments"], list) and f["fragments"] for f in rounds_b), rounds_b
+        print(
+            f"fragments: {compared} versions compared, digests equal; coord-b took over at version {took_over_at} "
+            f"and stepped fragments {[f['fragments'] for f in rounds_b]} to version {status.version}"
+        )
 
 
 CRASH_ROUND = 4

@@ -15,6 +15,7 @@ import torch
 
 from diloco.core.codecs import get_codec
 from diloco.core.coordinator import Accepted, CoordinatorConfig, CoordinatorCore, Submission, applied_from_json
+from diloco.core.fragments import FragmentedCoordinator, FragmentLayout, FragmentSubmission
 from diloco.core.ledger import ShardRange
 from diloco.core.outer import OuterConfig
 from diloco.core.replication import (
@@ -32,6 +33,7 @@ from diloco.core.replication import (
     SyncGate,
     WhenNoStandby,
     digest,
+    state_digest,
 )
 from diloco.core.rounds import RoundConfig
 from diloco.core.uploads import Outcome, UploadHeader, UploadLimits, Uploads
@@ -671,3 +673,208 @@ def test_a_reusing_receiver_takes_each_payload_into_the_last_ones_memory_and_get
     rx.start(leader.entries[-1].meta)
     rx.reset()  # a stream cut mid-payload: the next message starts afresh
     assert not rx.busy
+
+
+# --- streaming fragments ------------------------------------------------------------------------------------------
+
+LAYOUT = FragmentLayout.balanced([1500, 1300, 1299], 2)  # N values in 3 tensors: fragments [0, 1500), [1500, N)
+
+
+class FragmentLeader:
+    """A `FragmentedCoordinator` driven through rounds, with the entries the service's replication log makes: the
+    Δ[p] of each fragment stepped, in order, and the digest over the fragments' outer optimizers."""
+
+    def __init__(self, mode: str = "decoupled", outer: str = "nesterov", workers: int = 2) -> None:
+        cfg = CoordinatorConfig(
+            rounds=RoundConfig(mode=mode, min_quorum=1, grace_max_s=0.5),
+            outer=OuterConfig(outer, 0.7, 0.9),
+            local_steps=10,
+            min_local_steps=2,
+            expected_workers=workers,
+        )
+        params = torch.randn(N, generator=torch.Generator().manual_seed(1))
+        self.frag = FragmentedCoordinator(cfg, params, [100_000] * 4, LAYOUT)
+        self.workers = [self.frag.core.register(f"w{i}", 0.0).worker_id for i in range(workers)]
+        self.gen = torch.Generator().manual_seed(2)
+        self.now = 1.0
+        self.entries: list[LogEntry] = []
+        self.parts: list[tuple[int, torch.Tensor]] = []
+        self.frag.on_step = lambda v, p, d, n: self.parts.append((p, d.clone()))
+        self.first = self.snapshot()
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.of_core(self.frag.snapshot(), EPOCH)
+
+    def digest(self) -> Digest:
+        return state_digest(self.frag.core.params, self.frag.core.outer, self.frag.outers)
+
+    def submit(self, worker: int, sid: str, p: int) -> None:
+        c, w = self.frag.core, self.workers[worker]
+        lease = c.plan(w).shards[0]
+        rng = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + 16)
+        sub = Submission(w, sid, c.version, 16, 1, (rng,), c.plan(w).plan_seq)
+        delta = torch.randn(LAYOUT.size(p), generator=self.gen) * 1e-2
+        self.now += 0.1
+        self.parts.clear()
+        applied = self.frag.accept(FragmentSubmission(sub, p, LAYOUT.fingerprint), delta, self.now).applied
+        if applied is not None:
+            self._entry(applied.version, [s.submission_id for s in applied.submissions])
+
+    def poll(self) -> None:
+        self.now += 1.0
+        self.parts.clear()
+        applied = self.frag.poll(self.now)
+        if applied is not None:
+            self._entry(applied.version, [s.submission_id for s in applied.submissions])
+
+    def _entry(self, version: int, ids: list[str]) -> None:
+        c = self.frag.core
+        fragments = [p for p, _ in self.parts]
+        delta = torch.cat([d for _, d in self.parts])
+        outcomes = {sid: c.applied[sid] for sid in ids}
+        learners = len(c.live_ids())
+        e = LogEntry.make(version, EPOCH, learners, delta, self.frag.snapshot(), outcomes, self.digest(), fragments)
+        self.entries.append(e)
+
+    def rounds(self) -> None:
+        """Rounds stepping fragment 1 alone, then both fragments in one round (two learners on different ones), then
+        fragment 0 alone (closed on quorum and grace: a partial, scaled step), then fragment 1 again."""
+        v = self.frag.core.version
+        self.submit(0, f"a{v}", 1)
+        self.submit(1, f"b{v}", 1)  # sync/decoupled: both submitted fragment 1: the round closes
+        self.submit(0, f"c{v}", 0)
+        self.submit(1, f"d{v}", 1)  # fragments 0 and 1 in one round
+        self.submit(0, f"e{v}", 0)
+        self.poll()  # fragment 0 alone, without w1
+        self.submit(0, f"f{v}", 1)
+        self.submit(1, f"g{v}", 0)
+
+
+def fragment_state(frag_snapshot: dict[str, Any]) -> tuple[Any, ...]:
+    """What a standby must hold of a `FragmentedCoordinator.snapshot()`: Θ's bits, each fragment's outer state
+    (tensors as bits), versions, step counts and guard norms, the ledger and tokens applied."""
+    f = frag_snapshot["fragments"]
+    outers = [{k: bits(v).tolist() if isinstance(v, torch.Tensor) else v for k, v in o.items()} for o in f["outer"]]
+    return (
+        bits(frag_snapshot["params"]).tolist(),
+        outers,
+        list(f["versions"]),
+        list(f["steps"]),
+        [list(g) for g in f["guard_norms"]],
+        list(f["bounds"]),
+        f["fingerprint"],
+        json.dumps(frag_snapshot["ledger"], sort_keys=True),  # as JSON: the standby's came through JSON
+        frag_snapshot["tokens_applied"],
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "outer"), [("decoupled", "nesterov"), ("sync", "nesterov"), ("async", "delayed_nesterov")]
+)
+def test_a_standby_replaying_fragment_rounds_holds_the_leaders_fragmented_state(mode: str, outer: str) -> None:
+    leader = FragmentLeader(mode, outer)
+    s = Standby(N, LAYOUT)
+    s.load(leader.first)
+    leader.rounds()
+    stepped = [e.fragments for e in leader.entries]
+    assert len(stepped) >= 3 and all(stepped) and {0, 1} <= {p for f in stepped for p in f}
+    if mode != "async":
+        assert (0, 1) in stepped  # a round stepping both, Δ[0] then Δ[1]
+    rx = Receiver(N, layout=LAYOUT)
+    for e in leader.entries:
+        assert e.delta.numel() == sum(LAYOUT.size(p) for p in e.fragments) < N or e.fragments == (0, 1)
+        got: Any = rx.start(e.meta)  # over the wire's reassembly too
+        for part in e.payload():
+            got = rx.feed(bytes(part))
+        assert isinstance(got, LogEntry) and got.fragments == e.fragments
+        s.apply(got, scratch_delta=True)
+        assert s.digest == e.digest
+        s.prepare()
+    assert s.version == leader.frag.core.version and s.digest == leader.digest()
+    assert fragment_state(s.core_snapshot()) == fragment_state(leader.frag.snapshot())
+    # a coordinator resumed from the standby (a promotion) is the leader, fragments and all
+    again = FragmentedCoordinator(leader.frag.core.cfg, torch.zeros(N), [100_000] * 4, LAYOUT)
+    again.restore(s.core_snapshot(), learners_at=leader.now)  # keeps the learner table, so their shards
+    assert fragment_state(again.snapshot()) == fragment_state(leader.frag.snapshot())
+    # a standby new now gets a snapshot of the fragmented state (one fragment's momentum laid beside the other's)
+    late = Standby(N, LAYOUT)
+    late.load(leader.snapshot())
+    assert late.digest == leader.digest()
+    assert fragment_state(late.core_snapshot()) == fragment_state(leader.frag.snapshot())
+
+
+def test_a_snapshot_where_one_fragment_was_never_stepped_holds_no_momentum_for_it() -> None:
+    leader = FragmentLeader()
+    leader.submit(0, "a", 1)
+    leader.submit(1, "b", 1)
+    assert [e.fragments for e in leader.entries] == [(1,)]
+    snap = leader.snapshot()
+    assert [name for name, _ in snap.outer_tensors] == ["fragments.buf"]
+    s = Standby(N, LAYOUT)
+    s.load(snap)
+    assert [o.state_dict()["buf"] is None for o in s.fragment_outers] == [True, False]
+    assert s.digest == leader.digest()
+
+
+def _refragment(e: LogEntry, fragments: tuple[int, ...], delta: torch.Tensor | None = None) -> LogEntry:
+    """`e` naming other fragments (and Δ), consistent as sent (its payload checksum recomputed)."""
+    d = e.delta if delta is None else delta
+    crc = zlib.crc32(e.bookkeeping, zlib.crc32(d.numpy().tobytes()))
+    return dataclasses.replace(e, fragments=fragments, delta=d, payload_crc32=crc)
+
+
+def _rebook(e: LogEntry, change: Any) -> LogEntry:
+    book = json.loads(e.bookkeeping)
+    change(book["core"])
+    applied = applied_from_json(book["applied"])
+    return LogEntry.make(e.version, e.epoch, e.learners, e.delta, book["core"], applied, e.digest, e.fragments)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda e: _refragment(e, (2,)),  # out of range
+        lambda e: _refragment(e, ()),  # names none
+        lambda e: _refragment(e, (1, 1), torch.cat([e.delta, e.delta])),  # twice
+        lambda e: _refragment(e, (0,), torch.zeros(LAYOUT.size(0))),  # not the fragment the bookkeeping says
+        lambda e: _refragment(e, (1,), e.delta[:-1].clone()),  # Δ shorter than the fragment
+        lambda e: _rebook(e, lambda c: c["fragments"].update(steps=[0, 2])),  # fragment 1 stepped twice
+        lambda e: _rebook(e, lambda c: c["fragments"].update(bounds=[0, 1300, N])),  # another layout
+        lambda e: _rebook(e, lambda c: c.pop("fragments")),  # bookkeeping without fragments
+    ],
+    ids=["index-out-of-range", "none", "repeated", "other-fragment", "short-delta", "steps", "layout", "no-book"],
+)
+def test_a_refused_fragment_entry_changes_nothing(make: Any) -> None:
+    leader = FragmentLeader()
+    leader.rounds()
+    s = Standby(N, LAYOUT)
+    s.load(leader.first)
+    before = frozen(s)
+    frag_before = fragment_state(s.core_snapshot())
+    entry = leader.entries[0]
+    assert entry.fragments == (1,)
+    with pytest.raises(ResyncRequired) as e:
+        s.apply(make(entry))
+    assert e.value.reason is ResyncReason.CORRUPT
+    assert_frozen(s, before)
+    assert fragment_state(s.core_snapshot()) == frag_before
+    s.apply(entry)  # and it still takes the right entry
+    assert s.digest == entry.digest
+
+
+def test_fragments_and_no_fragments_do_not_mix() -> None:
+    leader, plain = FragmentLeader(), Leader()
+    leader.rounds()
+    plain.rounds(1)
+    with pytest.raises(ResyncRequired, match="without"):
+        Standby(N).load(leader.first)  # a standby without fragments, a leader with
+    with pytest.raises(ResyncRequired, match="holds no fragments"):
+        Standby(N, LAYOUT).load(plain.first)
+    with pytest.raises(ResyncRequired, match="without fragments"):
+        Receiver(N).start(leader.entries[0].meta)
+    with pytest.raises(ResyncRequired, match="names no fragment"):
+        Receiver(N, layout=LAYOUT).start(plain.entries[0].meta)
+    with pytest.raises(ResyncRequired, match="out of range"):
+        Receiver(N, layout=LAYOUT).start(dataclasses.replace(leader.entries[0].meta, fragments=(5,)))
+    with pytest.raises(ResyncRequired, match="parameters"):  # Δ of fragment 0's size, naming fragment 1
+        Receiver(N, layout=LAYOUT).start(dataclasses.replace(leader.entries[0].meta, numel=LAYOUT.size(0)))

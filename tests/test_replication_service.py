@@ -23,9 +23,11 @@ import torch
 from google.protobuf.message import DecodeError
 
 from diloco.cluster import LogFollower, LogLine
+from diloco.core.fragments import layout_for
 from diloco.core.replication import digest
 from diloco.rpc.server import channel
 from diloco.task.factory import Fingerprint
+from diloco.task.params import merge_segments
 from diloco.v1 import common_pb2, replication_pb2_grpc
 from diloco.v1 import replication_pb2 as rpb
 from services.coordinator import checkpoint
@@ -524,4 +526,28 @@ def test_a_client_of_the_generated_stub_reads_the_stream(start: Callable[..., En
         assert len(payload) == size and zlib.crc32(payload) == header.payload_crc32 and header.version == 1
     finally:
         stream.cancel()
+        chan.close()
+
+
+@pytest.mark.parametrize(("leader_fragments", "standby_fragments"), [(1, 2), (2, 1), (2, 3)])
+def test_a_standby_with_another_fragment_layout_than_the_leaders_is_refused_for_good(
+    start: Callable[..., Env], leader_fragments: int, standby_fragments: int
+) -> None:
+    """A standby started with another `--fragments` than the leader's: the leader's snapshot is refused as another
+    layout (`LayoutMismatch`), which no snapshot can fix: the follower stops, `failed` naming the flag, as for a
+    leader refusing another task, instead of asking for a snapshot again and again."""
+    env = start(replication_log=2, fragments=leader_fragments, min_quorum=1, expected_workers=1)
+    model = env.server.task.model_fn(env.server.cfg.seed)
+    layout = layout_for(standby_fragments, env.server.cfg.local_steps, merge_segments(model))
+    chan = channel(env.server.address)
+    follower = StandbyFollower(
+        StandbyConfig("standby-other"), chan, fingerprint=env.server.task.fingerprint, numel=env.numel, layout=layout
+    )
+    try:
+        follower.start()
+        assert follower.wait(20.0), "the follower went on asking"
+        assert "--fragments" in follower.failed and follower.version is None, follower.failed
+        assert follower.snapshots == 0 and follower.resyncs == 0
+    finally:
+        follower.stop()
         chan.close()

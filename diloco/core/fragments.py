@@ -40,7 +40,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -67,7 +67,9 @@ __all__ = [
     "FragmentedCoordinator",
     "check_fragments",
     "first_fragment",
+    "layout_for",
     "schedule_gap",
+    "step_fragment",
 ]
 
 
@@ -194,6 +196,32 @@ class FragmentLayout:
             )
 
 
+def step_fragment(
+    layout: FragmentLayout,
+    params: torch.Tensor,
+    outer: OuterOptimizer,
+    p: int,
+    delta: torch.Tensor,
+    learners: int,
+    *,
+    scratch_delta: bool = False,
+) -> None:
+    """The outer step of fragment p: `outer` (p's own) told the live learners, then stepped on p's slice of
+    `params` with `delta` (p's merged Δ). The one rule for the leader (`FragmentedCoordinator.step`) and a standby
+    replaying its round log (`diloco.core.replication.Standby.apply`), so both get the same bits."""
+    outer.set_num_learners(learners)
+    outer.step(layout.view(params, p), delta, scratch_delta=scratch_delta)
+
+
+def layout_for(fragments: int, local_steps: int, segments: Sequence[Segment]) -> FragmentLayout | None:
+    """The layout a coordinator (leader or standby) with `--fragments P` cuts its model into (`segments`: one per
+    parameter tensor), P checked (`check_fragments`); None for P = 1 (no fragments)."""
+    if fragments <= 1:
+        check_fragments(fragments, local_steps)
+        return None
+    return FragmentLayout.of_segments(segments, check_fragments(fragments, local_steps, len(segments)))
+
+
 @dataclass(frozen=True)
 class FragmentSubmission:
     """A submission of fragment `fragment` under layout `fingerprint` (the core's `Submission` otherwise)."""
@@ -239,6 +267,9 @@ class FragmentedCoordinator:
         self._fragment_of: dict[str, int] = {}  # pending submission id -> fragment
         # learner -> per fragment, the inner steps of its submissions since its last one of that fragment
         self._steps_since: dict[str, list[int]] = {}
+        # the round log for standbys: called with (version, p, Δ[p], learners) just before fragment p's outer step
+        # (Δ[p] is the merge buffer, reused: copy it)
+        self.on_step: Callable[[int, int, torch.Tensor, int], None] | None = None
 
     @property
     def fragments(self) -> int:
@@ -314,8 +345,9 @@ class FragmentedCoordinator:
             if scale < 1.0:
                 delta.mul_(scale)
             sq += float(torch.linalg.vector_norm(delta)) ** 2
-            self.outers[p].set_num_learners(closed.learners)
-            self.outers[p].step(self.layout.view(self.core.params, p), delta, scratch_delta=True)
+            if self.on_step is not None:
+                self.on_step(close.version, p, delta, closed.learners)
+            step_fragment(self.layout, self.core.params, self.outers[p], p, delta, closed.learners, scratch_delta=True)
             acc.reset()
             self.fragment_versions[p] = close.version
             self.fragment_steps[p] += 1
@@ -357,8 +389,9 @@ class FragmentedCoordinator:
         }
         return snap
 
-    def restore(self, snap: Mapping[str, Any]) -> None:
-        """Adopt a snapshot written with the same layout (InvalidArgument otherwise, nothing changed)."""
+    def restore(self, snap: Mapping[str, Any], learners_at: float | None = None) -> None:
+        """Adopt a snapshot written with the same layout (InvalidArgument otherwise, nothing changed);
+        `learners_at`: as `CoordinatorCore.restore` (a standby's state at a promotion keeps its learner table)."""
         frag = snap.get("fragments")
         if not isinstance(frag, Mapping):
             raise InvalidArgument("checkpoint has no fragment state: it was written without fragments (--fragments 1)")
@@ -376,7 +409,7 @@ class FragmentedCoordinator:
             )
         if not len(outer) == len(versions) == len(steps) == len(guards) == self.fragments:
             raise InvalidArgument(f"checkpoint fragment state does not hold {self.fragments} fragments")
-        self.core.restore(dict(snap))
+        self.core.restore(dict(snap), learners_at)
         for o, state in zip(self.outers, outer, strict=True):
             o.load_state_dict(state)
         self.fragment_versions, self.fragment_steps = versions, steps

@@ -14,6 +14,12 @@ runs the same `outer.step(Θ, Δ)` on the same bits and must get the same digest
 torch build and CPU kind (an elementwise step does not depend on the number of threads). A standby that got
 different bits (another build, a corrupt message, a divergent history) is told to resync from a snapshot.
 
+**Streaming fragments** (`--fragments P`, docs/fragments.md). The entry names the fragments its round stepped
+(`fragments`, increasing) and Δ holds only theirs, one after another; the bookkeeping's `core.fragments` holds the
+layout, versions, step counts and guard norms after the round. The standby (given the layout its own flags cut)
+steps each with `step_fragment`, the leader's rule, on that fragment's own outer optimizer; the digest's outer part
+chains every fragment's outer state in order (`state_digest`; the core's own optimizer is not stepped then).
+
 **Validate, then mutate.** `Standby.apply` checks the epoch (not older than the newest it has seen), the version
 (exactly one past the one it holds: a gap or a repeat is refused), the payload checksum, the bookkeeping, and then
 computes the step on a spare copy of Θ and of the outer state and compares the digest; only when all of that holds
@@ -44,22 +50,26 @@ the gate never publishes without the acknowledgements: where it would degrade it
 enough standbys acknowledged v (a standby that joins meanwhile counts once it holds v).
 
 Byte layouts (little-endian; `n` = numel; crc32 = `zlib.crc32`):
-- entry payload: Δ (n float32) ‖ bookkeeping (UTF-8 JSON: {"core": ..., "applied": the round's outcomes, each
-  `[submission_id, worker_id, round, staleness]` with round = the entry's version}); `payload_crc32` covers both.
+- entry payload: Δ (n float32; with fragments, the named fragments' sizes summed) ‖ bookkeeping (UTF-8 JSON:
+  {"core": ..., "applied": the round's outcomes, each `[submission_id, worker_id, round, staleness]` with round =
+  the entry's version}); `payload_crc32` covers both.
 - snapshot payload: Θ (n float32) ‖ one n-float32 tensor per name in `outer_tensors`, in that order ‖ bookkeeping
-  (UTF-8 JSON, which also holds the outer optimizer's scalars); `payload_crc32` covers it all.
+  (UTF-8 JSON, which also holds the outer optimizer's scalars); `payload_crc32` covers it all. With fragments, the
+  names `fragments.<name>` hold each fragment's tensor `<name>` in its range (zeros where it has none), and the
+  bookkeeping's `fragment_outer` each fragment's scalars and the names of the tensors it holds.
 - digest: `params_crc32` = crc32 of Θ's bytes; `outer_crc32` = crc32 chained over the outer optimizer's
   `state_dict()`, key by key in sorted order: the key (UTF-8), then a tensor's float32 bytes, `b"\\x00"` for None,
-  or the `repr` of any other value (UTF-8).
+  or the `repr` of any other value (UTF-8); with fragments, chained on over each fragment's optimizer in order.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import math
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -69,6 +79,7 @@ from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values
 
 from diloco.core.broadcast import params_checksum
 from diloco.core.coordinator import APPLIED_KEPT, Accepted, applied_from_json, applied_to_json, keep_applied
+from diloco.core.fragments import FragmentLayout, step_fragment
 from diloco.core.outer import OUTER_NAMES, OuterConfig, OuterOptimizer, build_outer
 from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
@@ -78,6 +89,7 @@ _REUSE_SLACK = 2 << 20  # a reusing `Receiver` takes the last payload's memory f
 # keys of a core snapshot that are not bookkeeping: its tensors, and the applied outcomes (an entry carries only its
 # round's, a snapshot all it holds)
 _NOT_BOOKKEEPING = ("params", "outer", "applied")
+FRAGMENT_TENSOR_PREFIX = "fragments."  # a snapshot's outer tensors of the fragments' optimizers (`Snapshot.of_core`)
 
 
 class ResyncReason(enum.Enum):
@@ -96,6 +108,14 @@ class ResyncRequired(FailedPrecondition):
         self.reason = reason
 
 
+class LayoutMismatch(ResyncRequired):
+    """A message (checksums verified) holds another fragment layout than this standby's own flags cut (another
+    `--fragments`, or fragments on one side only): a snapshot would not help; the standby is not this leader's."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(ResyncReason.CORRUPT, message)
+
+
 @dataclass(frozen=True)
 class Digest:
     """crc32 of Θ's float32 bytes and of the outer optimizer's state (module docstring)."""
@@ -104,8 +124,7 @@ class Digest:
     outer_crc32: int
 
 
-def outer_checksum(outer: OuterOptimizer) -> int:
-    crc = 0
+def outer_checksum(outer: OuterOptimizer, crc: int = 0) -> int:
     for key, value in sorted(outer.state_dict().items()):
         crc = crc32(key.encode(), crc)
         if isinstance(value, torch.Tensor):
@@ -117,8 +136,19 @@ def outer_checksum(outer: OuterOptimizer) -> int:
     return crc
 
 
-def digest(params: torch.Tensor, outer: OuterOptimizer) -> Digest:
-    return Digest(params_checksum(params), outer_checksum(outer))
+def digest(params: torch.Tensor, *outers: OuterOptimizer) -> Digest:
+    """Θ's crc32, and the outer states' chained in order (one optimizer: `outer_checksum` of it)."""
+    crc = 0
+    for outer in outers:
+        crc = outer_checksum(outer, crc)
+    return Digest(params_checksum(params), crc)
+
+
+def state_digest(params: torch.Tensor, outer: OuterOptimizer, fragment_outers: Sequence[OuterOptimizer] = ()) -> Digest:
+    """The digest of a coordinator's replicated state (the one rule, leader and standby): over the fragments' outer
+    optimizers in fragment order when it runs fragments (the core's own `outer` is then never stepped), else over
+    `outer`."""
+    return digest(params, *(fragment_outers or (outer,)))
 
 
 def _fp32(t: torch.Tensor) -> memoryview:
@@ -165,9 +195,37 @@ def _parse(data: bytes | bytearray | memoryview) -> dict[str, Any]:
 
 
 def core_bookkeeping(core_snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """The non-tensor part of `CoordinatorCore.snapshot()` (or of `Standby.core_snapshot()`), less the applied
-    outcomes."""
-    return {k: v for k, v in core_snapshot.items() if k not in _NOT_BOOKKEEPING}
+    """The non-tensor part of `CoordinatorCore.snapshot()` (or of `FragmentedCoordinator.snapshot()`,
+    `Standby.core_snapshot()`), less the applied outcomes: with fragments, their layout, versions, step counts and
+    guard norms (not their outer states)."""
+    book = {k: v for k, v in core_snapshot.items() if k not in _NOT_BOOKKEEPING}
+    if isinstance(book.get("fragments"), Mapping):
+        book["fragments"] = {k: v for k, v in book["fragments"].items() if k != "outer"}
+    return book
+
+
+def entry_numel(layout: FragmentLayout | None, fragments: Sequence[int], numel: int) -> int:
+    """The values an entry's Δ must hold: the model's `numel` without fragments (and then it names none); with
+    them, the sizes of the fragments it names, which must be valid, distinct and in increasing order, and at least
+    one (a round steps at least one fragment). ResyncRequired (CORRUPT) otherwise."""
+    if layout is None:
+        if fragments:
+            raise ResyncRequired(
+                ResyncReason.CORRUPT,
+                f"the entry steps fragments {list(fragments)}; this standby runs without fragments (--fragments 1)",
+            )
+        return numel
+    if not fragments:
+        raise ResyncRequired(
+            ResyncReason.CORRUPT, f"the entry names no fragment; this standby runs {layout.fragments} fragments"
+        )
+    try:
+        ps = [layout.check_index(p) for p in fragments]
+    except InvalidArgument as e:
+        raise ResyncRequired(ResyncReason.CORRUPT, str(e)) from None
+    if any(a >= b for a, b in itertools.pairwise(ps)):
+        raise ResyncRequired(ResyncReason.CORRUPT, f"the entry's fragments {ps} are not distinct and increasing")
+    return sum(layout.size(p) for p in ps)
 
 
 # --- the messages -----------------------------------------------------------------------------------------------
@@ -184,6 +242,7 @@ class EntryMeta:
     bookkeeping_bytes: int
     payload_crc32: int
     digest: Digest
+    fragments: tuple[int, ...] = ()  # the fragments the round stepped (none: no fragments; `entry_numel`)
 
     @property
     def payload_bytes(self) -> int:
@@ -192,7 +251,8 @@ class EntryMeta:
 
 @dataclass(frozen=True)
 class LogEntry:
-    """One applied round (module docstring). `delta`: the Δ the outer step took (read-only by convention)."""
+    """One applied round (module docstring). `delta`: the Δ the outer step took (read-only by convention); with
+    fragments, the Δ[p] of each fragment in `fragments` (those the round stepped, in order), one after another."""
 
     version: int
     epoch: int
@@ -201,6 +261,7 @@ class LogEntry:
     bookkeeping: bytes  # UTF-8 JSON: {"core": ..., "applied": [...]}
     digest: Digest
     payload_crc32: int
+    fragments: tuple[int, ...] = ()
 
     @classmethod
     def make(
@@ -212,17 +273,27 @@ class LogEntry:
         core_snapshot: Mapping[str, Any],
         applied: Mapping[str, Accepted],
         after: Digest,
+        fragments: Sequence[int] = (),
     ) -> LogEntry:
         """The leader's entry for `version`: `delta` (kept, not copied), the core's snapshot after the round (its
-        tensors and outcomes are left out), the outcomes of the round's submissions and the digest after the step."""
+        tensors and outcomes are left out), the outcomes of the round's submissions and the digest after the step;
+        with fragments, the ones stepped (`delta` holds their Δ[p] in that order)."""
         book = _json({"core": core_bookkeeping(core_snapshot), "applied": applied_to_json(applied)})
-        return cls(version, epoch, learners, delta, book, after, _crc((_fp32(delta), book)))
+        crc = _crc((_fp32(delta), book))
+        return cls(version, epoch, learners, delta, book, after, crc, tuple(fragments))
 
     @property
     def meta(self) -> EntryMeta:
         numel = self.delta.numel()
         return EntryMeta(
-            self.version, self.epoch, self.learners, numel, len(self.bookkeeping), self.payload_crc32, self.digest
+            self.version,
+            self.epoch,
+            self.learners,
+            numel,
+            len(self.bookkeeping),
+            self.payload_crc32,
+            self.digest,
+            self.fragments,
         )
 
     def payload(self) -> tuple[memoryview, ...]:
@@ -261,17 +332,38 @@ class Snapshot:
 
     @classmethod
     def of_core(cls, core_snapshot: Mapping[str, Any], epoch: int) -> Snapshot:
-        """A snapshot from `CoordinatorCore.snapshot()` (or `Standby.core_snapshot()`), its tensors copied (call it
-        where the core cannot step meanwhile: the coordinator's `work` lock)."""
+        """A snapshot from `CoordinatorCore.snapshot()` (or `FragmentedCoordinator.snapshot()`,
+        `Standby.core_snapshot()`), its tensors copied (call it where the core cannot step meanwhile: the
+        coordinator's `work` lock). With fragments, each fragment's outer tensor of a name is laid in its range of
+        one model-sized tensor named `fragments.<name>` (zeros where a fragment has none yet, e.g. before its first
+        step), and the fragments' scalars and tensor names go in the bookkeeping (`fragment_outer`)."""
         outer_state = dict(core_snapshot["outer"])
         params = core_snapshot["params"].detach().clone()
         tensors = tuple((k, v.detach().clone()) for k, v in sorted(outer_state.items()) if isinstance(v, torch.Tensor))
         scalars = {k: v for k, v in outer_state.items() if not isinstance(v, torch.Tensor) and v is not None}
         applied = core_snapshot.get("applied", [])  # none in a checkpoint written before they were kept
-        book = _json({"core": core_bookkeeping(core_snapshot), "outer": scalars, "applied": applied})
+        extra: dict[str, Any] = {}
+        frag_outers: list[OuterOptimizer] = []
+        frag = core_snapshot.get("fragments")
+        if isinstance(frag, Mapping):
+            layout = FragmentLayout(tuple(int(b) for b in frag["bounds"]))
+            states = [dict(o) for o in frag["outer"]]
+            names = sorted({k for o in states for k, v in o.items() if isinstance(v, torch.Tensor)})
+            laid = []
+            for name in names:
+                whole = torch.zeros(params.numel(), dtype=torch.float32)
+                for p, o in enumerate(states):
+                    if isinstance(o.get(name), torch.Tensor):
+                        layout.view(whole, p).copy_(o[name])
+                laid.append((FRAGMENT_TENSOR_PREFIX + name, whole))
+            tensors += tuple(laid)
+            extra["fragment_outer"] = [_fragment_outer_book(o) for o in states]
+            frag_outers = _fragment_outers_from(extra["fragment_outer"], dict(laid), layout)
+        book = _json({"core": core_bookkeeping(core_snapshot), "outer": scalars, "applied": applied, **extra})
         outer = _outer_from(scalars, dict(tensors))
         crc = _crc((_fp32(params), *(_fp32(t) for _, t in tensors), book))
-        return cls(int(core_snapshot["version"]), epoch, params, tensors, book, digest(params, outer), crc)
+        after = state_digest(params, outer, frag_outers)
+        return cls(int(core_snapshot["version"]), epoch, params, tensors, book, after, crc)
 
     @property
     def meta(self) -> SnapshotMeta:
@@ -289,8 +381,39 @@ class Snapshot:
         return _fp32(self.params), *(_fp32(t) for _, t in self.outer_tensors), memoryview(self.bookkeeping)
 
 
+def _fragment_outer_book(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A fragment outer state's bookkeeping in a snapshot: its scalars, and the names of the tensors it holds."""
+    return {
+        "scalars": {k: v for k, v in state.items() if not isinstance(v, torch.Tensor) and v is not None},
+        "tensors": sorted(k for k, v in state.items() if isinstance(v, torch.Tensor)),
+    }
+
+
+def _fragment_outers_from(
+    books: object, tensors: Mapping[str, torch.Tensor], layout: FragmentLayout
+) -> list[OuterOptimizer]:
+    """The fragments' outer optimizers a snapshot holds (`Snapshot.of_core`): each one's scalars, and its range of
+    the `fragments.<name>` tensors it names. ResyncRequired (CORRUPT) when they do not fit the layout."""
+    if not isinstance(books, list) or len(books) != layout.fragments:
+        raise ResyncRequired(ResyncReason.CORRUPT, f"the snapshot does not hold {layout.fragments} fragment optimizers")
+    outers = []
+    for p, book in enumerate(books):
+        if not isinstance(book, Mapping) or not isinstance(book.get("tensors"), list):
+            raise ResyncRequired(ResyncReason.CORRUPT, f"fragment {p}'s outer optimizer state is malformed")
+        mine = {}
+        for name in book["tensors"]:
+            whole = tensors.get(FRAGMENT_TENSOR_PREFIX + str(name))
+            if whole is None:
+                raise ResyncRequired(ResyncReason.CORRUPT, f"fragment {p}'s outer tensor {name!r} is missing")
+            mine[str(name)] = layout.view(whole, p)
+        outers.append(_outer_from(book.get("scalars") or {}, mine))
+    return outers
+
+
 def _outer_from(scalars: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> OuterOptimizer:
-    """An outer optimizer holding `scalars` and (copies of) `tensors`, as its `state_dict()` lays them out."""
+    """An outer optimizer holding `scalars` and (copies of) `tensors`, as its `state_dict()` lays them out
+    (tensors named `fragments.<name>` are the fragments': not this optimizer's)."""
+    tensors = {k: v for k, v in tensors.items() if not k.startswith(FRAGMENT_TENSOR_PREFIX)}
     name = scalars.get("name")
     if name not in OUTER_NAMES:
         raise ResyncRequired(ResyncReason.CORRUPT, f"unknown outer optimizer {name!r}")
@@ -338,8 +461,16 @@ class Receiver:
     buffer costs its page faults, about as long as receiving into it): a message returned is then valid only until
     the next `start`, which the caller must have applied (and so copied what it keeps) before."""
 
-    def __init__(self, numel: int, max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES, *, reuse: bool = False) -> None:
+    def __init__(
+        self,
+        numel: int,
+        max_bookkeeping_bytes: int = MAX_BOOKKEEPING_BYTES,
+        *,
+        reuse: bool = False,
+        layout: FragmentLayout | None = None,
+    ) -> None:
         self.numel = numel
+        self.layout = layout  # the standby's fragments (None: none): what an entry's fragments and Δ must fit
         self.max_bookkeeping_bytes = max_bookkeeping_bytes
         self.reuse = reuse
         self._store: memoryview | None = None  # reuse: the memory of the last payload
@@ -357,9 +488,12 @@ class Receiver:
         if self._meta is not None:
             self.reset()
             raise ResyncRequired(ResyncReason.CORRUPT, "a header arrived before the previous payload was complete")
-        if meta.numel != self.numel:
+        due = entry_numel(self.layout, meta.fragments, self.numel) if isinstance(meta, EntryMeta) else self.numel
+        if meta.numel != due:
             raise ResyncRequired(
-                ResyncReason.CORRUPT, f"the leader's model has {meta.numel} parameters; this standby's has {self.numel}"
+                ResyncReason.CORRUPT,
+                f"the leader's message holds {meta.numel} parameters; this standby's model has {self.numel}"
+                + (f" ({due} in the fragments the entry names)" if due != self.numel else ""),
             )
         if not 0 <= meta.bookkeeping_bytes <= self.max_bookkeeping_bytes:
             raise ResyncRequired(
@@ -416,6 +550,7 @@ class Receiver:
                 book,
                 meta.digest,
                 meta.payload_crc32,
+                meta.fragments,
             )
         tensors = tuple(
             (name, _tensor(view[n * (i + 1) : n * (i + 2)], meta.numel)) for i, name in enumerate(meta.outer_tensors)
@@ -436,21 +571,34 @@ class _Held:
     core: dict[str, Any]
     digest: Digest
     applied: OrderedDict[str, Accepted] = field(default_factory=OrderedDict)  # the recent ones, oldest first
+    fragment_outers: list[OuterOptimizer] = field(default_factory=list)  # with fragments: each one's, in order
+
+
+# the state an entry's step is taken on: Θ, the core's outer optimizer, the fragments' (none without fragments)
+_Work = tuple[torch.Tensor, OuterOptimizer, list[OuterOptimizer]]
 
 
 class Standby:
     """A hot standby's copy of the leader's state, moved only by `load` (a snapshot) and `apply` (the next entry).
 
     States: EMPTY (holds nothing) --load--> HOLDING(v) --apply(v+1)--> HOLDING(v+1); a refused `apply` or `load`
-    leaves it where it was. `epoch` is the newest leadership epoch seen; it never goes backwards."""
+    leaves it where it was. `epoch` is the newest leadership epoch seen; it never goes backwards.
 
-    def __init__(self, numel: int) -> None:
+    `layout`: the fragments this standby runs (its own configuration, as `numel` is; None: none). With fragments it
+    holds each fragment's outer optimizer, an entry names the fragments its round stepped and holds their Δ[p], and
+    `apply` steps each with `step_fragment` (the leader's rule); a snapshot or entry of another layout, or one
+    with/without fragments where this standby runs without/with them, is refused (CORRUPT)."""
+
+    def __init__(self, numel: int, layout: FragmentLayout | None = None) -> None:
+        if layout is not None and layout.numel != numel:
+            raise ConfigError(f"fragment layout covers {layout.numel} values; the model has {numel}")
         self.numel = numel
+        self.layout = layout
         self.epoch = 0
         self._held: _Held | None = None
-        # the spare Θ and outer state an entry's step is taken on (adopted when the digest matches); ready: it
-        # holds the same bits as `_held`
-        self._spare: tuple[torch.Tensor, OuterOptimizer] | None = None
+        # the spare state an entry's step is taken on (adopted when the digest matches); ready: it holds the same
+        # bits as `_held`
+        self._spare: _Work | None = None
         self._spare_ready = False
 
     @property
@@ -470,6 +618,11 @@ class Standby:
         return self._require().outer
 
     @property
+    def fragment_outers(self) -> tuple[OuterOptimizer, ...]:
+        """With fragments, each fragment's outer optimizer (() without)."""
+        return tuple(self._require().fragment_outers)
+
+    @property
     def applied(self) -> Mapping[str, Accepted]:
         """The outcomes of the recent applied submissions (at most `APPLIED_KEPT`), by submission id, oldest first."""
         return MappingProxyType(self._require().applied)
@@ -486,6 +639,37 @@ class Standby:
                 f"{what} comes from leadership epoch {epoch}, older than epoch {self.epoch} already seen",
             )
 
+    def _fragments_book(self, core: Mapping[str, Any], what: str) -> dict[str, Any] | None:
+        """The fragment bookkeeping of a message (None without fragments), checked against this standby's layout
+        (LayoutMismatch: bounds, fingerprint, or fragments on one side only) and for one version, step count and guard
+        window per fragment (CORRUPT)."""
+        frag = core.get("fragments")
+        layout = self.layout
+        if layout is None:
+            if frag is not None:
+                raise LayoutMismatch(
+                    f"{what} holds fragments; this standby runs without (--fragments 1): start it with the "
+                    "leader's --fragments"
+                )
+            return None
+        if not isinstance(frag, dict):
+            raise LayoutMismatch(
+                f"{what} holds no fragments; this standby runs {layout.fragments} (--fragments): start it with the "
+                "leader's --fragments"
+            )
+        if frag.get("bounds") != list(layout.bounds) or frag.get("fingerprint") != layout.fingerprint:
+            raise LayoutMismatch(
+                f"{what} has fragment layout {frag.get('fingerprint')!r}, this standby {layout.fingerprint}: "
+                "start it with the leader's --fragments"
+            )
+        for key in ("versions", "steps", "guard_norms"):
+            value = frag.get(key)
+            if not isinstance(value, list) or len(value) != layout.fragments:
+                raise ResyncRequired(ResyncReason.CORRUPT, f"{what}: fragment {key} do not hold {layout.fragments}")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in frag["versions"] + frag["steps"]):
+            raise ResyncRequired(ResyncReason.CORRUPT, f"{what}: fragment versions and steps must be integers")
+        return frag
+
     def load(self, snap: Snapshot) -> None:
         """Adopt a snapshot whole (any version: a standby ahead of a new leader goes back to it)."""
         self._check_epoch(snap.epoch, f"snapshot of version {snap.version}")
@@ -499,12 +683,16 @@ class Standby:
             raise ResyncRequired(
                 ResyncReason.CORRUPT, f"snapshot of version {snap.version} holds bookkeeping of another"
             )
+        frag = self._fragments_book(core, f"snapshot of version {snap.version}")
         outer = _outer_from(book.get("outer") or {}, dict(snap.outer_tensors))
+        fragment_outers = []
+        if frag is not None and self.layout is not None:
+            fragment_outers = _fragment_outers_from(book.get("fragment_outer"), dict(snap.outer_tensors), self.layout)
         params = snap.params.detach().clone()
-        got = digest(params, outer)
+        got = state_digest(params, outer, fragment_outers)
         if got != snap.digest:
             raise ResyncRequired(ResyncReason.CHECKSUM, f"snapshot of version {snap.version}: its digest differs")
-        held = _Held(snap.version, params, outer, core, got)
+        held = _Held(snap.version, params, outer, core, got, fragment_outers=fragment_outers)
         keep_applied(held.applied, _applied(book, None))
         self._held, self.epoch = held, max(self.epoch, snap.epoch)
         self._spare_ready = False
@@ -518,8 +706,9 @@ class Standby:
             raise ResyncRequired(
                 ResyncReason.GAP, f"entry {entry.version} does not follow the version held ({held.version})"
             )
-        if entry.delta.numel() != self.numel:
-            raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: Δ does not hold {self.numel} values")
+        numel = entry_numel(self.layout, entry.fragments, self.numel)
+        if entry.delta.numel() != numel:
+            raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: Δ does not hold {numel} values")
         if _crc((_fp32(entry.delta), entry.bookkeeping)) != entry.payload_crc32:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: payload checksum differs")
         book = _parse(entry.bookkeeping)
@@ -527,12 +716,23 @@ class Standby:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version} holds bookkeeping of another version")
         if entry.learners < 1:
             raise ResyncRequired(ResyncReason.CORRUPT, f"entry {entry.version}: learners must be >= 1")
+        self._check_fragment_steps(held, book["core"], entry)
         applied = _applied(book, entry.version)
-        params, outer = self._workspace()
+        params, outer, fragment_outers = self._workspace()
         self._spare_ready = False  # stepped below: no longer a copy of the held state
-        outer.set_num_learners(entry.learners)
-        outer.step(params, entry.delta, scratch_delta=scratch_delta)  # the same bits either way
-        got = digest(params, outer)
+        if self.layout is None:
+            outer.set_num_learners(entry.learners)
+            outer.step(params, entry.delta, scratch_delta=scratch_delta)  # the same bits either way
+        else:
+            at = 0
+            for p in entry.fragments:
+                size = self.layout.size(p)
+                delta = entry.delta[at : at + size]
+                step_fragment(
+                    self.layout, params, fragment_outers[p], p, delta, entry.learners, scratch_delta=scratch_delta
+                )
+                at += size
+        got = state_digest(params, outer, fragment_outers)
         if got != entry.digest:
             raise ResyncRequired(
                 ResyncReason.CHECKSUM,
@@ -540,9 +740,29 @@ class Standby:
                 f", the leader had {entry.digest.params_crc32:#010x}/{entry.digest.outer_crc32:#010x}",
             )
         keep_applied(held.applied, applied)  # nothing above raised: adopt it all, and keep the old as the spare
-        self._spare = (held.params, held.outer)
+        self._spare = (held.params, held.outer, held.fragment_outers)
         held.version, held.params, held.outer, held.core, held.digest = entry.version, params, outer, book["core"], got
+        held.fragment_outers = fragment_outers
         self.epoch = max(self.epoch, entry.epoch)
+
+    def _check_fragment_steps(self, held: _Held, core: Mapping[str, Any], entry: LogEntry) -> None:
+        """With fragments: the bookkeeping's fragment versions and step counts must be the held ones moved by
+        exactly the fragments the entry steps (version ← the entry's, steps + 1), the others unchanged."""
+        after = self._fragments_book(core, f"entry {entry.version}")
+        if after is None:
+            return
+        before = held.core["fragments"]
+        stepped = set(entry.fragments)
+        for p in range(len(after["versions"])):
+            want = (
+                (entry.version, before["steps"][p] + 1) if p in stepped else (before["versions"][p], before["steps"][p])
+            )
+            if (after["versions"][p], after["steps"][p]) != want:
+                raise ResyncRequired(
+                    ResyncReason.CORRUPT,
+                    f"entry {entry.version}: fragment {p}'s version and step count "
+                    f"({after['versions'][p]}, {after['steps'][p]}) should be {want}",
+                )
 
     def prepare(self) -> None:
         """Make the spare a copy of the held state, so that the next `apply` steps it without copying first: call
@@ -550,31 +770,38 @@ class Standby:
         if self._held is not None and not self._spare_ready:
             self._workspace()
 
-    def _workspace(self) -> tuple[torch.Tensor, OuterOptimizer]:
+    def _workspace(self) -> _Work:
         """The spare, a copy of the held state (copied now unless `prepare` did it), to step on."""
         held = self._require()
         if not self._spare_ready:
-            params, outer = self._spare if self._spare is not None else (None, None)
+            params, outer, fragment_outers = self._spare if self._spare is not None else (None, None, [])
             if params is None or params.shape != held.params.shape:
                 params = held.params.clone()
             else:
                 params.copy_(held.params)
-            self._spare = (params, _copy_outer(held.outer, into=outer))
+            if len(fragment_outers) != len(held.fragment_outers):
+                fragment_outers = [None] * len(held.fragment_outers)  # type: ignore[list-item]
+            copies = [_copy_outer(o, into=i) for o, i in zip(held.fragment_outers, fragment_outers, strict=True)]
+            self._spare = (params, _copy_outer(held.outer, into=outer), copies)
             self._spare_ready = True
         assert self._spare is not None
         return self._spare
 
     def core_snapshot(self) -> dict[str, Any]:
-        """What `CoordinatorCore.restore` takes (and `services.coordinator.checkpoint.save` writes), the outcomes
-        of the recent applied submissions included. The tensors are the standby's own: serialise them before the
-        next `apply`, `load` or `prepare` (which may write into them)."""
+        """What `CoordinatorCore.restore` (with fragments, `FragmentedCoordinator.restore`) takes (and
+        `services.coordinator.checkpoint.save` writes), the outcomes of the recent applied submissions included. The
+        tensors are the standby's own: serialise them before the next `apply`, `load` or `prepare` (which may write
+        into them)."""
         held = self._require()
-        return {
+        snap = {
             **held.core,
             "params": held.params,
             "outer": held.outer.state_dict(),
             "applied": applied_to_json(held.applied),
         }
+        if held.fragment_outers:
+            snap["fragments"] = {**held.core["fragments"], "outer": [o.state_dict() for o in held.fragment_outers]}
+        return snap
 
 
 def _applied(book: Mapping[str, Any], version: int | None) -> dict[str, Accepted]:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64iloco/v1/replication.proto\x12\tdiloco.v1\"8\n\x0bStateDigest\x12\x14\n\x0cparams_crc32\x18\x01 \x01(\r\x12\x13\n\x0bouter_crc32\x18\x02 \x01(\r\"\xa3\x01\n\x10\x46ollowLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x19\n\x0cheld_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12+\n\x0bheld_digest\x18\x05 \x01(\x0b\x32\x16.diloco.v1.StateDigestB\x0f\n\r_held_version\"\xb0\x01\n\x0eSnapshotHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x15\n\router_tensors\x18\x04 \x03(\t\x12\x19\n\x11\x62ookkeeping_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_crc32\x18\x06 \x01(\r\x12&\n\x06\x64igest\x18\x07 \x01(\x0b\x32\x16.diloco.v1.StateDigest\"\xa8\x01\n\x0b\x45ntryHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08learners\x18\x03 \x01(\r\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x19\n\x11\x62ookkeeping_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_crc32\x18\x06 \x01(\r\x12&\n\x06\x64igest\x18\x07 \x01(\x0b\x32\x16.diloco.v1.StateDigest\"|\n\nLogMessage\x12-\n\x08snapshot\x18\x01 \x01(\x0b\x32\x19.diloco.v1.SnapshotHeaderH\x00\x12\'\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x16.diloco.v1.EntryHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"k\n\rAckLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12&\n\x06\x64igest\x18\x04 \x01(\x0b\x32\x16.diloco.v1.StateDigest\"(\n\x0e\x41\x63kLogResponse\x12\x16\n\x0eleader_version\x18\x01 \x01(\x04\x32\x8f\x01\n\x0bReplication\x12\x41\n\tFollowLog\x12\x1b.diloco.v1.FollowLogRequest\x1a\x15.diloco.v1.LogMessage0\x01\x12=\n\x06\x41\x63kLog\x12\x18.diloco.v1.AckLogRequest\x1a\x19.diloco.v1.AckLogResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1b\x64iloco/v1/replication.proto\x12\tdiloco.v1\"8\n\x0bStateDigest\x12\x14\n\x0cparams_crc32\x18\x01 \x01(\r\x12\x13\n\x0bouter_crc32\x18\x02 \x01(\r\"\xa3\x01\n\x10\x46ollowLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x19\n\x0cheld_version\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12+\n\x0bheld_digest\x18\x05 \x01(\x0b\x32\x16.diloco.v1.StateDigestB\x0f\n\r_held_version\"\xb0\x01\n\x0eSnapshotHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\r\n\x05numel\x18\x03 \x01(\x04\x12\x15\n\router_tensors\x18\x04 \x03(\t\x12\x19\n\x11\x62ookkeeping_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_crc32\x18\x06 \x01(\r\x12&\n\x06\x64igest\x18\x07 \x01(\x0b\x32\x16.diloco.v1.StateDigest\"\xbb\x01\n\x0b\x45ntryHeader\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08learners\x18\x03 \x01(\r\x12\r\n\x05numel\x18\x04 \x01(\x04\x12\x19\n\x11\x62ookkeeping_bytes\x18\x05 \x01(\x04\x12\x15\n\rpayload_crc32\x18\x06 \x01(\r\x12&\n\x06\x64igest\x18\x07 \x01(\x0b\x32\x16.diloco.v1.StateDigest\x12\x11\n\tfragments\x18\x08 \x03(\r\"|\n\nLogMessage\x12-\n\x08snapshot\x18\x01 \x01(\x0b\x32\x19.diloco.v1.SnapshotHeaderH\x00\x12\'\n\x05\x65ntry\x18\x02 \x01(\x0b\x32\x16.diloco.v1.EntryHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04kind\"k\n\rAckLogRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12&\n\x06\x64igest\x18\x04 \x01(\x0b\x32\x16.diloco.v1.StateDigest\"(\n\x0e\x41\x63kLogResponse\x12\x16\n\x0eleader_version\x18\x01 \x01(\x04\x32\x8f\x01\n\x0bReplication\x12\x41\n\tFollowLog\x12\x1b.diloco.v1.FollowLogRequest\x1a\x15.diloco.v1.LogMessage0\x01\x12=\n\x06\x41\x63kLog\x12\x18.diloco.v1.AckLogRequest\x1a\x19.diloco.v1.AckLogResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,13 +38,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SNAPSHOTHEADER']._serialized_start=267
   _globals['_SNAPSHOTHEADER']._serialized_end=443
   _globals['_ENTRYHEADER']._serialized_start=446
-  _globals['_ENTRYHEADER']._serialized_end=614
-  _globals['_LOGMESSAGE']._serialized_start=616
-  _globals['_LOGMESSAGE']._serialized_end=740
-  _globals['_ACKLOGREQUEST']._serialized_start=742
-  _globals['_ACKLOGREQUEST']._serialized_end=849
-  _globals['_ACKLOGRESPONSE']._serialized_start=851
-  _globals['_ACKLOGRESPONSE']._serialized_end=891
-  _globals['_REPLICATION']._serialized_start=894
-  _globals['_REPLICATION']._serialized_end=1037
+  _globals['_ENTRYHEADER']._serialized_end=633
+  _globals['_LOGMESSAGE']._serialized_start=635
+  _globals['_LOGMESSAGE']._serialized_end=759
+  _globals['_ACKLOGREQUEST']._serialized_start=761
+  _globals['_ACKLOGREQUEST']._serialized_end=868
+  _globals['_ACKLOGRESPONSE']._serialized_start=870
+  _globals['_ACKLOGRESPONSE']._serialized_end=910
+  _globals['_REPLICATION']._serialized_start=913
+  _globals['_REPLICATION']._serialized_end=1056
 # @@protoc_insertion_point(module_scope)

@@ -47,7 +47,7 @@ class SnapshotHeader(_message.Message):
     def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., numel: _Optional[int] = ..., outer_tensors: _Optional[_Iterable[str]] = ..., bookkeeping_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., digest: _Optional[_Union[StateDigest, _Mapping]] = ...) -> None: ...
 
 class EntryHeader(_message.Message):
-    __slots__ = ("version", "epoch", "learners", "numel", "bookkeeping_bytes", "payload_crc32", "digest")
+    __slots__ = ("version", "epoch", "learners", "numel", "bookkeeping_bytes", "payload_crc32", "digest", "fragments")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEARNERS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class EntryHeader(_message.Message):
     BOOKKEEPING_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_CRC32_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     version: int
     epoch: int
     learners: int
@@ -62,7 +63,8 @@ class EntryHeader(_message.Message):
     bookkeeping_bytes: int
     payload_crc32: int
     digest: StateDigest
-    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., learners: _Optional[int] = ..., numel: _Optional[int] = ..., bookkeeping_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., digest: _Optional[_Union[StateDigest, _Mapping]] = ...) -> None: ...
+    fragments: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., epoch: _Optional[int] = ..., learners: _Optional[int] = ..., numel: _Optional[int] = ..., bookkeeping_bytes: _Optional[int] = ..., payload_crc32: _Optional[int] = ..., digest: _Optional[_Union[StateDigest, _Mapping]] = ..., fragments: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LogMessage(_message.Message):
     __slots__ = ("snapshot", "entry", "data")

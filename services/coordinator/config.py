@@ -256,14 +256,9 @@ class CoordinatorServiceConfig:
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
 
     def _check_fragments(self) -> None:
-        """P >= 1 and <= H (`check_fragments`; against the model's tensors once it is built: the server). The
-        round log for standbys (--replication-log, --follow, --etcd) does not carry fragments yet: refused."""
+        """P >= 1 and <= H (`check_fragments`; against the model's tensors once it is built: the server). Replicas
+        (--replication-log, --follow, --etcd) run them too: the round log carries each round's fragment steps."""
         check_fragments(self.fragments, self.local_steps)
-        if self.fragments > 1 and (self.etcd or self.follow or self.replication_log):
-            raise ConfigError(
-                "fragments > 1 (--fragments) is not built for replicas yet: the round log for standbys does not "
-                "carry per-fragment steps; drop --etcd, --follow and --replication-log, or use --fragments 1"
-            )
 
     def etcd_config(self) -> EtcdConfig | None:
         """How to reach etcd (None: no `etcd`): its members in the order tried, over http or https (with the CA and

@@ -3,7 +3,8 @@
 learners until enough standbys acknowledged it, and `ReplicationServicer` (`diloco.v1.Replication`) streams the log
 to standbys (`services.coordinator.standby`).
 
-Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just before the outer step, the state's
+Threads and locks. `CoordinatorCore.on_step` hands over each round's Δ just before the outer step (with fragments,
+`FragmentedCoordinator.on_step` each stepped fragment's Δ[p] before its step), the state's
 `on_stepped` hook calls `round_stepped` just after it, and the server's round hook calls `round_applied` once the
 broadcast is encoded: all run holding the state's `work` lock, before the new version is published.
 `round_stepped` builds the entry (the bookkeeping read under the state's `lock`), appends it and wakes the
@@ -48,7 +49,7 @@ from diloco.core.replication import (
     SnapshotMeta,
     SyncGate,
     WhenNoStandby,
-    digest,
+    state_digest,
 )
 from diloco.errors import FailedPrecondition, InvalidArgument
 from diloco.rpc import status
@@ -93,6 +94,7 @@ def header_to_proto(meta: EntryMeta | SnapshotMeta) -> rpb.LogMessage:
                 bookkeeping_bytes=meta.bookkeeping_bytes,
                 payload_crc32=meta.payload_crc32,
                 digest=digest_to_proto(meta.digest),
+                fragments=list(meta.fragments),
             )
         )
     return rpb.LogMessage(
@@ -114,7 +116,14 @@ def header_from_proto(msg: rpb.LogMessage) -> EntryMeta | SnapshotMeta | None:
     if kind == "entry":
         e = msg.entry
         return EntryMeta(
-            e.version, e.epoch, e.learners, e.numel, e.bookkeeping_bytes, e.payload_crc32, digest_from_proto(e.digest)
+            e.version,
+            e.epoch,
+            e.learners,
+            e.numel,
+            e.bookkeeping_bytes,
+            e.payload_crc32,
+            digest_from_proto(e.digest),
+            tuple(e.fragments),  # checked against the standby's layout by its `Receiver` (`entry_numel`)
         )
     if kind == "snapshot":
         s = msg.snapshot
@@ -241,11 +250,13 @@ class ReplicationLog:
         self.clock = clock
         core = state.core
         with state.work:
-            self._log = RoundLog(core.version, digest(core.params, core.outer), entries)
+            self._log = RoundLog(core.version, self._digest(), entries)
         self._gate = SyncGate(sync_replicas, ack_timeout_s, when_no_standby)
         self._gate.appended(core.version)
         self._cond = threading.Condition()
-        self._pending: tuple[int, torch.Tensor, int] | None = None  # under `work`: the Δ of the round stepping
+        # under `work`: the round stepping: its version, the live learners, and its Δ (with fragments: each stepped
+        # fragment's, in order)
+        self._pending: tuple[int, int, list[tuple[int, torch.Tensor]]] | None = None
         self._appended_at = 0.0  # under `work`: when the newest entry was appended (its ack wait counts from then)
         self._listeners: list[Callable[[], None]] = []
         self._degraded = 0  # versions published degraded in a row (0: not degraded)
@@ -254,6 +265,8 @@ class ReplicationLog:
         self.stopping = False
         self.log = logging.get("coordinator", epoch=state.epoch)
         core.on_step = self._on_step
+        if state.frag is not None:
+            state.frag.on_step = self._on_fragment_step
         state.on_stepped = self.round_stepped
 
     @property
@@ -269,26 +282,47 @@ class ReplicationLog:
         with self._cond:
             return self._log.newest
 
+    def _digest(self) -> Digest:
+        """Under `work`: the digest of the state now (with fragments, over their outer optimizers)."""
+        core, frag = self.state.core, self.state.frag
+        return state_digest(core.params, core.outer, frag.outers if frag is not None else ())
+
     def _on_step(self, version: int, delta: torch.Tensor, learners: int) -> None:
         """Under `work`, just before the outer step: keep a copy of the Δ it takes (the merge buffer is reused)."""
-        self._pending = (version, delta.clone(), learners)
+        self._pending = (version, learners, [(-1, delta.clone())])
+
+    def _on_fragment_step(self, version: int, p: int, delta: torch.Tensor, learners: int) -> None:
+        """Under `work`, just before fragment p's outer step (with fragments): keep a copy of its Δ[p]; a round
+        stepping several fragments calls it for each, in fragment order."""
+        if self._pending is None or self._pending[0] != version:
+            self._pending = (version, learners, [])
+        self._pending[2].append((p, delta.clone()))
 
     def round_stepped(self, applied: RoundApplied) -> None:
         """Under `work`, just after a round's step: append its entry and wake the streams."""
         pending, self._pending = self._pending, None
-        if pending is None or pending[0] != applied.version:
+        if pending is None or pending[0] != applied.version or not pending[2]:
             raise RuntimeError(f"round {applied.version} was applied without its Δ reaching the replication log")
-        _, delta, learners = pending
-        core = self.state.core
-        after = digest(core.params, core.outer)
+        _, learners, parts = pending
+        fragments = [p for p, _ in parts if p >= 0]
+        delta = torch.cat([d for _, d in parts]) if len(parts) > 1 else parts[0][1]
+        after = self._digest()
         snap = self.state.snapshot()  # the bookkeeping (its tensors are not used)
         outcomes = {p.submission_id: Accepted.of(p, applied.version, True) for p in applied.submissions}
-        entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, outcomes, after)
+        entry = LogEntry.make(applied.version, self.epoch, learners, delta, snap, outcomes, after, fragments)
         with self._cond:
             self._log.append(entry)
             self._gate.appended(entry.version)
             listeners = list(self._listeners)
         self._appended_at = self.clock()
+        # one line per version: the digest a standby's `replication.applied` line must show for it
+        self.log.info(
+            "replication.appended",
+            version=entry.version,
+            params_crc32=after.params_crc32,
+            outer_crc32=after.outer_crc32,
+            **({"fragments": fragments} if self.state.frag is not None else {}),
+        )
         for listener in listeners:
             listener()
 

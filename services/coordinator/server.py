@@ -20,7 +20,7 @@ from torch import nn
 from diloco import log as logging
 from diloco.core.coordinator import CoordinatorCore, RoundApplied, Submission
 from diloco.core.energy import CarbonTrace
-from diloco.core.fragments import FragmentedCoordinator, FragmentLayout, check_fragments
+from diloco.core.fragments import FragmentedCoordinator, layout_for
 from diloco.core.leadership import Handover, LeadershipView
 from diloco.core.replication import WhenNoStandby
 from diloco.core.uploads import Outcome
@@ -188,9 +188,8 @@ class CoordinatorServer:
         shard_lengths = [task.corpus.shard_length(i) for i in range(task.corpus.num_shards)]
         segments = merge_segments(model)
         frag: FragmentedCoordinator | None = None
-        if cfg.fragments > 1:  # streaming fragments: the same core, the tensor work per fragment
-            p = check_fragments(cfg.fragments, cfg.local_steps, len(segments))  # P <= the model's tensors
-            layout = FragmentLayout.of_segments(segments, p)
+        layout = layout_for(cfg.fragments, cfg.local_steps, segments)  # P <= the model's tensors
+        if layout is not None:  # streaming fragments: the same core, the tensor work per fragment
             frag = FragmentedCoordinator(cfg.core_config(), params, shard_lengths, layout, segments)
             core = frag.core
         else:
@@ -202,7 +201,7 @@ class CoordinatorServer:
                 snap, path = found
                 try:
                     if frag is not None:
-                        frag.restore(snap)
+                        frag.restore(snap, learners_at=self.clock() if self._adopt_learners else None)
                     elif "fragments" in snap:
                         raise InvalidArgument(
                             f"it was written with --fragments {len(snap['fragments'].get('versions', ()))}, this run "

@@ -5,9 +5,11 @@ One thread: it opens `FollowLog` with what it holds (nothing at first), loads th
 it must, applies every entry after it in order, and acknowledges each version (`AckLog`, which is what the
 leader's `--sync-replicas` waits for). A refused message (a gap, an older epoch, a corrupt payload, a digest that
 does not match) changes nothing; the standby then drops the stream and asks again holding nothing, so the next
-thing it gets is a snapshot (`replication.resync`). A broken stream (the leader restarted, the network) is opened
-again with capped, jittered backoff, holding what it holds, so the leader sends only the entries it misses. A
-refusal by the leader (another task: FAILED_PRECONDITION) is final: `failed` says why and the thread ends.
+thing it gets is a snapshot (`replication.resync`); one of another fragment layout (`LayoutMismatch`: started
+with another `--fragments` than the leader's) is final, as a refusal by the leader is. A broken stream (the leader
+restarted, the network) is opened again with capped, jittered backoff, holding what it holds, so the leader sends
+only the entries it misses. A refusal by the leader (another task: FAILED_PRECONDITION) is final: `failed` says
+why and the thread ends.
 
 With `checkpoint_dir`, the standby writes its state every `checkpoint_every` versions in the coordinator's
 checkpoint format: a coordinator started on that folder resumes from the standby's version (a manual failover
@@ -28,11 +30,12 @@ from typing import Any
 import grpc
 
 from diloco import log as logging
-from diloco.core.replication import Receiver, ResyncReason, ResyncRequired, Snapshot, Standby
+from diloco.core.fragments import FragmentLayout, layout_for
+from diloco.core.replication import LayoutMismatch, Receiver, ResyncReason, ResyncRequired, Snapshot, Standby
 from diloco.errors import ConfigError
 from diloco.rpc.retry import Backoff, BackoffConfig
 from diloco.task.factory import build_task
-from diloco.task.params import flatten_params
+from diloco.task.params import flatten_params, merge_segments
 from diloco.v1 import replication_pb2 as rpb
 from diloco.v1 import replication_pb2_grpc
 from services.coordinator import checkpoint
@@ -70,14 +73,16 @@ class StandbyFollower:
         *,
         fingerprint: str,
         numel: int,
+        layout: FragmentLayout | None = None,
         on_version: Callable[[int], None] | None = None,
         on_acked: Callable[[int], None] | None = None,
     ) -> None:
         """`on_version(v)`: the standby applied version v; `on_acked(v)`: the leader accepted its acknowledgement of
-        v (the leader holds the same bits at v: this standby is in step with it)."""
+        v (the leader holds the same bits at v: this standby is in step with it); `layout`: the fragments it runs
+        (the leader's --fragments; None: none)."""
         self.cfg = cfg
         self.fingerprint = fingerprint
-        self.standby = Standby(numel)
+        self.standby = Standby(numel, layout)
         self.on_version = on_version
         self.on_acked = on_acked
         self.failed = ""  # why the leader refused this standby for good ("" while following)
@@ -85,7 +90,7 @@ class StandbyFollower:
         self.snapshots = 0  # snapshots loaded from the leader
         self._stub = replication_pb2_grpc.ReplicationStub(channel)
         self._follow_log = follow_log(channel)  # data messages as views of the received bytes
-        self._rx = Receiver(numel, reuse=True)  # each message is applied before the next starts
+        self._rx = Receiver(numel, reuse=True, layout=layout)  # each message is applied before the next starts
         self._lock = threading.Lock()  # the standby's state: applied on the thread, read by `held`/`checkpoint`
         self._stop = threading.Event()
         self._call: Any = None  # the open FollowLog call (cancelled by `stop`)
@@ -171,6 +176,11 @@ class StandbyFollower:
                 if self._stop.is_set():
                     break
                 self.log.info("replication.stream_ended", version=self.version)
+            except LayoutMismatch as e:  # another --fragments than the leader's: final, as another task is
+                call.cancel()
+                self.failed = str(e)
+                self.log.error("replication.refused", error=self.failed)
+                return
             except ResyncRequired as e:
                 call.cancel()
                 self._resync, self.resyncs = True, self.resyncs + 1
@@ -213,10 +223,15 @@ class StandbyFollower:
                 self.standby.apply(got, scratch_delta=True)  # its Δ came off the wire: ours
                 # one line per version, as the leader's `round.closed`: what the standby holds and when, and how
                 # long the entry took to arrive (header to last byte) and to apply (the step, the digest)
+                held = self.standby.digest
+                assert held is not None
                 self.log.info(
                     "replication.applied",
                     version=got.version,
                     epoch=got.epoch,
+                    params_crc32=held.params_crc32,  # the leader's `replication.appended` line has the same
+                    outer_crc32=held.outer_crc32,
+                    **({"fragments": list(got.fragments)} if got.fragments else {}),
                     receive_s=round(received - self._header_at, 4),
                     apply_s=round(time.monotonic() - received, 4),
                 )
@@ -265,7 +280,9 @@ def follower_from(cfg: CoordinatorServiceConfig) -> tuple[StandbyFollower, grpc.
     """The standby a coordinator configuration with `follow` describes (its task, security and checkpoints), and
     the channel it follows the leader over (the caller closes it after `stop`)."""
     task = build_task(cfg.task)
-    numel = flatten_params(task.model_fn(cfg.seed)).numel()
+    model = task.model_fn(cfg.seed)
+    numel = flatten_params(model).numel()
+    layout = layout_for(cfg.fragments, cfg.local_steps, merge_segments(model))  # the leader's, from the same flags
     replica_id = cfg.replica_id or f"standby-{socket.gethostname()}"
     scfg = StandbyConfig(
         replica_id,
@@ -274,4 +291,4 @@ def follower_from(cfg: CoordinatorServiceConfig) -> tuple[StandbyFollower, grpc.
         keep_checkpoints=cfg.keep_checkpoints,
     )
     chan = cfg.security.channel(cfg.follow, admin=True)
-    return StandbyFollower(scfg, chan, fingerprint=task.fingerprint, numel=numel), chan
+    return StandbyFollower(scfg, chan, fingerprint=task.fingerprint, numel=numel, layout=layout), chan
