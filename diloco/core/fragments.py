@@ -357,8 +357,9 @@ class FragmentedCoordinator:
         }
         return snap
 
-    def restore(self, snap: Mapping[str, Any]) -> None:
-        """Adopt a snapshot written with the same layout (InvalidArgument otherwise, nothing changed)."""
+    def restore(self, snap: Mapping[str, Any], *, adopt: bool = False) -> None:
+        """Adopt a snapshot written with the same layout (InvalidArgument otherwise, nothing changed); `adopt` as
+        for `CoordinatorCore.restore` (the outer states' tensors are taken, not copied)."""
         frag = snap.get("fragments")
         if not isinstance(frag, Mapping):
             raise InvalidArgument("checkpoint has no fragment state: it was written without fragments (--fragments 1)")
@@ -376,9 +377,9 @@ class FragmentedCoordinator:
             )
         if not len(outer) == len(versions) == len(steps) == len(guards) == self.fragments:
             raise InvalidArgument(f"checkpoint fragment state does not hold {self.fragments} fragments")
-        self.core.restore(dict(snap))
+        self.core.restore(dict(snap), adopt=adopt)
         for o, state in zip(self.outers, outer, strict=True):
-            o.load_state_dict(state)
+            o.load_state_dict(state, clone=not adopt)
         self.fragment_versions, self.fragment_steps = versions, steps
         for g, norms in zip(self.guards, guards, strict=True):
             g.restore(norms)
