@@ -7,6 +7,7 @@ import torch
 
 from diloco.core.coordinator import Accepted, CoordinatorConfig, CoordinatorCore, Submission
 from diloco.core.ledger import ShardRange
+from diloco.core.outer import Nesterov
 from diloco.core.rounds import RoundConfig
 from diloco.core.states import DEAD, EVICTED, LEFT, LIVE_STATES
 from diloco.errors import (
@@ -155,6 +156,22 @@ def test_snapshot_restore_rolls_back_pending_and_forgets_learners() -> None:
         with pytest.raises(InvalidArgument, match=r"malformed.*applied"):
             fresh.restore({**snap, "applied": bad})
     assert fresh.accepted("s1") is not None and fresh.accepted("s9") is None  # a refused restore changed nothing
+
+
+def test_restore_adopting_a_checkpoint_takes_its_outer_state_without_copying_it() -> None:
+    c = core(k=2)
+    a, b = c.register("a", 0.0).worker_id, c.register("b", 0.0).worker_id
+    c.accept(submission(c, a, "s1"), torch.ones(N), now=1.0)
+    c.accept(submission(c, b, "s2"), torch.ones(N), now=1.0)
+    snap = {**c.snapshot(), "params": c.params.clone(), "outer": {**c.outer.state_dict(), "buf": c.outer.buf.clone()}}
+    copied, adopted = core(k=2), core(k=2)
+    copied.restore(snap)
+    adopted.restore(snap, adopt=True)
+    assert isinstance(copied.outer, Nesterov) and isinstance(adopted.outer, Nesterov)
+    assert copied.outer.buf is not None and adopted.outer.buf is snap["outer"]["buf"]  # taken, not copied
+    assert copied.outer.buf.data_ptr() != snap["outer"]["buf"].data_ptr()
+    assert torch.equal(adopted.outer.buf, copied.outer.buf) and torch.equal(adopted.params, copied.params)
+    assert adopted.params.data_ptr() != snap["params"].data_ptr()  # Θ is the core's own: the parameters are copied
 
 
 def test_config_errors() -> None:

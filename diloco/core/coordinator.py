@@ -974,12 +974,13 @@ class CoordinatorCore:
             "registered_ever": self.registered_ever,
         }
 
-    def restore(self, snap: dict[str, Any], learners_at: float | None = None) -> None:
+    def restore(self, snap: dict[str, Any], learners_at: float | None = None, *, adopt: bool = False) -> None:
         """Adopt a checkpoint. Pending submissions are gone: the ledger rolls accepted cursors back to
         committed. Without `learners_at` every learner must register again (its shards are released); with it (a
         standby's state, at a promotion) the learner table in `snap` is kept, clocks starting at `learners_at`
         (module docstring). The outcomes of applied submissions it holds are kept: a duplicate of one is answered
-        as before."""
+        as before. The parameters are copied into Θ; `adopt`: the caller hands `snap`'s tensors over (a checkpoint
+        just read), so the outer state's are taken as they are, not copied (a model-sized copy each otherwise)."""
         try:
             params = snap["params"]
             if not isinstance(params, torch.Tensor) or params.shape != self.params.shape:
@@ -996,7 +997,7 @@ class CoordinatorCore:
                     f"{len(learners)} learners; this coordinator holds at most {self.cfg.max_workers}"
                 )
             plan_seq, registered_ever = int(snap.get("plan_seq", 0)), int(snap.get("registered_ever", 0))
-            self.outer.load_state_dict(snap["outer"])
+            self.outer.load_state_dict(snap["outer"], clone=not adopt)
             version = int(snap["version"])
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidArgument(f"checkpoint is malformed: {e}") from e

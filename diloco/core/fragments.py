@@ -389,9 +389,10 @@ class FragmentedCoordinator:
         }
         return snap
 
-    def restore(self, snap: Mapping[str, Any], learners_at: float | None = None) -> None:
+    def restore(self, snap: Mapping[str, Any], learners_at: float | None = None, *, adopt: bool = False) -> None:
         """Adopt a snapshot written with the same layout (InvalidArgument otherwise, nothing changed);
-        `learners_at`: as `CoordinatorCore.restore` (a standby's state at a promotion keeps its learner table)."""
+        `learners_at` and `adopt` as for `CoordinatorCore.restore` (a standby's state at a promotion keeps its
+        learner table; the outer states' tensors are taken, not copied)."""
         frag = snap.get("fragments")
         if not isinstance(frag, Mapping):
             raise InvalidArgument("checkpoint has no fragment state: it was written without fragments (--fragments 1)")
@@ -409,9 +410,9 @@ class FragmentedCoordinator:
             )
         if not len(outer) == len(versions) == len(steps) == len(guards) == self.fragments:
             raise InvalidArgument(f"checkpoint fragment state does not hold {self.fragments} fragments")
-        self.core.restore(dict(snap), learners_at)
+        self.core.restore(dict(snap), learners_at, adopt=adopt)
         for o, state in zip(self.outers, outer, strict=True):
-            o.load_state_dict(state)
+            o.load_state_dict(state, clone=not adopt)
         self.fragment_versions, self.fragment_steps = versions, steps
         for g, norms in zip(self.guards, guards, strict=True):
             g.restore(norms)

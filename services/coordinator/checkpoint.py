@@ -5,6 +5,10 @@ body, which is `torch.save(snapshot)`. A checkpoint is written to a temporary fi
 while it is written, fsynced, renamed into place and the folder fsynced, so a crash leaves either the old set
 or the new one. `load_latest` verifies the checksum and falls back to the next older file when the newest is
 corrupt (truncated, bit flips, not a checkpoint).
+
+Memory: `save` serialises the tensors from their own storage (`torch.save` hands the writer views of it), and `load`
+hashes the file a slab at a time, then reads each tensor from the file straight into its new storage: neither
+makes a copy of the body, so resuming holds the tensors read and nothing more.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ _DIGEST_BYTES = 32
 _HEADER_BYTES = len(MAGIC) + _DIGEST_BYTES
 _NAME = re.compile(r"^ckpt-(\d{8,})\.pt$")
 _TMP_PREFIX = ".ckpt-"
+_HASH_SLAB_BYTES = 1 << 20  # `load` hashes the body this much at a time
 
 
 class CorruptCheckpoint(InvalidArgument):
@@ -144,25 +149,36 @@ def discard_after(directory: str | Path, version: int) -> list[Path]:
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    """Read and verify one checkpoint; raises `CorruptCheckpoint` when it is not intact."""
+    """Read and verify one checkpoint; raises `CorruptCheckpoint` when it is not intact. The body is hashed from the
+    open file, then unpickled from that same file (each tensor read into its own storage): no copy of the body."""
     p = Path(path)
     try:
-        data = p.read_bytes()
+        with p.open("rb") as f:
+            header = f.read(_HEADER_BYTES)
+            if len(header) < _HEADER_BYTES or not header.startswith(MAGIC):
+                raise CorruptCheckpoint(f"{p} is not a coordinator checkpoint (bad header)")
+            if _sha256_rest(f) != header[len(MAGIC) :]:
+                raise CorruptCheckpoint(f"checkpoint {p} fails its sha256 check (truncated or corrupted)")
+            f.seek(_HEADER_BYTES)  # torch.load reads the body as a file that starts here
+            try:
+                snap = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as e:  # a body that hashes right but does not unpickle: written by something else
+                raise CorruptCheckpoint(f"checkpoint {p} cannot be read: {e}") from e
     except OSError as e:
         raise CorruptCheckpoint(f"cannot read checkpoint {p}: {e}") from e
-    if len(data) < _HEADER_BYTES or not data.startswith(MAGIC):
-        raise CorruptCheckpoint(f"{p} is not a coordinator checkpoint (bad header)")
-    digest = data[len(MAGIC) : _HEADER_BYTES]
-    body = memoryview(data)[_HEADER_BYTES:]
-    if hashlib.sha256(body).digest() != digest:
-        raise CorruptCheckpoint(f"checkpoint {p} fails its sha256 check (truncated or corrupted)")
-    try:
-        snap = torch.load(io.BytesIO(body), map_location="cpu", weights_only=True)
-    except Exception as e:  # a body that hashes right but does not unpickle: written by something else
-        raise CorruptCheckpoint(f"checkpoint {p} cannot be read: {e}") from e
     if not isinstance(snap, dict) or "version" not in snap or "params" not in snap:
         raise CorruptCheckpoint(f"checkpoint {p} does not hold a coordinator snapshot")
     return snap
+
+
+def _sha256_rest(f: io.BufferedIOBase) -> bytes:
+    """The sha256 of what `f` holds from where it stands to its end, read a slab at a time into one buffer."""
+    sha = hashlib.sha256()
+    slab = bytearray(_HASH_SLAB_BYTES)
+    view = memoryview(slab)
+    while n := f.readinto(view):
+        sha.update(view[:n])
+    return sha.digest()
 
 
 def load_latest(directory: str | Path) -> tuple[dict[str, Any], Path] | None:

@@ -201,14 +201,15 @@ class CoordinatorServer:
                 snap, path = found
                 try:
                     if frag is not None:
-                        frag.restore(snap, learners_at=self.clock() if self._adopt_learners else None)
+                        frag.restore(snap, learners_at=self.clock() if self._adopt_learners else None, adopt=True)
                     elif "fragments" in snap:
                         raise InvalidArgument(
                             f"it was written with --fragments {len(snap['fragments'].get('versions', ()))}, this run "
                             "has none; restart with the --fragments it was written with"
                         )
                     else:
-                        core.restore(snap, learners_at=self.clock() if self._adopt_learners else None)
+                        learners_at = self.clock() if self._adopt_learners else None
+                        core.restore(snap, learners_at=learners_at, adopt=True)  # read for it: its tensors are ours
                 except InvalidArgument as e:
                     raise ConfigError(
                         f"checkpoint {path} does not fit this run ({e}); point --checkpoint-dir elsewhere "
@@ -217,6 +218,7 @@ class CoordinatorServer:
                 self.resumed_from = path
                 self._last_ckpt_version = core.version
                 totals = self._restored_totals(snap, path)
+                del found, snap  # the parameters read were copied into Θ: they go before Θ's broadcast shadow is made
         started = self.clock()
         signal = CarbonSignal(trace, cfg.carbon_trace_origin_unix_s or started, provider=provider is not None)
         epoch = time.time_ns() if self._epoch is None else self._epoch
