@@ -294,6 +294,7 @@ class LocalCluster:
         self.healthd_port = 0
         self.procs: dict[str, Proc] = {}
         self._channel: grpc.Channel | None = None
+        self._channel_address = ""  # where _channel goes
         self.tls_dir: Path | None = None
         self.security = SecurityConfig()  # plaintext on loopback, no tokens
         if not cfg.insecure:
@@ -546,8 +547,14 @@ class LocalCluster:
     # --- RPC helpers ------------------------------------------------------------------------------------------
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        """The coordinator's, at `coordinator_port` (moved to another port, e.g. the leader among replicas: a new
+        channel there)."""
+        if self._channel is not None and self._channel_address != self.coordinator_address:
+            self._channel.close()
+            self._channel = None
         if self._channel is None:
             self._channel = self.security.channel(self.coordinator_address, admin=True)
+            self._channel_address = self.coordinator_address
         return coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
     def status(self, timeout_s: float = 3.0) -> coordinator_pb2.GetStatusResponse:

@@ -79,6 +79,12 @@ def _etcd_binary() -> str:
 
 
 @pytest.fixture
+def etcd_installed() -> str:
+    """The etcd binary, for a test that starts etcd itself (e.g. through `diloco local --replicas`)."""
+    return _etcd_binary()
+
+
+@pytest.fixture
 def etcd_server(tmp_path: Path) -> Iterator[EtcdServer]:
     """A real etcd (Debian's etcd-server) on free loopback ports, stopped and reaped at the end."""
     server = EtcdServer(_etcd_binary(), tmp_path / "etcd")

@@ -1,5 +1,7 @@
 """`diloco local`: the embedded default job. Starts healthd, the coordinator and N workers as separate
-processes on loopback, shows live progress, and ends with a summary."""
+processes on loopback, shows live progress, and ends with a summary. With `--replicas N` (N >= 2) the coordinator
+is N replicas under the leadership of a real etcd (`diloco.ha.local`), and the progress names the leader and its
+epoch."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from rich.console import Console, Group
@@ -21,11 +24,15 @@ from diloco.cli.ctl import state_name
 from diloco.cluster import ClusterConfig, LocalCluster
 from diloco.core.codecs import CODEC_NAMES
 from diloco.core.fragments import check_fragments
+from diloco.core.replication import WHEN_NO_STANDBY
 from diloco.core.rounds import MODES
 from diloco.errors import ConfigError
 from diloco.rpc.limits import MAX_WATTS
 from diloco.rpc.vocab import MODES as MODES_PB
 from diloco.v1 import coordinator_pb2
+
+if TYPE_CHECKING:  # diloco.ha.local imports the coordinator's service modules: when the command runs, not for --help
+    from diloco.ha.local import ReplicaPlan, ReplicatedCluster
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,6 +79,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--shard-model",
         action="store_true",
         help="with --nproc-per-worker N >= 2: every island shards its model over its ranks (FSDP2) instead of DDP",
+    )
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="coordinator replicas (1..5): N >= 2 also starts a real etcd; one replica leads, the others follow it as "
+        "hot standbys and one takes over when it fails (docs/ha.md); healthd and the workers get every address",
+    )
+    p.add_argument(
+        "--sync-replicas",
+        type=int,
+        default=None,
+        help="with --replicas N >= 2: standbys that must hold a version before workers get it (0..N-1; default 1)",
+    )
+    p.add_argument(
+        "--when-no-standby",
+        choices=WHEN_NO_STANDBY,
+        default=None,
+        help="with --replicas N >= 2: what a leader does with a version too few standbys acknowledged (default "
+        "publish; wait: hold it back, docs/ha.md)",
     )
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up after this long")
@@ -155,6 +182,31 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
     )
 
 
+def replicas_from_args(a: argparse.Namespace, cfg: ClusterConfig) -> ReplicaPlan | None:
+    """The coordinator replicas `--replicas` asks for (None: one coordinator, no etcd), checked against the
+    coordinator's own rules for the flags each will get (`ConfigError`)."""
+    from diloco.ha.local import check_replica_flags, replica_plan
+
+    plan = replica_plan(a.replicas, a.sync_replicas, a.when_no_standby)
+    if plan is not None:
+        check_replica_flags(cfg, plan)
+    return plan
+
+
+def replicated(cluster: LocalCluster, plan: ReplicaPlan) -> ReplicatedCluster:
+    from diloco.ha.local import ReplicatedCluster
+
+    return ReplicatedCluster(cluster, plan)
+
+
+def leadership(status: coordinator_pb2.GetStatusResponse) -> str:
+    """Who leads and under which epoch, with the standbys following (replicas under etcd); "" otherwise."""
+    if not status.HasField("ha") or not status.ha.leader_id:
+        return ""
+    ha = status.ha
+    return f"leader {ha.leader_id} epoch {ha.leader_epoch}, {len(ha.replicas)} standby(s) following"
+
+
 def view(
     status: coordinator_pb2.GetStatusResponse, workers: coordinator_pb2.ListWorkersResponse, elapsed: float
 ) -> Group:
@@ -167,6 +219,7 @@ def view(
         f"tokens {status.tokens_applied:,}",
         f"{elapsed:.0f} s",
         "[yellow]paused[/yellow]" if status.paused else "",
+        leadership(status),
     )
     t = Table()
     for col in ("worker", "state", "tokens/s (measured)", "H_m", "shards", "submissions", "tokens"):
@@ -219,33 +272,36 @@ def summary(cluster: LocalCluster, started: float) -> dict[str, Any]:
             for w in workers.workers
         },
         "run_dir": str(cluster.run_dir),
+        **(
+            {"leader": status.ha.leader_id, "leader_epoch": status.ha.leader_epoch}
+            if status.HasField("ha") and status.ha.leader_id
+            else {}
+        ),
     }
 
 
 def run(a: argparse.Namespace) -> int:
     cfg = config_from_args(a)
+    plan = replicas_from_args(a, cfg)
     console = Console(stderr=a.json)
-    console.print(f"starting healthd, coordinator and {cfg.workers} workers; logs in {cfg.run_dir}")
+    coordinators = "coordinator" if plan is None else f"etcd, {len(plan.names)} coordinator replicas"
+    console.print(f"starting healthd, {coordinators} and {cfg.workers} workers; logs in {cfg.run_dir}")
     started = time.monotonic()
     with LocalCluster(cfg) as cluster:
-        cluster.start()
-        try:
-            with Live(console=console, refresh_per_second=4, transient=False) as live:
-                while time.monotonic() - started < a.timeout_s:
-                    try:
-                        status, workers = cluster.status(), cluster.workers()
-                        live.update(view(status, workers, time.monotonic() - started))
-                        if status.finished and not cluster.workers_alive():
-                            break
-                    except grpc.RpcError:
-                        pass
-                    if not cluster.procs["coordinator"].alive:
-                        console.print(f"[red]coordinator exited[/red]\n{cluster.tail('coordinator')}")
-                        return 1
-                    time.sleep(0.5)
-        except KeyboardInterrupt:
-            console.print("interrupted: stopping the cluster")
-        result = summary(cluster, started)
+        ha = None if plan is None else replicated(cluster, plan)
+        with ha or nullcontext():
+            if ha is None:
+                cluster.start()
+            else:
+                ha.start()
+                console.print(
+                    f"etcd (pid {ha.etcd.pid}) at {ha.etcd.url}, its data in {ha.workdir}; replicas at {ha.addresses} "
+                    f"(diloco ctl --coordinator {ha.addresses} ...)"
+                )
+            failed = watch(cluster, ha, console, started, a.timeout_s)
+            if failed:
+                return 1
+            result = summary(cluster, started)
     if a.json:
         json.dump(result, sys.stdout, indent=2)
         print()
@@ -257,3 +313,36 @@ def run(a: argparse.Namespace) -> int:
                 t.add_row(k, f"{v:,.4f}" if isinstance(v, float) else f"{v:,}" if isinstance(v, int) else str(v))
         console.print(t)
     return 0
+
+
+def watch(
+    cluster: LocalCluster, ha: ReplicatedCluster | None, console: Console, started: float, timeout_s: float
+) -> bool:
+    """Show the progress until the job finished and the workers exited, `timeout_s` passed or Ctrl-C; with replicas,
+    at the leader, starting again the replicas that ended (`ReplicatedCluster.supervise`). True: the coordinator
+    (every replica) exited."""
+    try:
+        with Live(console=console, refresh_per_second=4, transient=False) as live:
+            while time.monotonic() - started < timeout_s:
+                try:
+                    if ha is not None:
+                        ha.follow()
+                    status, workers = cluster.status(), cluster.workers()
+                    live.update(view(status, workers, time.monotonic() - started))
+                    if status.finished and not cluster.workers_alive():
+                        break
+                except grpc.RpcError:
+                    pass
+                if ha is None and not cluster.procs["coordinator"].alive:
+                    console.print(f"[red]coordinator exited[/red]\n{cluster.tail('coordinator')}")
+                    return True
+                if ha is not None:
+                    for line in ha.supervise():
+                        console.print(line)
+                    if not ha.running():
+                        console.print("[red]every coordinator replica exited[/red]")
+                        return True
+                time.sleep(0.5)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping the cluster")
+    return False

@@ -1,6 +1,8 @@
 """A real etcd on this machine, for the tests and the benchmarks: Debian's `etcd` binary (package etcd-server) as a
 child process on free loopback ports, with its data in a folder of the caller's. The tests' `etcd_server` fixture
-(tests/conftest.py) starts one per test and the `ha` benchmark one per run; both always reap it.
+(tests/conftest.py) starts one per test, the `ha` benchmark one per run and `diloco local --replicas N`
+(`diloco.ha.local`) one per job; all always reap it. It runs in a session of its own, so a Ctrl-C at the terminal
+reaches the process that started it, which stops it last (after the replicas that resign there).
 
 `kill()` ends it with SIGKILL (a crash), `pause()`/`resume()` freeze it with SIGSTOP/SIGCONT (a hang: calls time
 out instead of being refused), `start()` again restarts it on the same ports with the same data (leases and
@@ -137,7 +139,7 @@ class EtcdServer:
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD")}  # no settings from outside
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _healthy(self) -> bool:
         if self.proc is None or self.proc.poll() is not None:
