@@ -35,7 +35,7 @@ def test_tiny_payload_measures_every_round(watch: bool) -> None:
     assert big["peak"] >= big["rss_started"] > 0 and base["peak"] > 0
     assert result["model_bytes"] == 4 * big["numel"]
     (check,) = result["checks"]
-    assert isinstance(check["pass"], bool) and "fp32 model sizes" in check["name"]
+    assert check["pass"] is None and "fp32 model sizes" in check["name"]  # too small to judge
     text = markdown(result)
     assert "| 2 |" in text and "| mean (after the first) |" in text
     assert ("--no-watch" in text) is not watch
