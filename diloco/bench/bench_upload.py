@@ -111,9 +111,12 @@ def pick_model(params: int) -> ModelConfig:
 
 # --- the coordinator process ----------------------------------------------------------------------------------
 class Coordinator:
-    """`python -m services.coordinator` in its own process, logging to a file; `close()` stops and reaps it."""
+    """`python -m services.coordinator` in its own process, logging to a file; `close()` stops and reaps it. `extra`
+    flags come last, so they override the ones set here."""
 
-    def __init__(self, model: ModelConfig, log_dir: Path, *, max_bytes: int, shards: int) -> None:
+    def __init__(
+        self, model: ModelConfig, log_dir: Path, *, max_bytes: int, shards: int, extra: Sequence[str] = ()
+    ) -> None:
         self.log_path = log_dir / "coordinator.log"
         argv = [
             sys.executable,
@@ -154,6 +157,7 @@ class Coordinator:
             str(model.seq_len),
             "--batch-size",  # one sequence per step: a submission of one step holds TOKENS_PER_SUBMISSION tokens
             "1",
+            *extra,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}  # flags only, no surprises
         self._log_file = self.log_path.open("wb")
@@ -417,10 +421,10 @@ class UploadResult:
         }
 
 
-def register(stub: coordinator_pb2_grpc.CoordinatorStub, specs: list[ParamSpec]) -> Learner:
+def register(stub: coordinator_pb2_grpc.CoordinatorStub, specs: list[ParamSpec], name: str = "bench-upload") -> Learner:
     resp = stub.Register(
         coordinator_pb2.RegisterRequest(
-            worker_name="bench-upload",
+            worker_name=name,
             throughput=common_pb2.Throughput(tokens_per_s=1.0, step_time_s=1.0, device_kind="cpu"),
             model_fingerprint="",
         ),

@@ -30,6 +30,7 @@ from diloco.bench import (
     bench_island,
     bench_large,
     bench_load,
+    bench_payload,
     bench_sparse,
     bench_upload,
     cluster_bench,
@@ -156,6 +157,12 @@ SECTIONS: tuple[Section, ...] = (
         "Streaming fragments: peak link bandwidth and loss against P (simulator)",
         bench_fragments.section,
         bench_fragments.markdown,
+    ),
+    Section(
+        "payload",
+        "A ~1B-parameter payload through the coordinator alone: memory and round time",
+        bench_payload.section,
+        bench_payload.markdown,
     ),
 )
 NAMES = tuple(s.name for s in SECTIONS)
