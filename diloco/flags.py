@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar
 
@@ -27,6 +28,18 @@ def parse_bool(text: str) -> bool:
     if value in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"expected true/false, got {text!r}")
+
+
+_SIZE = re.compile(r"([0-9]{1,16})\s*([KMGT]?)(?:I?B)?", re.IGNORECASE)
+_SIZE_SHIFT = {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: digits, optionally with a binary suffix K, M, G or T (`2G` = 2 << 30; `KiB`, `KB` alike)."""
+    m = _SIZE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"expected a byte count like 1048576 or 2G, got {text!r}")
+    return int(m[1]) << _SIZE_SHIFT[m[2].upper()]
 
 
 class FlagParser(argparse.ArgumentParser):

@@ -32,7 +32,7 @@ from diloco.task.params import load_flat_
 from diloco.v1 import common_pb2, coordinator_pb2_grpc
 from services.coordinator import checkpoint
 from services.coordinator.__main__ import main
-from services.coordinator.config import CrashFault, parse
+from services.coordinator.config import CoordinatorServiceConfig, CrashFault, parse
 from tests.support import (
     CHUNK,
     Env,
@@ -712,6 +712,32 @@ def test_parse_reads_flags_with_env_fallbacks() -> None:
     replicated = ["--replication-log", "2", "--sync-replicas", "1", "--insecure"]
     assert parse(replicated, {"DILOCO_WHEN_NO_STANDBY": "wait"}).when_no_standby == "wait"
     assert parse(replicated, {}).when_no_standby == "publish"
+
+
+def test_the_replication_log_byte_cap_takes_a_count_or_a_size_within_bounds_and_names_the_flag() -> None:
+    log = ["--replication-log", "8", "--insecure"]
+    assert parse(log, {}).replication_log_bytes == 0  # the default: a snapshot's tensors, from the model
+    for text, want in (
+        ("1048576", 1 << 20),
+        ("2G", 2 << 30),
+        ("2g", 2 << 30),
+        ("512MiB", 512 << 20),
+        (" 64K ", 64 << 10),
+    ):
+        assert parse([*log, "--replication-log-bytes", text], {}).replication_log_bytes == want
+    assert parse(log, {"DILOCO_REPLICATION_LOG_BYTES": "1T"}).replication_log_bytes == 1 << 40
+    for bad in ("-1", "2X", "0.5G", "G", "", "1e9"):
+        with pytest.raises(ConfigError, match="--replication-log-bytes"):
+            parse([*log, "--replication-log-bytes", bad], {})
+        with pytest.raises(ConfigError, match="--replication-log-bytes"):
+            parse(log, {"DILOCO_REPLICATION_LOG_BYTES": bad})
+    with pytest.raises(ConfigError, match=r"--replication-log-bytes\) must be a byte count in \[1, 1099511627776\]"):
+        parse([*log, "--replication-log-bytes", "2T"], {})
+    with pytest.raises(ConfigError, match=r"--replication-log-bytes\) caps the round log: set replication_log"):
+        parse(["--replication-log-bytes", "2G", "--insecure"], {})
+    for value in (-1, True, 1.5):
+        with pytest.raises(ConfigError, match="--replication-log-bytes"):
+            CoordinatorServiceConfig(replication_log=2, replication_log_bytes=value)
 
 
 @pytest.mark.parametrize(

@@ -151,11 +151,18 @@ def test_status_and_metrics_show_each_standby_and_its_lag(
         assert not got["standby-2"].HasField("acked_version") and got["standby-2"].lag_versions == 3  # holds none
         assert metric("diloco_replica_lag_versions", {"replica": "standby-1"}) == 0
         assert metric("diloco_replica_lag_versions", {"replica": "standby-2"}) == 3
-        assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=5).ha.log_version == 2
+        ha = env.stub.GetStatus(pb.GetStatusRequest(), timeout=5).ha
+        assert ha.log_version == 2
+        # the default byte cap is a snapshot's tensors, Θ and the momentum: two entries (Δ and bookkeeping each)
+        # are more, so the log holds the newest alone
+        assert ha.log_max_bytes == metric("diloco_replication_log_max_bytes") == 2 * 4 * numel
+        assert (ha.log_oldest_version, ha.log_entries) == (1, 1) and metric("diloco_replication_log_entries") == 1
+        assert 4 * numel < ha.log_bytes == metric("diloco_replication_log_bytes") < 2 * 4 * numel
 
         assert main(ctl(env.server.address, "status")) == 0
         out = capsys.readouterr().out
         assert "high availability" in out and "standby-1" in out and "in sync" in out
+        assert "version 2 (1 entry)" in out and "kept at most" in out
     finally:
         stalled.cancel()
         standby.stop()

@@ -33,11 +33,12 @@ from diloco.core.replication import (
     SyncGate,
     WhenNoStandby,
     digest,
+    snapshot_tensor_bytes,
     state_digest,
 )
 from diloco.core.rounds import RoundConfig
 from diloco.core.uploads import Outcome, UploadHeader, UploadLimits, Uploads
-from diloco.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument
 from diloco.rpc.payload import PayloadReceiver
 
 pytestmark = pytest.mark.timeout(60)
@@ -549,6 +550,77 @@ def test_the_log_says_entries_or_snapshot() -> None:
         log.append(leader.entries[-1])
 
 
+def test_the_log_keeps_the_newest_entries_that_fit_its_byte_cap_and_always_the_newest() -> None:
+    leader = Leader()
+    leader.rounds(8)
+    sizes = [e.payload_bytes for e in leader.entries]
+    assert all(s == 4 * N + len(e.bookkeeping) for s, e in zip(sizes, leader.entries, strict=True))
+    for cap in (1, min(sizes), 2 * max(sizes), 3 * max(sizes) + 7, sum(sizes)):
+        log = RoundLog(0, leader.first.digest, max_entries=100, max_bytes=cap)
+        for n, e in enumerate(leader.entries, start=1):
+            log.append(e)
+            kept = log.since(log.oldest, log.digest_of(log.oldest))
+            assert (
+                kept is not None and kept[-1] is e and [k.version for k in kept] == list(range(log.oldest + 1, n + 1))
+            )
+            assert log.bytes == sum(k.payload_bytes for k in kept) == log.usage().bytes
+            assert log.bytes <= cap or len(kept) == 1  # only the newest may be larger than the cap
+            if log.oldest > 0:  # the entry dropped last did not fit beside the kept ones
+                assert log.bytes + sizes[log.oldest - 1] > cap
+        assert log.usage().entries == len(kept) and log.newest == 8
+    tiny = RoundLog(0, leader.first.digest, max_entries=100, max_bytes=1)
+    for e in leader.entries:
+        tiny.append(e)
+    assert tiny.oldest == 7 and tiny.bytes == sizes[-1]
+    # the version just before the newest is still acknowledgeable and caught up from the newest entry
+    assert [e.version for e in tiny.since(7, leader.entries[6].digest) or []] == [8]
+    assert tiny.digest_of(8) == leader.entries[-1].digest and tiny.since(6, leader.entries[5].digest) is None
+    # the entry count still caps it too
+    both = RoundLog(0, leader.first.digest, max_entries=2, max_bytes=sum(sizes))
+    for e in leader.entries:
+        both.append(e)
+    assert both.usage().entries == 2
+    with pytest.raises(ConfigError, match="bytes must be >= 1"):
+        RoundLog(0, leader.first.digest, max_entries=2, max_bytes=0)
+
+
+def test_a_standby_behind_the_byte_capped_window_gets_a_snapshot_then_tails_bit_for_bit() -> None:
+    leader = Leader()
+    leader.log = RoundLog(0, leader.first.digest, max_entries=16, max_bytes=1)  # the newest entry only
+    s = Standby(N)
+    s.load(leader.first)
+    leader.rounds(3)
+    assert leader.log.since(s.version, s.digest) is None  # versions 1 and 2 were dropped: a snapshot
+    s.load(leader.snapshot())
+    assert_holds(s, leader, 3)
+    for _ in range(4):  # tailing one round behind, it always finds the entry it needs, and acknowledges the newest
+        leader.rounds(1)
+        entries = leader.log.since(s.version, s.digest)
+        assert entries is not None and [e.version for e in entries] == [leader.core.version]
+        s.apply(entries[0])
+        assert_holds(s, leader, leader.core.version)
+        assert leader.log.digest_of(s.version) == s.digest
+
+
+@pytest.mark.parametrize(
+    ("mode", "outer"), [("decoupled", "nesterov"), ("decoupled", "fedavg"), ("async", "delayed_nesterov")]
+)
+def test_the_default_byte_cap_is_a_snapshots_tensors_and_keeps_what_is_cheaper_than_one(mode: str, outer: str) -> None:
+    leader = Leader(mode, outer)
+    leader.rounds(6)
+    snap = leader.snapshot()
+    cap = snapshot_tensor_bytes(N, leader.core.outer)
+    assert cap == snap.meta.payload_bytes - len(snap.bookkeeping)  # Θ and the outer optimizer's tensors
+    assert tuple(n for n, _ in snap.outer_tensors) == tuple(sorted(leader.core.outer.state_tensors))
+    log = RoundLog(0, leader.first.digest, max_entries=100, max_bytes=cap)
+    for e in leader.entries:
+        log.append(e)
+    # a standby behind the window would need more entry bytes than the snapshot's tensors: it gets the snapshot
+    behind = sum(e.payload_bytes for e in leader.entries[log.oldest - 1 :])
+    assert log.oldest > 0 and behind > cap and (log.bytes <= cap or log.usage().entries == 1)  # FedAvg: Δ alone
+    assert log.usage().entries == {"nesterov": 1, "fedavg": 1, "delayed_nesterov": 2}[outer]
+
+
 # --- the publish gate -------------------------------------------------------------------------------------------
 
 
@@ -878,3 +950,11 @@ def test_fragments_and_no_fragments_do_not_mix() -> None:
         Receiver(N, layout=LAYOUT).start(dataclasses.replace(leader.entries[0].meta, fragments=(5,)))
     with pytest.raises(ResyncRequired, match="parameters"):  # Δ of fragment 0's size, naming fragment 1
         Receiver(N, layout=LAYOUT).start(dataclasses.replace(leader.entries[0].meta, numel=LAYOUT.size(0)))
+
+
+def test_the_default_byte_cap_with_fragments_counts_the_fragments_laid_tensors() -> None:
+    leader = FragmentLeader("async", "delayed_nesterov")
+    leader.rounds()
+    snap = leader.snapshot()
+    assert len(snap.outer_tensors) == 2  # fragments.buf, fragments.m: the core's own optimizer never stepped
+    assert snapshot_tensor_bytes(N, leader.frag.core.outer) == snap.meta.payload_bytes - len(snap.bookkeeping)

@@ -205,6 +205,43 @@ def test_a_restarted_standby_catches_up_from_its_checkpoint_or_else_from_a_snaps
     assert checkpoint.load_latest(ckpt) is not None
 
 
+def test_with_a_byte_cap_of_one_entry_a_late_or_restarted_standby_catches_up_from_a_snapshot_bit_for_bit(
+    start: Callable[..., Env], followers: Callable[..., Follower], tmp_path: Path
+) -> None:
+    """`--replication-log 8 --replication-log-bytes 1`: the log keeps the newest entry alone (the byte cap, not the
+    entry count, drops the others): a standby joining late, or restarted two versions behind, gets a snapshot and
+    then tails entry by entry, holding the leader's bits; the metrics show what the log holds."""
+    env = start(replication_log=8, replication_log_bytes=1)
+    metric = env.server.metrics.registry.get_sample_value
+    leader = Leader(env)
+    for _ in range(3):
+        leader.round()
+    assert metric("diloco_replication_log_entries") == 1 and metric("diloco_replication_log_max_bytes") == 1
+    entry_bytes = metric("diloco_replication_log_bytes")
+    assert entry_bytes is not None and 4 * env.numel < entry_bytes < 4 * env.numel + (1 << 20)  # Δ + bookkeeping
+    ckpt = tmp_path / "standby"
+    f = followers(env, checkpoint_dir=str(ckpt), checkpoint_every=1)
+    f.reach(3)
+    for _ in range(2):
+        f.reach(leader.round())
+    assert f.f.snapshots == 1 and f.f.resyncs == 0 and not f.f.failed
+    for v, state in f.states.items():
+        assert same_bits(state, leader.states[v]), f"version {v} differs"
+    f.stop()
+    for _ in range(2):
+        v = leader.round()  # versions 6, 7: 8 entries would have covered them; one entry's bytes do not
+    again = followers(env, checkpoint_dir=str(ckpt), checkpoint_every=1)
+    again.reach(v)
+    assert again.f.snapshots == 1, "version 5 is behind the byte-capped window: a snapshot"
+    v = leader.round()
+    again.reach(v)
+    assert same_bits(again.states[v], leader.states[v]) and same_bits(again.states[v - 1], leader.states[v - 1])
+    assert metric("diloco_replication_log_entries") == 1
+    ha = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).ha
+    assert (ha.log_oldest_version, ha.log_version, ha.log_entries) == (v - 1, v, 1)
+    assert ha.log_bytes == metric("diloco_replication_log_bytes") and ha.log_max_bytes == 1
+
+
 def test_a_standby_ahead_of_a_restarted_leader_goes_back_to_its_state(
     start: Callable[..., Env], followers: Callable[..., Follower], tmp_path: Path
 ) -> None:

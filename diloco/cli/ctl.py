@@ -191,6 +191,21 @@ def render(console: Console, action: str, msg: Any) -> None:
         console.print(to_dict(msg) or "ok")
 
 
+def _log_size(ha: Any) -> str:
+    """What the round log holds: the versions a standby catches up from, and its bytes against the cap."""
+    first, n = ha.log_oldest_version + 1, ha.log_entries
+    if not n or first > ha.log_version:
+        window = "no entries"
+    else:
+        versions = f"version {first}" if first == ha.log_version else f"versions {first}-{ha.log_version}"
+        window = f"{versions} ({n} entr{'y' if n == 1 else 'ies'})"
+    return f"{window}, {_mib(ha.log_bytes)} of {_mib(ha.log_max_bytes)} kept at most"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
 def render_ha(console: Console, ha: Any) -> None:
     """Leadership and the standbys following the round log (GetStatusResponse.ha)."""
     t = Table(title="high availability", show_header=False)
@@ -201,6 +216,7 @@ def render_ha(console: Console, ha: Any) -> None:
         "leadership epoch": str(ha.leader_epoch),
         "sync replicas": str(ha.sync_replicas),
         "round log version": str(ha.log_version),
+        "round log": _log_size(ha) if ha.log_max_bytes else "-",  # 0: no round log (or a leader before the cap)
     }
     for k, v in rows.items():
         t.add_row(k, v)

@@ -48,6 +48,11 @@ class OuterOptimizer(ABC):
     def set_num_learners(self, n: int) -> None:  # noqa: B027 - only DelayedNesterov needs it
         """Tell the optimizer how many learners are live (used by DelayedNesterov)."""
 
+    @property
+    @abstractmethod
+    def state_tensors(self) -> tuple[str, ...]:
+        """The keys of `state_dict()` that hold a params-sized tensor once it has stepped (a snapshot carries them)."""
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -88,6 +93,10 @@ class Nesterov(OuterOptimizer):
             else:
                 d_p = delta.add(self.buf, alpha=self.momentum)
         params.add_(d_p, alpha=-self.lr)
+
+    @property
+    def state_tensors(self) -> tuple[str, ...]:
+        return ("buf",) if self.momentum != 0 else ()
 
     def state_dict(self) -> dict[str, Any]:
         return {"name": self.name, "lr": self.lr, "momentum": self.momentum, "buf": self.buf}
@@ -136,6 +145,10 @@ class DelayedNesterov(OuterOptimizer):
             params.add_(self.m, alpha=-self.lr * self.momentum)
             self.buf.zero_()
             self.count = 0
+
+    @property
+    def state_tensors(self) -> tuple[str, ...]:
+        return ("buf", "m")
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -35,10 +35,19 @@ round, the staleness; ALGORITHM.md section 11, "Submission ids are in the log"),
 `core_snapshot()` hands them on: a coordinator resumed from it answers a learner resending a submission applied at
 the old leader with that outcome, and never applies it again.
 
-**What the leader keeps.** `RoundLog` keeps the last `max_entries` entries and the digest of every version from
-the one just before the oldest entry to the newest. `since(held, digest)` says what a standby holding `held` with
-`digest` needs: the entries after it, or `None` (a snapshot) when it holds nothing, is ahead of the leader (it
-followed a deposed leader further), holds a version the window no longer covers, or holds different bits.
+**What the leader keeps.** `RoundLog` keeps the newest entries, at most `max_entries` of them and at most
+`max_bytes` of payload (Δ and bookkeeping, `LogEntry.payload_bytes`) in all, dropping the oldest first but never
+the newest (which alone may be larger), and the digest of every version from the one just before the oldest entry
+to the newest. `since(held, digest)` says what a standby holding `held` with `digest` needs: the entries after it,
+or `None` (a snapshot) when it holds nothing, is ahead of the leader (it followed a deposed leader further), holds a
+version the window no longer covers, or holds different bits. With `max_bytes` the size of a snapshot
+(`snapshot_tensor_bytes`: Θ and the outer optimizer's tensors, the default of `--replication-log-bytes`), a
+standby sent a snapshot for want of entries would have needed more entry bytes than the snapshot's tensors (the
+kept ones and at least one more), so the cap bounds the log at about no cost in bytes sent (the two bookkeepings,
+a few KB, aside). The newest entry is always
+kept: a standby holding the version before it (the floor) can always acknowledge the newest version, which is what
+the publish gate waits for, and one further behind gets a snapshot of the newest. Entries a stream is sending
+when they are dropped are still sent (the stream holds them); it then asks `since` again.
 
 **Synchronous replication.** `SyncGate` decides when version v may be published to learners: once `required`
 standbys acknowledged v (or a newer version). Waiting is bounded: when fewer standbys are following than could
@@ -281,6 +290,11 @@ class LogEntry:
         book = _json({"core": core_bookkeeping(core_snapshot), "applied": applied_to_json(applied)})
         crc = _crc((_fp32(delta), book))
         return cls(version, epoch, learners, delta, book, after, crc, tuple(fragments))
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes the entry holds and sends: Δ and the bookkeeping (what the log's byte cap counts)."""
+        return 4 * self.delta.numel() + len(self.bookkeeping)
 
     @property
     def meta(self) -> EntryMeta:
@@ -820,15 +834,43 @@ def _applied(book: Mapping[str, Any], version: int | None) -> dict[str, Accepted
 # --- the leader's log -------------------------------------------------------------------------------------------
 
 
-class RoundLog:
-    """The leader's recent entries (at most `max_entries`) and the digest of every version they span."""
+def snapshot_tensor_bytes(numel: int, outer: OuterOptimizer) -> int:
+    """The bytes of a snapshot's tensors once `outer` has stepped: Θ and each of its state tensors, `numel` float32
+    values each (with fragments, each name laid model-sized too). A snapshot holds these and its bookkeeping: the
+    default byte cap of the round log (`--replication-log-bytes`)."""
+    return 4 * numel * (1 + len(outer.state_tensors))
 
-    def __init__(self, version: int, at: Digest, max_entries: int) -> None:
+
+@dataclass(frozen=True)
+class LogUsage:
+    """What the round log holds: versions `oldest` + 1 to `newest` (a standby holding `oldest` or newer catches up
+    from entries), `entries` of them, `bytes` of payload in all, under the cap `max_bytes`."""
+
+    oldest: int
+    newest: int
+    entries: int
+    bytes: int
+    max_entries: int
+    max_bytes: int | None
+
+
+class RoundLog:
+    """The leader's recent entries (at most `max_entries`, and at most `max_bytes` of payload save the newest
+    entry; None: no byte cap) and the digest of every version they span."""
+
+    def __init__(self, version: int, at: Digest, max_entries: int, max_bytes: int | None = None) -> None:
         if max_entries < 1:
             raise ConfigError(f"replication log entries must be >= 1, got {max_entries}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ConfigError(f"replication log bytes must be >= 1, got {max_bytes}")
         self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self.bytes = 0  # the entries' payload bytes, summed
         self._entries: deque[LogEntry] = deque()
         self._floor = (version, at)  # the version just before the oldest entry, and its digest
+
+    def usage(self) -> LogUsage:
+        return LogUsage(self.oldest, self.newest, len(self._entries), self.bytes, self.max_entries, self.max_bytes)
 
     @property
     def newest(self) -> int:
@@ -850,8 +892,12 @@ class RoundLog:
         if entry.version != self.newest + 1:
             raise FailedPrecondition(f"log entry {entry.version} does not follow version {self.newest}")
         self._entries.append(entry)
-        while len(self._entries) > self.max_entries:
+        self.bytes += entry.payload_bytes
+        while len(self._entries) > self.max_entries or (
+            self.max_bytes is not None and self.bytes > self.max_bytes and len(self._entries) > 1
+        ):
             old = self._entries.popleft()
+            self.bytes -= old.payload_bytes
             self._floor = (old.version, old.digest)
 
     def since(self, held: int | None, held_digest: Digest | None) -> list[LogEntry] | None:

@@ -26,7 +26,7 @@ from diloco.core.outer import OUTER_NAMES, OuterConfig
 from diloco.core.replication import WHEN_NO_STANDBY, WhenNoStandby
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
-from diloco.flags import Flag, config_from_flags, parse_bool
+from diloco.flags import Flag, byte_size, config_from_flags, parse_bool
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.admission import AdmissionLimits
@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # diloco.ha.etcd (requests, etcd3gw) is imported only by a co
 LOG_LEVELS = ("debug", "info", "warning", "error")
 CRASH_FAULT = re.compile(r"(applied|accepted)@([0-9]{1,9})")  # --fault-crash-before-answer
 PROVIDER_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # package.module:function
+MAX_REPLICATION_LOG_BYTES = 1 << 40  # --replication-log-bytes at most (1 TiB)
 
 
 def default_task() -> TaskConfig:
@@ -141,6 +142,7 @@ class CoordinatorServiceConfig:
     carbon_provider_timeout_s: float = 5.0  # a call running longer is abandoned (the last good value stays)
     carbon_refresh_s: float = 60.0  # how often the provider is asked for each zone's intensity
     replication_log: int = 0  # round-log entries kept for hot standbys (diloco.v1.Replication); 0: none served
+    replication_log_bytes: int = 0  # and at most this many bytes of them (the newest always); 0: a snapshot's size
     sync_replicas: int = 0  # publish a version to learners only once this many standbys hold it (a bounded wait)
     replica_ack_timeout_s: float = 5.0  # the longest a round waits for standby acks before publishing anyway
     # with too few standbys acknowledging: publish degraded (availability) or hold the version back (durability)
@@ -214,6 +216,7 @@ class CoordinatorServiceConfig:
                 "package.module:function"
             )
         _int_in("replication_log", self.replication_log, 0, 1024)
+        self._check_replication_log_bytes()
         _int_in("sync_replicas", self.sync_replicas, 0, 64)
         if self.sync_replicas and not self.replication_log:
             raise ConfigError(
@@ -254,6 +257,19 @@ class CoordinatorServiceConfig:
             )
         self.core_config()  # the core's own checks (outer lr/momentum, quorum against expected workers)
         self.security.check_server(self.host)  # last: field errors first, then TLS or loopback plaintext
+
+    def _check_replication_log_bytes(self) -> None:
+        v = self.replication_log_bytes
+        if not (isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_REPLICATION_LOG_BYTES):
+            raise ConfigError(
+                f"replication_log_bytes (--replication-log-bytes) must be a byte count in [1, "
+                f"{MAX_REPLICATION_LOG_BYTES}] (1T), or 0 for the bytes of a snapshot, got {v!r}"
+            )
+        if v and not self.replication_log:
+            raise ConfigError(
+                "replication_log_bytes (--replication-log-bytes) caps the round log: set replication_log "
+                "(--replication-log) >= 1"
+            )
 
     def _check_fragments(self) -> None:
         """P >= 1 and <= H (`check_fragments`; against the model's tensors once it is built: the server). Replicas
@@ -473,7 +489,16 @@ _SERVICE_FLAGS: list[Flag] = [
         int,
         0,
         "round-log entries kept for hot standbys to catch up from (0: no replication service); each holds a "
-        "model-sized fp32 update, so the leader's memory grows by K model sizes: keep K small for large models",
+        "model-sized fp32 update, so the leader's memory grows by K model sizes: keep K small for large models "
+        "(--replication-log-bytes caps it)",
+    ),
+    (
+        "--replication-log-bytes",
+        byte_size,
+        0,
+        "the most bytes of entries the round log keeps (a byte count or a size like 2G; the newest entry always), "
+        "dropping the oldest: a standby further behind gets a snapshot. 0: the bytes of a snapshot's tensors (Θ and "
+        "the outer optimizer's state), which a standby needing more entries than that would cost more than",
     ),
     (
         "--sync-replicas",

@@ -145,7 +145,8 @@ class CoordinatorMetrics:
 class HaCollector(Collector):
     """High availability at scrape time (docs/ha.md), from `view()` (None: nothing to show): `diloco_leader_epoch`,
     `diloco_is_leader` and `diloco_replica_lag_versions{replica=...}`, one series per standby following now (a
-    standby that left has none)."""
+    standby that left has none); with a round log, `diloco_replication_log_bytes` (the entries' payload),
+    `diloco_replication_log_max_bytes` (its cap, `--replication-log-bytes`) and `diloco_replication_log_entries`."""
 
     def __init__(self, view: Callable[[], HaView | None]) -> None:
         self._view = view
@@ -154,7 +155,7 @@ class HaCollector(Collector):
         return iter(self._families())
 
     def collect(self) -> Iterator[Metric]:
-        epoch, leader, lag = self._families()
+        epoch, leader, lag, log_bytes, log_max_bytes, log_entries = self._families()
         v = self._view()
         if v is None:
             return
@@ -163,9 +164,16 @@ class HaCollector(Collector):
         for r in v.replicas:
             lag.add_metric([r.replica_id], r.lag)
         yield from (epoch, leader, lag)
+        if v.log is not None:
+            log_bytes.add_metric([], v.log.bytes)
+            log_entries.add_metric([], v.log.entries)
+            yield from (log_bytes, log_entries)
+            if v.log.max_bytes is not None:
+                log_max_bytes.add_metric([], v.log.max_bytes)
+                yield log_max_bytes
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+    def _families() -> tuple[GaugeMetricFamily, ...]:
         return (
             GaugeMetricFamily(
                 "diloco_leader_epoch", "Leadership epoch (the etcd key's creation revision; 0: no --etcd)"
@@ -176,6 +184,14 @@ class HaCollector(Collector):
                 "Versions a standby following the round log is behind its newest entry",
                 labels=["replica"],
             ),
+            GaugeMetricFamily(
+                "diloco_replication_log_bytes", "Payload bytes (each entry's Δ and bookkeeping) the round log holds"
+            ),
+            GaugeMetricFamily(
+                "diloco_replication_log_max_bytes",
+                "The round log's byte cap (--replication-log-bytes; default: the bytes of a snapshot's tensors)",
+            ),
+            GaugeMetricFamily("diloco_replication_log_entries", "Entries the round log holds"),
         )
 
 

@@ -43,12 +43,14 @@ from diloco.core.replication import (
     Gate,
     GateDecision,
     LogEntry,
+    LogUsage,
     ReplicaLag,
     RoundLog,
     Snapshot,
     SnapshotMeta,
     SyncGate,
     WhenNoStandby,
+    snapshot_tensor_bytes,
     state_digest,
 )
 from diloco.errors import FailedPrecondition, InvalidArgument
@@ -240,6 +242,7 @@ class ReplicationLog:
         state: CoordinatorState,
         *,
         entries: int,
+        max_bytes: int = 0,
         sync_replicas: int = 0,
         ack_timeout_s: float = 5.0,
         when_no_standby: WhenNoStandby = WhenNoStandby.PUBLISH,
@@ -249,8 +252,9 @@ class ReplicationLog:
         self.epoch = state.epoch
         self.clock = clock
         core = state.core
-        with state.work:
-            self._log = RoundLog(core.version, self._digest(), entries)
+        with state.work:  # max_bytes 0: the bytes of a snapshot's tensors (docs/ha.md, "The round log's size")
+            cap = max_bytes or snapshot_tensor_bytes(core.params.numel(), core.outer)
+            self._log = RoundLog(core.version, self._digest(), entries, cap)
         self._gate = SyncGate(sync_replicas, ack_timeout_s, when_no_standby)
         self._gate.appended(core.version)
         self._cond = threading.Condition()
@@ -281,6 +285,10 @@ class ReplicationLog:
     def newest(self) -> int:
         with self._cond:
             return self._log.newest
+
+    def usage(self) -> LogUsage:
+        with self._cond:
+            return self._log.usage()
 
     def _digest(self) -> Digest:
         """Under `work`: the digest of the state now (with fragments, over their outer optimizers)."""
@@ -314,6 +322,7 @@ class ReplicationLog:
             self._log.append(entry)
             self._gate.appended(entry.version)
             listeners = list(self._listeners)
+
         self._appended_at = self.clock()
         # one line per version: the digest a standby's `replication.applied` line must show for it
         self.log.info(
@@ -529,6 +538,7 @@ class HaView:
     sync_replicas: int
     log_version: int  # the newest version in the round log (lag counts from it)
     replicas: tuple[ReplicaLag, ...]
+    log: LogUsage | None = None  # what the round log holds (None: no round log)
 
 
 def ha_view(leadership: LeadershipView | None, log: ReplicationLog | None, address: str) -> HaView | None:
@@ -546,6 +556,7 @@ def ha_view(leadership: LeadershipView | None, log: ReplicationLog | None, addre
         sync_replicas=log.sync_replicas if log is not None else 0,
         log_version=log.newest if log is not None else 0,
         replicas=log.replicas() if log is not None else (),
+        log=log.usage() if log is not None else None,
     )
 
 

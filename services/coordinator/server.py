@@ -274,6 +274,7 @@ class CoordinatorServer:
             self._replication = ReplicationLog(
                 state,
                 entries=cfg.replication_log,
+                max_bytes=cfg.replication_log_bytes,
                 sync_replicas=cfg.sync_replicas,
                 ack_timeout_s=cfg.replica_ack_timeout_s,
                 when_no_standby=WhenNoStandby(cfg.when_no_standby),

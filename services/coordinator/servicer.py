@@ -81,6 +81,10 @@ def ha_to_proto(v: HaView) -> coordinator_pb2.HaStatus:
         is_leader=v.is_leader,
         sync_replicas=v.sync_replicas,
         log_version=v.log_version,
+        log_oldest_version=v.log.oldest if v.log is not None else 0,
+        log_entries=v.log.entries if v.log is not None else 0,
+        log_bytes=v.log.bytes if v.log is not None else 0,
+        log_max_bytes=(v.log.max_bytes or 0) if v.log is not None else 0,
         replicas=[
             coordinator_pb2.ReplicaStatus(
                 replica_id=r.replica_id, acked_version=r.acked, lag_versions=r.lag, lagging=r.lagging
