@@ -667,7 +667,17 @@ def wrong_checksum(msg: coordinator_pb2.ParametersChunk, is_header: bool) -> boo
     return True
 
 
-@pytest.mark.parametrize("fault", [flip_data, wrong_checksum], ids=["payload_crc", "params_checksum"])
+def shifted_range(msg: coordinator_pb2.ParametersChunk, is_header: bool) -> bool:
+    """The delta claims to start one value later: it no longer fits the parameters (ParametersHeader.delta_start)."""
+    if not is_header:
+        return False
+    msg.header.delta_start += 1
+    return True
+
+
+@pytest.mark.parametrize(
+    "fault", [flip_data, wrong_checksum, shifted_range], ids=["payload_crc", "params_checksum", "delta_range"]
+)
 def test_a_corrupted_delta_is_refused_and_refetched(
     start: Callable[..., Env], fault: Callable[[coordinator_pb2.ParametersChunk, bool], bool]
 ) -> None:
