@@ -36,6 +36,13 @@ def rows_of(readme: str, first_cells: str) -> list[str]:
     return [line for line in readme.splitlines() if line.startswith(f"| {first_cells} |")]
 
 
+def section_of(readme: str, title: str) -> str:
+    """The text of the report's section `title` (e.g. "2. Scale sweep"), up to the next section."""
+    start = readme.index(f"## {title}")
+    end = readme.find("\n## ", start + 1)
+    return readme[start : end if end >= 0 else len(readme)]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict[str, Any]]) -> None:
@@ -60,7 +67,8 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         for mode in ("dp", "sync", "decoupled"):
             assert rows_of(readme, f"{profile} | {mode}"), f"no row for {profile}/{mode}"
     for m in results["meta"]["profile"]["scale"]["learners"]:
-        assert len(rows_of(readme, str(m))) == 2, f"scale: M={m} should have a row per network"
+        scale = section_of(readme, "2. Scale sweep")
+        assert len(rows_of(scale, str(m))) == 2, f"scale: M={m} should have a row per network"
     for label in ("fp32", "bf16 + EF", "bf16 no EF", "int8 + EF", "int8 no EF", "int4 + EF", "int4 no EF", "topk + EF"):
         assert rows_of(readme, label), f"compression: no row for {label}"
     assert rows_of(readme, "decoupled"), "cluster: no row for the decoupled run"
@@ -78,6 +86,8 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert rows_of(readme, "1 rank") and rows_of(readme, "2 ranks (torchrun, DDP)"), "island: a row per learner"
     assert all(rows_of(readme, f"`{c}`") for c in ("fp32", "sparse", "topk")), "sparse: a row per codec"
     assert all(rows_of(readme, f"P = {p}") for p in (1, 2, 4)), "fragments: a row per P"
+    payload = section_of(readme, "20. A ~1B-parameter payload")
+    assert rows_of(payload, "1") and rows_of(payload, "peak, whole run"), "payload: a row per round and the peak"
     if etcd_binary() is not None:  # without it the section says it did not run (conftest: CI has it)
         assert rows_of(readme, "kill → first round committed by the new leader"), (
             f"ha: no failover row; the soak said: {results['sections']['ha']['error']!r}"
