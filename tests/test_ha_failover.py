@@ -120,10 +120,17 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         assert any(m["address"] == b_addr for m in moved), moved
         # the learners went on at coord-b under their registrations at coord-a (the learner table was in the log)
         assert int(str(promoted_b["learners"])) == cfg.workers
+
+        # a learner's watch finds coord-b after a backoff: on a busy machine the job may finish at coord-b (the other
+        # learner closing rounds) before that learner's first header from it, so wait for it rather than read at once
+        def all_taken_over() -> list[dict[str, object]] | None:
+            taken = worker_events(cfg, "worker.taken_over")
+            return taken if len(taken) >= cfg.workers else None
+
+        taken = wait_for("every learner taken over by coord-b", all_taken_over, timeout_s=30)
+        assert sorted(int(str(f["epoch"])) for f in taken) == [epoch_b] * cfg.workers, taken
         assert worker_events(cfg, "worker.registered") == registered
         assert not worker_events(cfg, "worker.reregister")
-        taken = worker_events(cfg, "worker.taken_over")
-        assert sorted(int(str(f["epoch"])) for f in taken) == [epoch_b] * cfg.workers, taken
         # every version a learner received from coord-a is in coord-b's history (--sync-replicas 1)
         assert int(str(promoted_b["version"])) >= max(received_before_kill)
         takeover_s = logged_at(promoted_b) - killed_at
