@@ -46,7 +46,7 @@ from typing import Any, cast
 import structlog
 import torch
 
-from diloco.bench.bench_large import COORDINATOR_TARGET
+from diloco.bench.bench_large import COORDINATOR_TARGET, _s
 from diloco.bench.bench_upload import (
     Coordinator,
     Learner,
@@ -297,10 +297,6 @@ def run(s: PayloadSettings, log: Log) -> dict[str, Any]:
 
 def section(ctx: Context) -> dict[str, Any]:
     return run(QUICK if ctx.quick else FULL, ctx.log)
-
-
-def _s(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
 
 
 def markdown(r: dict[str, Any]) -> str:
