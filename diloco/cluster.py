@@ -165,6 +165,21 @@ def ledger_shards(ledger: coordinator_pb2.GetLedgerResponse) -> list[LedgerShard
     ]
 
 
+def ledger_json_shards(ledger: dict[str, Any]) -> list[LedgerShard]:
+    """`ledger_shards` of `diloco ctl ledger --json`'s output."""
+
+    def ranges(s: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+        return tuple((int(r["start"]), int(r["end"])) for r in s["committed_ranges"])
+
+    return [LedgerShard(int(s["shard_id"]), int(s["committed"]), ranges(s)) for s in ledger["shards"]]
+
+
+def ledger_check(ledger: coordinator_pb2.GetLedgerResponse) -> list[str]:
+    """`ledger_problems` of one GetLedger reply, against the tokens applied that it read with the shards (a status
+    read apart may be a round older or newer while training goes on)."""
+    return ledger_problems(ledger_shards(ledger), ledger.tokens_applied)
+
+
 def ledger_problems(shards: Iterable[LedgerShard], tokens_applied: int) -> list[str]:
     """What keeps a ledger from being exactly once (empty: it is): every shard's committed ranges must tile
     [0, committed) in order, with no gap (a lost range) and no overlap (a duplicate), and the cursors must add up

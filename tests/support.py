@@ -38,6 +38,7 @@ from diloco.cluster import (  # noqa: F401  (wait_for and the rest are re-export
     LogFollower,
     Proc,
     describe,
+    ledger_check,
     ledger_problems,
     ledger_shards,
     seconds_until,
@@ -509,7 +510,7 @@ def worker_state(c: LocalCluster, name: str) -> str:
 
 
 def assert_exactly_once(c: LocalCluster) -> None:
-    problems = ledger_problems(ledger_shards(c.ledger()), c.status().tokens_applied)
+    problems = ledger_check(c.ledger())
     assert not problems, "the ledger is not exactly once:\n" + "\n".join(problems)
 
 

@@ -146,7 +146,7 @@ def test_submission_closes_a_round_and_commits_the_ledger(env: Env, codec: str) 
         assert torch.equal(decoded, delta)
     ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
     shard = ledger.shards[h.ranges[0].shard_id]
-    assert ledger.version == 1 and shard.committed == shard.accepted == h.ranges[0].end
+    assert ledger.version == 1 and ledger.tokens_applied == 128 and shard.committed == shard.accepted == h.ranges[0].end
     assert [(r.start, r.end) for r in shard.committed_ranges] == [(h.ranges[0].start, h.ranges[0].end)]
     status = env.stub.GetStatus(pb.GetStatusRequest(), timeout=T)
     assert status.version == 1 and status.tokens_applied == 128 and status.bytes_received == len(data)

@@ -26,8 +26,7 @@ from diloco.cluster import (
     ClusterConfig,
     LocalCluster,
     LogFollower,
-    ledger_problems,
-    ledger_shards,
+    ledger_check,
     logged_at,
     wait_for,
 )
@@ -93,7 +92,7 @@ def finish_and_check(cfg: ClusterConfig, address: str) -> None:
         status = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=5)
         ledger = stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=5)
     assert status.finished and status.version == TARGET
-    assert not ledger_problems(ledger_shards(ledger), status.tokens_applied), "exactly-once ledger broken"
+    assert not ledger_check(ledger), "exactly-once ledger broken"
     for i in range(cfg.workers):
         got = [x.fields for x in LogFollower(cfg.run_dir / f"worker{i}.log").read()]
         received = [int(str(f["version"])) for f in got if f.get("event") == "worker.broadcast_received"]

@@ -437,12 +437,14 @@ class GetLedgerRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLedgerResponse(_message.Message):
-    __slots__ = ("shards", "version")
+    __slots__ = ("shards", "version", "tokens_applied")
     SHARDS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_APPLIED_FIELD_NUMBER: _ClassVar[int]
     shards: _containers.RepeatedCompositeFieldContainer[ShardLedgerEntry]
     version: int
-    def __init__(self, shards: _Optional[_Iterable[_Union[ShardLedgerEntry, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+    tokens_applied: int
+    def __init__(self, shards: _Optional[_Iterable[_Union[ShardLedgerEntry, _Mapping]]] = ..., version: _Optional[int] = ..., tokens_applied: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ()

@@ -517,7 +517,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def GetLedger(
         self, request: coordinator_pb2.GetLedgerRequest, context: Context
     ) -> coordinator_pb2.GetLedgerResponse:
-        shards, version = self.state.ledger()
+        shards, version, tokens_applied = self.state.ledger()
         return coordinator_pb2.GetLedgerResponse(
             shards=[
                 coordinator_pb2.ShardLedgerEntry(
@@ -535,6 +535,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 for s in shards
             ],
             version=version,
+            tokens_applied=tokens_applied,
         )
 
     @status.unary

@@ -1117,9 +1117,11 @@ class CoordinatorState:
                 for rec in sorted(self.core.workers.values(), key=lambda r: r.registered_at)
             ]
 
-    def ledger(self) -> tuple[list[ShardState], int]:
+    def ledger(self) -> tuple[list[ShardState], int, int]:
+        """The shards' ledger, the version and the tokens applied, read together (a round closing between two
+        reads would make the committed cursors and the applied tokens disagree)."""
         with self.lock:
-            return self.core.ledger.states(), self.core.version
+            return self.core.ledger.states(), self.core.version, self.core.tokens_applied
 
     def snapshot(self) -> dict[str, Any]:
         """A checkpoint of the applied state, for the caller holding `work` (no round steps meanwhile, so the

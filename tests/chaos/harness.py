@@ -31,7 +31,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cli.ctl import state_name
-from diloco.cluster import TINY_TASK_ARGS, coordinator_flags, ledger_problems, ledger_shards
+from diloco.cluster import TINY_TASK_ARGS, coordinator_flags, ledger_check
 from diloco.rpc.security import SecurityConfig
 from diloco.rpc.tls import ADMIN_TOKEN_FILE, JOIN_TOKEN_FILE, write_bundle
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2, healthd_pb2_grpc
@@ -605,7 +605,7 @@ def finish_and_check(
     gone = {w.worker_id for w in cluster.workers() if state_name(w.state) in ("dead", "evicted", "left")}
     status = cluster.status()
     ledger = cluster.ledger()
-    problems = ledger_problems(ledger_shards(ledger), status.tokens_applied)
+    problems = ledger_check(ledger)
     assert not problems, "ledger: " + "; ".join(problems)
     stale_owners = {s.owner for s in ledger.shards if s.owner in gone}
     assert not stale_owners, f"incarnations that are gone still own shards: {stale_owners}"

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from diloco.cluster import LedgerShard, ledger_problems
+from diloco.cluster import ledger_json_shards, ledger_problems
 from tests.chaos.ha_cluster import ETCD_IMAGE
 from tests.chaos.harness import (
     IMAGE,
@@ -193,15 +193,7 @@ def test_compose_up_trains_the_default_task(project: Any, tmp_path: Path) -> Non
     assert int(status["version"]) >= 6
     assert float(status["validation_loss"]) < UNTRAINED_LOSS, status  # it learned something
     ledger = ctl(p.coordinator_port, tls, "ledger")
-    shards = [
-        LedgerShard(
-            int(s["shard_id"]),
-            int(s["committed"]),
-            tuple((int(r["start"]), int(r["end"])) for r in s["committed_ranges"]),
-        )
-        for s in ledger["shards"]
-    ]
-    assert not ledger_problems(shards, int(status["tokens_applied"]))
+    assert not ledger_problems(ledger_json_shards(ledger), int(ledger["tokens_applied"]))
     ps = p.run("ps").stdout
     assert re.search(r"coordinator.*healthy", ps), ps
     workers = {w["worker_name"] for w in ctl(p.coordinator_port, tls, "workers")["workers"]}
@@ -283,17 +275,8 @@ def test_ha_compose_up_fails_over_and_the_old_leader_comes_back_as_a_standby(
     p.run("start", old)
     port = p.host_port(new, 50051)
     wait_for("training to finish", lambda: ctl(port, tls, "status")["finished"], 240, 0.5, reachable_yet)
-    status = ctl(port, tls, "status")
     ledger = ctl(port, tls, "ledger")
-    shards = [
-        LedgerShard(
-            int(s["shard_id"]),
-            int(s["committed"]),
-            tuple((int(r["start"]), int(r["end"])) for r in s["committed_ranges"]),
-        )
-        for s in ledger["shards"]
-    ]
-    assert not ledger_problems(shards, int(status["tokens_applied"]))
+    assert not ledger_problems(ledger_json_shards(ledger), int(ledger["tokens_applied"]))
 
     def following() -> bool:
         standbys = ctl(port, tls, "status")["ha"].get("replicas", [])

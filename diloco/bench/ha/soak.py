@@ -17,7 +17,7 @@ from diloco.bench.ha.settings import KillPoint, SoakSettings
 from diloco.bench.ha.summary import median
 from diloco.bench.ha.supervisor import HaCluster, Replica, SoakError, in_step, standby_lead_s
 from diloco.bench.section import Log
-from diloco.cluster import ClusterConfig, LogFollower, ledger_problems, ledger_shards
+from diloco.cluster import ClusterConfig, LogFollower, ledger_check
 
 NEVER = 1_000_000_000  # the soak's job target until the soak sets the real one (`bench_ha`'s docstring)
 
@@ -264,7 +264,7 @@ def run_soak(s: SoakSettings, run_dir: Path, log: Log) -> dict[str, Any]:
             "version": status.version,
             "target": status.target_outer_steps,
             "tokens_applied": status.tokens_applied,
-            "ledger_problems": ledger_problems(ledger_shards(ledger), status.tokens_applied),
+            "ledger_problems": ledger_check(ledger),
             "invariant_problems": problems,
             "published_without_standby": sum(r.alone for r in ha.replicas.values()),
             "ack_timeouts": sum(r.ack_timeouts for r in ha.replicas.values()),
