@@ -1,6 +1,6 @@
 """The 1B-payload benchmark (`diloco.bench.bench_payload`) at a tiny size through a real coordinator process: every
-round's figures, with and without a watcher, the process reaped; and its memory check refusing a size that cannot
-fit before anything starts."""
+round's figures, with and without a watcher (without, the uploads held in files), the process reaped; and its
+memory check refusing a size that cannot fit before anything starts."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from diloco.errors import ConfigError
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("watch", [True, False])
-def test_tiny_payload_measures_every_round(watch: bool) -> None:
-    s = replace(QUICK, numel=400_000, baseline_numel=100_000, rounds=2, watch=watch)
+@pytest.mark.parametrize(("watch", "spill"), [(True, False), (False, True)])
+def test_tiny_payload_measures_every_round(watch: bool, spill: bool) -> None:
+    s = replace(QUICK, numel=400_000, baseline_numel=100_000, rounds=2, watch=watch, spill=spill)
     lines: list[str] = []
     result = run(s, lines.append)
     big, base = result["large"], result["baseline"]
@@ -39,6 +39,7 @@ def test_tiny_payload_measures_every_round(watch: bool) -> None:
     text = markdown(result)
     assert "| 2 |" in text and "| mean (after the first) |" in text
     assert ("--no-watch" in text) is not watch
+    assert ("--upload-spill-dir" in check["name"]) is spill and ("--spill" in text) is spill
 
 
 def test_a_size_that_cannot_fit_is_refused_before_anything_starts() -> None:

@@ -132,8 +132,11 @@ def test_stop_ends_following_parameter_streams(env: Env) -> None:
 
 
 # --- submissions --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("codec", ["fp32", "int8"])
-def test_submission_closes_a_round_and_commits_the_ledger(env: Env, codec: str) -> None:
+@pytest.mark.parametrize(("codec", "spill"), [("fp32", False), ("int8", False), ("int8", True)])
+def test_submission_closes_a_round_and_commits_the_ledger(
+    start: Callable[..., Env], tmp_path: Path, codec: str, spill: bool
+) -> None:
+    env = start(upload_spill_dir=str(tmp_path) if spill else "")  # spill: the bytes held in a file, not memory
     reg = register(env)
     before = env.server.core.params.clone()
     h, data, delta = make_upload(env, reg, "s1", codec=codec)
@@ -341,7 +344,9 @@ def test_duplicate_submission_is_idempotent(start: Callable[..., Env]) -> None:
     assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).version == 1
 
 
-def test_interrupted_upload_resumes_from_the_bytes_held(env: Env) -> None:
+@pytest.mark.parametrize("spill", [False, True])
+def test_interrupted_upload_resumes_from_the_bytes_held(start: Callable[..., Env], tmp_path: Path, spill: bool) -> None:
+    env = start(upload_spill_dir=str(tmp_path) if spill else "")
     reg = register(env)
     h, data, _ = make_upload(env, reg, "big")
     msgs = requests(h, data)
@@ -364,6 +369,7 @@ def test_interrupted_upload_resumes_from_the_bytes_held(env: Env) -> None:
     future.cancel()  # the link breaks
     release.set()
     assert status().received_bytes == held and not status().complete
+    assert len(open_files_in(tmp_path)) == (1 if spill else 0)  # with spill, the held bytes are in a file there
     wrong = pb.SubmissionHeader()
     wrong.CopyFrom(h)
     wrong.resume_offset = held + 1
@@ -374,6 +380,20 @@ def test_interrupted_upload_resumes_from_the_bytes_held(env: Env) -> None:
     assert resp.outcome == pb.SUBMISSION_OUTCOME_APPLIED and resp.version == 1
     assert status().complete
     assert gauge(env, "partial_uploads") == 0
+    assert list(tmp_path.iterdir()) == []  # a spill file is unlinked when made: nothing is ever left behind
+
+
+def open_files_in(directory: Path) -> list[str]:
+    """The files this process holds open in `directory` (unlinked ones included)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # closed meanwhile
+            continue
+        if link.startswith(f"{directory}/"):
+            found.append(link)
+    return found
 
 
 def test_truncated_upload_keeps_its_bytes_for_a_resume(env: Env) -> None:
@@ -761,9 +781,12 @@ def test_bad_configuration_names_the_field(argv: list[str], env: dict[str, str],
         parse(argv, env)
 
 
-def test_main_exits_2_on_bad_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+def test_main_exits_2_on_bad_configuration(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["--mode", "fast"], {}) == 2
     assert "mode" in capsys.readouterr().err
+    # a spill directory that is not there: refused before anything starts, saying what to do
+    assert main(["--insecure"], {"DILOCO_UPLOAD_SPILL_DIR": str(tmp_path / "nowhere")}) == 2
+    assert "--upload-spill-dir" in (err := capsys.readouterr().err) and "create it" in err, err
 
 
 def test_python_m_services_coordinator_serves_and_drains_on_sigterm(tmp_path: Path) -> None:

@@ -4,7 +4,10 @@ and a reused buffer holds exactly the new upload's bytes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -14,7 +17,7 @@ import torch
 from diloco.core.codecs import CodecError, get_codec
 from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.errors import ConfigError
-from diloco.rpc.payload import BufferPool, UploadReceiver, chunks
+from diloco.rpc.payload import BufferPool, SpillFile, UploadReceiver, check_spill_dir, chunks
 
 pytestmark = pytest.mark.timeout(30)
 SEGMENTS = [Segment(0, 300, embedding=True), Segment(300, 700)]
@@ -183,3 +186,79 @@ def test_dropping_idle_buffers_leaves_those_in_use() -> None:
     at = address(held)
     del held  # in use while dropping: it comes back as usual
     assert pool.idle == (1, 1000) and address(pool.take(1000)) == at
+
+
+# --- spilled uploads (`--upload-spill-dir`) --------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "topk"])
+def test_a_spilled_upload_merges_to_the_same_bits_and_leaves_no_file(codec: str, tmp_path: Path) -> None:
+    delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
+    data, meta = get_codec(codec).encode(delta)
+    pool = BufferPool(4, 1 << 20)
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, pool, spill_dir=str(tmp_path))
+    for piece in chunks(data, chunk_bytes=333):
+        receiver.feed(piece)
+    spilled = receiver.finish()
+    assert isinstance(spilled.data, SpillFile) and list(tmp_path.iterdir()) == []  # unlinked from the start
+    held, _ = received(pool, codec, seed=5)
+    assert spilled.norm() == held.norm()
+    merged = [MergeAccumulator(NUMEL, "rda", SEGMENTS) for _ in range(2)]
+    merged[0].add(spilled, 3)
+    merged[1].add(held, 3)
+    assert torch.equal(merged[0].result(), merged[1].result())
+    assert pool.idle == (0, 0)  # no memory buffer was taken for the spilled one
+
+
+def test_a_spilled_upload_cut_off_resumes_and_bad_bytes_close_its_file(tmp_path: Path) -> None:
+    data, meta = get_codec("int8").encode(torch.ones(NUMEL))
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, spill_dir=str(tmp_path))
+    receiver.feed(memoryview(data)[:500])  # the link breaks here; the upload is kept for a resume
+    receiver.feed(memoryview(data)[500:])
+    acc = MergeAccumulator(NUMEL, "mean", SEGMENTS)
+    acc.add(receiver.finish(), 1)
+    torch.testing.assert_close(acc.result(), get_codec("int8").decode(data, meta))
+    corrupt = bytearray(data)
+    corrupt[-1] ^= 0xFF
+    bad = UploadReceiver(meta, NUMEL, SEGMENTS, spill_dir=str(tmp_path))
+    spill = bad._data
+    assert isinstance(spill, SpillFile)
+    bad.feed(bytes(corrupt))
+    with pytest.raises(CodecError, match="crc32"):
+        bad.finish()
+    assert spill._file.closed  # its disk space goes back at once, whatever keeps the receiver
+
+
+_FULL_DISK = """
+import resource, signal, sys
+import torch
+from diloco.core.codecs import get_codec
+from diloco.core.merge import Segment
+from diloco.errors import ResourceExhausted
+from diloco.rpc.payload import UploadReceiver
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead of killing us
+data, meta = get_codec("fp32").encode(torch.ones(1000))
+receiver = UploadReceiver(meta, 1000, [Segment(0, 1000)], spill_dir=sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, resource.RLIM_INFINITY))  # room for half the upload
+receiver.feed(memoryview(data)[:1500])
+try:
+    receiver.feed(memoryview(data)[1500:])
+except ResourceExhausted as e:
+    print("refused:", e)
+    print("received:", receiver.received)
+"""
+
+
+def test_a_full_spill_disk_refuses_the_chunk_before_counting_it(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # RESOURCE_EXHAUSTED, saying what to do; the chunk is not counted, so a resume sends it again from 1500
+    assert "refused: the coordinator's --upload-spill-dir is full" in proc.stdout and "received: 1500" in proc.stdout
+
+
+@pytest.mark.parametrize(("make", "why"), [("missing", "is not a directory"), ("file", "is not a directory")])
+def test_a_spill_dir_that_cannot_hold_files_is_refused_at_start(tmp_path: Path, make: str, why: str) -> None:
+    path = tmp_path / make
+    if make == "file":
+        path.write_text("")
+    with pytest.raises(ConfigError, match=f"--upload-spill-dir .*{why}"):
+        check_spill_dir(str(path))
+    assert check_spill_dir(str(tmp_path)) == str(tmp_path)

@@ -1,6 +1,6 @@
 """A large model through the real services: memory per process and where a round's time goes (issue #13 item 4).
 
-Two runs of the same real cluster (`LocalCluster`: healthd, the coordinator and 2 learners, child processes on
+Runs of the same real cluster (`LocalCluster`: healthd, the coordinator and 2 learners, child processes on
 loopback, plaintext), `sync` rounds, the upload codec and the default broadcast codec: first with a tiny model (the
 *baseline*: the Python, torch, transformers and gRPC runtime of every process, and the tiny model's training), then
 with a ~100M-parameter Hugging Face Llama (`hf:llama-100m`, random init, byte tokenizer). Each process's peak
@@ -9,7 +9,8 @@ peak is what the model costs it; the report sets it against the fp32 model bytes
 
 - the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
   vectors; its evaluation model views Θ, and a third run of the large model turns evaluation off), the uploads it
-  is receiving (encoded) and the broadcast history's encoded deltas; target ≤ 4.5x the fp32 model bytes;
+  is receiving (encoded; a fourth run holds them in files, `--upload-spill-dir`) and the broadcast history's
+  encoded deltas; target ≤ 4.5x the fp32 model bytes;
 - a learner holds the model, the AdamW state (2x) and its gradients, plus the round's base Θ̂ and decode buffers;
   target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes.
 
@@ -85,10 +86,14 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True) -> dict[str, Any]:
-    """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model)."""
+def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill: bool = False) -> dict[str, Any]:
+    """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model), `spill`
+    with `--upload-spill-dir` (the uploads' bytes held in files, not in memory)."""
     eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
+        spill_args = ("--upload-spill-dir", str(Path(tmp) / "spill")) if spill else ()
+        if spill:
+            (Path(tmp) / "spill").mkdir()
         cfg = ClusterConfig(
             workers=s.workers,
             mode="sync",
@@ -101,7 +106,7 @@ def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True) -> di
             run_dir=Path(tmp),
             insecure=True,
             task_args=("--model", model, "--batch-size", str(s.batch_size), "--seq-len", str(s.seq_len)),
-            coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args),
+            coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args, *spill_args),
         )
         started = time.monotonic()
         with LocalCluster(cfg) as cluster:
@@ -130,6 +135,7 @@ def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True) -> di
     result = {
         "model": model,
         "evaluate": evaluate,
+        "spill": spill,
         "numel": model_numel(model, s.seq_len),
         "wall_s": round(wall, 1),
         "version": status.version,
@@ -157,6 +163,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     base = run_one(s.baseline_model, s, log)
     big = run_one(s.model, s, log)
     no_eval = run_one(s.model, s, log, evaluate=False)  # the coordinator without its evaluation model
+    spilled = run_one(s.model, s, log, spill=True)  # the uploads it receives held on disk, not in memory
     model_bytes = 4 * big["numel"]
     rows = []
     for name in sorted(big["peak_rss"]):
@@ -170,16 +177,17 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
                 "x_model": net / model_bytes,
             }
         )
-    net = no_eval["peak_rss"]["coordinator"] - base["peak_rss"]["coordinator"]
-    rows.append(
-        {
-            "process": "coordinator (--eval-every 0)",
-            "peak": no_eval["peak_rss"]["coordinator"],
-            "baseline": base["peak_rss"]["coordinator"],
-            "net": net,
-            "x_model": net / model_bytes,
-        }
-    )
+    for process, variant in (("coordinator (--eval-every 0)", no_eval), ("coordinator (--upload-spill-dir)", spilled)):
+        net = variant["peak_rss"]["coordinator"] - base["peak_rss"]["coordinator"]
+        rows.append(
+            {
+                "process": process,
+                "peak": variant["peak_rss"]["coordinator"],
+                "baseline": base["peak_rss"]["coordinator"],
+                "net": net,
+                "x_model": net / model_bytes,
+            }
+        )
     checks = []
     for r in rows:
         if r["process"].startswith("coordinator"):
@@ -202,6 +210,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         "baseline": base,
         "large": big,
         "large_no_eval": no_eval,
+        "large_spill": spilled,
         "model_bytes": model_bytes,
         "memory": rows,
         "checks": checks,
@@ -227,7 +236,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
         "`VmHWM` after the last round. The coordinator evaluates every version by default, on a model whose "
         "parameters view Θ (a round closing during an evaluation steps a copy of Θ); the row `--eval-every 0` is a "
-        "third run of the large model without evaluation."
+        "third run of the large model without evaluation, the row `--upload-spill-dir` a fourth, evaluating, whose "
+        "coordinator holds the uploads it receives in unlinked files in a directory (the kernel's page cache, which "
+        "it can write out and reclaim) instead of its own memory."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],

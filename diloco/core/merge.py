@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -97,12 +98,19 @@ def segment_squares(delta: torch.Tensor, segments: Sequence[Segment]) -> Segment
     return sq
 
 
+class ChunkSource(Protocol):
+    """Payload bytes kept somewhere other than memory (e.g. `diloco.rpc.payload.SpillFile`), read back in order."""
+
+    def chunks(self) -> Iterator[bytes | memoryview]: ...
+
+
 @dataclass(frozen=True)
 class EncodedDelta:
-    """A pseudo-gradient held as its verified payload bytes, with the `SegmentSquares` measured on arrival."""
+    """A pseudo-gradient held as its verified payload bytes (in memory, or a `ChunkSource` such as a spill file),
+    with the `SegmentSquares` measured on arrival."""
 
     meta: EncodedMeta
-    data: bytes | bytearray | memoryview
+    data: bytes | bytearray | memoryview | ChunkSource
     squares: SegmentSquares
 
     def norm(self) -> float:
@@ -111,7 +119,8 @@ class EncodedDelta:
     def replay(self, sink: WindowSink) -> None:
         """Decode the payload again, window by window, into `sink`."""
         decoder = payload_decoder(self.meta, sink=sink)
-        for chunk in iter_chunks(self.data):
+        data = self.data
+        for chunk in iter_chunks(data) if isinstance(data, (bytes, bytearray, memoryview)) else data.chunks():
             decoder.feed(chunk)
         decoder.verify()
 

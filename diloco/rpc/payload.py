@@ -2,10 +2,15 @@
 and the receivers: `PayloadReceiver` decodes chunk by chunk into a vector (a learner's broadcasts), checking
 order, size and checksum; `UploadReceiver` (the coordinator's uploads) keeps the bytes as they come, checked and
 measured by the same decoder, and hands over an `EncodedDelta` that the merge decodes again window by window. The
-bytes are kept in a buffer from a `BufferPool`, which reuses the buffers of uploads that are done with."""
+bytes are kept in a buffer from a `BufferPool`, which reuses the buffers of uploads that are done with, or, with a
+spill directory, in a `SpillFile` there: the coordinator's resident memory then does not grow with the uploads it
+holds at once (up to `--max-partial-uploads` of them, each the size of an encoded model)."""
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -15,7 +20,7 @@ import torch
 
 from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, WindowSink, iter_chunks, payload_decoder
 from diloco.core.merge import EncodedDelta, Segment, SegmentSquares
-from diloco.errors import ConfigError, InvalidArgument
+from diloco.errors import ConfigError, InvalidArgument, ResourceExhausted
 from diloco.rpc.vocab import CODECS
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2 as pb
@@ -172,20 +177,76 @@ class _Lease:
 _UNPOOLED = BufferPool(0, 0)  # a new buffer for every upload
 
 
+def check_spill_dir(path: str) -> str:
+    """`--upload-spill-dir` checked at start: an existing directory where this process can create a file (the
+    error names the flag and what to do). Returns the absolute path."""
+    if not os.path.isdir(path):
+        raise ConfigError(f"--upload-spill-dir {path!r} is not a directory: create it or name another one")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(f"--upload-spill-dir {path!r}: cannot create a file there ({e.strerror})") from None
+    return os.path.abspath(path)
+
+
+class SpillFile:
+    """An upload's bytes in an unnamed temporary file in `directory` (unlinked at once, so nothing is left behind
+    whatever happens to the process; its space is freed when the last reference goes). Written at byte offsets
+    as they arrive, read back in order by `chunks` (an `EncodedDelta`'s `ChunkSource`). The pages sit in the
+    kernel's page cache, which it can write out and reclaim, not in the coordinator's resident memory."""
+
+    def __init__(self, directory: str, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.nbytes, self.chunk_bytes = nbytes, chunk_bytes
+        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (held until the upload is let go of)
+
+    def write(self, at: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                n = os.pwrite(self._file.fileno(), view, at)
+                view, at = view[n:], at + n
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise ResourceExhausted(
+                    "the coordinator's --upload-spill-dir is full; send the upload again later (an operator frees "
+                    "space there or lowers --max-partial-uploads)"
+                ) from None
+            raise
+
+    def chunks(self) -> Iterator[bytes]:
+        for at in range(0, self.nbytes, self.chunk_bytes):
+            chunk = os.pread(self._file.fileno(), min(self.chunk_bytes, self.nbytes - at), at)
+            if not chunk:
+                raise CodecError(f"the spilled upload ends at byte {at} of {self.nbytes}: send it again")
+            yield chunk
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class UploadReceiver:
     """An upload on the coordinator: every chunk is decoded at once into the sums of squares of the merge's
-    segments (which checks its content, as `PayloadReceiver` does) and its bytes are kept in a buffer of `pool`;
-    `finish` checks size and checksum and hands the bytes over in the `EncodedDelta` (the buffer goes back to the
-    pool once that is let go of). Memory: the encoded bytes, not a decoded vector."""
+    segments (which checks its content, as `PayloadReceiver` does) and its bytes are kept in a buffer of `pool`,
+    or in a `SpillFile` in `spill_dir` when one is given; `finish` checks size and checksum and hands the bytes over
+    in the `EncodedDelta` (the buffer goes back to the pool, or the file's space to the disk, once that is let go
+    of). Memory: the encoded bytes (with `spill_dir`, none), not a decoded vector."""
 
     def __init__(
-        self, meta: EncodedMeta, numel: int, segments: Sequence[Segment], pool: BufferPool | None = None
+        self,
+        meta: EncodedMeta,
+        numel: int,
+        segments: Sequence[Segment],
+        pool: BufferPool | None = None,
+        spill_dir: str | None = None,
     ) -> None:
         meta.validate(expected_numel=numel)
         self.meta = meta
         self._squares = SegmentSquares(segments)
         self.decoder = payload_decoder(meta, sink=self._squares)
-        self._data: np.ndarray | None = (pool or _UNPOOLED).take(meta.encoded_bytes)
+        self._data: np.ndarray | SpillFile | None = (
+            SpillFile(spill_dir, meta.encoded_bytes) if spill_dir else (pool or _UNPOOLED).take(meta.encoded_bytes)
+        )
 
     @property
     def received(self) -> int:
@@ -193,15 +254,19 @@ class UploadReceiver:
 
     def feed(self, data: bytes | memoryview) -> None:
         at = self.decoder.bytes_received
+        if isinstance(self._data, SpillFile):
+            # written first: a full disk refuses the chunk before the decoder counts it, so a resume sends it again
+            # (bytes past the announced size land past the end of the file, harmless: the decoder refuses them)
+            self._data.write(at, data)
         self._checked(self.decoder.feed, data)  # refuses more bytes than announced (so any after `finish`) first
-        if self._data is not None:
+        if isinstance(self._data, np.ndarray):
             self._data[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
 
     def finish(self) -> EncodedDelta:
         self._checked(self.decoder.verify)
         data, self._data = self._data, None  # the upload, kept until its stream ends, no longer holds the bytes
         assert data is not None, "an upload is finished once (`Uploads.end`)"
-        return EncodedDelta(self.meta, data.data, self._squares)
+        return EncodedDelta(self.meta, data if isinstance(data, SpillFile) else data.data, self._squares)
 
     def _checked(self, step: Callable[..., None], *args: Any) -> None:
         """A decoder step. Bad bytes fail the upload, which lets go of its buffer at once: the refusal's traceback
@@ -209,5 +274,7 @@ class UploadReceiver:
         try:
             step(*args)
         except CodecError:
+            if isinstance(self._data, SpillFile):
+                self._data.close()
             self._data = None
             raise

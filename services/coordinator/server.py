@@ -28,6 +28,7 @@ from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
 from diloco.rpc.metrics import ServedMetrics, serve_metrics
+from diloco.rpc.payload import check_spill_dir
 from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
 from diloco.task.factory import Task, build_task
@@ -239,6 +240,7 @@ class CoordinatorServer:
             energy=EnergyBook(signal, totals),
             placement=cfg.policy_config(started),
             fragments=frag,
+            upload_spill_dir=check_spill_dir(cfg.upload_spill_dir) if cfg.upload_spill_dir else "",
         )
         state.fence = self._fence
         crash = cfg.crash_fault()

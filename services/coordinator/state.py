@@ -226,6 +226,7 @@ class CoordinatorState:
         energy: EnergyBook | None = None,
         placement: PolicyConfig | None = None,
         fragments: FragmentedCoordinator | None = None,
+        upload_spill_dir: str = "",
     ) -> None:
         if fragments is not None and fragments.core is not core:
             raise ValueError("fragments must wrap the state's core")
@@ -243,6 +244,7 @@ class CoordinatorState:
         self.numel = core.params.numel()
         # uploads are held encoded (in buffers reused within a round), measured on arrival, decoded again by the merge
         self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
+        self.spill_dir = upload_spill_dir or None  # or in unlinked files there (`diloco.rpc.payload.SpillFile`)
         sizes = tuple(fragments.layout.size(p) for p in range(fragments.fragments)) if fragments else ()
         self.uploads = Uploads(
             UploadLimits(
@@ -881,9 +883,9 @@ class CoordinatorState:
     def _receiver(self, h: UploadHeader) -> UploadReceiver:
         """The decoder of a new upload: measured on arrival against the merge segments of what it is of."""
         if self.frag is None:
-            return UploadReceiver(h.meta, self.numel, self.core.acc.segments, self.buffers)
+            return UploadReceiver(h.meta, self.numel, self.core.acc.segments, self.buffers, self.spill_dir)
         p = h.fragment
-        return UploadReceiver(h.meta, self.frag.layout.size(p), self.frag.segments_of(p), self.buffers)
+        return UploadReceiver(h.meta, self.frag.layout.size(p), self.frag.segments_of(p), self.buffers, self.spill_dir)
 
     def _log_duplicate(self, h: UploadHeader, outcome: Outcome) -> None:
         self.log.info(
