@@ -25,7 +25,7 @@ from diloco.cluster import wait_for
 from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, BroadcastShadow, Refusal, params_checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
-from diloco.rpc.payload import PayloadReceiver, meta_from_proto
+from diloco.rpc.payload import PayloadReceiver, SpillFile, meta_from_proto
 from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import simulate
 from diloco.sim.result import SimResult
@@ -425,8 +425,12 @@ def rounds(env: Env, reg: pb.RegisterResponse, n: int, start: int = 0) -> None:
         assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
 
 
-def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[..., Env]) -> None:
-    env = start(broadcast_codec="int4", broadcast_history=2)  # 2 int4 deltas: well within the bytes kept
+@pytest.mark.parametrize("spill", [False, True])
+def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
+    start: Callable[..., Env], tmp_path: Path, spill: bool
+) -> None:
+    # 2 int4 deltas: well within the bytes kept; spill: they are kept in files (`--spill-dir`), sent from there
+    env = start(broadcast_codec="int4", broadcast_history=2, spill_dir=str(tmp_path) if spill else "")
     numel, state = env.numel, env.server.state
     reg = register(env)
     call = env.stub.WatchParameters(pb.WatchParametersRequest(worker_id=reg.worker_id, follow=True), timeout=30)
@@ -445,6 +449,8 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(start: Callable[
         with state.work:
             assert torch.equal(bits(got), bits(state.shadow.shadow))
     call.cancel()
+    kept = [d.data for d in state.shadow.updates_since(1, 3) or []]
+    assert len(kept) == 2 and all(isinstance(k, SpillFile) for k in kept) is spill
     # the shadow differs from Θ (the residual is carried), and learners train from the shadow
     assert not torch.equal(state.shadow.shadow, env.server.core.params)
     # one version behind: the one delta; two behind (history 2): a chain; further (gone from history): a snapshot

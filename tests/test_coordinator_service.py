@@ -136,7 +136,7 @@ def test_stop_ends_following_parameter_streams(env: Env) -> None:
 def test_submission_closes_a_round_and_commits_the_ledger(
     start: Callable[..., Env], tmp_path: Path, codec: str, spill: bool
 ) -> None:
-    env = start(upload_spill_dir=str(tmp_path) if spill else "")  # spill: the bytes held in a file, not memory
+    env = start(spill_dir=str(tmp_path) if spill else "")  # spill: the bytes held in a file, not memory
     reg = register(env)
     before = env.server.core.params.clone()
     h, data, delta = make_upload(env, reg, "s1", codec=codec)
@@ -346,7 +346,7 @@ def test_duplicate_submission_is_idempotent(start: Callable[..., Env]) -> None:
 
 @pytest.mark.parametrize("spill", [False, True])
 def test_interrupted_upload_resumes_from_the_bytes_held(start: Callable[..., Env], tmp_path: Path, spill: bool) -> None:
-    env = start(upload_spill_dir=str(tmp_path) if spill else "")
+    env = start(spill_dir=str(tmp_path) if spill else "")
     reg = register(env)
     h, data, _ = make_upload(env, reg, "big")
     msgs = requests(h, data)
@@ -785,8 +785,8 @@ def test_main_exits_2_on_bad_configuration(capsys: pytest.CaptureFixture[str], t
     assert main(["--mode", "fast"], {}) == 2
     assert "mode" in capsys.readouterr().err
     # a spill directory that is not there: refused before anything starts, saying what to do
-    assert main(["--insecure"], {"DILOCO_UPLOAD_SPILL_DIR": str(tmp_path / "nowhere")}) == 2
-    assert "--upload-spill-dir" in (err := capsys.readouterr().err) and "create it" in err, err
+    assert main(["--insecure"], {"DILOCO_SPILL_DIR": str(tmp_path / "nowhere")}) == 2
+    assert "--spill-dir" in (err := capsys.readouterr().err) and "create it" in err, err
 
 
 def test_python_m_services_coordinator_serves_and_drains_on_sigterm(tmp_path: Path) -> None:

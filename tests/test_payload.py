@@ -188,7 +188,7 @@ def test_dropping_idle_buffers_leaves_those_in_use() -> None:
     assert pool.idle == (1, 1000) and address(pool.take(1000)) == at
 
 
-# --- spilled uploads (`--upload-spill-dir`) --------------------------------------------------------------------------
+# --- spilled uploads (`--spill-dir`) --------------------------------------------------------------------------
 @pytest.mark.parametrize("codec", ["fp32", "int8", "int4", "topk"])
 def test_a_spilled_upload_merges_to_the_same_bits_and_leaves_no_file(codec: str, tmp_path: Path) -> None:
     delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(5))
@@ -251,7 +251,7 @@ def test_a_full_spill_disk_refuses_the_chunk_before_counting_it(tmp_path: Path) 
     proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     # RESOURCE_EXHAUSTED, saying what to do; the chunk is not counted, so a resume sends it again from 1500
-    assert "refused: the coordinator's --upload-spill-dir is full" in proc.stdout and "received: 1500" in proc.stdout
+    assert "refused: the coordinator's --spill-dir is full" in proc.stdout and "received: 1500" in proc.stdout
 
 
 @pytest.mark.parametrize(("make", "why"), [("missing", "is not a directory"), ("file", "is not a directory")])
@@ -259,6 +259,6 @@ def test_a_spill_dir_that_cannot_hold_files_is_refused_at_start(tmp_path: Path, 
     path = tmp_path / make
     if make == "file":
         path.write_text("")
-    with pytest.raises(ConfigError, match=f"--upload-spill-dir .*{why}"):
+    with pytest.raises(ConfigError, match=f"--spill-dir .*{why}"):
         check_spill_dir(str(path))
     assert check_spill_dir(str(tmp_path)) == str(tmp_path)

@@ -25,7 +25,7 @@ import torch
 
 from diloco.bench.section import Context, Log, console_table, standalone, table
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, BroadcastFollower, BroadcastShadow, Refusal
-from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks
+from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks, payload_chunks
 from diloco.core.outer import Nesterov
 from diloco.rpc.payload import PayloadReceiver
 
@@ -147,7 +147,7 @@ def bench_broadcast(
         applying = follower.begin_delta(1, 0)
         assert not isinstance(applying, Refusal)
         receiver = PayloadReceiver(delta.meta, numel, sink=applying)
-        for chunk in iter_chunks(delta.data, CHUNK_BYTES):
+        for chunk in payload_chunks(delta.data, CHUNK_BYTES):
             receiver.feed(chunk)
         receiver.verify()
         got = follower.finish_delta(applying, delta.checksum)

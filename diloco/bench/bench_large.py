@@ -9,8 +9,8 @@ peak is what the model costs it; the report sets it against the fp32 model bytes
 
 - the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
   vectors; its evaluation model views Θ, and a third run of the large model turns evaluation off), the uploads it
-  is receiving (encoded; a fourth run holds them in files, `--upload-spill-dir`) and the broadcast history's
-  encoded deltas; target ≤ 4.5x the fp32 model bytes;
+  is receiving (encoded) and the broadcast history's encoded deltas (a fourth run holds both in files,
+  `--spill-dir`); target ≤ 4.5x the fp32 model bytes;
 - a learner holds the model, the AdamW state (2x) and its gradients, plus the round's base Θ̂ and decode buffers;
   target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes.
 
@@ -88,10 +88,10 @@ def _mean(xs: Sequence[float]) -> float | None:
 
 def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill: bool = False) -> dict[str, Any]:
     """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model), `spill`
-    with `--upload-spill-dir` (the uploads' bytes held in files, not in memory)."""
+    with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory)."""
     eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
-        spill_args = ("--upload-spill-dir", str(Path(tmp) / "spill")) if spill else ()
+        spill_args = ("--spill-dir", str(Path(tmp) / "spill")) if spill else ()
         if spill:
             (Path(tmp) / "spill").mkdir()
         cfg = ClusterConfig(
@@ -163,7 +163,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     base = run_one(s.baseline_model, s, log)
     big = run_one(s.model, s, log)
     no_eval = run_one(s.model, s, log, evaluate=False)  # the coordinator without its evaluation model
-    spilled = run_one(s.model, s, log, spill=True)  # the uploads it receives held on disk, not in memory
+    spilled = run_one(s.model, s, log, spill=True)  # uploads and kept deltas held in files, not in memory
     model_bytes = 4 * big["numel"]
     rows = []
     for name in sorted(big["peak_rss"]):
@@ -177,7 +177,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
                 "x_model": net / model_bytes,
             }
         )
-    for process, variant in (("coordinator (--eval-every 0)", no_eval), ("coordinator (--upload-spill-dir)", spilled)):
+    for process, variant in (("coordinator (--eval-every 0)", no_eval), ("coordinator (--spill-dir)", spilled)):
         net = variant["peak_rss"]["coordinator"] - base["peak_rss"]["coordinator"]
         rows.append(
             {
@@ -236,9 +236,9 @@ def markdown(r: dict[str, Any]) -> str:
         f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
         "`VmHWM` after the last round. The coordinator evaluates every version by default, on a model whose "
         "parameters view Θ (a round closing during an evaluation steps a copy of Θ); the row `--eval-every 0` is a "
-        "third run of the large model without evaluation, the row `--upload-spill-dir` a fourth, evaluating, whose "
-        "coordinator holds the uploads it receives in unlinked files in a directory (the kernel's page cache, which "
-        "it can write out and reclaim) instead of its own memory."
+        "third run of the large model without evaluation, the row `--spill-dir` a fourth, evaluating, whose "
+        "coordinator holds the uploads it receives and the broadcast deltas it keeps in unlinked files in a "
+        "directory (the kernel's page cache, which it can write out and reclaim) instead of its own memory."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],

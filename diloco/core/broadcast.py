@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from zlib_ng.zlib_ng import crc32
 
-from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, get_codec
+from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, Payload, get_codec
 from diloco.core.holds import Holds
 
 __all__ = [
@@ -90,7 +90,7 @@ class Delta:
 
     version: int
     base: int
-    data: bytes | bytearray | memoryview
+    data: Payload  # in memory, or kept elsewhere (a spill file, `--spill-dir`)
     meta: EncodedMeta
     checksum: int
     base_checksum: int
@@ -217,7 +217,7 @@ class BroadcastShadow:
             return
         self._deltas.append(delta)
         budget = self.history_bytes_ratio * 4 * self.shadow.numel()  # of a full snapshot, whatever the deltas cover
-        while len(self._deltas) > 1 and sum(len(d.data) for d in self._deltas) > budget:
+        while len(self._deltas) > 1 and sum(d.meta.encoded_bytes for d in self._deltas) > budget:
             self._deltas.popleft()
 
     def updates_since(self, held: int | None, current: int, held_checksum: int | None = None) -> list[Delta] | None:

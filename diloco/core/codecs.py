@@ -184,6 +184,23 @@ def iter_chunks(data: bytes | bytearray | memoryview, chunk_bytes: int = 1 << 20
         yield view[start : start + chunk_bytes]
 
 
+class ChunkSource(Protocol):
+    """Payload bytes kept outside this process's memory (e.g. `diloco.rpc.payload.SpillFile`), read back in order
+    from `offset`, `chunk_bytes` at a time (the last may be shorter)."""
+
+    def chunks(self, chunk_bytes: int, offset: int = 0) -> Iterator[bytes]: ...
+
+
+Payload = bytes | bytearray | memoryview | ChunkSource  # a payload's bytes, in memory or not
+
+
+def payload_chunks(data: Payload, chunk_bytes: int = 1 << 20, offset: int = 0) -> Iterator[bytes | memoryview]:
+    """`data`'s bytes from `offset` in chunks of `chunk_bytes`: zero-copy slices when it is in memory."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return iter_chunks(_byte_view(data)[offset:], chunk_bytes)
+    return data.chunks(chunk_bytes, offset)
+
+
 def _byte_view(data: bytes | bytearray | memoryview) -> memoryview:
     view = memoryview(data)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from diloco.core.codecs import EncodedMeta, WindowSink, iter_chunks, payload_decoder
+from diloco.core.codecs import EncodedMeta, Payload, WindowSink, payload_chunks, payload_decoder
 from diloco.errors import ConfigError, InvalidArgument
 
 MERGE_NAMES = ("mean", "rda")
@@ -98,19 +97,13 @@ def segment_squares(delta: torch.Tensor, segments: Sequence[Segment]) -> Segment
     return sq
 
 
-class ChunkSource(Protocol):
-    """Payload bytes kept somewhere other than memory (e.g. `diloco.rpc.payload.SpillFile`), read back in order."""
-
-    def chunks(self) -> Iterator[bytes | memoryview]: ...
-
-
 @dataclass(frozen=True)
 class EncodedDelta:
-    """A pseudo-gradient held as its verified payload bytes (in memory, or a `ChunkSource` such as a spill file),
-    with the `SegmentSquares` measured on arrival."""
+    """A pseudo-gradient held as its verified payload bytes (in memory, or a `ChunkSource`: a spill file), with the
+    `SegmentSquares` measured on arrival."""
 
     meta: EncodedMeta
-    data: bytes | bytearray | memoryview | ChunkSource
+    data: Payload
     squares: SegmentSquares
 
     def norm(self) -> float:
@@ -119,8 +112,7 @@ class EncodedDelta:
     def replay(self, sink: WindowSink) -> None:
         """Decode the payload again, window by window, into `sink`."""
         decoder = payload_decoder(self.meta, sink=sink)
-        data = self.data
-        for chunk in iter_chunks(data) if isinstance(data, (bytes, bytearray, memoryview)) else data.chunks():
+        for chunk in payload_chunks(self.data):
             decoder.feed(chunk)
         decoder.verify()
 

@@ -18,7 +18,15 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from diloco.core.codecs import CodecError, EncodedMeta, StreamDecoder, WindowSink, iter_chunks, payload_decoder
+from diloco.core.codecs import (
+    CodecError,
+    EncodedMeta,
+    Payload,
+    StreamDecoder,
+    WindowSink,
+    payload_chunks,
+    payload_decoder,
+)
 from diloco.core.merge import EncodedDelta, Segment, SegmentSquares
 from diloco.errors import ConfigError, InvalidArgument, ResourceExhausted
 from diloco.rpc.vocab import CODECS
@@ -66,10 +74,8 @@ def check_layout(spec: pb.PayloadSpec, expected: Sequence[ParamSpec]) -> None:
         raise CodecError("tensor dtype must be float32")
 
 
-def chunks(
-    payload: bytes | bytearray | memoryview, offset: int = 0, chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[memoryview]:
-    yield from iter_chunks(memoryview(payload)[offset:], chunk_bytes)
+def chunks(payload: Payload, offset: int = 0, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes | memoryview]:
+    return payload_chunks(payload, chunk_bytes, offset)
 
 
 class PayloadReceiver:
@@ -178,15 +184,15 @@ _UNPOOLED = BufferPool(0, 0)  # a new buffer for every upload
 
 
 def check_spill_dir(path: str) -> str:
-    """`--upload-spill-dir` checked at start: an existing directory where this process can create a file (the
+    """`--spill-dir` checked at start: an existing directory where this process can create a file (the
     error names the flag and what to do). Returns the absolute path."""
     if not os.path.isdir(path):
-        raise ConfigError(f"--upload-spill-dir {path!r} is not a directory: create it or name another one")
+        raise ConfigError(f"--spill-dir {path!r} is not a directory: create it or name another one")
     try:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise ConfigError(f"--upload-spill-dir {path!r}: cannot create a file there ({e.strerror})") from None
+        raise ConfigError(f"--spill-dir {path!r}: cannot create a file there ({e.strerror})") from None
     return os.path.abspath(path)
 
 
@@ -196,9 +202,17 @@ class SpillFile:
     as they arrive, read back in order by `chunks` (an `EncodedDelta`'s `ChunkSource`). The pages sit in the
     kernel's page cache, which it can write out and reclaim, not in the coordinator's resident memory."""
 
-    def __init__(self, directory: str, nbytes: int, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.nbytes, self.chunk_bytes = nbytes, chunk_bytes
-        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (held until the upload is let go of)
+    def __init__(self, directory: str, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (held until the bytes are let go of)
+
+    @classmethod
+    def holding(cls, directory: str, data: bytes | bytearray | memoryview) -> SpillFile:
+        """A spill file holding `data` (e.g. an encoded broadcast delta kept for learners that come later)."""
+        view = memoryview(data).cast("B")
+        spilled = cls(directory, len(view))
+        spilled.write(0, view)
+        return spilled
 
     def write(self, at: int, data: bytes | memoryview) -> None:
         view = memoryview(data).cast("B")
@@ -209,16 +223,19 @@ class SpillFile:
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                 raise ResourceExhausted(
-                    "the coordinator's --upload-spill-dir is full; send the upload again later (an operator frees "
+                    "the coordinator's --spill-dir is full; send the upload again later (an operator frees "
                     "space there or lowers --max-partial-uploads)"
                 ) from None
             raise
 
-    def chunks(self) -> Iterator[bytes]:
-        for at in range(0, self.nbytes, self.chunk_bytes):
-            chunk = os.pread(self._file.fileno(), min(self.chunk_bytes, self.nbytes - at), at)
+    def chunks(self, chunk_bytes: int = CHUNK_BYTES, offset: int = 0) -> Iterator[bytes]:
+        """The bytes from `offset`, `chunk_bytes` at a time (a `ChunkSource`)."""
+        if chunk_bytes < 1:
+            raise CodecError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        for at in range(offset, self.nbytes, chunk_bytes):
+            chunk = os.pread(self._file.fileno(), min(chunk_bytes, self.nbytes - at), at)
             if not chunk:
-                raise CodecError(f"the spilled upload ends at byte {at} of {self.nbytes}: send it again")
+                raise CodecError(f"the spilled payload ends at byte {at} of {self.nbytes}: send it again")
             yield chunk
 
     def close(self) -> None:

@@ -27,8 +27,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         cfg = parse(argv, env)
         load_carbon(cfg)  # a bad --carbon-trace or --carbon-provider: exit 2 before anything starts
-        if cfg.upload_spill_dir:
-            check_spill_dir(cfg.upload_spill_dir)  # missing or not writable: the same
+        if cfg.spill_dir:
+            check_spill_dir(cfg.spill_dir)  # missing or not writable: the same
     except ConfigError as e:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2

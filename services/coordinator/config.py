@@ -122,7 +122,7 @@ class CoordinatorServiceConfig:
     upload_ttl_s: float = 120.0  # interrupted uploads are kept this long for a resume
     max_partial_uploads: int = 32  # uploads held in all (streaming or kept for a resume); each holds a model buffer
     max_uploads_per_worker: int = 2  # uploads one learner may have held at once
-    upload_spill_dir: str = ""  # hold uploads' bytes in files here instead of memory; "": in memory
+    spill_dir: str = ""  # hold uploads' and kept broadcast deltas' bytes in files here, not memory; "": memory
     outlier_factor: float = 10.0  # refuse a pseudo-gradient whose norm per step is above this x the median; 0: off
     outlier_window: int = 32  # accepted norms the median is taken over
     outlier_min_samples: int = 3  # accepted norms before any outlier judgement
@@ -438,11 +438,11 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--max-partial-uploads", int, 32, "uploads held at once in all, streaming or kept for a resume (memory bound)"),
     ("--max-uploads-per-worker", int, 2, "uploads one learner may hold at once; more get RESOURCE_EXHAUSTED"),
     (
-        "--upload-spill-dir",
+        "--spill-dir",
         str,
         "",
-        "hold uploads' encoded bytes in unlinked files in this directory, not in memory ('': memory); for large "
-        "models with many learners uploading at once",
+        "hold the uploads being received and the broadcast deltas kept for late learners in unlinked files in "
+        "this directory, not in memory ('': memory); for large models with many learners",
     ),
     (
         "--outlier-factor",

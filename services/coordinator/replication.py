@@ -150,7 +150,7 @@ def encode(item: LogEntry | Snapshot, chunk_bytes: int = LOG_CHUNK_BYTES) -> Ite
             yield data_message(c)
 
 
-def data_message(chunk: memoryview) -> bytes:
+def data_message(chunk: bytes | memoryview) -> bytes:
     """A `LogMessage` holding only `data`, serialised byte for byte as protobuf does it, made with one copy of
     `chunk` (building the message, then serialising it, copies the chunk twice)."""
     return b"".join((_DATA_TAG, _varint(len(chunk)), chunk))

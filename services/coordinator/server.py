@@ -240,7 +240,7 @@ class CoordinatorServer:
             energy=EnergyBook(signal, totals),
             placement=cfg.policy_config(started),
             fragments=frag,
-            upload_spill_dir=check_spill_dir(cfg.upload_spill_dir) if cfg.upload_spill_dir else "",
+            spill_dir=check_spill_dir(cfg.spill_dir) if cfg.spill_dir else "",
         )
         state.fence = self._fence
         crash = cfg.crash_fault()

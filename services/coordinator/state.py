@@ -24,14 +24,14 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from diloco import log as logging
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, DEFAULT_HISTORY, BroadcastShadow, Delta, Snapshot
-from diloco.core.codecs import EncodedMeta
+from diloco.core.codecs import EncodedMeta, Payload
 from diloco.core.coordinator import (
     Accepted,
     CoordinatorCore,
@@ -64,7 +64,7 @@ from diloco.errors import (
     NotLeader,
     Unavailable,
 )
-from diloco.rpc.payload import BufferPool, UploadReceiver
+from diloco.rpc.payload import BufferPool, SpillFile, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import J_PER_KWH, SNAPSHOT_KEY, Charge, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
@@ -111,7 +111,7 @@ class Broadcast:
     coordinator_epoch: int
     delta_from: int | None
     checksum: int
-    data: bytes | bytearray | memoryview  # never written: every watcher sends from these bytes, not a copy
+    data: Payload  # never written: every watcher sends from these bytes (or this spill file), not a copy
     meta: EncodedMeta
     applied_ids: tuple[str, ...]
     finished: bool
@@ -226,7 +226,7 @@ class CoordinatorState:
         energy: EnergyBook | None = None,
         placement: PolicyConfig | None = None,
         fragments: FragmentedCoordinator | None = None,
-        upload_spill_dir: str = "",
+        spill_dir: str = "",
     ) -> None:
         if fragments is not None and fragments.core is not core:
             raise ValueError("fragments must wrap the state's core")
@@ -244,7 +244,8 @@ class CoordinatorState:
         self.numel = core.params.numel()
         # uploads are held encoded (in buffers reused within a round), measured on arrival, decoded again by the merge
         self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
-        self.spill_dir = upload_spill_dir or None  # or in unlinked files there (`diloco.rpc.payload.SpillFile`)
+        # or in unlinked files there (`diloco.rpc.payload.SpillFile`), with the broadcast deltas kept for late learners
+        self.spill_dir = spill_dir or None
         sizes = tuple(fragments.layout.size(p) for p in range(fragments.fragments)) if fragments else ()
         self.uploads = Uploads(
             UploadLimits(
@@ -606,6 +607,8 @@ class CoordinatorState:
         delta = self.shadow.advance(
             self.core.params, applied.version, scratch=self.core.acc.lend(), span=self._stepped_span(applied.version)
         )
+        if delta is not None and self.spill_dir and isinstance(delta.data, (bytes, bytearray, memoryview)):
+            delta = replace(delta, data=SpillFile.holding(self.spill_dir, delta.data))  # kept in a file, not memory
         encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
