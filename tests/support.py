@@ -121,6 +121,35 @@ def healthd_for_replicas(cluster: LocalCluster, *names: str) -> dict[str, int]:
 # --- the tiny task ---------------------------------------------------------------------------------------------
 
 
+def finish_and_check(
+    cfg: ClusterConfig, address: str, target: int, timeout_s: float = 120.0
+) -> tuple[pb.GetStatusResponse, pb.GetLedgerResponse]:
+    """An HA job's end, judged at the replica `address`: it reaches `target` there (versions read meanwhile never go
+    backwards) and finishes at it, its ledger is exactly once, and no learner received a version that went
+    backwards. Returns the final status and ledger for the test's own checks."""
+    seen: list[int] = []
+
+    def reached() -> bool:
+        with channel(address) as ch:
+            v = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=3).version
+        seen.append(int(v))
+        return seen[-1] >= target
+
+    wait_for(f"the job finishes at {address}", reached, timeout_s=timeout_s, interval_s=0.2)
+    assert seen == sorted(seen), f"a version went backwards at {address}: {seen}"
+    with channel(address) as ch:
+        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+        status = stub.GetStatus(pb.GetStatusRequest(), timeout=5)
+        ledger = stub.GetLedger(pb.GetLedgerRequest(), timeout=5)
+    assert status.finished and status.version == target, status
+    assert not ledger_check(ledger), "exactly-once ledger broken: " + "; ".join(ledger_check(ledger))
+    for i in range(cfg.workers):
+        lines = LogFollower(cfg.run_dir / f"worker{i}.log").read()
+        received = [int(str(x.fields["version"])) for x in lines if x.event == "worker.broadcast_received"]
+        assert received == sorted(received), f"worker{i} received a version that went backwards: {received}"
+    return status, ledger
+
+
 def tiny_task(num_shards: int = 8) -> TaskConfig:
     return TaskConfig(
         model=ModelConfig(seq_len=32, d_model=32, n_layers=1, n_heads=2),

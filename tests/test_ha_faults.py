@@ -25,15 +25,13 @@ import pytest
 from diloco.cluster import (
     ClusterConfig,
     LocalCluster,
-    LogFollower,
-    ledger_check,
     logged_at,
     wait_for,
 )
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.server import channel
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
-from tests.support import Events, ha_cluster_config, healthd_for_replicas, spawn_replica
+from tests.support import Events, finish_and_check, ha_cluster_config, healthd_for_replicas, spawn_replica
 
 TARGET = 14
 # fenced at once after SIGCONT (its lease ran out while it was frozen), then: 1 s drain, final checkpoint, a bounded
@@ -77,28 +75,6 @@ def version_at(address: str) -> int:
     return int(status.version)
 
 
-def finish_and_check(cfg: ClusterConfig, address: str) -> None:
-    """The job reaches TARGET at `address`; versions never went backwards for a learner; the ledger is exactly once."""
-    seen: list[int] = []
-
-    def reached() -> bool:
-        seen.append(version_at(address))
-        return seen[-1] >= TARGET
-
-    wait_for(f"the job finishes at {address}", reached, timeout_s=120, interval_s=0.2)
-    assert seen == sorted(seen), f"a version went backwards at {address}: {seen}"
-    with channel(address) as ch:
-        stub = coordinator_pb2_grpc.CoordinatorStub(ch)
-        status = stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=5)
-        ledger = stub.GetLedger(coordinator_pb2.GetLedgerRequest(), timeout=5)
-    assert status.finished and status.version == TARGET
-    assert not ledger_check(ledger), "exactly-once ledger broken"
-    for i in range(cfg.workers):
-        got = [x.fields for x in LogFollower(cfg.run_dir / f"worker{i}.log").read()]
-        received = [int(str(f["version"])) for f in got if f.get("event") == "worker.broadcast_received"]
-        assert received == sorted(received), f"worker{i} received a version that went backwards: {received}"
-
-
 @pytest.mark.timeout(180)
 def test_a_leader_frozen_past_its_lease_is_replaced_and_retires_within_a_bound_once_resumed(
     etcd_server: EtcdServer, tmp_path: Path
@@ -125,7 +101,7 @@ def test_a_leader_frozen_past_its_lease_is_replaced_and_retires_within_a_bound_o
         late = [f for e, f in p.a.lines if e == "round.closed" and logged_at(f) >= resumed_at]
         assert not late, f"the frozen leader closed rounds after it was resumed: {late}"
         assert exited_s < RETIRE_BOUND_S, f"the resumed old leader took {exited_s:.2f} s to exit"
-        finish_and_check(cfg, p.b_addr)
+        finish_and_check(cfg, p.b_addr, TARGET)
         print(
             f"frozen leader: coord-b leads {logged_at(promoted) - frozen_at:.2f} s after the SIGSTOP; coord-a, "
             f"resumed, exited 3 after {exited_s:.2f} s"
@@ -155,7 +131,7 @@ def test_etcd_killed_and_restarted_while_training_runs(etcd_server: EtcdServer, 
         led_s = time.monotonic() - restarted
         assert int(str(promoted["epoch"])) > p.epoch_a
         address = p.b_addr
-        finish_and_check(cfg, address)
+        finish_and_check(cfg, address, TARGET)
         print(
             f"etcd killed: coord-a retired after {retired_s:.2f} s; after etcd's restart coord-b led within "
             f"{led_s:.2f} s"
