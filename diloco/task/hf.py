@@ -102,6 +102,18 @@ class CausalLM(nn.Module):
         self.vocab_size = int(config.vocab_size)
         self.fingerprint_extra = json.dumps(_config_dict(config), sort_keys=True)
 
+    def enable_activation_checkpointing(self) -> None:
+        """Hugging Face's gradient checkpointing of the decoder layers (non-reentrant): the gradients are the
+        same, activations are computed again in backward. `ConfigError` for a model class without it."""
+        lm: Any = self.lm
+        try:
+            if hasattr(lm, "activation_checkpointing_enable"):  # transformers 5.x
+                lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        except ValueError as e:  # transformers: the class does not support gradient checkpointing
+            raise ConfigError(f"--activation-checkpointing: {e}") from None
+
     def forward(self, idx: Tensor) -> Tensor:
         logits: Tensor = self.lm(input_ids=idx, use_cache=False).logits
         return logits

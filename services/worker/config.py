@@ -40,6 +40,7 @@ class WorkerConfig:
     nproc_per_node: int = 1  # > 1: `diloco worker` starts torchrun with this many ranks (one island)
     max_restarts: int = 0  # torchrun's --max-restarts for the island `diloco worker` starts
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
+    activation_checkpointing: bool = False  # keep each layer's input only; recompute the rest in backward
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     ef_decay: float = 0.0  # error feedback's residual decay β in (0, 1]; 0: the codec's default (`ErrorFeedback`)
@@ -198,6 +199,13 @@ _FLAGS: list[Flag] = [
         "true: the island shards the model, its gradients and optimizer state over its ranks (FSDP2 fully_shard) "
         "instead of replicating it (DistributedDataParallel), for models that do not fit one device; needs an "
         "island (--nproc-per-node >= 2, or torchrun)",
+    ),
+    (
+        "--activation-checkpointing",
+        parse_bool,
+        False,
+        "true: keep only each layer's input for backward and compute the rest again there (less memory for "
+        "activations, about a third more compute per step; the same gradients): for learners short of memory",
     ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (

@@ -18,6 +18,7 @@ from diloco.errors import ConfigError
 from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
 from diloco.task.inner import InnerTrainer, Throughput
+from diloco.task.model import enable_activation_checkpointing
 from diloco.task.params import flatten_params, param_specs
 from services.worker.config import WorkerConfig
 from services.worker.island import Island, ShardedParams, shard_model
@@ -68,6 +69,8 @@ class Replica:
                 self.island.check_batch(cfg.inner.batch_size)
             task = build_task(cfg)
             model = task.model_fn(self.cfg.seed if self.cfg.seed >= 0 else init_seed)
+            if self.cfg.activation_checkpointing:
+                enable_activation_checkpointing(model)
             if self.island is None or self.island.leader:
                 self.version0 = flatten_params(model).to("cpu")  # a new vector, before the model moves or shards
             loss_fn = self._loss_fn(model)  # a sharded island's model is sharded here
