@@ -123,7 +123,7 @@ class GPT(nn.Module):
 
     def enable_activation_checkpointing(self) -> None:
         """Keep only each block's input for backward and compute the rest again there: activations of one block
-        instead of all of them, for about a third more compute per step. The gradients are the same."""
+        instead of all of them, for a second forward of each block per step. The gradients are the same."""
         self.checkpointed = True
 
     @torch.no_grad()

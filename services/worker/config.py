@@ -205,7 +205,7 @@ _FLAGS: list[Flag] = [
         parse_bool,
         False,
         "true: keep only each layer's input for backward and compute the rest again there (less memory for "
-        "activations, about a third more compute per step; the same gradients): for learners short of memory",
+        "activations, each layer's forward run twice a step; the same gradients): for learners short of memory",
     ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (
