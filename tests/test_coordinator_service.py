@@ -35,6 +35,7 @@ from services.coordinator.__main__ import main
 from services.coordinator.config import CoordinatorServiceConfig, CrashFault, parse
 from tests.support import (
     CHUNK,
+    Clock,
     Env,
     T,
     code_of,
@@ -394,6 +395,32 @@ def open_files_in(directory: Path) -> list[str]:
         if link.startswith(f"{directory}/"):
             found.append(link)
     return found
+
+
+def test_a_spill_dir_gone_refuses_uploads_and_keeps_broadcast_deltas_in_memory(
+    start: Callable[..., Env], tmp_path: Path
+) -> None:
+    clock, spill = Clock(), tmp_path / "spill"
+    spill.mkdir()
+    env = start(clock=clock, expected_workers=2, min_quorum=1, grace_max_s=5.0, spill_dir=str(spill))
+    a, _ = register(env, "a"), register(env, "b")
+    h, data, _ = make_upload(env, a, "a1")
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED  # received into the spill dir, folded
+    spill.rmdir()  # the directory goes (an operator, a lost mount) while the round is open: its file was unlinked
+    clock.t += 10  # past the grace window: the round closes
+    wait_for("the round to close", lambda: env.server.core.version == 1)
+    # its broadcast delta could not be written there: kept in memory, and the version published all the same
+    kept = env.server.state.shadow.updates_since(0, 1) or []
+    assert len(kept) == 1 and isinstance(kept[0].data, memoryview)
+    assert fetch_params(env)[0].version == 1
+    # an upload cannot be held there: refused, saying what to do, and nothing changes
+    h, data, _ = make_upload(env, a, "a2")
+    before = frozen(env)
+    code, details = code_of(lambda: submit(env, h, data))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "--spill-dir" in details and "again later" in details
+    assert_unchanged(env, before)
+    spill.mkdir()  # back: the same upload is taken
+    assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
 
 
 def test_truncated_upload_keeps_its_bytes_for_a_resume(env: Env) -> None:

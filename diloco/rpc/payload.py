@@ -204,7 +204,13 @@ class SpillFile:
 
     def __init__(self, directory: str, nbytes: int) -> None:
         self.nbytes = nbytes
-        self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (held until the bytes are let go of)
+        try:
+            self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (held until the bytes are let go of)
+        except OSError as e:
+            raise ResourceExhausted(
+                f"the coordinator cannot create a file in its --spill-dir ({e.strerror}); send the upload again "
+                "later (an operator checks the directory)"
+            ) from None
 
     @classmethod
     def holding(cls, directory: str, data: bytes | bytearray | memoryview) -> SpillFile:

@@ -62,6 +62,7 @@ from diloco.errors import (
     InvalidArgument,
     NotFound,
     NotLeader,
+    ResourceExhausted,
     Unavailable,
 )
 from diloco.rpc.payload import BufferPool, SpillFile, UploadReceiver
@@ -607,8 +608,8 @@ class CoordinatorState:
         delta = self.shadow.advance(
             self.core.params, applied.version, scratch=self.core.acc.lend(), span=self._stepped_span(applied.version)
         )
-        if delta is not None and self.spill_dir and isinstance(delta.data, (bytes, bytearray, memoryview)):
-            delta = replace(delta, data=SpillFile.holding(self.spill_dir, delta.data))  # kept in a file, not memory
+        if delta is not None and self.spill_dir:
+            delta = self._spilled(delta)
         encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
@@ -629,6 +630,18 @@ class CoordinatorState:
             return applied
         self._publish(applied, delta)
         return applied
+
+    def _spilled(self, delta: Delta) -> Delta:
+        """The version's delta with its bytes in a spill file (`--spill-dir`), or as it is, in memory, when the file
+        cannot be written (a full disk must not stop a round that has already stepped)."""
+        assert self.spill_dir is not None
+        if not isinstance(delta.data, (bytes, bytearray, memoryview)):
+            return delta
+        try:
+            return replace(delta, data=SpillFile.holding(self.spill_dir, delta.data))
+        except (OSError, ResourceExhausted) as e:
+            self.log.warning("broadcast.spill_failed", version=delta.version, spill_dir=self.spill_dir, error=str(e))
+            return delta
 
     def _stepped_span(self, version: int) -> tuple[int, int] | None:
         """The range of the flat parameters that `version`'s broadcast delta covers: with streaming fragments, from
