@@ -91,8 +91,9 @@ class PayloadSettings:
         get_codec(self.codec)  # an unknown codec is refused here, before any process starts
 
 
-# the suite's full run fits a 24 GB machine: at 1B the coordinator alone takes ~18 GB, a watcher 8 GB more; the
-# uploads it receives are held in files (section 16 measures the coordinator both ways at 100M)
+# the suite's full run fits a 24 GB machine: at 1B the coordinator alone takes ~17 GB (~18 GB without spilling), a
+# watcher 8 GB more; the uploads it receives and the deltas it keeps are held in files (section 16 measures the
+# coordinator both ways at 100M)
 FULL = PayloadSettings(watch=False, spill=True)
 QUICK = PayloadSettings(numel=2_000_000, baseline_numel=200_000, rounds=2, start_timeout_s=300, round_timeout_s=300)
 COORDINATOR_X = 4.6  # fp32 model sizes the coordinator peaks at (measured: 4.5x at 200M and 500M), for the memory check

@@ -197,10 +197,11 @@ def check_spill_dir(path: str) -> str:
 
 
 class SpillFile:
-    """An upload's bytes in an unnamed temporary file in `directory` (unlinked at once, so nothing is left behind
-    whatever happens to the process; its space is freed when the last reference goes). Written at byte offsets
-    as they arrive, read back in order by `chunks` (an `EncodedDelta`'s `ChunkSource`). The pages sit in the
-    kernel's page cache, which it can write out and reclaim, not in the coordinator's resident memory."""
+    """A payload's bytes (an upload being received, or a broadcast delta kept for late learners) in an unnamed
+    temporary file in `directory` (unlinked at once, so nothing is left behind whatever happens to the process; its
+    space is freed when the last reference goes). Written at byte offsets as they arrive, read back in order by
+    `chunks` (a `ChunkSource`). The pages sit in the kernel's page cache, which it can write out and reclaim, not in
+    the coordinator's resident memory."""
 
     def __init__(self, directory: str, nbytes: int) -> None:
         self.nbytes = nbytes
