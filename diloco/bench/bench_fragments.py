@@ -2,17 +2,27 @@
 
 Four equal learners train a 118,528-parameter GPT (d_model 64, 2 layers) in `decoupled` mode at H = 40 on the
 far-apart-islands link (400 Mbit/s, 0.5 s latency) to the same token budget, once per P in {1, 2, 4} and with
-every seed of the settings (the same seeds for every P). Reported per P: the peak bytes per second on the busiest
-learner link, up and down, over a sliding window of 1 virtual second (an inner step), and the same summed over
-the links at the coordinator (`diloco.sim.links`; the snapshot a learner gets when it registers is the same for
-every P and left out), the bytes moved in all, the validation loss at the budget and its change against P = 1,
-seed by seed.
+every seed of the settings (the same seeds for every P). The budget is a whole number of whole-model outer steps
+(`FragmentSettings.whole_step_tokens`: every learner's H inner steps), so every P's rounds end exactly on it and
+every run stops, and is evaluated, at the same applied tokens: the loss at the budget is that evaluation, read at
+exactly the budget for every P (a run that applied other tokens stops the section). Reported per P: the peak
+bytes per second on the busiest learner link, up and down, over a sliding window of 1 virtual second (an inner
+step), and the same summed over the links at the coordinator (`diloco.sim.links`; the snapshot a learner gets when
+it registers is the same for every P and left out), the bytes moved in all, the validation loss at the budget and
+its change against P = 1, seed by seed.
 
 Targets (rule: mean and every seed):
 - the peak link bandwidth, up and down, drops by at least P/2 times against P = 1. A fragment is whole tensors,
   so the largest fragment is more than 1/P of the model (this model: 56% at P = 2, 28% at P = 4) and P times
   is out of reach; the ideal for the layout, 1 / (largest fragment's share), is reported beside it.
 - the loss at the budget is at most 2% above P = 1's (seed by seed; a lower loss passes).
+
+Until 2026-12-02 the budget was 600,000 tokens, which is not a whole number of rounds for every P: the simulator
+stops at the first round that reaches the budget, so P = 1 and P = 2 (rounds of 40,960 and 20,480 tokens) stopped
+at 614,400 tokens and P = 4 (10,240) at 604,160, and the loss at 600,000 was interpolated between the evaluation at
+409,600 and those last ones: P = 1's figure rested on an evaluation 10,240 applied tokens later than P = 4's (and
+P = 4's on one after 59 rounds, fragment 0 one outer step short). The budget is now 614,400 tokens, the 15
+whole-model outer steps the settings always meant, and the cosine schedule spans the 600 inner steps of that.
 
 `python -m diloco.bench.bench_fragments` runs the section on its own (`--quick` for the small settings).
 """
@@ -28,6 +38,7 @@ from diloco.bench.section import Context, Result, quick_flag, standalone, table
 from diloco.bench.seeds import check, fmt, target_met, values
 from diloco.bench.sim_bench import SimRunner
 from diloco.core.fragments import FragmentLayout
+from diloco.errors import ConfigError
 from diloco.sim.config import SimConfig
 from diloco.task.data import DataConfig
 from diloco.task.factory import TaskConfig
@@ -49,7 +60,7 @@ class FragmentSettings:
     learners: int = 4
     mode: str = "decoupled"
     local_steps: int = 40  # H; P = 4 syncs a fragment every 10 inner steps
-    token_budget: int = 600_000  # 15 outer steps of the whole model
+    token_budget: int = 614_400  # 15 whole-model outer steps: a multiple of `whole_step_tokens` (checked)
     inner_lr: float = 3e-3
     warmup_steps: int = 20
     max_bytes: int = 4_000_000
@@ -63,6 +74,21 @@ class FragmentSettings:
     eval_tokens: int = 16_384
     fragments: tuple[int, ...] = (1, 2, 4)
     seeds: tuple[int, ...] = (0, 1, 2)
+
+    def __post_init__(self) -> None:
+        if self.token_budget <= 0 or self.token_budget % self.whole_step_tokens:
+            raise ConfigError(
+                f"token_budget ({self.token_budget:,}) must be a positive multiple of the tokens of one whole-model "
+                f"outer step ({self.whole_step_tokens:,}: {self.learners} learners x H = {self.local_steps} x "
+                f"{self.batch_size * self.seq_len} tokens), else P's rounds end on it for some P and not others and "
+                "the runs stop at different applied tokens; use a multiple of it"
+            )
+
+    @property
+    def whole_step_tokens(self) -> int:
+        """Tokens applied by one whole-model outer step: every learner's H inner steps, in one round at P = 1 and in
+        P rounds (one fragment each) otherwise."""
+        return self.learners * self.local_steps * self.batch_size * self.seq_len
 
 
 FULL = FragmentSettings()
@@ -106,6 +132,19 @@ def layout_shares(s: FragmentSettings, fragments: int) -> tuple[int, list[float]
     return layout.numel, [layout.size(p) / layout.numel for p in range(fragments)]
 
 
+def check_at_budget(row: dict[str, Any], budget: int, fragments: int) -> None:
+    """Every seed's run stopped at exactly `budget` applied tokens with an evaluation there, so its loss at the
+    budget is that evaluation's and every P is judged at the same tokens; RuntimeError otherwise."""
+    for seed, one in zip(row["seeds"], row["per_seed"], strict=True):
+        last = one["history"][-1]
+        if one["tokens"] != budget or last[1] != budget:
+            raise RuntimeError(
+                f"P = {fragments}, seed {seed}: the run stopped at {one['tokens']:,} applied tokens (last evaluation "
+                f"at {last[1]:,.0f}), not at the budget {budget:,}: its loss would be compared at other tokens than "
+                "the other P's. The rounds did not each take one fragment from every learner; check the settings"
+            )
+
+
 def run(s: FragmentSettings, runner: SimRunner) -> Result:
     rows: list[dict[str, Any]] = []
     for p in s.fragments:
@@ -114,6 +153,7 @@ def run(s: FragmentSettings, runner: SimRunner) -> Result:
             return sim_config(s, p, seed)
 
         row = runner.seeds(make, f"P = {p}", s.token_budget, s.seeds)
+        check_at_budget(row, s.token_budget, p)
         numel, shares = layout_shares(s, p)
         row.update(fragments=p, numel=numel, shares=shares, ideal_ratio=1 / max(shares))
         for one in row["per_seed"]:
@@ -206,8 +246,22 @@ def markdown(result: Result) -> str:
     note = (
         "A round with fragments steps only the fragments submitted in it, so P = 4 makes about 4 times as many "
         "rounds of a quarter of the model each; the bytes in all stay about the same, spread over time. Tokens "
-        "applied count every token once whatever P."
+        "applied count every token once whatever P. "
     )
+    whole = s["learners"] * s["local_steps"] * s["batch_size"] * s["seq_len"]  # FragmentSettings.whole_step_tokens
+    if s["token_budget"] % whole == 0:
+        note += (
+            f"The budget is {s['token_budget'] // whole} whole-model outer steps of {whole:,} tokens, so every P's "
+            "runs stop at exactly the budget and the loss at budget is the evaluation there, at the same tokens for "
+            "every P (until 2026-12-02 the full settings' budget was 600,000 tokens: P = 4 stopped at 604,160 applied "
+            "tokens, P = 1 and 2 at 614,400, and the loss at 600,000 was interpolated between evaluations)."
+        )
+    else:  # results written before the budget was checked
+        note += (
+            f"The budget is not a whole number of whole-model outer steps ({whole:,} tokens): the runs stopped at "
+            "the tokens applied shown, which differ with P, and the loss at budget is interpolated between "
+            "evaluations."
+        )
     return "\n\n".join([head, table(headers, rows), note])
 
 

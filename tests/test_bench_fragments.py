@@ -1,0 +1,41 @@
+"""Section `fragments` (`diloco.bench.bench_fragments`): every P is judged at the same applied tokens."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from diloco.bench.bench_fragments import FULL, QUICK, FragmentSettings, check_at_budget, run
+from diloco.bench.sim_bench import SimRunner
+from diloco.errors import ConfigError
+
+
+def test_the_budget_is_a_whole_number_of_whole_model_outer_steps() -> None:
+    assert FULL.whole_step_tokens == 4 * 40 * 8 * 32
+    assert FULL.token_budget == 15 * FULL.whole_step_tokens  # 614,400: what "15 outer steps" always meant
+    assert QUICK.token_budget % QUICK.whole_step_tokens == 0
+    # 600,000 (the budget before): P = 1 stopped at 614,400 applied tokens, P = 4 at 604,160
+    with pytest.raises(ConfigError, match="multiple of the tokens of one whole-model outer step"):
+        FragmentSettings(token_budget=600_000)
+    with pytest.raises(ConfigError):
+        replace(QUICK, token_budget=QUICK.whole_step_tokens // 2)
+    with pytest.raises(ConfigError):
+        FragmentSettings(token_budget=0)
+
+
+def test_a_run_that_did_not_stop_at_the_budget_stops_the_section() -> None:
+    at = {"tokens": 614_400, "history": [[0.0, 0, 5.4, 0], [600.0, 614_400, 2.14, 1e7]]}
+    check_at_budget({"seeds": [0], "per_seed": [at]}, 614_400, 1)  # stopped and evaluated at the budget: fine
+    short = {"tokens": 604_160, "history": [[0.0, 0, 5.4, 0], [590.0, 604_160, 2.18, 1e7]]}
+    with pytest.raises(RuntimeError, match="P = 4, seed 1: the run stopped at 604,160 applied tokens"):
+        check_at_budget({"seeds": [0, 1], "per_seed": [at, short]}, 614_400, 4)
+
+
+def test_every_p_applies_exactly_the_budget_and_is_scored_there() -> None:
+    s = replace(QUICK, token_budget=3 * QUICK.whole_step_tokens)
+    result = run(s, SimRunner(lambda line: None))
+    for row in result["rows"]:
+        assert row["tokens"] == s.token_budget, row["fragments"]
+        assert row["loss_at_budget"] == pytest.approx(row["final_loss"], abs=1e-12)  # the evaluation at the budget
+    assert [r["fragments"] for r in result["rows"]] == [1, 2, 4]
