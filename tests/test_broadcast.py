@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -22,10 +21,11 @@ import structlog
 import torch
 
 from diloco.cluster import wait_for
-from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, BroadcastShadow, Refusal, params_checksum
+from diloco.core import broadcast
+from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Delta, HeldParams, Refusal, params_checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
-from diloco.rpc.payload import PayloadReceiver, SpillFile, meta_from_proto
+from diloco.rpc.payload import PayloadBytes, PayloadReceiver, SpillFile, meta_from_proto
 from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import simulate
 from diloco.sim.result import SimResult
@@ -69,12 +69,32 @@ def walk(numel: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
 
 
 def decode_streamed(delta_data: bytes | bytearray | memoryview, meta: object, numel: int, chunk: int) -> torch.Tensor:
-    """What a learner's watcher decodes: the payload fed in chunks of `chunk` bytes."""
+    """What a learner's watcher decodes of a snapshot: the payload fed in chunks of `chunk` bytes."""
     receiver = PayloadReceiver(meta, numel)  # type: ignore[arg-type]
     view = memoryview(delta_data)
     for i in range(0, len(view), chunk):
         receiver.feed(view[i : i + chunk])
     return receiver.finish()
+
+
+def received(d: Delta, chunk: int = 1 << 20) -> memoryview:
+    """A delta's bytes as a learner's watcher keeps them: fed in chunks of `chunk` bytes, size and crc32 checked."""
+    receiver = PayloadBytes(d.meta, d.meta.numel)
+    view = memoryview(d.data)  # type: ignore[arg-type]
+    for i in range(0, len(view), chunk):
+        receiver.feed(view[i : i + chunk])
+    return receiver.finish()
+
+
+def take(f: BroadcastFollower, d: Delta, checksum: int | None = None) -> torch.Tensor | Refusal:
+    """`d` queued by `f` (with `checksum` in place of the right one) and applied where it is adopted."""
+    held = f.delta(d.version, d.base, d.meta, received(d), d.checksum if checksum is None else checksum, d.start)
+    return held if isinstance(held, Refusal) else held.at(d.version)
+
+
+def held_params(f: BroadcastFollower) -> torch.Tensor:
+    assert f.held is not None
+    return f.held.params
 
 
 # --- the pure core --------------------------------------------------------------------------------------------------
@@ -93,17 +113,18 @@ def test_learners_reconstruct_the_shadow_bit_for_bit(codec: str) -> None:
         assert delta is not None and delta.base == v - 1 and delta.version == v
         shadow.record(delta)
         checksums[v] = shadow.checksum
-        got = every.delta(v, v - 1, decode_streamed(delta.data, delta.meta, numel, chunk=333), delta.checksum)
+        held = every.delta(v, v - 1, delta.meta, received(delta, chunk=333), delta.checksum)
+        assert isinstance(held, HeldParams)
+        got = held.at(v)
         assert not isinstance(got, Refusal)
         assert torch.equal(bits(got), bits(shadow.shadow)) and params_checksum(got) == shadow.checksum
         if v % 3 == 0:  # the skipper catches up every third version with a chain of deltas
             chain = shadow.updates_since(skipper.version, v)
             assert chain is not None and [d.version for d in chain] == [v - 2, v - 1, v]
-            for d in chain:
-                assert not isinstance(
-                    skipper.delta(d.version, d.base, get_codec(codec).decode(d.data, d.meta), d.checksum), Refusal
-                )
-            assert torch.equal(bits(skipper.params), bits(shadow.shadow))  # type: ignore[arg-type]
+            for d in chain:  # queued, then applied in order where the newest is adopted
+                assert isinstance(skipper.delta(d.version, d.base, d.meta, received(d), d.checksum), HeldParams)
+            assert skipper.held is not None and skipper.held.applied == v - 3
+            assert torch.equal(bits(skipper.held.at(v)), bits(shadow.shadow))  # type: ignore[arg-type]
     # the shadow tracks Θ (error feedback: the residual does not grow)
     err = (thetas[-1] - shadow.shadow).abs().max().item()
     assert err < {"bf16": 1e-2, "int8": 2e-2, "int4": 0.5}[codec]
@@ -112,7 +133,7 @@ def test_learners_reconstruct_the_shadow_bit_for_bit(codec: str) -> None:
     assert shadow.updates_since(None, steps) is None and shadow.updates_since(steps, steps) == []
     snap = shadow.snapshot()
     assert snap is shadow.snapshot()  # encoded once per version
-    got = behind.snapshot(snap.version, decode_streamed(snap.data, snap.meta, numel, chunk=1000))
+    got = behind.snapshot(snap.version, decode_streamed(snap.data, snap.meta, numel, chunk=1000)).params
     assert torch.equal(bits(got), bits(shadow.shadow)) and snap.checksum == checksums[steps]
 
 
@@ -149,9 +170,8 @@ def test_a_learner_holding_its_own_version_0_gets_deltas_only_when_its_checksum_
         follower = BroadcastFollower()
         follower.snapshot(0, thetas[0].clone())  # what the learner built from the task and seed
         for d in chain:
-            decoded = get_codec(codec).decode(d.data, d.meta)
-            assert not isinstance(follower.delta(d.version, d.base, decoded, d.checksum), Refusal)
-        assert torch.equal(bits(follower.params), bits(shadow.shadow))  # type: ignore[arg-type]
+            assert not isinstance(take(follower, d), Refusal)
+        assert torch.equal(bits(held_params(follower)), bits(shadow.shadow))
     assert served == {"fp32": [], "bf16": [1], "int8": [1], "int4": [1, 2, 3]}[codec]
     assert shadow.updates_since(4, 4, shadow.checksum_of(4)) == [] and shadow.updates_since(4, 4, wrong) is None
 
@@ -171,20 +191,64 @@ def test_a_refused_delta_changes_nothing() -> None:
     thetas = walk(256, 2)
     shadow = BroadcastShadow(thetas[0], 0, "int8")
     f = BroadcastFollower()
-    assert f.delta(1, 0, torch.zeros(256), 0) is Refusal.NO_BASE  # holds nothing yet
     f.snapshot(0, shadow.shadow.clone())
     d1 = shadow.advance(thetas[1], 1)
     assert d1 is not None
-    decoded = get_codec("int8").decode(d1.data, d1.meta)
-    held = f.params
+    assert take(BroadcastFollower(), d1) is Refusal.NO_BASE  # holds nothing yet
+    held = f.held
     assert held is not None
-    before = held.clone()
-    assert f.delta(1, 0, decoded, d1.checksum ^ 1) is Refusal.CHECKSUM
-    assert f.delta(2, 1, decoded, d1.checksum) is Refusal.NO_BASE  # not for the version held
-    assert f.version == 0 and f.params is held and torch.equal(bits(held), bits(before))
-    assert not isinstance(f.delta(1, 0, decoded, d1.checksum), Refusal)
-    assert f.delta(1, 0, decoded, d1.checksum) is Refusal.NO_BASE  # the same delta again: never applied twice
-    assert f.version == 1
+    before = held.params.clone()
+    assert take(f, dataclasses.replace(d1, version=2, base=1)) is Refusal.NO_BASE  # not for the version held
+    assert take(f, dataclasses.replace(d1, start=1)) is Refusal.SPAN  # past the parameters' end
+    assert f.version == 0 and f.held is held and held.latest == 0 and torch.equal(bits(held.params), bits(before))
+    got = take(f, d1)
+    assert isinstance(got, torch.Tensor) and got is held.params  # Θ̂_0 became Θ̂_1 in place: no second vector
+    assert torch.equal(bits(got), bits(shadow.shadow))
+    assert take(f, d1) is Refusal.NO_BASE  # the same delta again: never applied twice
+    assert f.version == 1 and held.at(0) is Refusal.NO_BASE  # a version left behind
+
+
+def test_a_delta_whose_checksum_differs_where_it_is_applied_breaks_what_is_held() -> None:
+    """The crc32 of `Θ̂` is checked after the delta was added in place: a mismatch leaves the tensor partly written,
+    so every later `at` refuses (the learner registers again: `Replica.adopt` raises `ParamsLost`)."""
+    thetas = walk(256, 2)
+    shadow = BroadcastShadow(thetas[0], 0, "int8")
+    f = BroadcastFollower()
+    f.snapshot(0, shadow.shadow.clone())
+    d1 = shadow.advance(thetas[1], 1)
+    assert d1 is not None
+    shadow.record(d1)
+    d2 = shadow.advance(thetas[2], 2)
+    assert d2 is not None
+    held = f.delta(1, 0, d1.meta, received(d1), d1.checksum ^ 1)
+    assert isinstance(held, HeldParams) and f.version == 1  # the checksum is checked where it is applied
+    assert isinstance(f.delta(2, 1, d2.meta, received(d2), d2.checksum), HeldParams)
+    assert held.at(2) is Refusal.CHECKSUM and held.applied == 0
+    assert held.at(1) is Refusal.CHECKSUM and held.broken is Refusal.CHECKSUM
+    garbled = f.snapshot(0, thetas[0].clone())
+    bad = bytearray(received(d1))
+    bad[:4] = b"\xff\xff\xff\x7f"  # the first int8 block's scale becomes NaN: content the payload crc32 let through
+    meta = dataclasses.replace(d1.meta, crc32=zlib.crc32(bad))
+    assert isinstance(f.delta(1, 0, meta, bytes(bad), d1.checksum), HeldParams)
+    assert garbled.at(1) is Refusal.UNREADABLE
+
+
+def test_queued_deltas_are_applied_in_order_up_to_the_version_adopted() -> None:
+    thetas = walk(3000, 3)
+    shadow = BroadcastShadow(thetas[0], 0, "int4", history=3, history_bytes_ratio=2.0)
+    f = BroadcastFollower()
+    held = f.snapshot(0, shadow.shadow.clone())
+    want = {}
+    for v in (1, 2, 3):
+        d = shadow.advance(thetas[v], v)
+        assert d is not None
+        shadow.record(d)
+        want[v] = shadow.shadow.clone()
+        assert f.delta(v, v - 1, d.meta, received(d), d.checksum) is held
+    assert held.applied == 0 and held.latest == 3
+    assert torch.equal(bits(held.at(2)), bits(want[2])) and held.applied == 2  # type: ignore[arg-type]
+    assert held.at(4) is Refusal.NO_BASE  # not told of yet
+    assert torch.equal(bits(held.at(3)), bits(want[3])) and held.at(2) is Refusal.NO_BASE  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("codec", LOSSY)
@@ -196,48 +260,43 @@ def test_a_delta_added_window_by_window_as_it_decodes_is_bit_identical(codec: st
     f.snapshot(0, shadow.shadow.clone())
     d1 = shadow.advance(thetas[1], 1)
     assert d1 is not None
-    applying = f.begin_delta(1, 0)
-    assert not isinstance(applying, Refusal)
-    receiver = PayloadReceiver(d1.meta, numel, sink=applying)
-    for i in range(0, len(d1.data), 1 << 20):
-        receiver.feed(memoryview(d1.data)[i : i + (1 << 20)])
-    receiver.verify()
-    assert f.version == 0  # nothing adopted before the checksum is checked
-    got = f.finish_delta(applying, d1.checksum)
+    got = take(f, d1)
     assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow)) and f.version == 1
-    assert f.begin_delta(1, 0) is Refusal.NO_BASE  # never applied twice
 
 
-def _applying(
-    f: BroadcastFollower, shadow: BroadcastShadow, theta: torch.Tensor, version: int
-) -> tuple[ApplyingDelta, int]:
-    """The delta to `version` (from the one before) received whole by `f`, not finished yet; and its checksum."""
-    d = shadow.advance(theta, version)
-    assert d is not None
-    applying = f.begin_delta(version, version - 1)
-    assert not isinstance(applying, Refusal)
-    PayloadReceiver(d.meta, theta.numel(), sink=applying).feed(memoryview(d.data))
-    return applying, d.checksum
+def test_a_rebase_onto_the_base_moving_in_place_matches_one_onto_a_new_vector() -> None:
+    """A trainer whose base is the learner's `Θ̂` (adopted, nothing submitted since) rebases onto the next version
+    window by window as `Θ̂` changes in place (`InnerTrainer.base_moving`): the same bits as `rebase` onto a new
+    vector, with `Θ̂` itself as the base afterwards."""
+    from diloco.task.inner import InnerTrainer
 
+    def trainer() -> InnerTrainer:
+        cfg = TaskConfig()
+        task = build_task(cfg)
+        model = task.model_fn(0)
+        return InnerTrainer(model, task.corpus, cfg.inner, seq_len=cfg.model.seq_len, device=torch.device("cpu"))
 
-def test_a_finished_delta_keeps_no_version_alive() -> None:
-    """Once finished, the applying object (a watch loop keeps it until the next header) holds neither the base nor
-    the new version: the base is freed as soon as the follower (and the trainer) let go of it, and a version refused
-    for its checksum at once."""
-    thetas = walk((1 << 20) + 5, 2)
-    shadow = BroadcastShadow(thetas[0], 0, "int8")
-    f = BroadcastFollower()
-    held = shadow.shadow.clone()
-    f.snapshot(0, held)
-    base = weakref.ref(held)
-    del held
-    applying, checksum = _applying(f, shadow, thetas[1], 1)
-    assert not isinstance(f.finish_delta(applying, checksum), Refusal) and f.version == 1
-    assert base() is None  # `applying` is alive, and let go of version 0
-    applying, checksum = _applying(f, shadow, thetas[2], 2)
-    new = weakref.ref(applying.result())
-    assert f.finish_delta(applying, checksum ^ 1) is Refusal.CHECKSUM and f.version == 1
-    assert new() is None
+    a, b = trainer(), trainer()
+    v0 = a.params_flat()
+    shadow = BroadcastShadow(v0, 0, "int8")
+    d1 = shadow.advance(v0 + 0.01 * torch.randn(v0.numel(), generator=torch.Generator().manual_seed(1)), 1)
+    assert d1 is not None
+    follower = BroadcastFollower()
+    held = follower.snapshot(0, v0.clone())
+    a.load_global(held.params, share=True)
+    b.load_global(v0.clone(), share=True)
+    for t in (a, b):
+        x, y, _ = t.corpus.batch(0, 0, t.cfg.batch_size, t.seq_len)
+        t.step(x, y)
+    hook = a.base_moving(held.params)
+    assert hook is not None
+    assert follower.delta(1, 0, d1.meta, received(d1), d1.checksum) is held
+    assert held.at(1, hook) is held.params
+    b.rebase(shadow.shadow.clone(), share=True)
+    assert torch.equal(bits(a.params_flat()), bits(b.params_flat()))
+    assert torch.equal(bits(a.base), bits(shadow.shadow)) and torch.equal(bits(held.params), bits(shadow.shadow))
+    assert torch.equal(bits(a.pseudo_gradient()), bits(b.pseudo_gradient()))
+    assert b.base_moving(held.params) is None  # its base is its own
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
@@ -264,16 +323,11 @@ def test_windows_out_of_order_give_the_same_version_and_checksum() -> None:
     d1 = shadow.advance(thetas[1], 1)
     assert d1 is not None
     decoded = get_codec("int8").decode(d1.data, d1.meta)
-    f = BroadcastFollower()
     held = thetas[0].clone()
-    f.snapshot(0, held)
-    applying = f.begin_delta(1, 0)
-    assert not isinstance(applying, Refusal)
-    applying.dense(6000, decoded[6000:])  # not the next window: the base is copied first, then added in place
-    applying.dense(0, decoded[:6000])
-    assert torch.equal(bits(held), bits(thetas[0]))  # the held base is never written
-    got = f.finish_delta(applying, d1.checksum)
-    assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow))
+    sink = broadcast._InPlaceDelta(held, 0, numel, None)
+    sink.dense(6000, decoded[6000:])  # not the next window: the checksum is taken over the whole vector at the end
+    sink.dense(0, decoded[:6000])
+    assert sink.checksum() == d1.checksum and torch.equal(bits(held), bits(shadow.shadow))
 
 
 @pytest.mark.parametrize("codec", LOSSY)
@@ -308,20 +362,13 @@ def test_a_fragment_s_delta_moves_only_its_range_as_one_shadow_per_fragment_woul
         outside[start:end] = False
         assert torch.equal(bits(shadow.shadow[outside]), bits(before[outside]))
         assert d.checksum == params_checksum(shadow.shadow) and d.base_checksum == params_checksum(before)
-        applying = follower.begin_delta(v, v - 1, d.start, d.meta.numel)
-        assert not isinstance(applying, Refusal)
-        receiver = PayloadReceiver(d.meta, d.meta.numel, sink=applying)
-        for i in range(0, len(d.data), 1 << 18):
-            receiver.feed(memoryview(d.data)[i : i + (1 << 18)])
-        receiver.verify()
-        got = follower.finish_delta(applying, d.checksum)
+        got = take(follower, d)
         assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow))
     chain = shadow.updates_since(skipper.version, 7)  # a learner behind gets the ranged deltas in order
     assert chain is not None and [d.version for d in chain] == list(range(1, 8))
     for d in chain:
-        decoded = get_codec(codec).decode(d.data, d.meta)
-        assert not isinstance(skipper.delta(d.version, d.base, decoded, d.checksum, d.start), Refusal)
-    assert torch.equal(bits(skipper.params), bits(shadow.shadow))  # type: ignore[arg-type]
+        assert isinstance(skipper.delta(d.version, d.base, d.meta, received(d), d.checksum, d.start), HeldParams)
+    assert torch.equal(bits(skipper.held.at(7)), bits(shadow.shadow))  # type: ignore[union-attr,arg-type]
 
 
 def test_a_ranged_delta_sent_while_a_snapshot_is_held_leaves_the_held_bytes_alone() -> None:
@@ -344,12 +391,11 @@ def test_a_delta_whose_range_does_not_fit_is_refused() -> None:
         shadow.advance(thetas[1], 1, span=(50, 101))
     f = BroadcastFollower()
     f.snapshot(0, thetas[0].clone())
-    assert f.begin_delta(1, 0, 90, 11) is Refusal.SPAN and f.begin_delta(1, 0, 0, 0) is Refusal.SPAN
-    applying = f.begin_delta(1, 0, 90, 10)
-    assert not isinstance(applying, Refusal)
+    assert f.check_delta(1, 0, 90, 11) is Refusal.SPAN and f.check_delta(1, 0, 0, 0) is Refusal.SPAN
+    assert f.check_delta(1, 0, 90, 10) is None and f.version == 0
+    sink = broadcast._InPlaceDelta(thetas[0].clone(), 90, 10, None)
     with pytest.raises(CodecError, match="past the delta's range"):
-        applying.dense(0, torch.zeros(11))
-    assert f.version == 0
+        sink.dense(0, torch.zeros(11))
 
 
 def test_non_finite_parameters_fall_back_to_a_snapshot() -> None:
@@ -411,12 +457,31 @@ def test_simulated_learners_download_only_what_their_own_version_0_lacks() -> No
 
 # --- the coordinator through a real channel ------------------------------------------------------------------------
 def read_one(stream: Iterator[coordinator_pb2.ParametersChunk], numel: int) -> tuple[pb.ParametersHeader, torch.Tensor]:
+    """The next version: its header and, for a snapshot, its parameters; for a delta, its bytes as a tensor of
+    uint8 (queue them with `take_read`)."""
     first = next(stream)
     assert first.HasField("header")
-    receiver = PayloadReceiver(meta_from_proto(first.header.payload), numel)
-    while receiver.received < receiver.meta.encoded_bytes:
+    meta = meta_from_proto(first.header.payload)
+    delta = first.header.HasField("delta_from")
+    receiver = PayloadBytes(meta, meta.numel) if delta else PayloadReceiver(meta, numel)
+    while receiver.received < meta.encoded_bytes:
         receiver.feed(next(stream).data)
-    return first.header, receiver.finish()
+    got = receiver.finish()
+    return first.header, torch.frombuffer(got, dtype=torch.uint8) if isinstance(got, memoryview) else got
+
+
+def take_read(f: BroadcastFollower, header: pb.ParametersHeader, data: torch.Tensor) -> torch.Tensor | Refusal:
+    """A delta from `read_one` queued by `f` and applied, as a learner does when it adopts the version."""
+    meta = meta_from_proto(header.payload)
+    held = f.delta(header.version, header.delta_from, meta, data.numpy().data, header.params_crc32, header.delta_start)
+    return held if isinstance(held, Refusal) else held.at(header.version)
+
+
+def adopted(d: Delivered) -> torch.Tensor:
+    """The parameters of a delivered version, as the learner adopts them (its queued deltas applied)."""
+    got = d.held.at(d.broadcast.version)
+    assert isinstance(got, torch.Tensor), got
+    return got
 
 
 def rounds(env: Env, reg: pb.RegisterResponse, n: int, start: int = 0) -> None:
@@ -444,7 +509,7 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
         header, decoded = read_one(stream, numel)
         assert header.version == v and header.delta_from == v - 1 and header.payload.codec == common_pb2.CODEC_INT4
         assert list(header.applied_submission_ids) == [f"s{v}"] and header.plan.shards
-        got = follower.delta(v, header.delta_from, decoded, header.params_crc32)
+        got = take_read(follower, header, decoded)
         assert not isinstance(got, Refusal)
         with state.work:
             assert torch.equal(bits(got), bits(state.shadow.shadow))
@@ -462,7 +527,7 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
         iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0), timeout=T)), numel
     )
     assert header.version == 3 and not header.HasField("delta_from") and header.payload.codec == common_pb2.CODEC_FP32
-    assert torch.equal(bits(flat), bits(follower.params))  # type: ignore[arg-type]
+    assert torch.equal(bits(flat), bits(held_params(follower)))
     assert header.params_crc32 == params_checksum(flat)
     # a version this coordinator never had (it restarted from an older checkpoint): a full snapshot of the current
     header, _ = read_one(iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=99), timeout=T)), numel)
@@ -572,11 +637,11 @@ def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Calla
     stream = iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
     for v in (1, 2):
         header, decoded = read_one(stream, env.numel)
-        assert not isinstance(follower.delta(v, header.delta_from, decoded, header.params_crc32), Refusal)
+        assert header.version == v and not isinstance(take_read(follower, header, decoded), Refusal)
     with env.server.state.work:
-        assert torch.equal(bits(follower.params), bits(env.server.state.shadow.shadow))  # type: ignore[arg-type]
+        assert torch.equal(bits(held_params(follower)), bits(env.server.state.shadow.shadow))
     assert [(h.version, h.HasField("delta_from")) for h in headers(0, other)] == [(2, False)]
-    assert [(h.version, h.held) for h in headers(2, params_checksum(follower.params))] == [(2, True)]  # type: ignore[arg-type]
+    assert [(h.version, h.held) for h in headers(2, params_checksum(held_params(follower)))] == [(2, True)]
     assert [(h.version, h.HasField("delta_from")) for h in headers(2, own)] == [(2, False)]  # not Θ̂_2's checksum
     rounds(env, reg, 2, start=2)  # int4 keeps three deltas: version 0 has left the window
     assert [(h.version, h.HasField("delta_from")) for h in headers(0, own)] == [(4, False)]
@@ -597,15 +662,15 @@ def test_the_watcher_adopts_its_own_version_0_only_when_the_coordinator_holds_th
     try:
         first = inbox.get(timeout=30)
         assert isinstance(first, Delivered) and first.broadcast.version == 0 and first.broadcast.plan is not None
-        assert (first.flat is v0) == (seed is None)  # its own tensor, or a snapshot
+        assert (first.held.params is v0) == (seed is None)  # its own tensor, or a snapshot
         with env.server.state.work:
-            assert torch.equal(bits(first.flat), bits(env.server.state.shadow.shadow))
+            assert torch.equal(bits(adopted(first)), bits(env.server.state.shadow.shadow))
         rounds(env, reg, 2)
         got = [inbox.get(timeout=30) for _ in range(2)]
         delivered = [g for g in got if isinstance(g, Delivered)]
         assert [d.broadcast.version for d in delivered] == [1, 2]
         with env.server.state.work:
-            assert torch.equal(bits(delivered[-1].flat), bits(env.server.state.shadow.shadow))
+            assert torch.equal(bits(adopted(delivered[-1])), bits(env.server.state.shadow.shadow))
     finally:
         w.close()
 
@@ -704,10 +769,16 @@ def test_a_corrupted_delta_is_refused_and_refetched(
                 if fault is flip_data:  # the payload crc fails: counted like an unreadable stream
                     assert got == WatchFailed(reg.worker_id, "UNIMPLEMENTED")
                     got = inbox.get(timeout=30)
-                # the delta was dropped, the watch restarted from scratch: version 1 as a full snapshot
                 assert isinstance(got, Delivered) and got.broadcast.version == 1
+                if fault is wrong_checksum:
+                    # queued (its bytes are intact), refused where it is applied: the learner registers again
+                    # (`Replica.adopt` raises `ParamsLost`: test_replica.py)
+                    assert got.held.at(1) is Refusal.CHECKSUM
+                    return
+                # the delta was dropped, the watch restarted from scratch: version 1 as a full snapshot
+                assert got.held is not first.held
                 with env.server.state.work:
-                    assert torch.equal(bits(got.flat), bits(env.server.state.shadow.shadow))
+                    assert torch.equal(bits(adopted(got)), bits(env.server.state.shadow.shadow))
                 assert not proxy.pending
                 rounds(env, reg, 2, start=1)  # and deltas again from there, applied once each
                 delivered: list[Delivered] = []
@@ -717,7 +788,7 @@ def test_a_corrupted_delta_is_refused_and_refetched(
                     delivered.append(d)
                 assert [d.broadcast.version for d in delivered] == [2, 3] and w.follower.version == 3
                 with env.server.state.work:
-                    assert torch.equal(bits(delivered[-1].flat), bits(env.server.state.shadow.shadow))
+                    assert torch.equal(bits(adopted(delivered[-1])), bits(env.server.state.shadow.shadow))
                 assert inbox.empty() or not isinstance(inbox.get_nowait(), (Delivered, SessionLost))
             finally:
                 w.close()

@@ -751,3 +751,23 @@ def test_catch_up_moves_the_schedule_forward_only(corpus: Corpus) -> None:
     assert tr.steps_done == 500
     tr.catch_up(10)  # never backwards
     assert tr.steps_done == 500
+
+
+def test_grad_clip_flag_reaches_the_trainer_and_is_bounded() -> None:
+    """--grad-clip 0 (no clipping) lets each parameter step in backward, dropping its gradient there (no
+    model-sized gradient buffer); a negative value is refused naming the setting."""
+    from diloco.task.inner import InnerTrainer
+    from services.coordinator.config import parse
+
+    task_cfg = parse(["--grad-clip", "0", "--insecure"]).task
+    assert task_cfg.inner.grad_clip == 0.0 and parse(["--insecure"]).task.inner.grad_clip == 1.0
+    task = build_task(task_cfg)
+    trainer = InnerTrainer(
+        task.model_fn(0), task.corpus, task_cfg.inner, seq_len=task_cfg.model.seq_len, device=torch.device("cpu")
+    )
+    assert trainer.in_backward
+    x, y, _ = trainer.corpus.batch(0, 0, task_cfg.inner.batch_size, task_cfg.model.seq_len)
+    trainer.step(x, y)
+    assert all(p.grad is None for p in trainer.model.parameters())
+    with pytest.raises(ConfigError, match="grad_clip"):
+        parse(["--grad-clip", "-1", "--insecure"])

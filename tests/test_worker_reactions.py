@@ -22,6 +22,7 @@ import pytest
 import structlog
 
 from diloco.core import learner as core
+from diloco.core.broadcast import Refusal
 from diloco.core.learner import REACTIONS, STATUS_CODES, Reaction, Rpc
 from diloco.rpc.bulk import BulkError
 from diloco.rpc.retry import Backoff, BackoffConfig, retry_while
@@ -455,3 +456,40 @@ def test_give_up_after_s_also_while_training_and_waiting(proxy: FaultProxy) -> N
         w.stop()
         t.join(timeout=40)
         first.stop(0)
+
+
+@pytest.fixture
+def alone() -> Iterator[Worker]:
+    """A learner with a coordinator of its own (every shard is its)."""
+    srv = coordinator()
+    w = Worker(WorkerConfig(coordinator=srv.address, upload_path="grpc", rpc_timeout_s=5.0, retry_total_s=10.0))
+    yield w
+    w.close()
+    srv.stop(0)
+
+
+def test_a_delta_refused_where_it_is_applied_means_register_again(alone: Worker) -> None:
+    """The learner's `Θ̂` is brought to a version in place when it adopts it (`HeldParams.at`); a delta that fails
+    there (its checksum: tests/test_broadcast.py) leaves `Θ̂` partly written, so the learner registers again and
+    starts over from the coordinator's parameters, with fresh error feedback."""
+    worker = alone
+    registered(worker)
+    worker._do(until_submit(worker))
+    deadline = time.monotonic() + 60
+    while not isinstance(a := worker._next(), (core.Load, core.Rebase)):
+        assert time.monotonic() < deadline and not isinstance(a, core.Exit), a
+        worker._do(a)
+    assert worker.replica.params is not None
+    held = worker.replica.params[1]
+    held.broken = Refusal.CHECKSUM  # as `at` leaves it when Θ̂'s checksum differs after the delta
+    worker._do(a)
+    assert worker.core.state is core.LearnerState.UNREGISTERED
+    old = worker.core.worker_id
+    worker._register()
+    assert worker.core.worker_id != old
+    deadline = time.monotonic() + 60
+    while not isinstance(a := worker._next(), core.Load):
+        assert time.monotonic() < deadline and not isinstance(a, core.Exit), a
+        worker._do(a)
+    worker._do(a)
+    assert worker.replica.params is not None and worker.replica.params[1] is not held  # a fresh Θ̂

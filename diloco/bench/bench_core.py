@@ -25,9 +25,8 @@ import torch
 
 from diloco.bench.section import Context, Log, console_table, standalone, table
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, BroadcastFollower, BroadcastShadow, Refusal
-from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks, payload_chunks
+from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks
 from diloco.core.outer import Nesterov
-from diloco.rpc.payload import PayloadReceiver
 
 CHUNK_BYTES = 1 << 20
 
@@ -123,9 +122,8 @@ def bench_broadcast(
 ) -> dict[str, Any]:
     """The broadcast path of one version (ALGORITHM.md section 10), as the services run it: the coordinator's
     `BroadcastShadow.advance` (encode `Θ − Θ̂` once, `Θ̂ += D(q)`, crc32 of `Θ̂`: fused slab by slab, scratch lent as
-    the merge buffer is) and one learner applying it (`BroadcastFollower.begin_delta`: the payload decoded window by
-    window and added to its `Θ̂` into a new tensor, crc32 chained; `finish_delta`), against a `copy_` of the
-    vector."""
+    the merge buffer is) and one learner applying it (`HeldParams.at`: the payload, queued encoded, decoded window by
+    window and added to its `Θ̂` in place, crc32 chained), against a `copy_` of the vector."""
     gen = torch.Generator().manual_seed(seed)
     theta = torch.randn(numel, generator=gen)
     dst = torch.empty_like(theta)
@@ -144,18 +142,14 @@ def bench_broadcast(
         delta = shadow.advance(theta_v, 1, scratch=scratch)
         t1 = time.perf_counter()
         assert delta is not None
-        applying = follower.begin_delta(1, 0)
-        assert not isinstance(applying, Refusal)
-        receiver = PayloadReceiver(delta.meta, numel, sink=applying)
-        for chunk in payload_chunks(delta.data, CHUNK_BYTES):
-            receiver.feed(chunk)
-        receiver.verify()
-        got = follower.finish_delta(applying, delta.checksum)
+        held = follower.delta(1, 0, delta.meta, delta.data, delta.checksum)
+        assert not isinstance(held, Refusal)
+        got = held.at(1)
         t2 = time.perf_counter()
         assert not isinstance(got, Refusal)
         if v > 1:  # the first is a warm-up: fresh memory everywhere
             encode_s, apply_s = min(encode_s, t1 - t0), min(apply_s, t2 - t1)
-        del shadow, follower, delta, applying, receiver, got, theta_v
+        del shadow, follower, delta, held, got, theta_v
     total = encode_s + apply_s
     return {
         "codec": codec,

@@ -11,14 +11,17 @@ peak is what the model costs it; the report sets it against the fp32 model bytes
   vectors; its evaluation model views Θ, and a third run of the large model turns evaluation off), the uploads it
   is receiving (encoded) and the broadcast history's encoded deltas (a fourth run holds both in files,
   `--spill-dir`); target ≤ 4.5x the fp32 model bytes;
-- a learner holds the model, the AdamW state (2x) and its gradients, plus the round's base Θ̂ and decode buffers;
-  target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes.
+- a learner holds the model, the AdamW state (2x), its broadcast Θ̂ (the base of its pseudo-gradient, brought to
+  each new version in place: `diloco.core.broadcast.HeldParams`) and the error-feedback residual, plus, with the
+  default gradient clipping, every gradient during a step (one more model size); target ≤ model + AdamW state + 2
+  fp32 buffers = 5x the fp32 model bytes. A fifth run trains with `--grad-clip 0`: each parameter takes its AdamW
+  step in backward and drops its gradient there.
 
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
 Θ̂ updated and the version encoded once, for every learner), the learners' `worker.round` (inner steps;
-pseudo-gradient and encode; rebase), `worker.submitted` (upload) and `worker.broadcast_received` (receiving and
-decoding a version, Θ̂ updated).
+pseudo-gradient and encode; rebase), `worker.submitted` (upload) and `worker.broadcast_received` (receiving a
+version's encoded delta; it is decoded into Θ̂, in place, where the version is adopted: `rebase`).
 
     python -m diloco.bench.bench_large [--model hf:llama-100m --outer-steps 3]
     diloco bench --only large
@@ -86,9 +89,12 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill: bool = False) -> dict[str, Any]:
+def run_one(
+    model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill: bool = False, clip: bool = True
+) -> dict[str, Any]:
     """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model), `spill`
-    with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory)."""
+    with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory), `clip` False the task with
+    `--grad-clip 0` (the learners step each parameter in backward: no model-sized gradient buffer)."""
     eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
         spill_args = ("--spill-dir", str(Path(tmp) / "spill")) if spill else ()
@@ -105,7 +111,15 @@ def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill
             checkpoint_every=1000,
             run_dir=Path(tmp),
             insecure=True,
-            task_args=("--model", model, "--batch-size", str(s.batch_size), "--seq-len", str(s.seq_len)),
+            task_args=(
+                "--model",
+                model,
+                "--batch-size",
+                str(s.batch_size),
+                "--seq-len",
+                str(s.seq_len),
+                *(() if clip else ("--grad-clip", "0")),
+            ),
             coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args, *spill_args),
         )
         started = time.monotonic()
@@ -136,6 +150,7 @@ def run_one(model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill
         "model": model,
         "evaluate": evaluate,
         "spill": spill,
+        "clip": clip,
         "numel": model_numel(model, s.seq_len),
         "wall_s": round(wall, 1),
         "version": status.version,
@@ -164,6 +179,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     big = run_one(s.model, s, log)
     no_eval = run_one(s.model, s, log, evaluate=False)  # the coordinator without its evaluation model
     spilled = run_one(s.model, s, log, spill=True)  # uploads and kept deltas held in files, not in memory
+    unclipped = run_one(s.model, s, log, clip=False)  # learners without a gradient buffer
     model_bytes = 4 * big["numel"]
     rows = []
     for name in sorted(big["peak_rss"]):
@@ -177,13 +193,20 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
                 "x_model": net / model_bytes,
             }
         )
-    for process, variant in (("coordinator (--eval-every 0)", no_eval), ("coordinator (--spill-dir)", spilled)):
-        net = variant["peak_rss"]["coordinator"] - base["peak_rss"]["coordinator"]
+    variants = [
+        ("coordinator (--eval-every 0)", "coordinator", no_eval),
+        ("coordinator (--spill-dir)", "coordinator", spilled),
+    ]
+    variants += [
+        (f"{w} (--grad-clip 0)", w, unclipped) for w in sorted(unclipped["peak_rss"]) if w.startswith("worker")
+    ]
+    for process, name, variant in variants:
+        net = variant["peak_rss"][name] - base["peak_rss"][name]
         rows.append(
             {
                 "process": process,
-                "peak": variant["peak_rss"]["coordinator"],
-                "baseline": base["peak_rss"]["coordinator"],
+                "peak": variant["peak_rss"][name],
+                "baseline": base["peak_rss"][name],
                 "net": net,
                 "x_model": net / model_bytes,
             }
@@ -211,6 +234,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         "large": big,
         "large_no_eval": no_eval,
         "large_spill": spilled,
+        "large_no_clip": unclipped,
         "model_bytes": model_bytes,
         "memory": rows,
         "checks": checks,
@@ -238,7 +262,9 @@ def markdown(r: dict[str, Any]) -> str:
         "parameters view Θ (a round closing during an evaluation steps a copy of Θ); the row `--eval-every 0` is a "
         "third run of the large model without evaluation, the row `--spill-dir` a fourth, evaluating, whose "
         "coordinator holds the uploads it receives and the broadcast deltas it keeps in unlinked files in a "
-        "directory (the kernel's page cache, which it can write out and reclaim) instead of its own memory."
+        "directory (the kernel's page cache, which it can write out and reclaim) instead of its own memory; the rows "
+        "`--grad-clip 0` a fifth, whose learners train without gradient clipping: each parameter takes its AdamW step "
+        "in backward and drops its gradient there, so no model-sized gradient buffer is held during a step."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],
@@ -263,8 +289,8 @@ def markdown(r: dict[str, Any]) -> str:
             ["learner", "inner steps", _s(lr.get("inner"))],
             ["learner", "pseudo-gradient + encode", _s(lr.get("encode"))],
             ["learner", "upload", _s(lr.get("upload"))],
-            ["learner", "broadcast receive (receive, decode, Θ̂)", _s(lr.get("receive"))],
-            ["learner", "rebase", _s(lr.get("rebase"))],
+            ["learner", "broadcast receive (the encoded delta)", _s(lr.get("receive"))],
+            ["learner", "adopt (decode the delta into Θ̂ in place, load or rebase θ)", _s(lr.get("rebase"))],
             ["learner", "waiting", _s(lr.get("wait"))],
         ],
     )

@@ -61,6 +61,7 @@ from diloco.bench.bench_upload import (
     submission_header,
 )
 from diloco.bench.section import Context, Log, standalone, table
+from diloco.core.broadcast import Refusal
 from diloco.core.codecs import EncodedMeta, get_codec
 from diloco.errors import ConfigError
 from diloco.rpc.server import channel
@@ -157,6 +158,9 @@ def _delivered(inbox: queue.Queue[object], version: int, timeout_s: float) -> fl
         except queue.Empty:
             raise TimeoutError(f"the watcher did not deliver version {version} within {timeout_s} s") from None
         if isinstance(item, Delivered):
+            # applied where a learner adopts it: its queued deltas, in place
+            if isinstance(item.held.at(item.broadcast.version), Refusal):
+                raise RuntimeError(f"version {item.broadcast.version} was refused where it was applied")
             if item.broadcast.version >= version:
                 return time.perf_counter()
         else:

@@ -36,6 +36,7 @@ def add_task_args(p: argparse.ArgumentParser, *, d_model: int = 64, seq_len: int
     g.add_argument("--seq-len", type=int, default=seq_len)
     g.add_argument("--batch-size", type=int, default=8)
     g.add_argument("--inner-lr", type=float, default=3e-3)
+    g.add_argument("--grad-clip", type=float, default=1.0, help="global gradient-norm clip of inner steps (0: none)")
     g.add_argument("--warmup-steps", type=int, default=20)
     g.add_argument("--total-steps", type=int, default=2000, help="inner steps of the cosine schedule")
     g.add_argument("--factory", default="", help="your own model/data: 'package.module:function'")

@@ -3,7 +3,7 @@
 The coordinator holds a shadow `Θ̂` of what it has sent. Publishing version v encodes `q_v = Q(Θ_v − Θ̂)` with the
 broadcast codec and sets `Θ̂ ← Θ̂ + D(q_v)`, where `D(q_v)` is what every learner's decoder makes of the very bytes sent,
 added with one fp32 `add` in the same order: a learner that held `Θ̂_{v−1}` and applies `q_v` holds exactly `Θ̂_v`,
-bit for bit. Both sides work slab by slab in cache (`Codec.encode_toward`, `ApplyingDelta`): the difference, the
+bit for bit. Both sides work slab by slab in cache (`Codec.encode_toward`, `HeldParams`): the difference, the
 decoded values and the checksum never take a pass over model-sized memory of their own. The residual `Θ − Θ̂` is
 carried into the next broadcast.
 
@@ -20,9 +20,11 @@ delta kept), else a snapshot, so a learner whose own version differs (another se
 sent deltas onto the wrong base. With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full
 snapshot, encoded when the version is published (the behaviour before compressed broadcasts).
 
-`BroadcastFollower` (learner side) holds `Θ̂` and its version; it takes snapshots, applies deltas whose base it
-holds and checks the checksum after each; anything else is refused (`Refusal`) and the learner re-watches from
-scratch (`after_version` 0: a full snapshot). A refused delta changes nothing, so nothing is applied twice.
+`BroadcastFollower` (learner side, the watch thread) knows the newest version accepted; it takes snapshots and
+queues, still encoded, the deltas whose base it holds; anything else is refused (`Refusal`) and the learner
+re-watches from scratch (`after_version` 0: a full snapshot). A refused delta changes nothing, so nothing is
+applied twice. The learner's `Θ̂` is one tensor (`HeldParams`), brought forward in place where a version is adopted,
+its checksum checked after each delta: no second model-sized vector.
 
 Threads: the coordinator calls `advance` under its tensor lock, then `record` (which makes the new version visible)
 and `updates_since` under its bookkeeping lock; `snapshot` and `hold` under the tensor lock when the codec is lossy
@@ -33,6 +35,7 @@ from any thread (`diloco.core.holds`).
 from __future__ import annotations
 
 import enum
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,17 +43,27 @@ from dataclasses import dataclass
 import torch
 from zlib_ng.zlib_ng import crc32
 
-from diloco.core.codecs import CODEC_NAMES, Codec, CodecError, EncodedMeta, Payload, get_codec
+from diloco.core.codecs import (
+    CODEC_NAMES,
+    Codec,
+    CodecError,
+    EncodedMeta,
+    Payload,
+    get_codec,
+    payload_chunks,
+    payload_decoder,
+)
 from diloco.core.holds import Holds
 
 __all__ = [
     "BROADCAST_CODECS",
     "DEFAULT_BROADCAST_CODEC",
     "DEFAULT_HISTORY",
-    "ApplyingDelta",
     "BroadcastFollower",
     "BroadcastShadow",
     "Delta",
+    "HeldParams",
+    "PendingDelta",
     "Refusal",
     "Snapshot",
     "params_checksum",
@@ -292,145 +305,172 @@ def _nothing() -> None:
 
 
 class Refusal(enum.Enum):
-    """Why a learner drops a broadcast and re-watches from version 0."""
+    """Why a learner drops a broadcast: the watcher re-watches from version 0 (a full snapshot); a delta that fails
+    where it is applied (`HeldParams.at`) has written `Θ̂`, so the learner registers again."""
 
     NO_BASE = "no_base"  # a delta for a version other than the one after the held one (behind, ahead, or a repeat)
     CHECKSUM = "checksum"  # after applying, Θ̂ differs from the coordinator's
     SPAN = "span"  # the delta's range does not lie within the parameters held
+    UNREADABLE = "unreadable"  # the delta's content cannot be decoded (its bytes passed their crc32)
+
+
+OnWindow = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+"""`on_window(lo, hi, old, new)`: `Θ̂[lo:hi]` just went from `old` (scratch, valid during the call) to `new`."""
+
+
+@dataclass(frozen=True)
+class PendingDelta:
+    """A delta received and queued, still encoded (its payload's crc32 checked): `Θ̂_version` = `Θ̂_{version−1}` +
+    the decoded values over `meta.numel` values from `start`; `checksum` is the crc32 of `Θ̂_version`."""
+
+    version: int
+    start: int
+    meta: EncodedMeta
+    data: Payload
+    checksum: int
+
+
+class HeldParams:
+    """`Θ̂` as a learner holds it: one tensor, brought from version `applied` to a later one in place, by the thread
+    that adopts it (`at`), with the deltas queued meanwhile (`queue`, from the watch thread: encoded, a fraction of
+    the model each). No second model-sized vector: `Θ̂_{v−1}` becomes `Θ̂_v`, window by window as the delta is
+    decoded, with the crc32 of the new bytes chained while they are in cache.
+
+    Whoever keeps `params` (a trainer's base) sees it change at the next `at`: the trainer passes `on_window` to
+    rebase its parameters on each window as it changes, or holds a copy of its own first. A delta that fails
+    there (its checksum, or content its crc32 let through) has already written the tensor: it is `broken` from
+    then on and every `at` refuses. Thread-safe between one watch thread queueing and one thread calling `at`."""
+
+    def __init__(self, version: int, params: torch.Tensor) -> None:
+        self.params = params
+        self.applied = version  # the version `params` holds now
+        self.latest = version  # the version the queued deltas lead to
+        self.broken: Refusal | None = None
+        self._pending: deque[PendingDelta] = deque()
+        self._lock = threading.Lock()
+
+    def queue(self, delta: PendingDelta) -> None:
+        with self._lock:
+            if delta.version != self.latest + 1:
+                raise ValueError(f"delta {delta.version} queued after version {self.latest}")
+            self._pending.append(delta)
+            self.latest = delta.version
+
+    def at(self, version: int, on_window: OnWindow | None = None) -> torch.Tensor | Refusal:
+        """`Θ̂_version`: the queued deltas up to it applied, in order, in place. Refused: a version this tensor has
+        left behind or has not been told of (`NO_BASE`), or a failed delta (`broken`)."""
+        while True:
+            with self._lock:
+                if self.broken is not None:
+                    return self.broken
+                if not self.applied <= version <= self.latest:
+                    return Refusal.NO_BASE
+                if self.applied == version:
+                    return self.params
+                delta = self._pending.popleft()
+            failed = _apply_in_place(self.params, delta, on_window)
+            with self._lock:
+                self.broken = failed
+                if failed is None:
+                    self.applied = delta.version
+
+
+def _apply_in_place(params: torch.Tensor, delta: PendingDelta, on_window: OnWindow | None) -> Refusal | None:
+    """`params` += the decoded delta (the same fp32 add per element as the coordinator's `Θ̂` update); None, or
+    why it failed (then `params` is partly written)."""
+    sink = _InPlaceDelta(params, delta.start, delta.meta.numel, on_window)
+    try:
+        decoder = payload_decoder(delta.meta, sink=sink)
+        for chunk in payload_chunks(delta.data):
+            decoder.feed(chunk)
+        decoder.verify()
+    except CodecError:
+        return Refusal.UNREADABLE
+    return None if sink.checksum() == delta.checksum else Refusal.CHECKSUM
+
+
+class _InPlaceDelta:
+    """A window sink (`diloco.core.codecs.WindowSink`) adding a delta's decoded windows into `params` in place.
+    Windows that come in order (as the dense decoders hand them over) chain the crc32 of the new bytes while they
+    are in cache, after the values before the delta's range; the values after it are chained at the end."""
+
+    def __init__(self, params: torch.Tensor, offset: int, numel: int, on_window: OnWindow | None) -> None:
+        if not (offset >= 0 and numel >= 1 and offset + numel <= params.numel()):
+            raise CodecError(f"a delta of {numel} values from {offset} does not fit {params.numel()} parameters")
+        self._params, self._offset, self._end = params, offset, offset + numel
+        self._on_window = on_window
+        self._old = torch.empty(0, dtype=params.dtype)  # a window's values before it changes (`on_window` only)
+        self._next: int | None = offset  # the crc32 covers params[:next]; None: windows out of order
+        self._crc = crc32(_bytes(params[:offset]))
+
+    def dense(self, start: int, values: torch.Tensor) -> None:
+        lo = start + self._offset
+        hi = lo + values.numel()
+        if hi > self._end:
+            raise CodecError(f"a delta window ends at {hi}, past the delta's range (to {self._end})")
+        window = self._params[lo:hi]
+        if self._on_window is None:
+            window.add_(values)
+        else:
+            if self._old.numel() < values.numel():
+                self._old = torch.empty(values.numel(), dtype=window.dtype)
+            old = self._old[: values.numel()].copy_(window)
+            window.add_(values)
+            self._on_window(lo, hi, old, window)
+        if self._next == lo:
+            self._crc = crc32(_bytes(window), self._crc)
+            self._next = hi
+        else:
+            self._next = None
+
+    def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        raise CodecError("a broadcast delta is dense (fp32, bf16, int8 or int4)")
+
+    def checksum(self) -> int:
+        if self._next == self._end:
+            return crc32(_bytes(self._params[self._end :]), self._crc)
+        return params_checksum(self._params)
+
+
+def _bytes(flat: torch.Tensor) -> memoryview:
+    return flat.numpy().data.cast("B")
 
 
 class BroadcastFollower:
-    """A learner's `Θ̂`: the newest version it holds exactly (None: none yet). Every accepted version is a new
-    tensor; an earlier one is never written again, so whoever holds it may keep it."""
+    """What the watch thread knows of a learner's `Θ̂`: the newest version accepted (None: none yet) and the
+    `HeldParams` that leads to it. A snapshot starts a new `HeldParams` (an earlier one is left to whoever still
+    holds it); a delta is checked (for the version held, within the parameters) and queued there, applied where
+    the version is adopted."""
 
     def __init__(self) -> None:
         self.version: int | None = None
-        self.params: torch.Tensor | None = None
+        self.held: HeldParams | None = None
 
     def reset(self) -> None:
-        self.version, self.params = None, None
+        self.version, self.held = None, None
 
-    def snapshot(self, version: int, flat: torch.Tensor) -> torch.Tensor:
+    def snapshot(self, version: int, flat: torch.Tensor) -> HeldParams:
         """A full snapshot (its payload crc already checked by the decoder) replaces what is held."""
-        self.version, self.params = version, flat
-        return flat
+        self.version, self.held = version, HeldParams(version, flat)
+        return self.held
+
+    def check_delta(self, version: int, base: int, start: int, numel: int) -> Refusal | None:
+        """Whether a delta from `base` to `version` over `numel` values from `start` can be queued: None, or why
+        not (it is then received only to keep the stream in step, and dropped)."""
+        if self.held is None or self.version is None or base != self.version or version != base + 1:
+            return Refusal.NO_BASE
+        if not (start >= 0 and numel >= 1 and start + numel <= self.held.params.numel()):
+            return Refusal.SPAN
+        return None
 
     def delta(
-        self, version: int, base: int, decoded: torch.Tensor, checksum: int, start: int = 0
-    ) -> torch.Tensor | Refusal:
-        """Apply a decoded delta `D(q)` from `base` to `version`, covering `Θ̂[start:start + decoded.numel()]`; a
-        refusal leaves everything as it was."""
-        applying = self.begin_delta(version, base, start, decoded.numel())
-        if isinstance(applying, Refusal):
-            return applying
-        applying.dense(0, decoded)
-        return self.finish_delta(applying, checksum)
-
-    def begin_delta(self, version: int, base: int, start: int = 0, numel: int | None = None) -> ApplyingDelta | Refusal:
-        """Start applying the delta from `base` to `version` as it is decoded: hand the returned window sink to
-        the decoder (`Codec.decoder(meta, sink=...)`), then `finish_delta`. The delta covers `numel` values (None:
-        all) of `Θ̂` from `start` (`Delta.start`); the decoder's windows count from there. No decoded copy of the
-        delta is made: each window is added to the held `Θ̂` into a new tensor (the same fp32 adds as `delta`);
-        the held one is left as it is until the checksum passes. A range outside `Θ̂` is refused (`SPAN`)."""
-        if self.params is None or self.version is None or base != self.version or version != base + 1:
-            return Refusal.NO_BASE
-        total = self.params.numel()
-        if numel is None:
-            numel = total - start
-        if not (start >= 0 and numel >= 1 and start + numel <= total):
-            return Refusal.SPAN
-        return ApplyingDelta(version, base, self.params, start, numel)
-
-    def finish_delta(self, applying: ApplyingDelta, checksum: int) -> torch.Tensor | Refusal:
-        """The delta is complete (its payload verified): adopt `Θ̂_version` if its checksum matches. Either way
-        `applying` lets go of both versions (`ApplyingDelta.release`)."""
-        try:
-            if self.version != applying.base:
-                return Refusal.NO_BASE
-            new = applying.result()
-            if applying.checksum() != checksum:
-                return Refusal.CHECKSUM
-            self.version, self.params = applying.version, new
-            return new
-        finally:
-            applying.release()
-
-
-_RELEASED = torch.empty(0)  # what a released `ApplyingDelta` holds instead of model-sized vectors
-
-
-class ApplyingDelta:
-    """A window sink (`diloco.core.codecs.WindowSink`) building `Θ̂_version` = `Θ̂_base` + the delta's decoded
-    windows in a new tensor, without touching `Θ̂_base` (`base_params`). The delta covers `numel` values from
-    `offset`; its windows count from there. Windows that come in order, each right after the last (as the dense
-    decoders hand them over), are added into place straight from the base, and the crc32 of the new bytes is
-    chained while they are in cache (the base's values before and after the range too, copied as they are): no
-    copy of the base first, no checksum pass after. Anything else (a window out of order, sparse entries) copies
-    the rest of the base first and adds in place."""
-
-    def __init__(
-        self, version: int, base: int, base_params: torch.Tensor, offset: int = 0, numel: int | None = None
-    ) -> None:
+        self, version: int, base: int, meta: EncodedMeta, data: Payload, checksum: int, start: int = 0
+    ) -> HeldParams | Refusal:
+        """Queue a received delta (`check_delta` first); a refusal leaves everything as it was."""
+        refused = self.check_delta(version, base, start, meta.numel)
+        if refused is not None:
+            return refused
+        assert self.held is not None
+        self.held.queue(PendingDelta(version, start, meta, data, checksum))
         self.version = version
-        self.base = base
-        self._base_params = base_params
-        self._new = torch.empty_like(base_params)
-        self._offset = offset
-        self._end = base_params.numel() if numel is None else offset + numel
-        self._filled: int | None = 0  # new[:filled] is final and chained into _crc; None: new is whole
-        self._crc = 0
-        if offset:
-            self._copy_final(offset)
-
-    def _copy_final(self, end: int) -> None:
-        """new[filled:end] = the base's values there, chained into the crc."""
-        assert self._filled is not None
-        window = self._new[self._filled : end]
-        window.copy_(self._base_params[self._filled : end])
-        self._crc = crc32(window.numpy().data.cast("B"), self._crc)
-        self._filled = end
-
-    def dense(self, start: int, values: torch.Tensor) -> None:
-        start += self._offset
-        end = start + values.numel()
-        if end > self._end:
-            raise CodecError(f"a delta window ends at {end}, past the delta's range (to {self._end})")
-        if start != self._filled:
-            self._copy_rest()
-        if self._filled is None:
-            self._new[start:end].add_(values)
-            return
-        window = torch.add(self._base_params[start:end], values, out=self._new[start:end])
-        self._crc = crc32(window.numpy().data.cast("B"), self._crc)
-        self._filled = end
-
-    def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
-        self._copy_rest()
-        self._new.index_add_(0, index + self._offset if self._offset else index, values)
-
-    def _copy_rest(self) -> None:
-        """Make `new` whole: the base's values where no window has come yet."""
-        if self._filled is not None:
-            self._new[self._filled :].copy_(self._base_params[self._filled :])
-            self._filled = None
-
-    def result(self) -> torch.Tensor:
-        """`Θ̂_version`, once every window has come."""
-        if self._filled == self._end:
-            self._copy_final(self._new.numel())  # the values after the delta's range, as the base has them
-        if self._filled != self._new.numel():
-            self._copy_rest()
-        return self._new
-
-    def checksum(self) -> int:
-        """`params_checksum(self.result())`, from the chain when the windows came in order."""
-        if self._filled == self._new.numel():
-            return self._crc
-        return params_checksum(self.result())
-
-    def release(self) -> None:
-        """Drop the references to `Θ̂_base` and the new tensor (finished: not used again). Whoever still holds this
-        object (a watch loop's variable until the next header) then keeps no model-sized vector alive: an older
-        `Θ̂` lives only as long as the follower or the trainer holds it."""
-        self._base_params = self._new = _RELEASED
-        self._filled = None
+        return self.held

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
+from zlib_ng.zlib_ng import crc32
 
 from diloco.core.codecs import (
     CodecError,
@@ -107,6 +108,39 @@ class PayloadReceiver:
     def verify(self) -> None:
         """Complete and intact (a receiver with a sink has no vector to return)."""
         self.decoder.verify()
+
+
+class PayloadBytes:
+    """A payload kept as it comes, encoded: its size and crc32 checked here, its content where it is decoded (a
+    learner's broadcast delta, applied in place when the version is adopted: `diloco.core.broadcast.HeldParams`).
+    Memory: the encoded bytes."""
+
+    def __init__(self, meta: EncodedMeta, numel: int) -> None:
+        meta.validate(expected_numel=numel)
+        self.meta = meta
+        self._data = np.empty(meta.encoded_bytes, dtype=np.uint8)
+        self._received = 0
+        self._crc = 0
+
+    @property
+    def received(self) -> int:
+        return self._received
+
+    def feed(self, data: bytes | memoryview) -> None:
+        at, end = self._received, self._received + len(data)
+        if end > self.meta.encoded_bytes:
+            raise CodecError(f"payload has more than the {self.meta.encoded_bytes} bytes announced")
+        self._data[at:end] = np.frombuffer(data, dtype=np.uint8)
+        self._crc = crc32(data, self._crc)
+        self._received = end
+
+    def finish(self) -> memoryview:
+        """The bytes, once all came and their crc32 matches the announced one."""
+        if self._received != self.meta.encoded_bytes:
+            raise CodecError(f"payload ended after {self._received} of {self.meta.encoded_bytes} bytes")
+        if self._crc != self.meta.crc32:
+            raise CodecError("payload crc32 mismatch: the bytes were corrupted on the way; fetch them again")
+        return self._data.data
 
 
 class BufferPool:

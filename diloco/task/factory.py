@@ -353,10 +353,9 @@ def build_task(cfg: TaskConfig) -> Task:
 
 def task_from_flags(a: Any) -> TaskConfig:
     """The task from parsed command-line flags (`--task-json`, or `--data --max-bytes --shards --d-model --layers
-    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`, and `--model --tokenizer`
-    where the command has them). A `--seed` flag, where the
-    command has one, also orders the training data (`DataConfig.seed`), so a run's seed changes the data order as
-    well as the initial parameters."""
+    --heads --seq-len --batch-size --inner-lr --warmup-steps --total-steps --factory`, and `--model --tokenizer
+    --grad-clip` where the command has them). A `--seed` flag, where the command has one, also orders the training
+    data (`DataConfig.seed`), so a run's seed changes the data order as well as the initial parameters."""
     if getattr(a, "task_json", ""):
         return TaskConfig.from_json(a.task_json)
     return TaskConfig(
@@ -369,7 +368,11 @@ def task_from_flags(a: Any) -> TaskConfig:
             tokenizer=getattr(a, "tokenizer", ""),
         ),
         inner=InnerConfig(
-            lr=a.inner_lr, warmup_steps=a.warmup_steps, total_steps=a.total_steps, batch_size=a.batch_size
+            lr=a.inner_lr,
+            warmup_steps=a.warmup_steps,
+            total_steps=a.total_steps,
+            batch_size=a.batch_size,
+            grad_clip=getattr(a, "grad_clip", InnerConfig.grad_clip),
         ),
         factory=a.factory,
         model_name=getattr(a, "model", ""),

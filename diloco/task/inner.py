@@ -198,8 +198,9 @@ class InnerTrainer:
     Memory: besides the model, its gradients (freed after each step; stepping in backward, at most those not yet
     complete) and the AdamW state, a trainer keeps at most
     one model-sized vector, the base: Θ_base until a submission, then θ_at_submit (the parameters whose
-    pseudo-gradient was sent), which is all a later rebase needs. Adopted with `share=True` (the broadcast
-    follower's versions, never written again), Θ_base is the caller's tensor itself, not a copy. With flat
+    pseudo-gradient was sent), which is all a later rebase needs. Adopted with `share=True` (the learner's `Θ̂`,
+    which changes only in place to the next version it adopts, after `base_moving`), Θ_base is the caller's tensor
+    itself, not a copy. With flat
     parameters (`LocalParams.flat_view`) pseudo-gradients and rebases are computed in place, and θ_at_submit is
     copied only at the first step after the submission (a learner that adopts a new version first, as a `sync`
     one does, never copies it); `submit_into` adds the pseudo-gradient into the caller's buffer a slice at a
@@ -279,8 +280,9 @@ class InnerTrainer:
         return self._host.to_device(flat, self.io.device)
 
     def load_global(self, flat: Tensor, share: bool = False) -> None:
-        """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped). `share`: the caller never
-        writes `flat` again, so the base may be `flat` itself rather than a copy (see `_set_base`)."""
+        """Adopt global parameters Θ: θ ← Θ and base ← Θ (local progress is dropped). `share`: the caller writes
+        `flat` again only to adopt its next version, after `base_moving`, so the base may be `flat` itself rather
+        than a copy (see `_set_base`)."""
         flat = self._check_flat(flat, "global parameters")
         self.io.write(flat)
         self._set_base(flat, share)
@@ -369,6 +371,26 @@ class InnerTrainer:
         else:
             self.io.write(new + (self.io.read() - self._base_or_theta()))
         self._set_base(new, share)
+
+    def base_moving(self, flat: Tensor) -> Callable[[int, int, Tensor, Tensor], None] | None:
+        """`flat`, adopted with `share=True`, is about to change in place to a newer version, window by window on
+        this thread (`diloco.core.broadcast.HeldParams.at`), for a rebase onto it. When the base is `flat` itself:
+        with flat parameters, returns `rebase_window`, which rebases θ on each window as it changes (afterwards θ is
+        rebased and the base is `flat`, the newer version: no `rebase` to call); else the base is copied first and
+        None returned. None as well when the base is not `flat`: then `rebase` onto it afterwards."""
+        if self._base is not flat:
+            return None
+        if self.io.flat_view is not None:
+            return self.rebase_window
+        self._base, self._base_shared = flat.clone(), False
+        return None
+
+    def rebase_window(self, lo: int, hi: int, old: Tensor, new: Tensor) -> None:
+        """The base, `flat` of `base_moving`, went from `old` to `new` on `[lo, hi)`: θ ← new + (θ − old) there, the
+        same fp32 operations as `rebase`."""
+        live = self.io.flat_view
+        assert live is not None
+        live[lo:hi].sub_(old).add_(new)
 
     def submit_range(self, lo: int, hi: int) -> Tensor:
         """One fragment's submission (Streaming DiLoCo, `diloco.core.fragments`): Δ = base − θ on `[lo, hi)` (a

@@ -581,6 +581,13 @@ _TASK_FLAGS: list[Flag] = [
     ("--seq-len", int, 64, "sequence length"),
     ("--batch-size", int, 8, "inner batch size"),
     ("--inner-lr", float, 3e-3, "inner AdamW learning rate"),
+    (
+        "--grad-clip",
+        float,
+        1.0,
+        "clip each inner step's gradients to this global norm (0: no clipping; then each parameter takes its AdamW "
+        "step in backward as soon as its gradient is complete, and no model-sized gradient buffer is held)",
+    ),
     ("--warmup-steps", int, 20, "inner warmup steps"),
     ("--total-steps", int, 2000, "inner steps of the cosine schedule"),
     ("--factory", str, "", "your own model/data: 'package.module:function'"),

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from diloco.core import learner as core
+from diloco.core.broadcast import HeldParams, Refusal
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.fragments import FragmentLayout
 from diloco.errors import ConfigError
@@ -43,6 +44,10 @@ class _Loss(nn.Module):
         return self._loss(x, y)
 
 
+class ParamsLost(Exception):
+    """The learner's `Θ̂` failed to reach the version adopted (`Replica.adopt`): it must register again."""
+
+
 class Replica:
     def __init__(self, cfg: WorkerConfig, device: torch.device, metrics: Metrics, island: Island | None = None) -> None:
         self.cfg, self.device, self.metrics, self.island = cfg, device, metrics, island
@@ -50,7 +55,7 @@ class Replica:
         self.ef: ErrorFeedback | None = None
         self.task_json = ""
         self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
-        self.params: tuple[int, torch.Tensor] | None = None  # the newest version the core adopted, and its tensor
+        self.params: tuple[int, HeldParams] | None = None  # the newest version the core took, and the Θ̂ leading to it
         # streaming fragments (docs/fragments.md): the coordinator's layout and one error-feedback residual per
         # fragment (None and []: the whole model, with `ef`)
         self.layout: FragmentLayout | None = None
@@ -139,13 +144,22 @@ class Replica:
         return self.trainer.throughput() if self.trainer else None
 
     def adopt(self, a: core.Load | core.Rebase, log: structlog.stdlib.BoundLogger, why: str) -> None:
+        """Adopt the version of `a`: the learner's `Θ̂` brought to it in place (the deltas queued since, applied
+        here), then θ loaded or rebased onto it. Raises `ParamsLost` when a delta fails there (`Θ̂` is then partly
+        written: the learner registers again and starts from a snapshot)."""
         assert self.trainer is not None and self.params is not None and self.ef is not None
-        version, flat = self.params
+        version, held = self.params
         assert version == a.version, (version, a)
         self.version0 = None  # trained from the coordinator's parameters from now on: no registration names it
-        # `flat` is the broadcast follower's Θ̂ of that version, never written again: the trainer's base is that
-        # very tensor, not a copy
-        if isinstance(a, core.Rebase) and a.fragments is not None:
+        # Θ̂ is the trainer's base (shared, not copied) and changes in place: a rebase whose base it is rebases θ on
+        # each window as it changes (`base_moving`)
+        in_place = self.trainer.base_moving(held.params) if isinstance(a, core.Rebase) else None
+        flat = held.at(version, in_place)
+        if isinstance(flat, Refusal):
+            raise ParamsLost(f"the broadcast of version {version} was refused where it was applied ({flat.value})")
+        if isinstance(a, core.Rebase) and in_place is not None:
+            self.metrics.rebases.inc()  # θ rebased window by window; the base is Θ̂ of this version
+        elif isinstance(a, core.Rebase) and a.fragments is not None:
             assert self.layout is not None
             # streaming fragments: only those whose version changed; the others keep their local progress
             self.trainer.rebase_ranges(flat, [self.layout.range(p) for p in a.fragments])

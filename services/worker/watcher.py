@@ -4,9 +4,11 @@ learner's plan, the applied submission ids and whether the job finished, so the 
 GetWorkPlan per round. It reconnects with capped, jittered backoff; what each status code means comes from
 `diloco.core.learner.REACTIONS`.
 
-A broadcast is a full snapshot or a delta to the version held (ALGORITHM.md section 10); `BroadcastFollower` holds
-the learner's copy and says whether a delta applies. A refused delta (not for the version held, or a checksum that
-differs after applying) or a corrupt payload is dropped and the watch restarts from version 0 (a full snapshot).
+A broadcast is a full snapshot or a delta to the version held (ALGORITHM.md section 10); `BroadcastFollower` says
+whether a delta applies. A delta is kept encoded, its crc32 checked, and queued on the learner's `HeldParams`: the
+training loop applies it in place when it adopts the version (no second model-sized vector; `replica.py`). A
+refused delta (not for the version held, or outside the parameters) or a corrupt payload is dropped and the watch
+restarts from version 0 (a full snapshot).
 
 A fresh learner hands the watcher the version 0 it built itself (`version0`: the task's model from the coordinator's
 init seed); until the first version is delivered, each watch names it with its checksum (`held_crc32`), and the
@@ -28,10 +30,10 @@ import grpc
 import structlog
 import torch
 
-from diloco.core.broadcast import ApplyingDelta, BroadcastFollower, Refusal, params_checksum
+from diloco.core.broadcast import BroadcastFollower, HeldParams, Refusal, params_checksum
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.errors import InvalidArgument
-from diloco.rpc.payload import PayloadReceiver, meta_from_proto
+from diloco.rpc.payload import PayloadBytes, PayloadReceiver, meta_from_proto
 from diloco.rpc.retry import Backoff
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.worker.session import Broadcast, SessionLost
@@ -39,11 +41,11 @@ from services.worker.session import Broadcast, SessionLost
 
 @dataclass(frozen=True)
 class Delivered:
-    """One complete version: its header and its parameters (the broadcast shadow Θ̂ of that version; a new tensor
-    per version, never written again)."""
+    """One complete version: its header and the learner's `Θ̂` that leads to it (`held.at(version)`: the deltas
+    queued until then applied in place)."""
 
     broadcast: Broadcast
-    flat: torch.Tensor
+    held: HeldParams
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,7 @@ class Watcher:
                 self._call = call
                 if self._closed.is_set():
                     call.cancel()
-                receiver: PayloadReceiver | None = None
-                applying: ApplyingDelta | None = None
+                receiver: PayloadReceiver | PayloadBytes | None = None
                 receiving_since = 0.0
                 header: coordinator_pb2.ParametersHeader | None = None
                 for msg in call:
@@ -131,15 +132,15 @@ class Watcher:
                             after, receiver = header.version, None
                             backoff.reset()
                             continue
-                        receiver, applying = self._receiver(header)
+                        receiver = self._receiver(header)
                         receiving_since = time.monotonic()
                         continue
                     if receiver is None or header is None:
                         continue
                     receiver.feed(msg.data)
                     if receiver.received == receiver.meta.encoded_bytes:
-                        params = self._apply(header, receiver, applying)
-                        if params is None:
+                        held = self._apply(header, receiver)
+                        if held is None:
                             self._own = None  # refused: from now on a snapshot, as for any learner
                             call.cancel()
                             after = 0
@@ -151,10 +152,11 @@ class Watcher:
                             start=header.delta_start,  # a delta covers numel values from here (fragments: a range)
                             numel=receiver.meta.numel,
                             bytes=receiver.meta.encoded_bytes,
-                            seconds=round(time.monotonic() - receiving_since, 4),  # receive, decode, Θ̂ update
+                            # a snapshot: received and decoded; a delta: received (applied where it is adopted)
+                            seconds=round(time.monotonic() - receiving_since, 4),
                         )
                         self._own = None
-                        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), params))
+                        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), held))
                         after, receiver = header.version, None
                         backoff.reset()
             except grpc.RpcError as e:
@@ -181,39 +183,42 @@ class Watcher:
         """The coordinator says this learner holds `header`'s version (its own version 0, named with its checksum):
         deliver it. False (logged): it named nothing, or something else; the watch restarts from a snapshot."""
         own, self._own = self._own, None
-        if own is None or self.follower.version != header.version or own[1] != header.params_crc32:
+        held = self.follower.held
+        if own is None or held is None or self.follower.version != header.version or own[1] != header.params_crc32:
             self.log.warning("worker.broadcast_refused", reason="held", version=header.version)
             return False
         self.log.info("worker.broadcast_held", version=header.version, checksum=own[1])
-        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), own[0]))
+        self.post(Delivered(Broadcast.from_proto(self.worker_id, header), held))
         return True
 
-    def _receiver(self, header: coordinator_pb2.ParametersHeader) -> tuple[PayloadReceiver, ApplyingDelta | None]:
-        """A snapshot is decoded into a new vector; a delta whose base is held is added, window by window as it
-        is decoded, into a copy of that base (no decoded copy of the delta)."""
+    def _receiver(self, header: coordinator_pb2.ParametersHeader) -> PayloadReceiver | PayloadBytes:
+        """A snapshot is decoded into a new vector; a delta is kept encoded, to be queued if its base is held
+        (else refused at its end: received to keep the stream in step). One that does not fit the model is
+        received against the whole model's size, which refuses it."""
         meta = meta_from_proto(header.payload)
         if header.HasField("delta_from"):
-            # a delta covers payload.numel values from delta_start (fragments: the range a round stepped); one that
-            # does not fit the model is received against the whole model's size, which refuses it
-            start, numel = header.delta_start, meta.numel
-            fits = numel >= 1 and start + numel <= self.numel
-            applying = self.follower.begin_delta(header.version, header.delta_from, start, numel) if fits else None
-            if isinstance(applying, ApplyingDelta):
-                return PayloadReceiver(meta, numel, sink=applying), applying
-            return PayloadReceiver(meta, numel if fits else self.numel), None
-        return PayloadReceiver(meta, self.numel), None
+            # a delta covers payload.numel values from delta_start (fragments: the range a round stepped)
+            numel = meta.numel
+            if numel >= 1 and header.delta_start + numel <= self.numel:
+                return PayloadBytes(meta, numel)
+            return PayloadReceiver(meta, self.numel)
+        return PayloadReceiver(meta, self.numel)
 
     def _apply(
-        self, header: coordinator_pb2.ParametersHeader, receiver: PayloadReceiver, applying: ApplyingDelta | None
-    ) -> torch.Tensor | None:
-        """The parameters of `header`'s version from its received payload; None: refused (logged)."""
-        if not header.HasField("delta_from"):
-            return self.follower.snapshot(header.version, receiver.finish())
-        if applying is None:  # not for the version held: received (to keep the stream in step), then refused
-            got: torch.Tensor | Refusal = Refusal.NO_BASE
+        self, header: coordinator_pb2.ParametersHeader, receiver: PayloadReceiver | PayloadBytes
+    ) -> HeldParams | None:
+        """The learner's `Θ̂` leading to `header`'s version, from its received payload; None: refused (logged)."""
+        if isinstance(receiver, PayloadReceiver):
+            flat = receiver.finish()
+            if not header.HasField("delta_from"):
+                return self.follower.snapshot(header.version, flat)
+            got: HeldParams | Refusal = Refusal.NO_BASE  # not for the version held: received, then refused
         else:
-            receiver.verify()
-            got = self.follower.finish_delta(applying, header.params_crc32)
+            data = receiver.finish()
+            meta = receiver.meta
+            got = self.follower.delta(
+                header.version, header.delta_from, meta, data, header.params_crc32, header.delta_start
+            )
         if isinstance(got, Refusal):
             self.log.warning(
                 "worker.broadcast_refused",

@@ -34,7 +34,7 @@ from services.worker.heartbeats import Beat, Heartbeats
 from services.worker.island import Island, device_kind
 from services.worker.metrics import Metrics
 from services.worker.power import PowerMeter, open_meter
-from services.worker.replica import Replica
+from services.worker.replica import ParamsLost, Replica
 from services.worker.session import Registration, SessionLost
 from services.worker.uploader import Uploader, UploadJob, UploadResult
 from services.worker.watcher import Delivered, Watcher, WatchFailed
@@ -195,7 +195,7 @@ class Worker:
             if b.worker_id == c.worker_id and c.params_arrived(
                 now, b.version, b.epoch, b.plan, b.applied, b.finished, fragment_versions=versions
             ):
-                self.replica.params = (b.version, event.flat)
+                self.replica.params = (b.version, event.held)
             if b.worker_id == c.worker_id and b.epoch == c.coordinator_epoch and b.bulk_port is not None:
                 self.bulk_port = b.bulk_port  # a leader that took this learner over has its own bulk port
         elif isinstance(event, UploadResult):
@@ -256,20 +256,27 @@ class Worker:
             self.power.end(time.monotonic())
             self.core.stepped(a.shard_id, a.epoch, a.cursor, cursor)
         elif isinstance(a, (core.Load, core.Rebase)):
-            if self.island is None:
-                self.replica.adopt(a, self.log, self.core.detail)
-            else:
-                t = self.replica.trainer
-                assert t is not None
-                before = self.island.digest(t.model)
-                self.replica.adopt(a, self.log, self.core.detail)
-                self.island.params(t.model, t.steps_done, before)
+            try:
+                self._adopt(a)
+            except ParamsLost as e:  # Θ̂ is partly written: from a snapshot, in a new registration
+                self.log.warning("worker.broadcast_refused", reason=str(e), version=a.version)
+                self.core.session_ended(time.monotonic(), str(e))
         elif isinstance(a, core.Submit):
             self.uploader.put(self._upload_job(a))
         elif isinstance(a, core.Deregister):
             self._deregister(a.worker_id)
 
     # --- carrying the actions out -----------------------------------------------------------------------------
+    def _adopt(self, a: core.Load | core.Rebase) -> None:
+        if self.island is None:
+            self.replica.adopt(a, self.log, self.core.detail)
+            return
+        t = self.replica.trainer
+        assert t is not None
+        before = self.island.digest(t.model)
+        self.replica.adopt(a, self.log, self.core.detail)
+        self.island.params(t.model, t.steps_done, before)
+
     def _register(self) -> None:
         reg = self.control.register(self.name, self.replica.throughput(), self.device_kind, self.power.reading())
         if reg is None:
