@@ -23,8 +23,9 @@ Memory: the coordinator's peak RSS (`VmHWM` of /proc/PID/status, after the last 
 the peak of the same run at `baseline_numel` (the Python, torch and gRPC runtime), in fp32 model sizes, against
 `bench_large`'s target for the coordinator; beside it the peak during the rounds alone (`VmHWM` reset after
 start-up, where the kernel allows it). A run that would not fit in the memory available (`memory_needed`) is
-refused before anything starts; the suite runs without the watcher (`FULL`), which at 1B needs 2 more fp32 model
-sizes in this process beside the coordinator's ~4.5.
+refused before anything starts; the suite runs without the watcher (`FULL`), which at 1B needs one more fp32
+model size (its Θ̂, which each delta is applied to in place) and the encoded delta in this process beside the
+coordinator's ~4.5.
 
     python -m diloco.bench.bench_payload [--numel 1000000000] [--rounds 3] [--no-watch]
     diloco bench --only payload
@@ -81,7 +82,7 @@ class PayloadSettings:
     baseline_numel: int = 1_000_000
     rounds: int = 3
     codec: str = "int8"  # the upload codec
-    watch: bool = True  # a learner receives every version (this process then holds 2 more fp32 model sizes)
+    watch: bool = True  # a learner receives every version (this process then holds its Θ̂: 1 more fp32 model size)
     spill: bool = False  # the coordinator holds uploads and broadcast deltas in files (`--spill-dir`), not memory
     start_timeout_s: float = 900.0  # the coordinator building a 1B model on a busy CPU
     round_timeout_s: float = 900.0  # each upload and each delivery
@@ -93,13 +94,13 @@ class PayloadSettings:
 
 
 # the suite's full run fits a 24 GB machine: at 1B the coordinator alone takes ~17 GB (~18 GB without spilling), a
-# watcher 8 GB more; the uploads it receives and the deltas it keeps are held in files (section 16 measures the
+# watcher 4-5 GB more; the uploads it receives and the deltas it keeps are held in files (section 16 measures the
 # coordinator both ways at 100M)
 FULL = PayloadSettings(watch=False, spill=True)
 QUICK = PayloadSettings(numel=2_000_000, baseline_numel=200_000, rounds=2, start_timeout_s=300, round_timeout_s=300)
 COORDINATOR_X = 4.6  # fp32 model sizes the coordinator peaks at (measured: 4.5x at 200M and 500M), for the memory check
 JUDGED_FROM = 100_000_000  # parameters: below, the runtime's own noise outweighs the model (the check says n/a)
-WATCHER_X = 2.0  # ... this process's watcher: Θ̂ and the next version's copy while a delta is applied
+WATCHER_X = 1.25  # ... this process's watcher: Θ̂, and an encoded delta until it is applied (int8: a quarter)
 
 
 def model_for(numel: int) -> tuple[ModelConfig, int]:
@@ -316,8 +317,8 @@ def markdown(r: dict[str, Any]) -> str:
     watch = (
         "the first learner receives every version through the worker's `Watcher` (default broadcast codec)"
         if s["watch"]
-        else "no learner receives the versions (`--no-watch`: a watcher's Θ̂ and the copy a delta is applied to, "
-        "2 more fp32 model sizes, do not fit beside the coordinator on a 24 GB machine at 1B)"
+        else "no learner receives the versions (`--no-watch`: a watcher's Θ̂, one more fp32 model size, and the "
+        "encoded delta do not fit beside the coordinator on a 24 GB machine at 1B)"
     )
     head = (
         f"Command: `python -m diloco.bench.bench_payload --numel {s['numel']} --rounds {s['rounds']}"
