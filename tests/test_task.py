@@ -771,3 +771,26 @@ def test_grad_clip_flag_reaches_the_trainer_and_is_bounded() -> None:
     assert all(p.grad is None for p in trainer.model.parameters())
     with pytest.raises(ConfigError, match="grad_clip"):
         parse(["--grad-clip", "-1", "--insecure"])
+
+
+def test_the_pseudo_gradient_added_a_slab_at_a_time_is_submit_into_bit_for_bit() -> None:
+    from diloco.task.inner import InnerTrainer
+
+    cfg = TaskConfig()
+    task = build_task(cfg)
+    a, b = (
+        InnerTrainer(task.model_fn(0), task.corpus, cfg.inner, seq_len=cfg.model.seq_len, device=torch.device("cpu"))
+        for _ in range(2)
+    )
+    for t in (a, b):
+        x, y, _ = t.corpus.batch(0, 0, cfg.inner.batch_size, cfg.model.seq_len)
+        t.step(x, y)
+    whole, slabs = torch.randn(a.numel), torch.empty(a.numel)
+    slabs.copy_(whole)
+    a.submit_into(whole, 0.5)
+    for start in range(0, b.numel, 1000):
+        b.add_pseudo_gradient(start, slabs[start : start + 1000], 0.5)
+    b.mark_submitted()
+    assert torch.equal(whole, slabs) and torch.equal(a.base, b.base)
+    with pytest.raises(InvalidArgument, match="within"):
+        b.add_pseudo_gradient(b.numel - 10, torch.zeros(11))

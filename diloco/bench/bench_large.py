@@ -17,7 +17,7 @@ peak is what the model costs it; the report sets it against the fp32 model bytes
   fp32 buffers = 5x the fp32 model bytes. The activations a step keeps for backward come on top (at batch 4 x 128
   about 1.1x of this model's size). A fifth run trains with `--grad-clip 0` (each parameter takes its AdamW step in
   backward and drops its gradient there) and learners with `--activation-checkpointing` (only each transformer
-  block's input kept for backward).
+  block's input kept for backward) and `--spill-dir` (the residual in a file, worked a slab at a time).
 
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
@@ -91,13 +91,19 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def lean_worker_args(spill: Path) -> tuple[str, ...]:
+    """A learner's flags for the least memory: activations checkpointed, the residual in a file in `spill`."""
+    spill.mkdir()
+    return ("--activation-checkpointing", "true", "--spill-dir", str(spill))
+
+
 def run_one(
     model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill: bool = False, clip: bool = True
 ) -> dict[str, Any]:
     """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model), `spill`
     with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory), `clip` False the task with
     `--grad-clip 0` (the learners step each parameter in backward: no model-sized gradient buffer) and the learners
-    with `--activation-checkpointing` (only each block's input kept for backward)."""
+    with `lean_worker_args`."""
     eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
         spill_args = ("--spill-dir", str(Path(tmp) / "spill")) if spill else ()
@@ -124,7 +130,7 @@ def run_one(
                 *(() if clip else ("--grad-clip", "0")),
             ),
             coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args, *spill_args),
-            worker_args={} if clip else {i: ("--activation-checkpointing", "true") for i in range(s.workers)},
+            worker_args={} if clip else {i: lean_worker_args(Path(tmp) / f"spill-w{i}") for i in range(s.workers)},
         )
         started = time.monotonic()
         with LocalCluster(cfg) as cluster:
@@ -201,7 +207,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         ("coordinator (--eval-every 0)", "coordinator", no_eval),
         ("coordinator (--spill-dir)", "coordinator", spilled),
     ]
-    lean = "--grad-clip 0, --activation-checkpointing"
+    lean = "--grad-clip 0, --activation-checkpointing, --spill-dir"
     variants += [(f"{w} ({lean})", w, unclipped) for w in sorted(unclipped["peak_rss"]) if w.startswith("worker")]
     for process, name, variant in variants:
         net = variant["peak_rss"][name] - base["peak_rss"][name]
@@ -266,9 +272,11 @@ def markdown(r: dict[str, Any]) -> str:
         "third run of the large model without evaluation, the row `--spill-dir` a fourth, evaluating, whose "
         "coordinator holds the uploads it receives and the broadcast deltas it keeps in unlinked files in a "
         "directory (the kernel's page cache, which it can write out and reclaim) instead of its own memory; the rows "
-        "`--grad-clip 0, --activation-checkpointing` a fifth, whose learners train without gradient clipping (each "
-        "parameter takes its AdamW step in backward and drops its gradient there: no model-sized gradient buffer "
-        "during a step) and keep only each transformer block's input for backward. A learner's steady state is the "
+        "`--grad-clip 0, --activation-checkpointing, --spill-dir` a fifth, whose learners train without gradient "
+        "clipping (each parameter takes its AdamW step in backward and drops its gradient there: no model-sized "
+        "gradient buffer during a step), keep only each transformer block's input for backward, and hold the "
+        "error-feedback residual in an unlinked file, read and written a slab at a time at each submission (the "
+        "page cache, as the coordinator's `--spill-dir`). A learner's steady state is the "
         "model, the AdamW state, its broadcast Θ̂ and the error-feedback residual (5x); the activations of a step "
         "(about 1.1x of this model at batch 4 x 128, hand-measured), the gradients with clipping, and the encoded "
         "upload come on top of it at their peaks."

@@ -70,6 +70,7 @@ __all__ = [
     "FP32Codec",
     "Int4Codec",
     "Int8Codec",
+    "SlabStore",
     "SparseCodec",
     "StreamDecoder",
     "TopKCodec",
@@ -266,6 +267,27 @@ class WindowSink(Protocol):
 
     def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Elements `index` (int64, increasing) are `values`; elements never named are 0 (topk payloads)."""
+
+
+class SlabStore(Protocol):
+    """A flat fp32 vector of `numel` values held outside this process's memory (e.g.
+    `diloco.rpc.payload.SpilledVector`, a learner's error-feedback residual with `--spill-dir`), read and written
+    a slab at a time."""
+
+    numel: int
+
+    def read(self, start: int, out: torch.Tensor) -> None:
+        """`out` (contiguous fp32) ← the values [start, start + len(out))."""
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """The values [start, start + len(values)) ← `values` (contiguous fp32)."""
+
+    def zero(self) -> None:
+        """Every value ← 0."""
+
+
+Load = Callable[[int, int], torch.Tensor]  # load(start, end): the values [start, end), a contiguous fp32 tensor
+Store = Callable[[int, torch.Tensor], None]  # store(start, values): write back what `load` gave, changed
 
 
 _WINDOW_ELEMENTS = 1 << 20  # with a sink, about how many elements one window holds
@@ -485,6 +507,18 @@ class Codec(ABC):
         target.sub_(self.decode(data, meta))
         return data, meta
 
+    def encode_and_subtract_slabs(
+        self, numel: int, load: Load, store: Store
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        """`encode_and_subtract` of a vector of `numel` values that is not in memory as a whole: `load(start, end)`
+        gives a slab, `store(start, slab)` takes it back with the decoded values subtracted. The same bits as
+        `encode_and_subtract` of the whole vector. Blockwise codecs work a slab at a time; the others load the
+        whole vector once."""
+        whole = load(0, numel)
+        data, meta = self.encode_and_subtract(whole)
+        store(0, whole)
+        return data, meta
+
     def encode_toward(
         self,
         params: torch.Tensor,
@@ -594,6 +628,15 @@ class _RawDecoder(StreamDecoder):
         super().__init__(meta, out, [_Section(meta.encoded_bytes, itemsize, handle)], sink)
 
 
+def _viewing(x: torch.Tensor) -> Load:
+    """`load` for a vector in memory: views of it (a slab changed in place needs no `store`)."""
+    return lambda start, end: x[start:end]
+
+
+def _in_place(start: int, values: torch.Tensor) -> None:
+    """`store` for `_viewing`: the values were changed where they are."""
+
+
 class _BlockCodec(Codec):
     """Blockwise abs-max quantization to [-qmax, qmax] with one float32 scale per block."""
 
@@ -638,17 +681,25 @@ class _BlockCodec(Codec):
         """Bytes that `count` values take."""
 
     def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
-        return self._encode(_check_input(flat), subtract=False)
+        x = _check_input(flat)
+        return self._encode(x.numel(), _viewing(x), _in_place, subtract=False)
 
     def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
-        return self._encode(target, subtract=True)
+        return self._encode(target.numel(), _viewing(target), _in_place, subtract=True)
 
-    def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
+    def encode_and_subtract_slabs(
+        self, numel: int, load: Load, store: Store
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        if numel < 1:
+            raise CodecError("cannot encode an empty vector")
+        return self._encode(numel, load, store, subtract=True)
+
+    def _encode(self, numel: int, load: Load, store: Store, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
         """Quantize slab by slab straight into the payload: scales and packed values are written in place. The
         payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL). It is fresh memory
         each time: keeping the last payload's for the next (saving its page faults, 5-10 ms at 100M parameters)
         would keep a payload-sized buffer alive on a learner between rounds, against its peak-memory budget."""
-        bs, numel = self.block_size, x.numel()
+        bs = self.block_size
         blocks, full = -(-numel // bs), numel // bs * bs
         payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
         scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
@@ -656,13 +707,17 @@ class _BlockCodec(Codec):
         scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
         packing = self._packing(min(_SLAB, full))
         for start in range(0, full, _SLAB):
-            slab = x[start : min(start + _SLAB, full)].view(-1, bs)
+            end = min(start + _SLAB, full)
+            loaded = load(start, end)
+            slab = loaded.view(-1, bs)
             first, at = start // bs, self._packed_bytes(start)  # start is a whole number of blocks: bytes are whole
             work = scratch[: slab.numel()].view(-1, bs)
             out = values[at : at + self._packed_bytes(slab.numel())]
             self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract, out, packing)
+            if subtract:
+                store(start, loaded)
         if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
-            tail = x[full:]
+            tail = load(full, numel)
             padded = torch.zeros(1, bs, dtype=torch.float32)
             padded[0, : tail.numel()] = tail
             packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
@@ -670,6 +725,7 @@ class _BlockCodec(Codec):
             values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(tail.numel())])
             if subtract:
                 tail.copy_(padded[0, : tail.numel()])
+                store(full, tail)
         _check_finite(bool(torch.isfinite(scales).all()), self.name)
         data = payload.data
         return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs)
@@ -1239,7 +1295,14 @@ class ErrorFeedback:
     (0, 1] (`check_ef_decay`); β = 0 would drop the residual every round, which is feedback turned off.
     """
 
-    def __init__(self, codec: Codec, numel: int, enabled: bool | None = None, decay: float | None = None) -> None:
+    def __init__(
+        self,
+        codec: Codec,
+        numel: int,
+        enabled: bool | None = None,
+        decay: float | None = None,
+        store: SlabStore | None = None,
+    ) -> None:
         if numel < 1:
             raise CodecError(f"numel must be >= 1, got {numel}")
         decay = codec.residual_decay if decay is None else decay
@@ -1248,7 +1311,12 @@ class ErrorFeedback:
         self.numel = numel
         self.enabled = codec.lossy if enabled is None else enabled
         self.decay = float(decay)
-        self.residual = torch.zeros(numel, dtype=torch.float32)
+        # the residual: in memory, or (`store`, with feedback on) held outside it and worked a slab at a time
+        # (`compress_slabs`); then `residual` is an empty tensor
+        if store is not None and (store.numel != numel or not self.enabled):
+            raise CodecError(f"a residual store needs error feedback on and {numel} values, got {store.numel}")
+        self.store = store
+        self.residual = torch.zeros(numel if store is None else 0, dtype=torch.float32)
 
     def compress(self, delta: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         """Encode `delta` plus the carried residual and keep the new residual.
@@ -1290,6 +1358,34 @@ class ErrorFeedback:
             if not self.enabled:
                 self.reset()
 
+    def compress_slabs(
+        self, add: Callable[[int, torch.Tensor], object]
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        """`compress_added` with the residual in `store`: each slab is read, decayed, given the delta by `add(start,
+        slab)` (e.g. `InnerTrainer.add_pseudo_gradient`), encoded, the decoded values subtracted, and written back.
+        The same fp32 operations per element as `compress_added`: the same payload and residual, bit for bit. Memory:
+        a slab (a whole vector for codecs that are not blockwise), not the residual."""
+        store = self.store
+        if store is None:
+            raise CodecError("compress_slabs needs a residual store; use compress_added")
+        scratch = torch.empty(min(_SLAB, self.numel), dtype=torch.float32)
+
+        def load(start: int, end: int) -> torch.Tensor:
+            slab = scratch[: end - start] if end - start <= scratch.numel() else torch.empty(end - start)
+            store.read(start, slab)
+            if self.decay != 1.0:
+                slab.mul_(self.decay)
+            add(start, slab)
+            return slab
+
+        try:
+            return self.codec.encode_and_subtract_slabs(self.numel, load, store.write)
+        except Exception:
+            self.reset()
+            raise
+
     def reset(self) -> None:
         """Forget the residual (e.g. after a resync to fresh global parameters)."""
+        if self.store is not None:
+            self.store.zero()
         self.residual.zero_()

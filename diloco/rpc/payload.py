@@ -283,6 +283,55 @@ class SpillFile:
         self._file.close()
 
 
+class SpilledVector:
+    """A flat fp32 vector of `numel` values in an unnamed temporary file in `directory` (unlinked at once; zeros at
+    first, a sparse file), read and written a slab at a time (`diloco.core.codecs.SlabStore`): a learner's
+    error-feedback residual with `--spill-dir`, in the kernel's page cache (which it can write out and reclaim), not
+    in the learner's resident memory. A full disk raises `ResourceExhausted` naming the flag."""
+
+    def __init__(self, directory: str, numel: int) -> None:
+        self.numel = numel
+        try:
+            self._file = tempfile.TemporaryFile(dir=directory)  # noqa: SIM115 (held as long as the vector)
+            os.ftruncate(self._file.fileno(), 4 * numel)
+        except OSError as e:
+            raise ResourceExhausted(
+                f"the learner cannot make its residual file in --spill-dir {directory!r} ({e.strerror}): free "
+                "space there, name another directory, or run without --spill-dir"
+            ) from None
+
+    def read(self, start: int, out: torch.Tensor) -> None:
+        view = out.numpy().data.cast("B")
+        at = 4 * start
+        while view:
+            n = os.preadv(self._file.fileno(), [view], at)
+            if n == 0:
+                raise ResourceExhausted(f"the residual file ends at byte {at}; it was truncated under the learner")
+            view, at = view[n:], at + n
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        view = values.numpy().data.cast("B")
+        at = 4 * start
+        try:
+            while view:
+                n = os.pwrite(self._file.fileno(), view, at)
+                view, at = view[n:], at + n
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise ResourceExhausted(
+                    "the learner's --spill-dir is full: free space there, or run without --spill-dir"
+                ) from None
+            raise
+
+    def zero(self) -> None:
+        """Every value 0 again: the file emptied and grown back (its blocks given back to the disk)."""
+        os.ftruncate(self._file.fileno(), 0)
+        os.ftruncate(self._file.fileno(), 4 * self.numel)
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class UploadReceiver:
     """An upload on the coordinator: every chunk is decoded at once into the sums of squares of the merge's
     segments (which checks its content, as `PayloadReceiver` does) and its bytes are kept in a buffer of `pool`,

@@ -169,6 +169,14 @@ class LocalParams:
             load_flat_(self.model, flat)
 
 
+def _add_difference(out: Tensor, base: Tensor, theta: Tensor, scale: float) -> None:
+    """out += (base − θ)·`scale` (no multiply when `scale` is 1), computed where the parameters are."""
+    part = base - theta
+    if scale != 1.0:
+        part.mul_(scale)
+    out.add_(part.cpu())
+
+
 def _adamw(cfg: InnerConfig, params: list[Tensor]) -> torch.optim.AdamW:
     """AdamW over `params`: weight decay on the matrices and embeddings, none on biases and gains (an empty group
     is left out, unless both are)."""
@@ -334,11 +342,20 @@ class InnerTrainer:
         base = self._base_or_theta()
         for start in range(0, self.numel, _SLICE):
             end = min(start + _SLICE, self.numel)
-            part = base[start:end] - theta[start:end]
-            if scale != 1.0:
-                part.mul_(scale)
-            out[start:end].add_(part.cpu())
+            _add_difference(out[start:end], base[start:end], theta[start:end], scale)
         self._mark(theta)
+
+    def add_pseudo_gradient(self, start: int, out: Tensor, scale: float = 1.0) -> None:
+        """`submit_into` for the values [start, start + len(out)) only (the same bits there), without the
+        `mark_submitted` that ends a submission: for a residual held a slab at a time
+        (`diloco.core.codecs.ErrorFeedback.compress_slabs`). Flat parameters only (θ is read in place)."""
+        theta = self.io.flat_view
+        if theta is None:
+            raise InvalidArgument("the pseudo-gradient is added a slab at a time only with flat parameters")
+        end = start + out.numel()
+        if not (0 <= start < end <= self.numel) or out.dtype != torch.float32 or out.device.type != "cpu":
+            raise InvalidArgument(f"a slab of the pseudo-gradient lies within its {self.numel} fp32 CPU values")
+        _add_difference(out, self._base_or_theta()[start:end], theta[start:end], scale)
 
     def _mark(self, theta: Tensor) -> None:
         """base ← θ (`theta`, as just read): with flat parameters deferred to the next step (`_hold_base`), so a

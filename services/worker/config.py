@@ -41,6 +41,7 @@ class WorkerConfig:
     max_restarts: int = 0  # torchrun's --max-restarts for the island `diloco worker` starts
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     activation_checkpointing: bool = False  # keep each layer's input only; recompute the rest in backward
+    spill_dir: str = ""  # hold the error-feedback residual in an unlinked file there, a slab at a time ("": memory)
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     ef_decay: float = 0.0  # error feedback's residual decay β in (0, 1]; 0: the codec's default (`ErrorFeedback`)
@@ -206,6 +207,13 @@ _FLAGS: list[Flag] = [
         False,
         "true: keep only each layer's input for backward and compute the rest again there (less memory for "
         "activations, each layer's forward run twice a step; the same gradients): for learners short of memory",
+    ),
+    (
+        "--spill-dir",
+        str,
+        "",
+        "hold the error-feedback residual (a model-sized fp32 vector) in an unlinked file in this directory, read "
+        "and written a slab at a time at each submission, not in memory (int8/int4 uploads, one-process learners)",
     ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (

@@ -11,11 +11,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+from diloco import log as logging
 from diloco.core import learner as core
 from diloco.core.broadcast import HeldParams, Refusal
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.fragments import FragmentLayout
 from diloco.errors import ConfigError
+from diloco.rpc.payload import SpilledVector
 from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
 from diloco.task.inner import InnerTrainer, Throughput
@@ -99,8 +101,23 @@ class Replica:
         mismatch = fingerprint_mismatch(self.fingerprint, fingerprint) if fingerprint else ""
         if mismatch:
             raise ConfigError(mismatch)
-        self.ef = ErrorFeedback(get_codec(codec), self.trainer.numel, decay=self.cfg.ef_decay or None)
+        self.ef = ErrorFeedback(
+            get_codec(codec), self.trainer.numel, decay=self.cfg.ef_decay or None, store=self._residual_store(codec)
+        )
         self.params = None
+
+    def _residual_store(self, codec: str) -> SpilledVector | None:
+        """The residual's file with --spill-dir, where it can be worked a slab at a time: a blockwise lossy codec
+        (int8, int4) and flat parameters (a one-process learner). Elsewhere the residual stays in memory (logged)."""
+        if not self.cfg.spill_dir:
+            return None
+        kind, trainer = get_codec(codec), self.trainer
+        assert trainer is not None
+        if not (kind.blockwise and kind.lossy) or trainer.io.flat_view is None:
+            why = "the upload codec is not int8 or int4" if not kind.blockwise else "the parameters are not flat"
+            logging.get("worker").warning("worker.spill_unused", reason=why, codec=codec)
+            return None
+        return SpilledVector(self.cfg.spill_dir, trainer.numel)
 
     def use_fragments(self, layout: FragmentLayout | None, codec: str) -> None:
         """The registration's fragment layout (None: no fragments): one fresh residual per fragment."""
@@ -211,5 +228,13 @@ class Replica:
                 delta.mul_(scale)
             payload, meta = self.fragment_efs[p].compress(delta)
             return UploadJob(header_of(a.draft, meta, self.specs, self.layout.fingerprint), payload, bulk_port)
-        payload, meta = self.ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
+        if self.ef.store is None:
+            payload, meta = self.ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
+        else:  # the residual in its file (--spill-dir): a slab at a time, the same bits
+            try:
+                payload, meta = self.ef.compress_slabs(
+                    lambda start, slab: trainer.add_pseudo_gradient(start, slab, scale)
+                )
+            finally:
+                trainer.mark_submitted()  # as `submit_into` does before the encode, whatever it gives
         return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)

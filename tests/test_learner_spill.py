@@ -1,0 +1,83 @@
+"""A learner's error-feedback residual in a file (`--spill-dir` on the worker): the flag, checked at start; the same
+uploads, bit for bit, as a learner holding it in memory; the file unlinked from the start; codecs it cannot serve
+keep the residual in memory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from diloco.core import learner as core
+from diloco.core.broadcast import HeldParams
+from diloco.task.data import DataConfig
+from diloco.task.factory import TaskConfig, build_task
+from diloco.task.model import ModelConfig
+from services.worker.__main__ import main
+from services.worker.config import WorkerConfig, parse
+from services.worker.metrics import Metrics
+from services.worker.replica import Replica
+
+
+def _task(tmp_path: Path) -> TaskConfig:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog " * 2000)
+    return TaskConfig(
+        model=ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=32),
+        data=DataConfig(source=str(corpus), num_shards=2),
+    )
+
+
+def _replica(task: TaskConfig, codec: str, spill_dir: str) -> Replica:
+    replica = Replica(WorkerConfig(coordinator="127.0.0.1:1", spill_dir=spill_dir), torch.device("cpu"), Metrics())
+    replica.start_session(task.to_json(), codec, build_task(task).fingerprint)
+    assert replica.version0 is not None
+    replica.params = (0, HeldParams(0, replica.version0))
+    replica.adopt(core.Load(0, 0, reset_codec=False), structlog.get_logger(), "test")
+    return replica
+
+
+def _submit(replica: Replica, n: int) -> core.Submit:
+    draft = core.SubmissionDraft("w", 1, f"s{n}", 0, (), 2, 128, 0)
+    return core.Submit(draft, drain=False)
+
+
+def test_the_flag_is_checked_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["--coordinator", "127.0.0.1:1", "--insecure", "--spill-dir", str(tmp_path)], {}).spill_dir
+    argv = ["--coordinator", "127.0.0.1:1", "--insecure", "--spill-dir", str(tmp_path / "nowhere")]
+    assert main(argv) == 2
+    assert "--spill-dir" in (err := capsys.readouterr().err) and "create it" in err, err
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_a_learner_with_its_residual_in_a_file_sends_the_same_uploads(tmp_path: Path, codec: str) -> None:
+    task = _task(tmp_path)
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    filed, memory = _replica(task, codec, str(spill)), _replica(task, codec, "")
+    assert filed.ef is not None and filed.ef.store is not None and filed.ef.residual.numel() == 0
+    # unlinked at once: an open file of this process, gone from the directory
+    assert not list(spill.iterdir())
+    assert any(
+        "(deleted)" in os.readlink(f"/proc/self/fd/{fd}")
+        for fd in os.listdir("/proc/self/fd")
+        if os.readlink(f"/proc/self/fd/{fd}").startswith(str(spill))
+    )
+    cursor = 0
+    for n in range(3):
+        for _ in range(2):
+            nxt = filed.step_at(0, cursor)
+            assert memory.step_at(0, cursor) == nxt
+            cursor = nxt
+        a, b = filed.upload_job(_submit(filed, n), 0), memory.upload_job(_submit(memory, n), 0)
+        assert bytes(a.payload) == bytes(b.payload) and a.header.payload.crc32 == b.header.payload.crc32
+    assert memory.trainer is not None and filed.trainer is not None
+    assert torch.equal(filed.trainer.params_flat(), memory.trainer.params_flat())
+
+
+def test_a_codec_it_cannot_serve_keeps_the_residual_in_memory(tmp_path: Path) -> None:
+    replica = _replica(_task(tmp_path), "topk", str(tmp_path))  # top-k picks over the whole vector
+    assert replica.ef is not None and replica.ef.store is None and replica.ef.residual.numel() > 0
