@@ -309,6 +309,13 @@ def markdown(r: dict[str, Any]) -> str:
             ["learner", "waiting", _s(lr.get("wait"))],
         ],
     )
+    lean = r.get("large_no_clip", {}).get("learner_s", {})
+    if lean:
+        times += (
+            f"\n\nThe lean learners (fifth run): inner steps {_s(lean.get('inner'))} s (activations recomputed in "
+            f"backward), pseudo-gradient + encode {_s(lean.get('encode'))} s (the residual read and written back "
+            "a slab at a time from its file) a round."
+        )
     sizes = ", ".join(f"{b / 1e6:.1f} MB" for b in big["broadcast_bytes"]) or "-"
     return f"{head}\n\n{mem}\n\n{times}\n\nDelta broadcasts as received: {sizes}."
 
