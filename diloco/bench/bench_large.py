@@ -91,10 +91,15 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def spill_args(directory: Path) -> tuple[str, str]:
+    """`--spill-dir` for a process of its own: `directory`, made here."""
+    directory.mkdir()
+    return ("--spill-dir", str(directory))
+
+
 def lean_worker_args(spill: Path) -> tuple[str, ...]:
     """A learner's flags for the least memory: activations checkpointed, the residual in a file in `spill`."""
-    spill.mkdir()
-    return ("--activation-checkpointing", "true", "--spill-dir", str(spill))
+    return ("--activation-checkpointing", "true", *spill_args(spill))
 
 
 def run_one(
@@ -106,9 +111,7 @@ def run_one(
     with `lean_worker_args`."""
     eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
-        spill_args = ("--spill-dir", str(Path(tmp) / "spill")) if spill else ()
-        if spill:
-            (Path(tmp) / "spill").mkdir()
+        coordinator_spill = spill_args(Path(tmp) / "spill") if spill else ()
         cfg = ClusterConfig(
             workers=s.workers,
             mode="sync",
@@ -129,7 +132,7 @@ def run_one(
                 str(s.seq_len),
                 *(() if clip else ("--grad-clip", "0")),
             ),
-            coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args, *spill_args),
+            coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args, *coordinator_spill),
             worker_args={} if clip else {i: lean_worker_args(Path(tmp) / f"spill-w{i}") for i in range(s.workers)},
         )
         started = time.monotonic()

@@ -378,8 +378,8 @@ class HeldParams:
 def _apply_in_place(params: torch.Tensor, delta: PendingDelta, on_window: OnWindow | None) -> Refusal | None:
     """`params` += the decoded delta (the same fp32 add per element as the coordinator's `Θ̂` update); None, or
     why it failed (then `params` is partly written)."""
-    sink = _InPlaceDelta(params, delta.start, delta.meta.numel, on_window)
     try:
+        sink = _InPlaceDelta(params, delta.start, delta.meta.numel, on_window)
         decoder = payload_decoder(delta.meta, sink=sink)
         for chunk in payload_chunks(delta.data):
             decoder.feed(chunk)

@@ -230,6 +230,19 @@ def check_spill_dir(path: str) -> str:
     return os.path.abspath(path)
 
 
+def _write_all(fd: int, view: memoryview, at: int, when_full: str) -> None:
+    """All of `view` into file `fd` at byte `at`; a full disk (or quota, or file size limit) raises
+    `ResourceExhausted` with `when_full`, which says what to do."""
+    try:
+        while view:
+            n = os.pwrite(fd, view, at)
+            view, at = view[n:], at + n
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise ResourceExhausted(when_full) from None
+        raise
+
+
 class SpillFile:
     """A payload's bytes (an upload being received, or a broadcast delta kept for late learners) in an unnamed
     temporary file in `directory` (unlinked at once, so nothing is left behind whatever happens to the process; its
@@ -256,18 +269,13 @@ class SpillFile:
         return spilled
 
     def write(self, at: int, data: bytes | memoryview) -> None:
-        view = memoryview(data).cast("B")
-        try:
-            while view:
-                n = os.pwrite(self._file.fileno(), view, at)
-                view, at = view[n:], at + n
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise ResourceExhausted(
-                    "the coordinator's --spill-dir is full; send the upload again later (an operator frees "
-                    "space there or lowers --max-partial-uploads)"
-                ) from None
-            raise
+        _write_all(
+            self._file.fileno(),
+            memoryview(data).cast("B"),
+            at,
+            "the coordinator's --spill-dir is full; send the upload again later (an operator frees space there or "
+            "lowers --max-partial-uploads)",
+        )
 
     def chunks(self, chunk_bytes: int = CHUNK_BYTES, offset: int = 0) -> Iterator[bytes]:
         """The bytes from `offset`, `chunk_bytes` at a time (a `ChunkSource`)."""
@@ -310,18 +318,12 @@ class SpilledVector:
             view, at = view[n:], at + n
 
     def write(self, start: int, values: torch.Tensor) -> None:
-        view = values.numpy().data.cast("B")
-        at = 4 * start
-        try:
-            while view:
-                n = os.pwrite(self._file.fileno(), view, at)
-                view, at = view[n:], at + n
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                raise ResourceExhausted(
-                    "the learner's --spill-dir is full: free space there, or run without --spill-dir"
-                ) from None
-            raise
+        _write_all(
+            self._file.fileno(),
+            values.numpy().data.cast("B"),
+            4 * start,
+            "the learner's --spill-dir is full: free space there, or run without --spill-dir",
+        )
 
     def zero(self) -> None:
         """Every value 0 again: the file emptied and grown back (its blocks given back to the disk)."""

@@ -196,12 +196,9 @@ class Watcher:
         (else refused at its end: received to keep the stream in step). One that does not fit the model is
         received against the whole model's size, which refuses it."""
         meta = meta_from_proto(header.payload)
-        if header.HasField("delta_from"):
-            # a delta covers payload.numel values from delta_start (fragments: the range a round stepped)
-            numel = meta.numel
-            if numel >= 1 and header.delta_start + numel <= self.numel:
-                return PayloadBytes(meta, numel)
-            return PayloadReceiver(meta, self.numel)
+        # a delta covers payload.numel values from delta_start (fragments: the range a round stepped)
+        if header.HasField("delta_from") and meta.numel >= 1 and header.delta_start + meta.numel <= self.numel:
+            return PayloadBytes(meta, meta.numel)
         return PayloadReceiver(meta, self.numel)
 
     def _apply(
@@ -212,7 +209,7 @@ class Watcher:
             flat = receiver.finish()
             if not header.HasField("delta_from"):
                 return self.follower.snapshot(header.version, flat)
-            got: HeldParams | Refusal = Refusal.NO_BASE  # not for the version held: received, then refused
+            got: HeldParams | Refusal = Refusal.NO_BASE  # does not fit the model: received, then refused
         else:
             data = receiver.finish()
             meta = receiver.meta
