@@ -200,7 +200,9 @@ def test_a_learner_whose_counter_breaks_counts_logs_and_trains_on(powercap: Path
         try:
             t.start()
             wait_for("a window measured", lambda: meter.reading() is not None, timeout_s=60)
-            (powercap / "intel-rapl:0" / "energy_uj").write_text("gone\n")
+            broken = powercap / "energy_uj.new"  # replaced whole: a reader never sees the file half-written
+            broken.write_text("gone\n")
+            broken.replace(powercap / "intel-rapl:0" / "energy_uj")
             wait_for("windows dropped", lambda: dropped() >= 3, timeout_s=60)
             version = env.server.core.version
             wait_for("training to go on", lambda: env.server.core.version >= version + 2, timeout_s=60)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import gc
 import hashlib
 import os
 import signal
@@ -269,6 +270,10 @@ class Island:
             )
 
     def close(self) -> None:
+        """Leave the group. Call after the replica let go of its model (`Replica.close`): a DistributedDataParallel
+        module holds the group, and a gloo group still alive when the interpreter exits is torn down in its
+        finalization, where it aborts the process (SIGABRT, "terminate called without an active exception")."""
+        gc.collect()  # the model's last references may sit in reference cycles
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -318,6 +323,12 @@ class Island:
         """Carry out the leader's commands until it says stop; returns its exit status."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: None)  # the leader drains, then says STOP
+        try:
+            return self._follow(replica)
+        finally:
+            replica.close()
+
+    def _follow(self, replica: Follower) -> int:
         while True:
             op, a, b = self._header()
             if op is Op.SESSION:
@@ -352,3 +363,5 @@ class Follower(Protocol):
     def start_session(self, task_json: str, codec: str, fingerprint: str = "") -> None: ...
 
     def step_at(self, shard_id: int, cursor: int) -> int: ...
+
+    def close(self) -> None: ...

@@ -106,6 +106,10 @@ class Replica:
         )
         self.params = None
 
+    def close(self) -> None:
+        """Let go of the model and its optimizer (on an island, before the process group goes: `Island.close`)."""
+        self.trainer = None
+
     def _residual_store(self, codec: str) -> SpilledVector | None:
         """The residual's file with --spill-dir, where it can be worked a slab at a time: a blockwise lossy codec
         (int8, int4) and flat parameters (a one-process learner). Elsewhere the residual stays in memory (logged)."""

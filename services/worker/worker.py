@@ -127,13 +127,14 @@ class Worker:
         self._stop_requested = True
 
     def close(self) -> None:
-        """End the threads and the channel (`run` does it on its way out; safe to call twice)."""
+        """End the threads and the channel, let go of the model (`run` does it on its way out; safe to call twice)."""
         if self.watcher is not None:
             self.watcher.close()
             self.watcher = None
         self.uploader.close()
         self.heartbeats.close()
         self.coordinators.close()
+        self.replica.close()
 
     def run(self) -> int:
         """Train until the job finishes or `stop()`; returns the exit status (0 finished or stopped, 1 gave up or
