@@ -104,6 +104,6 @@ def test_the_worker_flag_reaches_the_model_it_trains(tmp_path: Path) -> None:
         replica = Replica(
             WorkerConfig(coordinator="127.0.0.1:1", activation_checkpointing=on), torch.device("cpu"), Metrics()
         )
-        replica.start_session(task.to_json(), "fp32", build_task(task).fingerprint)
+        replica.start_session(task.to_json(), build_task(task).fingerprint)
         assert replica.trainer is not None and isinstance(replica.trainer.model, GPT)
         assert replica.trainer.model.checkpointed is on

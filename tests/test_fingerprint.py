@@ -207,8 +207,8 @@ def test_a_learner_checks_again_when_the_coordinator_comes_back_with_other_data(
     task = text_task(write_text(tmp_path / "corpus.txt", "a"))
     ours = build_task(task).fingerprint
     replica = Replica(WorkerConfig(coordinator="127.0.0.1:1"), torch.device("cpu"), Metrics())
-    replica.start_session(task.to_json(), "fp32", ours)
-    replica.start_session(task.to_json(), "fp32", "")  # an older coordinator: not checked
+    replica.start_session(task.to_json(), ours)
+    replica.start_session(task.to_json(), "")  # an older coordinator: not checked
     moved = str(dataclasses.replace(Fingerprint.parse(ours) or Fingerprint(A, B, C), data=C))
     with pytest.raises(ConfigError, match=r"^the learner's data differs from the coordinator's"):
-        replica.start_session(task.to_json(), "fp32", moved)
+        replica.start_session(task.to_json(), moved)

@@ -1,6 +1,6 @@
 """A learner's error-feedback residual in a file (`--spill-dir` on the worker): the flag, checked at start; the same
 uploads, bit for bit, as a learner holding it in memory; the file unlinked from the start; codecs it cannot serve
-keep the residual in memory."""
+keep the residual in memory; with streaming fragments, one residual per fragment and none for the whole model."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from diloco.core import learner as core
 from diloco.core.broadcast import HeldParams
+from diloco.core.fragments import FragmentLayout
 from diloco.task.data import DataConfig
 from diloco.task.factory import TaskConfig, build_task
 from diloco.task.model import ModelConfig
@@ -33,7 +34,8 @@ def _task(tmp_path: Path) -> TaskConfig:
 
 def _replica(task: TaskConfig, codec: str, spill_dir: str) -> Replica:
     replica = Replica(WorkerConfig(coordinator="127.0.0.1:1", spill_dir=spill_dir), torch.device("cpu"), Metrics())
-    replica.start_session(task.to_json(), codec, build_task(task).fingerprint)
+    replica.start_session(task.to_json(), build_task(task).fingerprint)
+    replica.use_layout(None, codec)
     assert replica.version0 is not None
     replica.params = (0, HeldParams(0, replica.version0))
     replica.adopt(core.Load(0, 0, reset_codec=False), structlog.get_logger(), "test")
@@ -58,7 +60,8 @@ def test_a_learner_with_its_residual_in_a_file_sends_the_same_uploads(tmp_path: 
     spill = tmp_path / "spill"
     spill.mkdir()
     filed, memory = _replica(task, codec, str(spill)), _replica(task, codec, "")
-    assert filed.ef is not None and filed.ef.store is not None and filed.ef.residual.numel() == 0
+    [ef] = filed.efs
+    assert ef.store is not None and ef.residual.numel() == 0
     # unlinked at once: an open file of this process, gone from the directory
     assert not list(spill.iterdir())
     assert any(
@@ -80,4 +83,18 @@ def test_a_learner_with_its_residual_in_a_file_sends_the_same_uploads(tmp_path: 
 
 def test_a_codec_it_cannot_serve_keeps_the_residual_in_memory(tmp_path: Path) -> None:
     replica = _replica(_task(tmp_path), "topk", str(tmp_path))  # top-k picks over the whole vector
-    assert replica.ef is not None and replica.ef.store is None and replica.ef.residual.numel() > 0
+    [ef] = replica.efs
+    assert ef.store is None and ef.residual.numel() > 0
+
+
+def test_a_learner_with_fragments_holds_one_residual_per_fragment_and_none_for_the_whole(tmp_path: Path) -> None:
+    replica = _replica(_task(tmp_path), "int8", "")
+    whole = replica.numel
+    assert [ef.residual.numel() for ef in replica.efs] == [whole]
+    assert replica.trainer is not None
+    layout = FragmentLayout.balanced([p.numel() for p in replica.trainer.model.parameters()], 3)
+    replica.use_layout(layout, "int8")
+    assert [ef.residual.numel() for ef in replica.efs] == [layout.size(p) for p in range(3)]
+    assert sum(ef.residual.numel() for ef in replica.efs) == whole  # the model's worth of residual, not twice it
+    replica.use_layout(None, "int8")  # registered again, without fragments
+    assert [ef.residual.numel() for ef in replica.efs] == [whole]

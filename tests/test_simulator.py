@@ -124,7 +124,7 @@ def test_codec_settings_reach_the_learners() -> None:
     sim = Simulator(cfg(mode="sync", speeds=(1.0, 1.0), outer_steps=1, **settings))
     assert isinstance(sim.codec, SparseCodec) and sim.codec.per_chunk == 1024
     r = sim.run()
-    assert r.rounds == 1 and all(learner.ef is not None and learner.ef.decay == 0.7 for learner in sim.learners)
+    assert r.rounds == 1 and all(learner.efs and all(ef.decay == 0.7 for ef in learner.efs) for learner in sim.learners)
 
 
 @pytest.mark.parametrize("mode", ["sync", "dp"])

@@ -93,8 +93,7 @@ class Learner:
     alive: bool = False
     incarnation: int = 0
     trainer: InnerTrainer | None = None
-    ef: ErrorFeedback | None = None
-    fragment_efs: list[ErrorFeedback] = field(default_factory=list)  # streaming fragments: one residual each
+    efs: list[ErrorFeedback] = field(default_factory=list)  # error feedback: the whole model's, or one per fragment
     params: tuple[int, torch.Tensor] | None = None  # the newest version the core took, and its tensor
     version0: torch.Tensor | None = None  # the version 0 this process built, until it adopts parameters
     training: bool = False  # False: idle until an event or a deadline
@@ -356,14 +355,13 @@ class Simulator(EventLoop):
         if isinstance(a, lc.Register):
             self.register(learner, t)
         elif isinstance(a, lc.Load):
-            assert learner.params is not None and learner.params[0] == a.version and learner.ef is not None
+            assert learner.params is not None and learner.params[0] == a.version
             learner.version0 = None
             if trainer is not None:
                 trainer.load_global(learner.params[1])
                 trainer.catch_up(a.catch_up_steps)
             if a.reset_codec:
-                learner.ef.reset()
-                for ef in learner.fragment_efs:
+                for ef in learner.efs:
                     ef.reset()
         elif isinstance(a, lc.Rebase):
             assert learner.params is not None and learner.params[0] == a.version
@@ -441,14 +439,14 @@ class Simulator(EventLoop):
             learner.trainer = InnerTrainer(
                 model, self.corpus, self.cfg.task.inner, seq_len=self.cfg.task.model.seq_len, device=torch.device("cpu")
             )
-        learner.ef = ErrorFeedback(
-            self.codec, self.core.params.numel(), enabled=self.cfg.error_feedback, decay=self.cfg.ef_decay
+        sizes = (
+            [self.core.params.numel()]
+            if self.frag is None
+            else [*map(self.frag.layout.size, range(self.frag.fragments))]
         )
-        if self.frag is not None:
-            learner.fragment_efs = [
-                ErrorFeedback(self.codec, n, enabled=self.cfg.error_feedback, decay=self.cfg.ef_decay)
-                for n in map(self.frag.layout.size, range(self.frag.fragments))
-            ]
+        learner.efs = [
+            ErrorFeedback(self.codec, n, enabled=self.cfg.error_feedback, decay=self.cfg.ef_decay) for n in sizes
+        ]
         self.touch(learner)
         if self.cfg.mtbf_s > 0:
             self.at(self.now + self.rng.expovariate(1 / self.cfg.mtbf_s), "kill", learner.idx, learner.incarnation)
@@ -518,17 +516,16 @@ class Simulator(EventLoop):
         self.touch(learner, arrived)
 
     def submit(self, learner: Learner, d: lc.SubmissionDraft, t: float) -> None:
-        assert learner.ef is not None
         trainer = learner.trainer
         sub = Submission(d.worker_id, d.submission_id, d.base_version, d.tokens, d.steps, d.ranges, d.plan_seq)
         if self.frag is not None:  # one fragment: its slice, its own error feedback
             assert trainer is not None
             delta = trainer.submit_range(*self.frag.layout.range(d.fragment))
-            payload, meta = learner.fragment_efs[d.fragment].compress(delta)
+            payload, meta = learner.efs[d.fragment].compress(delta)
             sent: Submission | FragmentSubmission = FragmentSubmission(sub, d.fragment, self.frag.layout.fingerprint)
         else:
             delta = trainer.pseudo_gradient() if trainer is not None else torch.full((1,), 1e-3)
-            payload, meta = learner.ef.compress(delta)
+            payload, meta = learner.efs[0].compress(delta)
             if trainer is not None:
                 trainer.mark_submitted()
             sent = sub

@@ -4,7 +4,7 @@ Rank 0 (the leader) runs the `Worker` loop as a single-process learner does: it 
 and healthd, and the learner core decides on it alone. Every torch action the loop carries out is sent to the
 other ranks (followers) first, inside the group, so every rank does it together:
 
-- `SESSION` (a registration): the task JSON, codec and the coordinator's task fingerprint; every rank (re)builds
+- `SESSION` (a registration): the task JSON and the coordinator's task fingerprint; every rank (re)builds
   the task, checks its fingerprint, and wraps the replica in DistributedDataParallel (its constructor broadcasts
   rank 0's parameters);
 - `TRAIN` (one inner step): the shard and cursor. The task's `inner.batch_size` B is the island's global batch:
@@ -300,9 +300,9 @@ class Island:
         return steps_done
 
     # --- the leader's side ------------------------------------------------------------------------------------
-    def session(self, task_json: str, codec: str, fingerprint: str) -> None:
+    def session(self, task_json: str, fingerprint: str) -> None:
         self._header(Op.SESSION)
-        dist.broadcast_object_list([task_json, codec, fingerprint], src=0)
+        dist.broadcast_object_list([task_json, fingerprint], src=0)
 
     def train(self, shard_id: int, cursor: int) -> None:
         self._header(Op.TRAIN, shard_id, cursor)
@@ -332,10 +332,10 @@ class Island:
         while True:
             op, a, b = self._header()
             if op is Op.SESSION:
-                got: list[object] = [None, None, None]
+                got: list[object] = [None, None]
                 dist.broadcast_object_list(got, src=0)
                 try:
-                    replica.start_session(str(got[0]), str(got[1]), str(got[2]))
+                    replica.start_session(str(got[0]), str(got[1]))
                 except ConfigError as e:  # the leader meets the same error, deregisters and sends STOP
                     self.log.error("island.session_refused", detail=str(e))
             elif op is Op.TRAIN:
@@ -360,7 +360,7 @@ class Follower(Protocol):
 
     trainer: InnerTrainer | None
 
-    def start_session(self, task_json: str, codec: str, fingerprint: str = "") -> None: ...
+    def start_session(self, task_json: str, fingerprint: str = "") -> None: ...
 
     def step_at(self, shard_id: int, cursor: int) -> int: ...
 

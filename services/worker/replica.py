@@ -54,18 +54,18 @@ class Replica:
     def __init__(self, cfg: WorkerConfig, device: torch.device, metrics: Metrics, island: Island | None = None) -> None:
         self.cfg, self.device, self.metrics, self.island = cfg, device, metrics, island
         self.trainer: InnerTrainer | None = None
-        self.ef: ErrorFeedback | None = None
         self.task_json = ""
         self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
         self.params: tuple[int, HeldParams] | None = None  # the newest version the core took, and the Θ̂ leading to it
-        # streaming fragments (docs/fragments.md): the coordinator's layout and one error-feedback residual per
-        # fragment (None and []: the whole model, with `ef`)
+        # the registration's fragment layout (docs/fragments.md; None: the whole model at once) and the error-feedback
+        # residuals that go with it: one per fragment, or one for the whole model; never both (`use_layout`)
         self.layout: FragmentLayout | None = None
-        self.fragment_efs: list[ErrorFeedback] = []
+        self.efs: list[ErrorFeedback] = []
         self.version0: torch.Tensor | None = None  # the initial parameters built here, until parameters are adopted
 
-    def start_session(self, task_json: str, codec: str, fingerprint: str = "", init_seed: int = 0) -> None:
-        """A new registration: (re)build the task when it changed, fresh error feedback, no parameters yet. Raises
+    def start_session(self, task_json: str, fingerprint: str = "", init_seed: int = 0) -> None:
+        """A new registration: (re)build the task when it changed, no parameters yet (the learner that uploads then
+        takes fresh residuals: `use_layout`; an island's followers hold none). Raises
         `ConfigError` naming the parts when the task built here differs from the coordinator's `fingerprint`
         ("": not checked), e.g. this learner's data files hold other data. A task built here also leaves its
         initial parameters in `version0` (the model from `--seed`, by default the coordinator's `init_seed`: its
@@ -101,10 +101,7 @@ class Replica:
         mismatch = fingerprint_mismatch(self.fingerprint, fingerprint) if fingerprint else ""
         if mismatch:
             raise ConfigError(mismatch)
-        self.ef = ErrorFeedback(
-            get_codec(codec), self.trainer.numel, decay=self.cfg.ef_decay or None, store=self._residual_store(codec)
-        )
-        self.params = None
+        self.efs, self.params = [], None
 
     def close(self) -> None:
         """Let go of the model and its optimizer (on an island, before the process group goes: `Island.close`)."""
@@ -123,19 +120,17 @@ class Replica:
             return None
         return SpilledVector(self.cfg.spill_dir, trainer.numel)
 
-    def use_fragments(self, layout: FragmentLayout | None, codec: str) -> None:
-        """The registration's fragment layout (None: no fragments): one fresh residual per fragment."""
+    def use_layout(self, layout: FragmentLayout | None, codec: str) -> None:
+        """The registration's fragment layout (None: no fragments) and fresh error-feedback residuals for it: one per
+        fragment, or one for the whole model (in its file with --spill-dir)."""
         if layout is not None and self.island is not None and self.island.sharded:
             raise ConfigError("streaming fragments (--fragments > 1) are not built for sharded islands yet")
+        kind, decay = get_codec(codec), self.cfg.ef_decay or None
         self.layout = layout
-        self.fragment_efs = (
-            [
-                ErrorFeedback(get_codec(codec), layout.size(p), decay=self.cfg.ef_decay or None)
-                for p in range(layout.fragments)
-            ]
-            if layout is not None
-            else []
-        )
+        if layout is None:
+            self.efs = [ErrorFeedback(kind, self.numel, decay=decay, store=self._residual_store(codec))]
+        else:
+            self.efs = [ErrorFeedback(kind, layout.size(p), decay=decay) for p in range(layout.fragments)]
 
     def _loss_fn(self, model: nn.Module) -> Callable[[Tensor, Tensor], Tensor] | None:
         """Puts `model` on the device. None (the model's own loss) for a one-process fp32 learner; else the loss
@@ -168,7 +163,7 @@ class Replica:
         """Adopt the version of `a`: the learner's `Θ̂` brought to it in place (the deltas queued since, applied
         here), then θ loaded or rebased onto it. Raises `ParamsLost` when a delta fails there (`Θ̂` is then partly
         written: the learner registers again and starts from a snapshot)."""
-        assert self.trainer is not None and self.params is not None and self.ef is not None
+        assert self.trainer is not None and self.params is not None
         version, held = self.params
         assert version == a.version, (version, a)
         self.version0 = None  # trained from the coordinator's parameters from now on: no registration names it
@@ -194,8 +189,7 @@ class Replica:
             if a.reset_codec:
                 log.info("worker.resync", reason=why, version=version)
                 self.metrics.resyncs.inc()
-                self.ef.reset()
-                for ef in self.fragment_efs:
+                for ef in self.efs:
                     ef.reset()
         self.metrics.version.set(version)
 
@@ -219,7 +213,7 @@ class Replica:
 
     def upload_job(self, a: core.Submit, bulk_port: int) -> UploadJob:
         """Compress the pseudo-gradient of everything trained since the last submission."""
-        assert self.trainer is not None and self.ef is not None
+        assert self.trainer is not None and self.efs, "upload_job before use_layout"
         trainer = self.trainer
         # the pseudo-gradient goes straight into the residual, a slice at a time (in a sharded island: after the
         # leader's GATHER, on rank 0's host); `fault_scale_updates` is fault injection (tests, chaos runs)
@@ -230,15 +224,14 @@ class Replica:
             delta = trainer.submit_range(*self.layout.range(p))
             if scale != 1.0:
                 delta.mul_(scale)
-            payload, meta = self.fragment_efs[p].compress(delta)
+            payload, meta = self.efs[p].compress(delta)
             return UploadJob(header_of(a.draft, meta, self.specs, self.layout.fingerprint), payload, bulk_port)
-        if self.ef.store is None:
-            payload, meta = self.ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
+        ef = self.efs[0]
+        if ef.store is None:
+            payload, meta = ef.compress_added(lambda residual: trainer.submit_into(residual, scale))
         else:  # the residual in its file (--spill-dir): a slab at a time, the same bits
             try:
-                payload, meta = self.ef.compress_slabs(
-                    lambda start, slab: trainer.add_pseudo_gradient(start, slab, scale)
-                )
+                payload, meta = ef.compress_slabs(lambda start, slab: trainer.add_pseudo_gradient(start, slab, scale))
             finally:
                 trainer.mark_submitted()  # as `submit_into` does before the encode, whatever it gives
         return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)

@@ -284,10 +284,10 @@ class Worker:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg, self.bulk_port = reg, reg.bulk_port
         if self.island is not None:
-            self.island.session(reg.task_json, reg.codec, reg.task_fingerprint)
-        self.replica.start_session(reg.task_json, reg.codec, reg.task_fingerprint, reg.init_seed)
+            self.island.session(reg.task_json, reg.task_fingerprint)
+        self.replica.start_session(reg.task_json, reg.task_fingerprint, reg.init_seed)
         # streaming fragments: the coordinator's layout, checked against the model built here (ConfigError: exit 2)
-        self.replica.use_fragments(reg.layout(self.replica.specs, self.replica.numel), reg.codec)
+        self.replica.use_layout(reg.layout(self.replica.specs, self.replica.numel), reg.codec)
         self.core.use_fragments(reg.fragments)
         if not self.cfg.healthd and reg.healthd_address:
             self.heartbeats.address = reg.healthd_address

@@ -49,12 +49,13 @@ TLS_MOUNT = "/certs"  # where every container finds its TLS folder (read-only)
 IMAGE_UID = 10001  # the image's user (docker/Dockerfile), who must be able to read the keys and tokens
 UNTRAINED_LOSS = math.log(256)  # a byte-level model that knows nothing
 # How much worse than the fault-free run of the same length a run with faults may end, in nats of validation loss.
-# Measured (2026-12-02, 6 runs of this configuration whose faults cost nothing: 3 baselines, 3 degraded-network runs
-# in which the degraded learner's submissions still came in fresh): final losses 2.29-2.50, mean 2.42, standard
-# deviation 0.08, from an untrained 5.55. Asynchronous rounds make every run's trajectory its own, so two fault-free
-# runs differ by up to ~0.2; faults that cost work (kills) add ~0.1-0.2 more. A run that lost its way (diverged,
-# poisoned, updates applied twice) ends a nat or more above. See tests/chaos/README.md.
-LOSS_MARGIN = 0.4
+# Measured (2026-12-02): fault-free runs of this configuration end at 2.18-2.50 (8 runs) from an untrained 5.55;
+# asynchronous rounds make every run's trajectory its own, so two fault-free runs differ by up to ~0.3. Faults cost
+# on top of that: kills ~0.1-0.2; one learner behind 1 Mbit/s with 3% drops (netem-worker) ended above its own
+# baseline in all 5 runs measured, by 0.12-0.47 (mean 0.25), its uploads nearly all fresh, and failed a CI run at the
+# former 0.4. A run that lost its way (diverged, poisoned, updates applied twice) ends a nat or more above. See
+# tests/chaos/README.md.
+LOSS_MARGIN = 0.6
 FINAL_EVALS = 5  # "final loss": the mean of the last 5 evaluations
 
 # The tiny task of tests/test_cluster_faults.py: one layer, 32 wide; a round takes a fraction of a second. Every
