@@ -17,7 +17,9 @@ peak is what the model costs it; the report sets it against the fp32 model bytes
   fp32 buffers = 5x the fp32 model bytes. The activations a step keeps for backward come on top (at batch 4 x 128
   about 1.1x of this model's size). A fifth run trains with `--grad-clip 0` (each parameter takes its AdamW step in
   backward and drops its gradient there) and learners with `--activation-checkpointing` (only each transformer
-  block's input kept for backward) and `--spill-dir` (the residual in a file, worked a slab at a time).
+  block's input kept for backward) and `--spill-dir` (the residual in a file, worked a slab at a time); a sixth
+  runs those learners in `decoupled` rounds, where each also holds θ_at_submit between its submission and the
+  rebase onto the next version.
 
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
@@ -103,18 +105,24 @@ def lean_worker_args(spill: Path) -> tuple[str, ...]:
 
 
 def run_one(
-    model: str, s: LargeSettings, log: Log, evaluate: bool = True, spill: bool = False, clip: bool = True
+    model: str,
+    s: LargeSettings,
+    log: Log,
+    evaluate: bool = True,
+    spill: bool = False,
+    clip: bool = True,
+    mode: str = "sync",
 ) -> dict[str, Any]:
-    """One cluster run; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation model), `spill`
-    with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory), `clip` False the task with
-    `--grad-clip 0` (the learners step each parameter in backward: no model-sized gradient buffer) and the learners
-    with `lean_worker_args`."""
+    """One cluster run in `mode` rounds; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation
+    model), `spill` with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory), `clip` False
+    the task with `--grad-clip 0` (the learners step each parameter in backward: no model-sized gradient buffer) and
+    the learners with `lean_worker_args`."""
     eval_args = () if evaluate else ("--eval-every", "0")
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
         coordinator_spill = spill_args(Path(tmp) / "spill") if spill else ()
         cfg = ClusterConfig(
             workers=s.workers,
-            mode="sync",
+            mode=mode,
             outer_steps=s.outer_steps,
             local_steps=s.local_steps,
             min_local_steps=s.local_steps,
@@ -164,6 +172,7 @@ def run_one(
         "evaluate": evaluate,
         "spill": spill,
         "clip": clip,
+        "mode": mode,
         "numel": model_numel(model, s.seq_len),
         "wall_s": round(wall, 1),
         "version": status.version,
@@ -193,6 +202,8 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     no_eval = run_one(s.model, s, log, evaluate=False)  # the coordinator without its evaluation model
     spilled = run_one(s.model, s, log, spill=True)  # uploads and kept deltas held in files, not in memory
     unclipped = run_one(s.model, s, log, clip=False)  # no gradient buffer, activations checkpointed
+    # the same learners training on while their upload is in flight: θ_at_submit held until they rebase
+    decoupled = run_one(s.model, s, log, clip=False, mode="decoupled")
     model_bytes = 4 * big["numel"]
     rows = []
     for name in sorted(big["peak_rss"]):
@@ -211,7 +222,8 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         ("coordinator (--spill-dir)", "coordinator", spilled),
     ]
     lean = "--grad-clip 0, --activation-checkpointing, --spill-dir"
-    variants += [(f"{w} ({lean})", w, unclipped) for w in sorted(unclipped["peak_rss"]) if w.startswith("worker")]
+    for flags, run_ in ((lean, unclipped), (f"{lean}, decoupled", decoupled)):
+        variants += [(f"{w} ({flags})", w, run_) for w in sorted(run_["peak_rss"]) if w.startswith("worker")]
     for process, name, variant in variants:
         net = variant["peak_rss"][name] - base["peak_rss"][name]
         rows.append(
@@ -247,6 +259,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         "large_no_eval": no_eval,
         "large_spill": spilled,
         "large_no_clip": unclipped,
+        "large_no_clip_decoupled": decoupled,
         "model_bytes": model_bytes,
         "memory": rows,
         "checks": checks,
@@ -279,10 +292,12 @@ def markdown(r: dict[str, Any]) -> str:
         "clipping (each parameter takes its AdamW step in backward and drops its gradient there: no model-sized "
         "gradient buffer during a step), keep only each transformer block's input for backward, and hold the "
         "error-feedback residual in an unlinked file, read and written a slab at a time at each submission (the "
-        "page cache, as the coordinator's `--spill-dir`). A learner's steady state is the "
-        "model, the AdamW state, its broadcast Θ̂ and the error-feedback residual (5x); the activations of a step "
-        "(about 1.1x of this model at batch 4 x 128, hand-measured), the gradients with clipping, and the encoded "
-        "upload come on top of it at their peaks."
+        "page cache, as the coordinator's `--spill-dir`); the rows `..., decoupled` a sixth, the fifth's learners in "
+        "`decoupled` rounds, where a learner trains on while its upload and the next version are in flight and so "
+        "also holds θ_at_submit, the parameters whose pseudo-gradient it sent, until it rebases (ALGORITHM.md "
+        "section 5). A `sync` learner's steady state is the model, the AdamW state, its broadcast Θ̂ and the "
+        "error-feedback residual (5x); the activations of a step (about 1.1x of this model at batch 4 x 128, "
+        "hand-measured), the gradients with clipping, and the encoded upload come on top of it at their peaks."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],
