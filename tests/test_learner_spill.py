@@ -1,6 +1,7 @@
-"""A learner's error-feedback residual in a file (`--spill-dir` on the worker): the flag, checked at start; the same
-uploads, bit for bit, as a learner holding it in memory; the file unlinked from the start; codecs it cannot serve
-keep the residual in memory; with streaming fragments, one residual per fragment and none for the whole model."""
+"""A learner's error-feedback residual and θ_at_submit in files (`--spill-dir` on the worker): the flag, checked at
+start; the same uploads, bit for bit, as a learner holding them in memory; the files unlinked from the start;
+codecs it cannot serve keep the residual in memory; with streaming fragments, one residual per fragment and none
+for the whole model."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_a_learner_with_its_residual_in_a_file_sends_the_same_uploads(tmp_path: 
             nxt = filed.step_at(0, cursor)
             assert memory.step_at(0, cursor) == nxt
             cursor = nxt
+        assert filed.trainer is not None and filed.trainer._base_spilled == (n > 0)  # θ_at_submit in its file
         a, b = filed.upload_job(_submit(filed, n), 0), memory.upload_job(_submit(memory, n), 0)
         assert bytes(a.payload) == bytes(b.payload) and a.header.payload.crc32 == b.header.payload.crc32
     assert memory.trainer is not None and filed.trainer is not None

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from diloco.errors import ConfigError, InvalidArgument, NotFound
+from diloco.rpc.payload import SpilledVector
 from diloco.task import (
     GPT,
     Corpus,
@@ -794,3 +795,39 @@ def test_the_pseudo_gradient_added_a_slab_at_a_time_is_submit_into_bit_for_bit()
     assert torch.equal(whole, slabs) and torch.equal(a.base, b.base)
     with pytest.raises(InvalidArgument, match="within"):
         b.add_pseudo_gradient(b.numel - 10, torch.zeros(11))
+
+
+def test_a_base_kept_in_a_file_gives_the_same_bits_as_one_in_memory(
+    corpus: Corpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`spill_base` (the worker's --spill-dir): θ_at_submit goes to a file at the first step after a submission and
+    is read back a slice at a time; pseudo-gradients, submissions a slab at a time and rebases are bit for bit
+    those of a trainer holding it in memory."""
+    from diloco.task import inner
+
+    filed, memory = make_trainer(corpus), make_trainer(corpus)
+    filed.spill_base(SpilledVector(str(tmp_path), filed.numel))
+    monkeypatch.setattr(inner, "_SLICE", 1000)  # several slices even for this model
+    for n in range(3):
+        for t in (filed, memory):
+            t.train([(0, 0, 5 * 64 * n)], 2)
+            t.submit_into(torch.zeros(t.numel))
+            t.train([(0, 0, 5 * 64 * n + 2 * 64)], 2)  # trains on while the upload is in flight
+        assert filed._base_spilled and filed._base is None  # no model-sized base in memory
+        assert torch.equal(filed.base, memory.base) and torch.equal(filed.pseudo_gradient(), memory.pseudo_gradient())
+        if n == 1:  # a second submission before any rebase, a slab at a time
+            whole, slabs = torch.zeros(memory.numel), torch.zeros(filed.numel)
+            memory.submit_into(whole)
+            for start in range(0, filed.numel, 777):
+                filed.add_pseudo_gradient(start, slabs[start : start + 777])
+            filed.mark_submitted()
+            assert torch.equal(whole, slabs)
+            for t in (filed, memory):
+                t.train([(0, 0, 5 * 64 * n + 4 * 64)], 1)
+        new_global = flatten_params(GPT(TINY, seed=42 + n))
+        filed.rebase(new_global)
+        memory.rebase(new_global)
+        assert torch.equal(filed.params_flat(), memory.params_flat()) and not filed._base_spilled
+        assert torch.equal(filed.base, new_global)
+    with pytest.raises(InvalidArgument, match="flat CPU parameters"):
+        filed.spill_base(SpilledVector(str(tmp_path), filed.numel + 1))

@@ -18,8 +18,8 @@ peak is what the model costs it; the report sets it against the fp32 model bytes
   about 1.1x of this model's size). A fifth run trains with `--grad-clip 0` (each parameter takes its AdamW step in
   backward and drops its gradient there) and learners with `--activation-checkpointing` (only each transformer
   block's input kept for backward) and `--spill-dir` (the residual in a file, worked a slab at a time); a sixth
-  runs those learners in `decoupled` rounds, where each also holds θ_at_submit between its submission and the
-  rebase onto the next version.
+  runs those learners in `decoupled` rounds, where each also keeps θ_at_submit between its submission and the
+  rebase onto the next version (with `--spill-dir` in a file as well).
 
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
@@ -294,10 +294,12 @@ def markdown(r: dict[str, Any]) -> str:
         "error-feedback residual in an unlinked file, read and written a slab at a time at each submission (the "
         "page cache, as the coordinator's `--spill-dir`); the rows `..., decoupled` a sixth, the fifth's learners in "
         "`decoupled` rounds, where a learner trains on while its upload and the next version are in flight and so "
-        "also holds θ_at_submit, the parameters whose pseudo-gradient it sent, until it rebases (ALGORITHM.md "
-        "section 5). A `sync` learner's steady state is the model, the AdamW state, its broadcast Θ̂ and the "
-        "error-feedback residual (5x); the activations of a step (about 1.1x of this model at batch 4 x 128, "
-        "hand-measured), the gradients with clipping, and the encoded upload come on top of it at their peaks."
+        "also keeps θ_at_submit, the parameters whose pseudo-gradient it sent, until it rebases (ALGORITHM.md "
+        "section 5): with `--spill-dir` in a file as well, written at the first step after the submission and read "
+        "back a slice at a time by the rebase. A `sync` learner's steady state is the model, the AdamW state, its "
+        "broadcast Θ̂ and the error-feedback residual (5x); the activations of a step (about 1.1x of this model at "
+        "batch 4 x 128, hand-measured), the gradients with clipping, and the encoded upload come on top of it at "
+        "their peaks."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],

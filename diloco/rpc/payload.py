@@ -294,8 +294,8 @@ class SpillFile:
 class SpilledVector:
     """A flat fp32 vector of `numel` values in an unnamed temporary file in `directory` (unlinked at once; zeros at
     first, a sparse file), read and written a slab at a time (`diloco.core.codecs.SlabStore`): a learner's
-    error-feedback residual with `--spill-dir`, in the kernel's page cache (which it can write out and reclaim), not
-    in the learner's resident memory. A full disk raises `ResourceExhausted` naming the flag."""
+    error-feedback residual and θ_at_submit with `--spill-dir`, in the kernel's page cache (which it can write out
+    and reclaim), not in the learner's resident memory. A full disk raises `ResourceExhausted` naming the flag."""
 
     def __init__(self, directory: str, numel: int) -> None:
         self.numel = numel
@@ -304,7 +304,7 @@ class SpilledVector:
             os.ftruncate(self._file.fileno(), 4 * numel)
         except OSError as e:
             raise ResourceExhausted(
-                f"the learner cannot make its residual file in --spill-dir {directory!r} ({e.strerror}): free "
+                f"the learner cannot make a spill file in --spill-dir {directory!r} ({e.strerror}): free "
                 "space there, name another directory, or run without --spill-dir"
             ) from None
 
@@ -314,7 +314,7 @@ class SpilledVector:
         while view:
             n = os.preadv(self._file.fileno(), [view], at)
             if n == 0:
-                raise ResourceExhausted(f"the residual file ends at byte {at}; it was truncated under the learner")
+                raise ResourceExhausted(f"a spill file ends at byte {at}; it was truncated under the learner")
             view, at = view[n:], at + n
 
     def write(self, start: int, values: torch.Tensor) -> None:

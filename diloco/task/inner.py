@@ -24,6 +24,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import Tensor, nn
 
+from diloco.core.codecs import SlabStore
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
@@ -212,7 +213,8 @@ class InnerTrainer:
     parameters (`LocalParams.flat_view`) pseudo-gradients and rebases are computed in place, and θ_at_submit is
     copied only at the first step after the submission (a learner that adopts a new version first, as a `sync`
     one does, never copies it); `submit_into` adds the pseudo-gradient into the caller's buffer a slice at a
-    time, with no model-sized temporary.
+    time, with no model-sized temporary. With `spill_base` (flat CPU parameters, the worker's `--spill-dir`) that
+    copy goes to a file, written and read a slice at a time: no model-sized vector at all besides θ.
     """
 
     _EMA = 0.2
@@ -265,6 +267,8 @@ class InnerTrainer:
         # (flat parameters only: see `_hold_base`)
         self._base: Tensor | None = self.io.read()
         self._base_shared = False  # the caller's tensor (`share=True`): never written here
+        self._base_store: SlabStore | None = None  # where θ_at_submit is copied (`spill_base`)
+        self._base_spilled = False  # the base is θ_at_submit in `_base_store` (then `_base` is None)
         self._step_time_s = 0.0
 
     # -- parameters ---------------------------------------------------------------------------------------
@@ -278,7 +282,31 @@ class InnerTrainer:
         """What the next pseudo-gradient is measured against (flat fp32, CPU): Θ_base, the global parameters last
         adopted, or θ_at_submit once a pseudo-gradient was submitted since (the steps after it are the unsent
         ones)."""
+        if self._base_spilled:
+            assert self._base_store is not None
+            full = torch.empty(self.numel, dtype=torch.float32)
+            self._base_store.read(0, full)
+            return full
         return self._base_or_theta().cpu()
+
+    def spill_base(self, store: SlabStore) -> None:
+        """Copy θ_at_submit into `store` (e.g. `diloco.rpc.payload.SpilledVector` in the worker's `--spill-dir`), a
+        slice at a time, instead of a model-sized vector in memory; it is read back a slice at a time where it is
+        used (the next pseudo-gradient, the rebase). The same bits everywhere. Flat CPU parameters only."""
+        live = self.io.flat_view
+        if live is None or live.device.type != "cpu" or store.numel != self.numel:
+            raise InvalidArgument(f"the base is kept in a file only for flat CPU parameters of {self.numel} values")
+        self._base_store = store
+
+    def _base_slice(self, lo: int, hi: int, scratch: Tensor | None = None) -> Tensor:
+        """The base's values on [lo, hi): a view where it is in memory, else read from its file into `scratch` (at
+        least hi − lo values) or a new tensor."""
+        if not self._base_spilled:
+            return self._base_or_theta()[lo:hi]
+        assert self._base_store is not None
+        out = scratch[: hi - lo] if scratch is not None else torch.empty(hi - lo, dtype=torch.float32)
+        self._base_store.read(lo, out)
+        return out
 
     def _check_flat(self, flat: Tensor, what: str) -> Tensor:
         if flat.ndim != 1 or flat.numel() != self.numel or not flat.is_floating_point():
@@ -299,6 +327,7 @@ class InnerTrainer:
         """base ← `flat` (fp32 on the parameters' device, from `_check_flat` or `io.read`). Shared: kept as it is
         (the caller's tensor, or a new one made from it), when contiguous. Else copied into the base's own
         vector."""
+        self._base_spilled = False
         if share and flat.is_contiguous():
             self._base, self._base_shared = flat, True
         elif self._base is None or self._base_shared:
@@ -307,18 +336,29 @@ class InnerTrainer:
             self._base.copy_(flat)
 
     def _hold_base(self) -> None:
-        """Before θ moves: copy θ_at_submit when the base is still θ itself (`mark_submitted` deferred it)."""
-        if self._base is None:
+        """Before θ moves: copy θ_at_submit when the base is still θ itself (`mark_submitted` deferred it), into
+        memory or into its file (`spill_base`)."""
+        if self._base is not None or self._base_spilled:
+            return
+        if self._base_store is None:
             self._base, self._base_shared = self._theta().clone(), False
+            return
+        theta = self._theta()
+        for start in range(0, self.numel, _SLICE):
+            self._base_store.write(start, theta[start : start + _SLICE])
+        self._base_spilled = True
 
     def _own_base(self) -> Tensor:
         """The base as a vector of the trainer's own, before part of it is written (fragments): θ_at_submit
         copied when it was deferred, the caller's shared tensor copied."""
-        if self._base is None or self._base_shared:
+        if self._base_spilled:
+            self._base, self._base_shared, self._base_spilled = self.base, False, False
+        elif self._base is None or self._base_shared:
             self._base, self._base_shared = self._base_or_theta().clone(), False
         return self._base
 
     def _base_or_theta(self) -> Tensor:
+        assert not self._base_spilled, "a base in its file is read a slice at a time (`_base_slice`)"
         return self._base if self._base is not None else self._theta()
 
     def _theta(self) -> Tensor:
@@ -327,6 +367,8 @@ class InnerTrainer:
 
     def pseudo_gradient(self) -> Tensor:
         """Δ = base - θ (flat fp32, CPU): the steps not submitted yet."""
+        if self._base_spilled:
+            return self.base - self._theta()  # flat CPU parameters
         if self._base is None:
             return torch.zeros(self.numel, dtype=torch.float32)
         return (self._base - self._theta()).cpu()
@@ -339,10 +381,10 @@ class InnerTrainer:
         if out.ndim != 1 or out.numel() != self.numel or out.dtype != torch.float32 or out.device.type != "cpu":
             raise InvalidArgument(f"the pseudo-gradient is added into a flat fp32 CPU vector of {self.numel} values")
         theta = self._theta()
-        base = self._base_or_theta()
+        scratch = torch.empty(min(_SLICE, self.numel), dtype=torch.float32) if self._base_spilled else None
         for start in range(0, self.numel, _SLICE):
             end = min(start + _SLICE, self.numel)
-            _add_difference(out[start:end], base[start:end], theta[start:end], scale)
+            _add_difference(out[start:end], self._base_slice(start, end, scratch), theta[start:end], scale)
         self._mark(theta)
 
     def add_pseudo_gradient(self, start: int, out: Tensor, scale: float = 1.0) -> None:
@@ -355,13 +397,13 @@ class InnerTrainer:
         end = start + out.numel()
         if not (0 <= start < end <= self.numel) or out.dtype != torch.float32 or out.device.type != "cpu":
             raise InvalidArgument(f"a slab of the pseudo-gradient lies within its {self.numel} fp32 CPU values")
-        _add_difference(out, self._base_or_theta()[start:end], theta[start:end], scale)
+        _add_difference(out, self._base_slice(start, end), theta[start:end], scale)
 
     def _mark(self, theta: Tensor) -> None:
         """base ← θ (`theta`, as just read): with flat parameters deferred to the next step (`_hold_base`), so a
         version adopted before it costs no copy; else into the base's own vector."""
         if self.io.flat_view is not None:
-            self._base, self._base_shared = None, False
+            self._base, self._base_shared, self._base_spilled = None, False, False
         else:
             self._set_base(theta, share=True)  # a new vector from `io.read`
 
@@ -383,7 +425,12 @@ class InnerTrainer:
         """
         new = self._check_flat(new_global, "global parameters")
         live = self.io.flat_view
-        if live is not None:
+        if live is not None and self._base_spilled:  # θ_at_submit read back from its file a slice at a time
+            scratch = torch.empty(min(_SLICE, self.numel), dtype=torch.float32)
+            for lo in range(0, self.numel, _SLICE):
+                hi = min(lo + _SLICE, self.numel)
+                live[lo:hi].sub_(self._base_slice(lo, hi, scratch)).add_(new[lo:hi])
+        elif live is not None:
             live.sub_(self._base_or_theta()).add_(new)  # in place: no model-sized temporary
         else:
             self.io.write(new + (self.io.read() - self._base_or_theta()))

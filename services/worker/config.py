@@ -41,7 +41,7 @@ class WorkerConfig:
     max_restarts: int = 0  # torchrun's --max-restarts for the island `diloco worker` starts
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     activation_checkpointing: bool = False  # keep each layer's input only; recompute the rest in backward
-    spill_dir: str = ""  # hold the error-feedback residual in an unlinked file there, a slab at a time ("": memory)
+    spill_dir: str = ""  # the error-feedback residual and θ_at_submit in unlinked files there ("": memory)
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     ef_decay: float = 0.0  # error feedback's residual decay β in (0, 1]; 0: the codec's default (`ErrorFeedback`)
@@ -212,8 +212,9 @@ _FLAGS: list[Flag] = [
         "--spill-dir",
         str,
         "",
-        "hold the error-feedback residual (a model-sized fp32 vector) in an unlinked file in this directory, read "
-        "and written a slab at a time at each submission, not in memory (int8/int4 uploads, one-process learners)",
+        "hold the error-feedback residual and θ_at_submit (the parameters a learner training on after a submission "
+        "rebases from; model-sized fp32 vectors) in unlinked files in this directory, read and written a slab at a "
+        "time, not in memory (one-process learners; the residual with int8/int4 uploads)",
     ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (

@@ -95,6 +95,8 @@ class Replica:
             )
             if sharded is not None:
                 sharded.live = True  # every rank built its trainer: from now on the leader announces collectives
+            if self.cfg.spill_dir:
+                self._spill_base(self.trainer)
             self.specs = param_specs(self.trainer.model)
             self.task_json, self.fingerprint = task_json, task.fingerprint
         assert self.trainer is not None
@@ -106,6 +108,15 @@ class Replica:
     def close(self) -> None:
         """Let go of the model and its optimizer (on an island, before the process group goes: `Island.close`)."""
         self.trainer = None
+
+    def _spill_base(self, trainer: InnerTrainer) -> None:
+        """θ_at_submit (what a learner that trains on after a submission rebases from) in a file with --spill-dir,
+        read and written a slice at a time: flat parameters on the CPU. Elsewhere it stays in memory (logged)."""
+        live = trainer.io.flat_view
+        if live is None or live.device.type != "cpu":
+            logging.get("worker").warning("worker.spill_unused", reason="the parameters are not flat on the CPU")
+            return
+        trainer.spill_base(SpilledVector(self.cfg.spill_dir, trainer.numel))
 
     def _residual_store(self, codec: str) -> SpilledVector | None:
         """The residual's file with --spill-dir, where it can be worked a slab at a time: a blockwise lossy codec
