@@ -336,6 +336,13 @@ def markdown(r: dict[str, Any]) -> str:
             f"backward), pseudo-gradient + encode {_s(lean.get('encode'))} s (the residual read and written back "
             "a slab at a time from its file) a round."
         )
+    decoupled = r.get("large_no_clip_decoupled", {}).get("learner_s", {})
+    if decoupled:
+        times += (
+            f" In `decoupled` rounds (sixth run): inner steps {_s(decoupled.get('inner'))} s, pseudo-gradient + "
+            f"encode {_s(decoupled.get('encode'))} s, adopt {_s(decoupled.get('rebase'))} s (θ_at_submit read back "
+            f"from its file by the rebase), waiting {_s(decoupled.get('wait'))} s a round."
+        )
     sizes = ", ".join(f"{b / 1e6:.1f} MB" for b in big["broadcast_bytes"]) or "-"
     return f"{head}\n\n{mem}\n\n{times}\n\nDelta broadcasts as received: {sizes}."
 
