@@ -4,8 +4,8 @@ Runs of the same real cluster (`LocalCluster`: healthd, the coordinator and 2 le
 loopback, plaintext), `sync` rounds, the upload codec and the default broadcast codec: first with a tiny model (the
 *baseline*: the Python, torch, transformers and gRPC runtime of every process, and the tiny model's training), then
 with a ~100M-parameter Hugging Face Llama (`hf:llama-100m`, random init, byte tokenizer). Each process's peak
-resident memory (`VmHWM` of /proc/PID/status, read while it still runs, after the last round) minus the baseline's
-peak is what the model costs it; the report sets it against the fp32 model bytes:
+resident memory (`VmHWM` of /proc/PID/status, read every 0.1 s while it runs, until the job finishes) minus the
+baseline's peak is what the model costs it; the report sets it against the fp32 model bytes:
 
 - the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
   vectors; its evaluation model views Θ, and a third run of the large model turns evaluation off), the uploads it
@@ -36,8 +36,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,48 @@ def model_numel(model: str, seq_len: int) -> int:
     return sum(p.numel() for p in m.parameters())
 
 
-def peak_rss(pid: int) -> int:
-    """Peak resident set size of a running process, in bytes (`VmHWM`)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+def peak_rss(pid: int) -> int | None:
+    """Peak resident set size of a process, in bytes (`VmHWM`); None once it has exited (a zombie has none)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    for line in status.splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+    return None
+
+
+class PeakRss:
+    """Each named process's peak resident memory, read every `interval_s` by a thread while it runs: a process that
+    exits when the job finishes (a learner) keeps its last reading, taken at most `interval_s` before its exit."""
+
+    def __init__(self, pids: Mapping[str, int], interval_s: float = 0.1) -> None:
+        self._pids = dict(pids)
+        self._interval_s = interval_s
+        self.peaks: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+
+    def _read(self) -> None:
+        for name, pid in self._pids.items():
+            peak = peak_rss(pid)
+            if peak is not None:
+                self.peaks[name] = max(peak, self.peaks.get(name, 0))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self._read()
+
+    def __enter__(self) -> PeakRss:
+        self._read()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._read()
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -146,9 +183,11 @@ def run_one(
         started = time.monotonic()
         with LocalCluster(cfg) as cluster:
             cluster.start(timeout_s=300)
-            seconds_until("the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=1)
+            with PeakRss({name: p.popen.pid for name, p in cluster.procs.items()}) as rss:
+                finished = lambda: cluster.status().finished  # noqa: E731
+                seconds_until("the job to finish", finished, timeout_s=s.timeout_s, interval_s=1)
             wall = time.monotonic() - started
-            peaks = {name: peak_rss(p.popen.pid) for name, p in cluster.procs.items() if p.alive}
+            peaks = rss.peaks
             status = cluster.final_status() if evaluate else cluster.status()
             logs = {
                 name: [line.fields for line in LogFollower(cluster.run_dir / f"{name}.log").read()]
@@ -283,7 +322,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"`{s['codec']}`, the default broadcast codec; `{big['model']}` has {big['numel']:,} parameters "
         f"({r['model_bytes'] / 1e9:.2f} GB in fp32). The baseline is the same cluster with `{base['model']}` "
         f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
-        "`VmHWM` after the last round. The coordinator evaluates every version by default, on a model whose "
+        "`VmHWM`, read every 0.1 s until the job finishes. The coordinator evaluates every version by default, on a model whose "
         "parameters view Θ (a round closing during an evaluation steps a copy of Θ); the row `--eval-every 0` is a "
         "third run of the large model without evaluation, the row `--spill-dir` a fourth, evaluating, whose "
         "coordinator holds the uploads it receives and the broadcast deltas it keeps in unlinked files in a "
