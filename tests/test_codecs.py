@@ -4,9 +4,10 @@ and malformed input."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -348,6 +349,39 @@ def test_a_sink_gets_exactly_the_whole_decode(name: str, values: np.ndarray, blo
     assert torch.equal(sink.out, codec.decode(data, meta))
     if name != "topk":  # every other codec hands over dense windows, covering every element once
         assert bool((sink.covered == 1).all())
+
+
+def _fp32_windows_inside(fed: torch.Tensor, cuts: Sequence[int], numel: int) -> tuple[torch.Tensor, list[bool]]:
+    """Decode the fp32 payload `fed` (uint8) fed in pieces cut at `cuts` into a sink: what it rebuilt, and for each
+    window whether it was a view of `fed` itself."""
+    base, end = fed.data_ptr(), fed.data_ptr() + fed.numel()
+    inside: list[bool] = []
+
+    class Where(_Collect):
+        def dense(self, start: int, values: torch.Tensor) -> None:
+            inside.append(base <= values.data_ptr() < end)
+            super().dense(start, values)
+
+    sink = Where(numel)
+    meta = EncodedMeta("fp32", numel, fed.numel(), zlib.crc32(fed.numpy().data))
+    decoder = get_codec("fp32").decoder(meta, sink=sink)
+    bounds = [0, *cuts, fed.numel()]
+    for lo, hi in itertools.pairwise(bounds):
+        decoder.feed(fed.numpy().data[lo:hi])
+    decoder.verify()
+    return sink.out, inside
+
+
+def test_an_fp32_sink_reads_the_fed_bytes_themselves_where_they_are_aligned() -> None:
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(6))
+    data = x.numpy().tobytes()
+    fed = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out, inside = _fp32_windows_inside(fed, [4000, 4002], x.numel())
+    # whole values: a view; half a value kept and joined with the next feed's first bytes: a copy; then a view
+    assert torch.equal(out, x) and inside == [True, False, True]
+    shifted = torch.frombuffer(bytearray(b"\0" + data), dtype=torch.uint8)[1:]  # values at odd addresses: copied
+    out, inside = _fp32_windows_inside(shifted, [], x.numel())
+    assert torch.equal(out, x) and inside and not any(inside)
 
 
 @pytest.mark.parametrize("name", CODEC_NAMES)

@@ -260,7 +260,8 @@ class _Section:
 
 class WindowSink(Protocol):
     """Takes a decoded payload window by window instead of a model-sized output buffer (`Codec.decoder(meta,
-    sink=...)`). The tensors are scratch, valid only during the call."""
+    sink=...)`). The tensors are valid only during the call, and only read: one may be a view of the payload's own
+    bytes (an fp32 payload's)."""
 
     def dense(self, start: int, values: torch.Tensor) -> None:
         """Elements [start, start + len(values)) are `values` (every element of the vector comes once)."""
@@ -623,7 +624,10 @@ class _RawDecoder(StreamDecoder):
         def handle(piece: memoryview, offset: int) -> None:
             start = offset // itemsize
             values = _tensor_view(piece, dtype)
-            self._emit(start, self._window(start, values.numel()).copy_(values))
+            if out is None and sink is not None and dtype == torch.float32 and values.data_ptr() % itemsize == 0:
+                sink.dense(start, values)  # fp32 bytes are the values: the sink reads a view of them, no copy
+            else:
+                self._emit(start, self._window(start, values.numel()).copy_(values))
 
         super().__init__(meta, out, [_Section(meta.encoded_bytes, itemsize, handle)], sink)
 
