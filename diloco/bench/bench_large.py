@@ -184,8 +184,9 @@ def run_one(
         with LocalCluster(cfg) as cluster:
             cluster.start(timeout_s=300)
             with PeakRss({name: p.popen.pid for name, p in cluster.procs.items()}) as rss:
-                finished = lambda: cluster.status().finished  # noqa: E731
-                seconds_until("the job to finish", finished, timeout_s=s.timeout_s, interval_s=1)
+                seconds_until(
+                    "the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=1
+                )
             wall = time.monotonic() - started
             peaks = rss.peaks
             status = cluster.final_status() if evaluate else cluster.status()

@@ -621,11 +621,13 @@ class _RawDecoder(StreamDecoder):
     def __init__(
         self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, dtype: torch.dtype, itemsize: int
     ) -> None:
+        viewable = out is None and dtype == torch.float32  # fp32 bytes are the values: a sink may read them as they are
+
         def handle(piece: memoryview, offset: int) -> None:
             start = offset // itemsize
             values = _tensor_view(piece, dtype)
-            if out is None and sink is not None and dtype == torch.float32 and values.data_ptr() % itemsize == 0:
-                sink.dense(start, values)  # fp32 bytes are the values: the sink reads a view of them, no copy
+            if viewable and values.data_ptr() % itemsize == 0:
+                self._emit(start, values)  # a view of the fed bytes, no copy
             else:
                 self._emit(start, self._window(start, values.numel()).copy_(values))
 
