@@ -13,7 +13,7 @@ from diloco.errors import ConfigError
 
 def test_the_budget_is_a_whole_number_of_whole_model_outer_steps() -> None:
     assert FULL.whole_step_tokens == 4 * 40 * 8 * 32
-    assert FULL.token_budget == 15 * FULL.whole_step_tokens  # 614,400: what "15 outer steps" always meant
+    assert FULL.token_budget == 40 * FULL.whole_step_tokens  # 1,638,400: 40 outer steps
     assert QUICK.token_budget % QUICK.whole_step_tokens == 0
     # 600,000 (the budget before): P = 1 stopped at 614,400 applied tokens, P = 4 at 604,160
     with pytest.raises(ConfigError, match="multiple of the tokens of one whole-model outer step"):
