@@ -148,6 +148,42 @@ def test_the_history_holds_at_most_half_a_snapshot_of_deltas(codec: str, kept: i
     assert shadow.updates_since(5 - kept, 6) is None  # further behind: a snapshot
 
 
+@pytest.mark.parametrize(("codec", "kept"), [("bf16", 1), ("int8", 1), ("int4", 3)])
+def test_room_is_made_before_the_encode_so_the_budget_bounds_the_deltas_held_then(codec: str, kept: int) -> None:
+    """`make_room` before `advance` (the coordinator's order) drops the oldest deltas until they and the one about
+    to be encoded fit half a snapshot's bytes; once recorded, the same deltas are kept as with `record` alone, and
+    the chains served lead to the same bits."""
+    thetas = walk(1000, 6)
+    early, late = BroadcastShadow(thetas[0], 0, codec), BroadcastShadow(thetas[0], 0, codec)
+    budget = 0.5 * 4 * 1000
+    for v in range(1, 7):
+        early.make_room()
+        oldest = early.oldest_delta
+        chain = [] if oldest is None else early.updates_since(oldest - 1, v - 1)
+        assert chain is not None  # every delta kept, from the oldest on
+        held = sum(d.meta.encoded_bytes for d in chain)
+        delta = early.advance(thetas[v], v)
+        assert delta is not None and held + delta.meta.encoded_bytes <= budget
+        early.record(delta)
+        late.record(late.advance(thetas[v], v))
+        assert early.oldest_delta == late.oldest_delta and early.checksum == late.checksum
+    assert early.oldest_delta == 7 - kept
+    assert torch.equal(bits(early.shadow), bits(late.shadow))
+
+
+def test_a_reset_keeps_the_deltas_that_lead_to_the_published_version_until_it_is_recorded() -> None:
+    """`advance` resets the shadow (a version skipped, non-finite parameters) without the lock the watchers read the
+    deltas under: the kept deltas still serve the version published until `record(None)` publishes the reset."""
+    thetas = walk(1000, 3)
+    shadow = BroadcastShadow(thetas[0], 0, "int4")
+    for v in (1, 2):
+        shadow.record(shadow.advance(thetas[v], v))
+    assert shadow.advance(thetas[3], 5) is None  # version 5 after 2: a reset, learners need a snapshot of it
+    assert [d.version for d in shadow.updates_since(0, 2) or []] == [1, 2]
+    shadow.record(None)
+    assert shadow.updates_since(0, 5) is None and shadow.updates_since(2, 5) is None and shadow.oldest_delta is None
+
+
 @pytest.mark.parametrize("codec", ["fp32", *LOSSY])
 def test_a_learner_holding_its_own_version_0_gets_deltas_only_when_its_checksum_matches(codec: str) -> None:
     """A fresh learner built version 0 itself and names its checksum: the same bits get the chain from version 0

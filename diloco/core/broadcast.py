@@ -159,8 +159,9 @@ class BroadcastShadow:
         return self.codec is not None
 
     def _reset(self, params: torch.Tensor, version: int) -> None:
-        """`Θ̂ ← Θ`: learners need a snapshot of `version` next."""
-        self._deltas.clear()
+        """`Θ̂ ← Θ`: learners need a snapshot of `version` next. The deltas kept stay until `record(None)`: they still
+        lead to the version published until then, and `updates_since` reads them under the caller's lock, which
+        `advance` does not hold."""
         self.version = version
         if self.codec is None:
             data, meta = _fp32_bytes(params)
@@ -219,6 +220,23 @@ class BroadcastShadow:
         self.checksum = checksum
         return Delta(version, version - 1, data, meta, self.checksum, base_checksum, start)
 
+    def make_room(self, span: tuple[int, int] | None = None) -> None:
+        """Before `advance` (`span` as there), under the lock `updates_since` is called under: drop the oldest deltas
+        kept until they and the delta `advance` is about to encode fit the history's byte budget together, so the
+        budget bounds the deltas held while the next one is encoded, not only once it is recorded. A learner that
+        would have needed a dropped one gets a snapshot, as it would once the next delta is recorded."""
+        if self.codec is None:
+            return
+        start, end = _check_span(span, self.shadow.numel())
+        incoming = self.codec.payload_bytes(end - start, getattr(self.codec, "block_size", 0), 0)
+        budget = self._budget_bytes()
+        while self._deltas and sum(d.meta.encoded_bytes for d in self._deltas) + incoming > budget:
+            self._deltas.popleft()
+
+    def _budget_bytes(self) -> float:
+        """The bytes of deltas kept at most: a fraction of a full snapshot's, whatever the deltas cover."""
+        return self.history_bytes_ratio * 4 * self.shadow.numel()
+
     def record(self, delta: Delta | None) -> None:
         """Make `advance`'s result visible to `updates_since` and, for fp32, `snapshot` (None: the history restarts
         at this version)."""
@@ -229,7 +247,7 @@ class BroadcastShadow:
             self._deltas.clear()
             return
         self._deltas.append(delta)
-        budget = self.history_bytes_ratio * 4 * self.shadow.numel()  # of a full snapshot, whatever the deltas cover
+        budget = self._budget_bytes()
         while len(self._deltas) > 1 and sum(d.meta.encoded_bytes for d in self._deltas) > budget:
             self._deltas.popleft()
 

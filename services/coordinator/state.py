@@ -605,9 +605,10 @@ class CoordinatorState:
         if self.on_stepped is not None:
             self.on_stepped(applied)
         logged = time.perf_counter()
-        delta = self.shadow.advance(
-            self.core.params, applied.version, scratch=self.core.acc.lend(), span=self._stepped_span(applied.version)
-        )
+        span = self._stepped_span(applied.version)
+        with self.lock:  # the deltas kept and the one about to be encoded fit the history's budget together
+            self.shadow.make_room(span)
+        delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend(), span=span)
         if delta is not None and self.spill_dir:
             delta = self._spilled(delta)
         encoded = time.perf_counter()
