@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from diloco.bench.bench_bytes import CHOSEN
 from diloco.bench.cluster_bench import rate, recovery_s
 from diloco.bench.report import update_readme
 from diloco.bench.seeds import fmt, target_met
+from diloco.bench.settings import QUICK
 from diloco.bench.sim_bench import first_time_at_or_below, loss_at_tokens
 from diloco.bench.suite import NAMES, SECTIONS, parse_only, run_suite
 from diloco.cli.main import main
@@ -98,7 +100,8 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
         for run in results["sections"][name]["runs"]:
             assert run["seeds"] == [0, 1] and len(run["per_seed"]) == 2, (name, run.get("seeds"))
     assert "## Targets" in readme and ("**pass**" in readme or "**FAIL**" in readme)
-    assert rows_of(readme, "**int4 up, int4 down, H = 40**"), "bytes-per-token: no row for the chosen configuration"
+    chosen = f"**{CHOSEN.label(QUICK.sim)}**"  # int4 up, int4 down, H = 40, outer (0.9, 0.5)
+    assert rows_of(readme, chosen), "bytes-per-token: no row for the chosen configuration"
     pngs = ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer", "layout")
     for png in (*pngs, "bytes_per_token"):
         path = out / f"{png}.png"
