@@ -172,8 +172,7 @@ def markdown(result: Result) -> str:
         f"`uniform` run, loss at budget {fmt(values(dp, 'loss_at_budget'))}, {dp['bytes'] / 1e6:,.0f} MB. The "
         f"target is judged on one configuration, **{s['chosen']}**, picked before this run on seeds the suite does "
         "not run (3, 4, 5; `diloco.bench.bench_bytes` lists what was tried), so it is not chosen on the seeds it is "
-        "judged on; the "
-        "other rows are reported. " + EQUAL_LOSS_RULE
+        "judged on; the other rows are reported. " + EQUAL_LOSS_RULE
     )
     rows = []
     for r in result["rows"]:

@@ -228,14 +228,14 @@ class BroadcastShadow:
         if self.codec is None:
             return
         start, end = _check_span(span, self.shadow.numel())
-        incoming = self.codec.payload_bytes(end - start, getattr(self.codec, "block_size", 0), 0)
-        budget = self._budget_bytes()
-        while self._deltas and sum(d.meta.encoded_bytes for d in self._deltas) + incoming > budget:
-            self._deltas.popleft()
+        self._trim(self.codec.payload_bytes(end - start, getattr(self.codec, "block_size", 0), 0), keep=0)
 
-    def _budget_bytes(self) -> float:
-        """The bytes of deltas kept at most: a fraction of a full snapshot's, whatever the deltas cover."""
-        return self.history_bytes_ratio * 4 * self.shadow.numel()
+    def _trim(self, incoming: int, keep: int) -> None:
+        """Drop the oldest deltas kept, all but the newest `keep` at most, until they and `incoming` more bytes fit
+        the budget: a fraction of a full snapshot's bytes, whatever the deltas cover."""
+        budget = self.history_bytes_ratio * 4 * self.shadow.numel()
+        while len(self._deltas) > keep and sum(d.meta.encoded_bytes for d in self._deltas) + incoming > budget:
+            self._deltas.popleft()
 
     def record(self, delta: Delta | None) -> None:
         """Make `advance`'s result visible to `updates_since` and, for fp32, `snapshot` (None: the history restarts
@@ -247,9 +247,7 @@ class BroadcastShadow:
             self._deltas.clear()
             return
         self._deltas.append(delta)
-        budget = self._budget_bytes()
-        while len(self._deltas) > 1 and sum(d.meta.encoded_bytes for d in self._deltas) > budget:
-            self._deltas.popleft()
+        self._trim(0, keep=1)  # the newest always
 
     def updates_since(self, held: int | None, current: int, held_checksum: int | None = None) -> list[Delta] | None:
         """What a learner holding version `held` (None: none) needs to reach `current` (the published version): []
