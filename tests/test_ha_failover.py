@@ -132,6 +132,41 @@ def test_standby_takes_over_when_the_leader_is_killed(etcd_server: EtcdServer, t
         assert takeover_s < 10
 
 
+@pytest.mark.timeout(150)
+def test_learners_exit_when_the_new_leader_resumes_at_the_jobs_target(etcd_server: EtcdServer, tmp_path: Path) -> None:
+    """The standby runs with a target the leader has passed: promoted, it is finished at the version the learners
+    hold and publishes nothing newer. The header of that version saying finished must end every learner (status 0,
+    reason finished); before, they trained on and had each submission refused, never exiting."""
+    cfg = ha_cluster_config(tmp_path, 1000)
+    with LocalCluster(cfg) as cluster:
+        ports = healthd_for_replicas(cluster, "coord-a", "coord-b")
+        a_log = Events(
+            cfg.run_dir / "coord-a.log", spawn_replica(cluster, etcd_server, "coord-a", port=ports["coord-a"])
+        )
+        a_addr = str(wait_for("coord-a leads", lambda: a_log.first("replica.promoted"), timeout_s=60)["address"])
+        b = spawn_replica(cluster, etcd_server, "coord-b", "--target-outer-steps", "3", port=ports["coord-b"])
+        b_log = Events(cfg.run_dir / "coord-b.log", b)
+        wait_for("coord-b follows coord-a", lambda: b_log.first("replication.snapshot_loaded"), timeout_s=60)
+        b_addr = str(wait_for("coord-b's address", lambda: b_log.first("replica.started"))["address"])
+        cfg.worker_args.update({i: ("--coordinator", f"{a_addr},{b_addr}") for i in range(cfg.workers)})
+        for i in range(cfg.workers):
+            cluster.start_worker(i)
+
+        def version() -> int:
+            with channel(a_addr) as ch:
+                stub = coordinator_pb2_grpc.CoordinatorStub(ch)
+                return stub.GetStatus(coordinator_pb2.GetStatusRequest(), timeout=3).version
+
+        wait_for("version 6 at coord-a", lambda: version() >= 6, timeout_s=60, interval_s=0.1)
+        os.kill(cluster.procs["coord-a"].popen.pid, signal.SIGKILL)
+        promoted_b = wait_for("coord-b leads", lambda: b_log.first("replica.promoted"), timeout_s=30, interval_s=0.05)
+        assert int(str(promoted_b["version"])) > 3  # resumed past its target: finished at once
+        for i in range(cfg.workers):
+            assert cluster.procs[f"worker{i}"].popen.wait(timeout=45) == 0, cluster.tail(f"worker{i}")
+            exited = worker_lines(cfg, i, "worker.exited")
+            assert [x.fields["reason"] for x in exited] == ["finished"], cluster.tail(f"worker{i}")
+
+
 FRAGMENTS_TARGET = 14
 
 

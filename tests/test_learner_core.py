@@ -518,6 +518,18 @@ def test_a_finished_job_deregisters_without_handing_back() -> None:
     assert core.next_action(1.0) == Exit(ExitReason.FINISHED, 0, "")
 
 
+@pytest.mark.parametrize("epoch", [7, 8])  # the same leader, or a new one that took the learner over there
+def test_a_job_finished_at_the_version_held_ends_the_learner(epoch: int) -> None:
+    """A leader that resumes at the job's target after a failover publishes no newer version: the header of the
+    version the learner holds, saying finished, is the only word it gets."""
+    core = started(version=3)
+    train(core, 2)
+    taken_over = plan((0, 1, 2), (1, 1, 102)) if epoch != 7 else None
+    assert not core.params_arrived(1.0, 3, epoch, taken_over, finished=True)
+    assert core.next_action(1.0) == Deregister("w1")
+    assert core.next_action(1.0) == Exit(ExitReason.FINISHED, 0, "")
+
+
 def test_forgotten_while_draining_exits_without_deregistering() -> None:
     core = started()
     train(core, H)

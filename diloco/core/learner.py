@@ -377,7 +377,8 @@ class LearnerCore:
     ) -> bool:
         """A broadcast of global `version` (with this learner's plan, the submissions it merged and whether the
         job is finished). Returns True when `version` is now the newest known: the caller keeps its tensor for
-        the `Load`/`Rebase` that follows. An older or repeated version, or one outside a session, returns False.
+        the `Load`/`Rebase` that follows. An older or repeated version, or one outside a session, returns False
+        (`finished` still stops the learner: a leader that resumes at the job's target publishes nothing newer).
         A version from a higher coordinator epoch that carries this learner's plan comes from a leader that took
         this learner over (`_taken_over`); from any other epoch it ends the session."""
         if not self.worker_id:
@@ -393,6 +394,9 @@ class LearnerCore:
                 self.session_ended(now, f"coordinator epoch {coordinator_epoch} != {self.coordinator_epoch}")
                 return False
             self._taken_over(now, version, coordinator_epoch)
+        if finished and not self.finished:  # also for a version held: a job that ended there publishes none newer
+            self.finished = True
+            self.stop(now)
         if version <= self.latest_version:
             return False
         if self.fragments > 1:
@@ -404,9 +408,6 @@ class LearnerCore:
             self.awaiting = self.awaiting_round = None
         if plan is not None:
             self._adopt(plan)
-        if finished and not self.finished:
-            self.finished = True
-            self.stop(now)
         return True
 
     def _taken_over(self, now: float, version: int, coordinator_epoch: int) -> None:

@@ -244,7 +244,12 @@ def run_soak(s: SoakSettings, run_dir: Path, log: Log) -> dict[str, Any]:
         assert leader is not None
         ha.until("the job to finish", lambda: ha.finished(leader), s.step_timeout_s, 0.2)
         status, ledger = ha.status(leader), ha.ledger(leader)
-        ha.until("the learners to exit", lambda: len(ha.learner_exits) == len(ha.learners), s.step_timeout_s, 0.1)
+        try:
+            ha.until("the learners to exit", lambda: len(ha.learner_exits) == len(ha.learners), s.step_timeout_s, 0.1)
+        except SoakError as e:  # which learners, and what each last did: the report shows this message
+            running = [name for name in ha.learners if name not in ha.learner_exits]
+            tails = "; ".join(f"{n}:\n{ha.cluster.tail(n, 8)}" for n in running)
+            raise SoakError(f"{e}; still running: {tails}") from None
         commits = commits_of(ha)
         problems = invariant_problems(ha, soak.kills, commits)
         applied_to_published = standby_lead_s(ha, steady_start, steady_end)
