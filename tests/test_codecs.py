@@ -151,7 +151,7 @@ def test_int4_packs_every_pair_of_values_as_the_layout_says() -> None:
 
 @pytest.mark.parametrize("block_size", [16, 4096])
 def test_int4_decodes_every_nibble_as_the_layout_says(block_size: int) -> None:
-    numel = 2 * codecs._UNPACK_STEP + 3 * block_size + 5  # several decoder steps and a short last block
+    numel = 2 * codecs._SLAB + 3 * block_size + 5  # several encoder slabs and a short last block
     codec = get_codec("int4", block_size=block_size)
     data, meta = codec.encode(torch.randn(numel, generator=torch.Generator().manual_seed(3)))
     blocks = -(-numel // block_size)
@@ -227,6 +227,38 @@ def test_block_codecs_error_at_most_half_a_step(
     amax = np.abs(np.pad(x, (0, pad))).reshape(-1, block_size).max(axis=1)
     step = np.repeat(amax / qmax, block_size)[: len(x)]
     assert np.all(np.abs(out - x) <= step * (0.5 + 1e-4)), np.max(np.abs(out - x) / np.maximum(step, 1e-30))
+
+
+@_PROPERTY
+@given(
+    hnp.arrays(np.float32, st.integers(1, 300), elements=st.floats(width=32, allow_nan=False, allow_infinity=False)),
+    _SMALL_BLOCKS,
+    st.sampled_from([("int8", 127), ("int4", 7)]),
+)
+def test_block_codecs_write_the_bytes_the_layout_defines(
+    values: np.ndarray, block_size: int, codec_qmax: tuple[str, int]
+) -> None:
+    """The fused loops (diloco/core/kernels.py) against the layout's formulas in numpy float32, bit for bit, over
+    the whole float range (subnormal, all-zero and huge blocks included): scale = amax / qmax, q = rint(x * (qmax /
+    amax)), 0 where qmax / amax is not finite."""
+    name, qmax = codec_qmax
+    _, data, _ = _encode(name, values, block_size=block_size)
+    blocks = -(-len(values) // block_size)
+    padded = np.zeros(blocks * block_size, dtype=np.float32)
+    padded[: len(values)] = values
+    x = padded.reshape(blocks, block_size)
+    amax = np.abs(x).max(axis=1)
+    with np.errstate(divide="ignore"):
+        inv = np.float32(qmax) / amax
+    inv[~np.isfinite(inv)] = 0.0
+    q = np.rint(x * inv[:, None]).astype(np.int8).reshape(-1)[: len(values)]
+    raw = np.frombuffer(data, dtype=np.uint8)
+    assert np.array_equal(raw[: 4 * blocks].view("<f4"), amax / np.float32(qmax))
+    if name == "int8":
+        assert np.array_equal(raw[4 * blocks :].view(np.int8), q)
+    else:
+        nibbles = np.append(q + 8, [8] * (len(q) % 2)).astype(np.uint8)
+        assert np.array_equal(raw[4 * blocks :], nibbles[0::2] | nibbles[1::2] << 4)
 
 
 _DISTINCT = st.integers(1, 300).flatmap(

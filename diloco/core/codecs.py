@@ -87,9 +87,8 @@ MAX_TOPK_NUMEL = 1 << 32  # indices are uint32
 
 # elements per step of the encode loops: large enough for few Python steps, small enough to stay in cache
 _SLAB = 1 << 20
-# elements per step of `encode_toward`: its two fp32 scratch slabs and the slabs it reads and writes stay in L2
+# elements per step of `encode_toward`: the slab it writes is still in L2 when its crc32 is taken
 _FUSED_SLAB = 1 << 17
-_UNPACK_STEP = 1 << 18  # int4 values per step of the decoder (measured: 1 << 17 is slower, 1 << 20 no faster)
 _PARALLEL_CRC_MIN_BYTES = 8 << 20
 _TOPK_SAMPLED_MIN_NUMEL = 1 << 18  # below this, plain torch.topk is fast enough
 _TOPK_SAMPLE = 1 << 18
@@ -644,10 +643,10 @@ def _in_place(start: int, values: torch.Tensor) -> None:
 
 
 class _BlockCodec(Codec):
-    """Blockwise abs-max quantization to [-qmax, qmax] with one float32 scale per block."""
+    """Blockwise abs-max quantization to [-qmax, qmax] with one float32 scale per block; the loops are
+    `diloco.core.kernels`' (imported at first use: numba's start-up stays out of processes that never quantize)."""
 
     qmax: ClassVar[int]
-    packing_scratch: ClassVar[int] = 0  # bytes of int8 scratch `_pack` needs per value
     blockwise = True
 
     @classmethod
@@ -671,16 +670,6 @@ class _BlockCodec(Codec):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(block_size={self.block_size})"
 
-    @abstractmethod
-    def _pack(self, rounded: torch.Tensor, out: torch.Tensor, packing: torch.Tensor) -> None:
-        """Write the bytes of the rounded block values (a float tensor of shape (blocks, block_size), left as it
-        is) into `out` (uint8, exactly as many bytes); `packing` is int8 scratch of `packing_scratch` bytes per
-        value."""
-
-    def _packing(self, values: int) -> torch.Tensor:
-        """`_pack`'s scratch for up to `values` values at a time (and for the short last block)."""
-        return torch.empty(self.packing_scratch * max(values, self.block_size), dtype=torch.int8)
-
     @staticmethod
     @abstractmethod
     def _packed_bytes(count: int) -> int:
@@ -700,39 +689,45 @@ class _BlockCodec(Codec):
             raise CodecError("cannot encode an empty vector")
         return self._encode(numel, load, store, subtract=True)
 
-    def _encode(self, numel: int, load: Load, store: Store, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
-        """Quantize slab by slab straight into the payload: scales and packed values are written in place. The
-        payload is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL). It is fresh memory
-        each time: keeping the last payload's for the next (saving its page faults, 5-10 ms at 100M parameters)
-        would keep a payload-sized buffer alive on a learner between rounds, against its peak-memory budget."""
-        bs = self.block_size
-        blocks, full = -(-numel // bs), numel // bs * bs
+    def _payload(self, numel: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A fresh payload for `numel` values and its two sections: scales (float32) and packed values (uint8).
+        It is neither zeroed nor touched first (a bytearray would be zeroed holding the GIL). Fresh memory each time:
+        keeping the last payload's for the next (saving its page faults, 5-10 ms at 100M parameters) would keep a
+        payload-sized buffer alive on a learner between rounds, against its peak-memory budget."""
+        blocks = -(-numel // self.block_size)
         payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
-        scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
-        values = torch.from_numpy(payload[4 * blocks :])
-        scratch = torch.empty(min(_SLAB, full), dtype=torch.float32)
-        packing = self._packing(min(_SLAB, full))
+        return payload, payload[: 4 * blocks].view(np.float32), payload[4 * blocks :]
+
+    def _encode(self, numel: int, load: Load, store: Store, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
+        """Quantize slab by slab straight into the payload (`kernels.quantize`): scales and packed values are
+        written in place."""
+        from diloco.core import kernels
+
+        bs = self.block_size
+        full = numel // bs * bs
+        payload, scales, values = self._payload(numel)
+        worst = 0
         for start in range(0, full, _SLAB):
             end = min(start + _SLAB, full)
             loaded = load(start, end)
-            slab = loaded.view(-1, bs)
-            first, at = start // bs, self._packed_bytes(start)  # start is a whole number of blocks: bytes are whole
-            work = scratch[: slab.numel()].view(-1, bs)
-            out = values[at : at + self._packed_bytes(slab.numel())]
-            self._quantize(slab, work, scales[first : first + slab.shape[0]], subtract, out, packing)
+            at = self._packed_bytes(start)  # start is a whole number of blocks: its bytes are whole
+            out = values[at : at + self._packed_bytes(end - start)]
+            first = start // bs
+            block_scales = scales[first : first + (end - start) // bs]
+            worst = max(worst, kernels.quantize(loaded.numpy(), bs, self.qmax, block_scales, out, subtract))
             if subtract:
                 store(start, loaded)
         if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
             tail = load(full, numel)
-            padded = torch.zeros(1, bs, dtype=torch.float32)
-            padded[0, : tail.numel()] = tail
-            packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
-            self._quantize(padded, torch.empty_like(padded), scales[-1:], subtract, packed, packing)
-            values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(tail.numel())])
+            padded = np.zeros(bs, dtype=np.float32)
+            padded[: tail.numel()] = tail.numpy()
+            packed = np.empty(self._packed_bytes(bs), dtype=np.uint8)
+            worst = max(worst, kernels.quantize(padded, bs, self.qmax, scales[-1:], packed, subtract))
+            values[self._packed_bytes(full) :] = packed[: self._packed_bytes(tail.numel())]
             if subtract:
-                tail.copy_(padded[0, : tail.numel()])
+                tail.copy_(torch.from_numpy(padded[: tail.numel()]))
                 store(full, tail)
-        _check_finite(math.isfinite(float(scales.max())), self.name)  # scales are >= 0; max propagates NaN
+        _check_finite(worst < kernels.NON_FINITE, self.name)
         data = payload.data
         return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs)
 
@@ -744,67 +739,43 @@ class _BlockCodec(Codec):
         scratch: torch.Tensor | None = None,
         crc: int = 0,
     ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
-        """Fused slab by slab, while each slab is in cache: the plain path's bits without its model-sized passes.
-        q * scale is what the decoder computes from the nibble or byte (an exact whole number times the scale),
-        with a rounded -0.0 made 0.0 as the decoder has it (q + 0.0: every other value unchanged). No model-sized
-        scratch is needed: `scratch` is not used."""
+        """Fused block by block (`kernels.quantize_toward`): the plain path's bits without its model-sized passes,
+        out = shadow + q * scale as the decoder computes it; each slab's crc32 is taken while it is in cache. No
+        model-sized scratch is needed: `scratch` is not used."""
+        from diloco.core import kernels
+
         numel = params.numel()
         self._check_toward(params, shadow, out)
         bs = self.block_size
-        blocks, full = -(-numel // bs), numel // bs * bs
-        payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
-        scales = torch.from_numpy(payload[: 4 * blocks].view(np.float32))
-        values = torch.from_numpy(payload[4 * blocks :])
-        diff = torch.empty(min(_FUSED_SLAB, full), dtype=torch.float32)
-        scratch = torch.empty_like(diff)
-        packing = self._packing(min(_FUSED_SLAB, full))
+        full = numel // bs * bs
+        payload, scales, values = self._payload(numel)
+        p, s, o = params.numpy(), shadow.numpy(), out.numpy()
+        worst = 0
         for start in range(0, full, _FUSED_SLAB):
             end = min(start + _FUSED_SLAB, full)
-            x = torch.sub(params[start:end], shadow[start:end], out=diff[: end - start]).view(-1, bs)
-            first, at = start // bs, self._packed_bytes(start)
-            work = scratch[: end - start].view(-1, bs)
-            block_scales = scales[first : first + x.shape[0]]
-            self._quantize(x, work, block_scales, False, values[at : at + self._packed_bytes(end - start)], packing)
-            decoded = work.mul_(block_scales[:, None]).add_(0.0).view(-1)
-            torch.add(shadow[start:end], decoded, out=out[start:end])
-            crc = crc32(out[start:end].numpy().data.cast("B"), crc)
+            at, first = self._packed_bytes(start), start // bs
+            block_scales = scales[first : first + (end - start) // bs]
+            block_values = values[at : at + self._packed_bytes(end - start)]
+            worst = max(
+                worst,
+                kernels.quantize_toward(
+                    p[start:end], s[start:end], o[start:end], bs, self.qmax, block_scales, block_values
+                ),
+            )
+            crc = crc32(o[start:end].data.cast("B"), crc)
         if full < numel:  # the short last block, padded with zeros as `_encode` does
-            padded = torch.zeros(1, bs, dtype=torch.float32)
-            torch.sub(params[full:], shadow[full:], out=padded[0, : numel - full])
-            packed = torch.empty(self._packed_bytes(bs), dtype=torch.uint8)
-            work = torch.empty_like(padded)
-            self._quantize(padded, work, scales[-1:], False, packed, packing)
-            values[self._packed_bytes(full) :].copy_(packed[: self._packed_bytes(numel - full)])
-            decoded = work.mul_(scales[-1:, None]).add_(0.0).view(-1)[: numel - full]
-            torch.add(shadow[full:], decoded, out=out[full:])
-            crc = crc32(out[full:].numpy().data.cast("B"), crc)
-        _check_finite(math.isfinite(float(scales.max())), self.name)  # scales are >= 0; max propagates NaN
+            padded = np.zeros((3, bs), dtype=np.float32)  # params, shadow, out
+            padded[0, : numel - full], padded[1, : numel - full] = p[full:], s[full:]
+            packed = np.empty(self._packed_bytes(bs), dtype=np.uint8)
+            worst = max(
+                worst, kernels.quantize_toward(padded[0], padded[1], padded[2], bs, self.qmax, scales[-1:], packed)
+            )
+            values[self._packed_bytes(full) :] = packed[: self._packed_bytes(numel - full)]
+            o[full:] = padded[2, : numel - full]
+            crc = crc32(o[full:].data.cast("B"), crc)
+        _check_finite(worst < kernels.NON_FINITE, self.name)
         data = payload.data
         return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs), crc
-
-    def _quantize(
-        self,
-        x: torch.Tensor,
-        work: torch.Tensor,
-        scales: torch.Tensor,
-        subtract: bool,
-        out: torch.Tensor,
-        packing: torch.Tensor,
-    ) -> None:
-        """Quantize the blocks `x` (rows) into `out` (their packed bytes, uint8), writing their scales; `work` is
-        scratch of x's shape, left holding the rounded values q (with subtract, q * scale); `packing` is
-        `_pack`'s."""
-        # max |x| per block as max(max x, -min x): two reductions that only read x (abs would write a copy first);
-        # the same values, NaN propagating; abs_ makes an all-zero block's -0.0 a 0.0
-        amax = torch.maximum(x.amax(dim=1), x.amin(dim=1).neg_()).abs_()
-        torch.div(amax, self.qmax, out=scales)
-        # an all-zero block (or one whose amax is so small that qmax/amax overflows) quantizes to zeros
-        inv = torch.div(self.qmax, amax).nan_to_num_(nan=0.0, posinf=0.0)
-        # |x| * qmax/amax <= qmax (up to one rounding), so the rounded values stay in [-qmax, qmax]
-        torch.mul(x, inv[:, None], out=work).round_()
-        self._pack(work, out, packing)
-        if subtract:  # x -= q * scale, computed exactly as the decoder does
-            x.sub_(work.mul_(scales[:, None]))
 
 
 class Int8Codec(_BlockCodec):
@@ -814,15 +785,12 @@ class Int8Codec(_BlockCodec):
     lossy = True
     qmax = 127
 
-    def _pack(self, rounded: torch.Tensor, out: torch.Tensor, packing: torch.Tensor) -> None:
-        out.view(torch.int8).view_as(rounded).copy_(rounded)  # whole values in [-127, 127]: converted exactly
-
     @staticmethod
     def _packed_bytes(count: int) -> int:
         return count
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
-        return _BlockDecoder(meta, out, sink, bits=8)
+        return _BlockDecoder(meta, out, sink, self.qmax)
 
 
 class Int4Codec(_BlockCodec):
@@ -831,122 +799,67 @@ class Int4Codec(_BlockCodec):
     name = "int4"
     lossy = True
     qmax = 7
-    packing_scratch = 2  # the values as bytes, then the shifted words
-
-    def _pack(self, rounded: torch.Tensor, out: torch.Tensor, packing: torch.Tensor) -> None:
-        """In integers: each q + 8 (1..15) as a byte; a little-endian byte pair (lo, hi) read as the 16-bit word
-        w = lo + 256 * hi, w | w >> 4 holds lo + 16 * hi in its low byte. Exact, and about 2.7x faster than
-        pairing the floats (a strided add, then a float -> uint8 copy, torch's slow conversion)."""
-        count = rounded.numel()  # even: whole blocks of at least 16 values
-        nibbles = packing[:count].view_as(rounded).copy_(rounded).add_(8)  # whole values: converted exactly
-        words = nibbles.view(-1).view(torch.int16)
-        shifted = packing[count : 2 * count].view(torch.int16)
-        torch.bitwise_right_shift(words, 4, out=shifted)
-        out.copy_(words.bitwise_or_(shifted).bitwise_and_(0xFF))  # in [17, 255]: converted exactly
 
     @staticmethod
     def _packed_bytes(count: int) -> int:
         return (count + 1) // 2
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
-        return _BlockDecoder(meta, out, sink, bits=4)
+        return _BlockDecoder(meta, out, sink, self.qmax)
 
 
 class _BlockDecoder(StreamDecoder):
-    """Scales first (kept and checked), then values decoded a block at a time."""
+    """Scales first (kept and checked), then values decoded a whole number of blocks at a time
+    (`kernels.dequantize`)."""
 
-    def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, bits: int) -> None:
+    def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, qmax: int) -> None:
         bs = meta.block_size
         blocks = -(-meta.numel // bs)
-        self._scales = torch.empty(blocks, dtype=torch.float32)
-        self._scale_bytes = self._scales.numpy().view(np.uint8)
-        block_bytes = bs if bits == 8 else bs // 2
-        values = self._int8_values if bits == 8 else self._int4_values
-        # `_unpack_nibbles`' scratch for one step of `_int4_values` (or the short last block)
-        self._wide = np.empty(max(_UNPACK_STEP, bs) if bits == 4 else 0, dtype=np.uint16)
+        self._qmax = qmax
+        self._block_bytes = bs if qmax > 7 else bs // 2
+        self._scales = np.empty(blocks, dtype=np.float32)
         super().__init__(
             meta,
             out,
             [
                 _Section(4 * blocks, 1, self._scale_piece, self._check_scales),
-                _Section(meta.encoded_bytes - 4 * blocks, block_bytes, values),
+                _Section(meta.encoded_bytes - 4 * blocks, self._block_bytes, self._values),
             ],
             sink,
         )
 
     def _scale_piece(self, piece: memoryview, offset: int) -> None:
-        self._scale_bytes[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+        self._scales.view(np.uint8)[offset : offset + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
 
     def _check_scales(self) -> None:
-        low, high = torch.aminmax(self._scales)  # both NaN if any scale is NaN
-        if not (float(low) >= 0.0 and math.isfinite(float(high))):
-            bad = ~torch.isfinite(self._scales) | (self._scales < 0)
-            block = int(bad.nonzero()[0, 0])
+        if not (self._scales.min() >= 0.0 and math.isfinite(self._scales.max())):  # NaN fails both
+            block = int(np.flatnonzero(~np.isfinite(self._scales) | (self._scales < 0))[0])
             raise CodecError(
-                f"{self.meta.codec} scale of block {block} is {self._scales[block].item()} "
+                f"{self.meta.codec} scale of block {block} is {self._scales[block]} "
                 "(must be finite and >= 0); the payload is corrupt: send it again"
             )
 
-    def _int8_values(self, piece: memoryview, offset: int) -> None:
-        bs = self.meta.block_size
-        first = offset // bs
-        q = _tensor_view(piece, torch.int8)
-        whole = q.numel() // bs
-        # an int8 -> float copy then an in-place float multiply: far faster than a mixed-dtype multiply
+    def _values(self, piece: memoryview, offset: int) -> None:
+        from diloco.core import kernels
+
+        bs, per_block = self.meta.block_size, self._block_bytes
+        first = offset // per_block
+        packed = np.frombuffer(piece, dtype=np.uint8)
+        # the short last block can take whole bytes too (int4: block_size - 1 values), so count whole blocks by values
+        whole = min(len(packed) // per_block, (self.meta.numel - first * bs) // bs)
         if whole:
             window = self._window(first * bs, whole * bs)
-            window.view(whole, bs).copy_(q[: whole * bs].view(whole, bs)).mul_(
-                self._scales[first : first + whole, None]
-            )
+            scales = self._scales[first : first + whole]
+            kernels.dequantize(packed[: whole * per_block], scales, bs, self._qmax, window.numpy())
             self._emit(first * bs, window)
-        if q.numel() > whole * bs:  # the short last block
+        if len(packed) > whole * per_block:  # the short last block, decoded padded; int4's odd last nibble is padding
             start = (first + whole) * bs
-            window = self._window(start, q.numel() - whole * bs)
-            self._emit(start, window.copy_(q[whole * bs :]).mul_(self._scales[first + whole]))
-
-    def _int4_values(self, piece: memoryview, offset: int) -> None:
-        bs, half = self.meta.block_size, self.meta.block_size // 2
-        first = offset // half
-        packed = _tensor_view(piece, torch.uint8)
-        # the short last block can take half bytes too (block_size - 1 values), so count whole blocks by values
-        whole = min(len(piece) // half, (self.meta.numel - first * bs) // bs)
-        for lo, hi in _steps(whole, _UNPACK_STEP // bs):  # a step at a time: `_unpack_nibbles`' scratch stays small
-            window = self._window((first + lo) * bs, (hi - lo) * bs)
-            _unpack_nibbles(packed[lo * half : hi * half], window, self._wide)
-            window.view(-1, bs).mul_(self._scales[first + lo : first + hi, None])
-            self._emit((first + lo) * bs, window)
-        rest = len(piece) - whole * half
-        if rest:  # the short last block; with an odd numel its last nibble is padding
-            start = (first + whole) * bs
-            values = torch.empty(2 * rest, dtype=torch.float32)
-            _unpack_nibbles(packed[whole * half :], values, self._wide)
-            count = self.meta.numel - start
-            window = self._window(start, count)
-            self._emit(start, window.copy_(values[:count]).mul_(self._scales[first + whole]))
-
-
-def _steps(count: int, step: int) -> Iterator[tuple[int, int]]:
-    """[lo, hi) ranges covering range(count), `step` (at least 1) long but the last."""
-    step = max(1, step)
-    return ((lo, min(lo + step, count)) for lo in range(0, count, step))
-
-
-def _unpack_nibbles(packed: torch.Tensor, out: torch.Tensor, wide: np.ndarray) -> None:
-    """out[2i], out[2i+1] = low, high nibble of packed[i] minus 8 (as floats -8..7: the q of the layout). Each byte
-    b widened to 16 bits, (b | b << 4) & 0x0F0F holds the low nibble in its first byte and the high one in its
-    second (little-endian); 8 is taken off each byte there (mod 256: as int8, nibble - 8), so one contiguous
-    int8 -> float copy writes both, exact (two strided copies take twice as long; a float subtract afterwards
-    is a pass of its own). `wide`: uint16 scratch of at least 2 * len(packed) elements (numpy: its integer ops
-    are faster here than torch's)."""
-    count = packed.numel()
-    b, spread = wide[:count], wide[count : 2 * count]
-    np.copyto(b, packed.numpy(), casting="safe")
-    np.left_shift(b, 4, out=spread)
-    np.bitwise_or(spread, b, out=spread)
-    np.bitwise_and(spread, 0x0F0F, out=spread)
-    nibbles = spread.view(np.uint8)
-    np.subtract(nibbles, np.uint8(8), out=nibbles)  # bytewise, wrapping: no borrow crosses into the next nibble
-    out.copy_(torch.from_numpy(nibbles.view(np.int8)))
+            padded = np.zeros(per_block, dtype=np.uint8)
+            padded[: len(packed) - whole * per_block] = packed[whole * per_block :]
+            values = np.empty(bs, dtype=np.float32)
+            kernels.dequantize(padded, self._scales[first + whole :], bs, self._qmax, values)
+            window = self._window(start, self.meta.numel - start)
+            self._emit(start, window.copy_(torch.from_numpy(values[: window.numel()])))
 
 
 class TopKCodec(Codec):

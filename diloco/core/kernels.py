@@ -1,0 +1,119 @@
+"""The blockwise codecs' loops (int8, int4: ALGORITHM.md sections 9 and 10), compiled by numba: each block is read
+once and finished while it is in cache, where torch makes a pass over the vector per operation (issue #13: codecs
+at memory speed). Pure functions on 1-D numpy views of contiguous memory whose length is a whole number of blocks.
+
+The float arithmetic is IEEE float32 in the order written (no fast-math), so the value an encoder adds to its own
+copy (`quantize_toward`, `subtract`) is the decoder's q·s bit for bit.
+
+Block b of x (its `bs` values): a = max |x_i|, s = a / qmax, q_i = rint(x_i · (qmax / a)), rounding half to even
+(0 for an all-zero block, or when qmax / a overflows), so |q_i| <= qmax. a is found on the float bits with the sign
+masked off: for non-negative floats integer order is float order, and every NaN pattern is above +inf's, so a bit
+pattern >= `NON_FINITE` means the block held a NaN or an infinity. int8 stores q_i as a byte; int4 stores q_i + 8
+as a nibble, the even element in the low one."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+NON_FINITE = 0x7F800000  # the bit pattern of +inf: an |x| pattern at or above it is inf or NaN
+
+# The helpers run once per block and are inlined (`inline="always"`): a call per block costs more than the block, and
+# array views are taken once per kernel call, outside the block loop (a view per block keeps the loops scalar).
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _scale(
+    block_bits: np.ndarray, b: int, scales: np.ndarray, scale_bits: np.ndarray, qmax: int
+) -> tuple[int, np.float32, np.float32]:
+    """Block b's abs-max bit pattern; writes its scale s to scales[b] (`scale_bits`: the same memory as int32) and
+    returns (pattern, s, qmax / a)."""
+    m = 0
+    for i in range(block_bits.size):
+        m = max(m, block_bits[i] & 0x7FFFFFFF)
+    scale_bits[b] = m  # a, as a float
+    a = scales[b]
+    s = a / np.float32(qmax)
+    scales[b] = s
+    inv = np.float32(qmax) / a if m != 0 else np.float32(0.0)
+    return m, s, (inv if inv != np.inf else np.float32(0.0))
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _pack(x: np.ndarray, inv: np.float32, qmax: int, packed: np.ndarray, q8: np.ndarray, o: int) -> None:
+    """The q of block x (starting at element o of the vector) into its bytes of `packed` (uint8; `q8`: the same
+    memory as int8)."""
+    if qmax > 7:
+        q = q8[o : o + x.size]
+        for i in range(x.size):
+            q[i] = np.int32(np.rint(x[i] * inv))
+    else:
+        q = packed[o // 2 : (o + x.size) // 2]
+        for i in range(x.size // 2):
+            lo = np.int32(np.rint(x[2 * i] * inv)) + 8
+            hi = np.int32(np.rint(x[2 * i + 1] * inv)) + 8
+            q[i] = lo | (hi << 4)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def quantize(x: np.ndarray, bs: int, qmax: int, scales: np.ndarray, packed: np.ndarray, subtract: bool) -> int:
+    """Encode x's blocks into `scales` (float32, one per block) and `packed` (uint8: the values' bytes); with
+    `subtract`, x -= q·s in place (what the decoder does not see: error feedback's residual). Returns the largest
+    |x| bit pattern (>= NON_FINITE: x held a NaN or an infinity)."""
+    bits, scale_bits, q8 = x.view(np.int32), scales.view(np.int32), packed.view(np.int8)
+    worst = 0
+    for b in range(x.size // bs):
+        o = b * bs
+        m, s, inv = _scale(bits[o : o + bs], b, scales, scale_bits, qmax)
+        worst = max(worst, m)
+        block = x[o : o + bs]
+        _pack(block, inv, qmax, packed, q8, o)
+        if subtract:
+            for i in range(bs):
+                block[i] -= np.rint(block[i] * inv) * s
+    return worst
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def quantize_toward(
+    params: np.ndarray,
+    shadow: np.ndarray,
+    out: np.ndarray,
+    bs: int,
+    qmax: int,
+    scales: np.ndarray,
+    packed: np.ndarray,
+) -> int:
+    """Encode params - shadow block by block (as `quantize`) and write out = shadow + q·s, the decoded value a
+    receiver adds to its shadow. Returns the largest |params - shadow| bit pattern."""
+    diff = np.empty(bs, dtype=np.float32)
+    bits, scale_bits, q8 = diff.view(np.int32), scales.view(np.int32), packed.view(np.int8)
+    worst = 0
+    for b in range(params.size // bs):
+        o = b * bs
+        for i in range(bs):
+            diff[i] = params[o + i] - shadow[o + i]
+        m, s, inv = _scale(bits, b, scales, scale_bits, qmax)
+        worst = max(worst, m)
+        _pack(diff, inv, qmax, packed, q8, o)
+        for i in range(bs):
+            out[o + i] = shadow[o + i] + np.float32(np.int32(np.rint(diff[i] * inv))) * s
+    return worst
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def dequantize(packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, out: np.ndarray) -> None:
+    """out = q·s for the blocks of `out` (a whole number; `packed` holds their bytes, `scales` their scales)."""
+    q8 = packed.view(np.int8)
+    for b in range(out.size // bs):
+        o, s = b * bs, scales[b]
+        block = out[o : o + bs]
+        if qmax > 7:
+            q = q8[o : o + bs]
+            for i in range(bs):
+                block[i] = np.float32(q[i]) * s
+        else:
+            q = packed[o // 2 : (o + bs) // 2]
+            for i in range(bs // 2):
+                block[2 * i] = np.float32(np.int32(q[i] & 15) - 8) * s
+                block[2 * i + 1] = np.float32(np.int32(q[i] >> 4) - 8) * s
