@@ -97,7 +97,9 @@ def quantize_toward(
         worst = max(worst, m)
         _pack(diff, inv, qmax, packed, q8, o)
         for i in range(bs):
-            out[o + i] = shadow[o + i] + np.float32(np.int32(np.rint(diff[i] * inv))) * s
+            diff[i] = shadow[o + i] + np.float32(np.int32(np.rint(diff[i] * inv))) * s
+        for i in range(bs):  # out is often shadow itself: a loop writing one while reading the other stays scalar
+            out[o + i] = diff[i]
     return worst
 
 
