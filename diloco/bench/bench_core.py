@@ -24,7 +24,13 @@ from typing import Any
 import torch
 
 from diloco.bench.section import Context, Log, console_table, standalone, table
-from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC, BroadcastFollower, BroadcastShadow, Refusal
+from diloco.core.broadcast import (
+    DEFAULT_BROADCAST_CODEC,
+    BroadcastFollower,
+    BroadcastShadow,
+    Refusal,
+    params_checksum,
+)
 from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks
 from diloco.core.outer import Nesterov
 
@@ -123,12 +129,14 @@ def bench_broadcast(
     """The broadcast path of one version (ALGORITHM.md section 10), as the services run it: the coordinator's
     `BroadcastShadow.advance` (encode `Θ − Θ̂` once, `Θ̂ += D(q)`, crc32 of `Θ̂`: fused slab by slab, scratch lent as
     the merge buffer is) and one learner applying it (`HeldParams.at`: the payload, queued encoded, decoded window by
-    window and added to its `Θ̂` in place, crc32 chained), against a `copy_` of the vector."""
+    window and added to its `Θ̂` in place, crc32 chained), against a `copy_` of the vector. `crc_s`: a crc32 of the
+    whole vector alone, which each side computes once over its new `Θ̂` (the check that both hold the same bits)."""
     gen = torch.Generator().manual_seed(seed)
     theta = torch.randn(numel, generator=gen)
     dst = torch.empty_like(theta)
     dst.copy_(theta)
     copy_s = _best_of(repeats, lambda: dst.copy_(theta))
+    crc_s = _best_of(repeats, lambda: params_checksum(theta))
     scratch = torch.empty_like(theta)
     scratch.zero_()
     encode_s = apply_s = float("inf")
@@ -158,6 +166,7 @@ def bench_broadcast(
         "apply_s": apply_s,
         "total_s": total,
         "copy_s": copy_s,
+        "crc_s": crc_s,
         "x_copy": total / copy_s,
     }
 
@@ -313,7 +322,7 @@ def section(ctx: Context) -> dict[str, Any]:
             "name": f"{broadcast['codec']} broadcast of a version (encoded once, applied by a learner) vs a copy",
             "target": f"<= {BROADCAST_TARGET_X_COPY:g}x",
             "measured": f"{broadcast['x_copy']:.1f}x ({broadcast['encode_s']:.3f} s + {broadcast['apply_s']:.3f} s "
-            f"vs {broadcast['copy_s']:.3f} s)",
+            f"vs {broadcast['copy_s']:.3f} s{_crc_share(broadcast)})",
             "pass": broadcast["x_copy"] <= BROADCAST_TARGET_X_COPY,
         },
     ]
@@ -355,6 +364,13 @@ def summary(r: dict[str, Any]) -> str:
     )
 
 
+def _crc_share(b: dict[str, Any]) -> str:
+    """What the two crc32 passes over Θ̂ (one a side) take of a broadcast ("" when not measured)."""
+    if "crc_s" not in b:
+        return ""
+    return f"; of it, the crc32 of Θ̂ on each side: 2 x {b['crc_s']:.3f} s = {2 * b['crc_s'] / b['copy_s']:.1f}x"
+
+
 def _broadcast_row(b: dict[str, Any] | None) -> list[list[str]]:
     if not b:
         return []  # measured before the broadcast row existed
@@ -362,7 +378,7 @@ def _broadcast_row(b: dict[str, Any] | None) -> list[list[str]]:
         [
             f"{b['codec']} broadcast of a version: encoded once (`BroadcastShadow.advance`) + applied by a learner "
             "(decoded window by window into its Θ̂, checksummed) vs `copy_`",
-            f"{b['encode_s']:.3f} s + {b['apply_s']:.3f} s vs {b['copy_s']:.3f} s",
+            f"{b['encode_s']:.3f} s + {b['apply_s']:.3f} s vs {b['copy_s']:.3f} s{_crc_share(b)}",
             f"{b['x_copy']:.1f}x (target ≤ {BROADCAST_TARGET_X_COPY:g}x)",
         ]
     ]
