@@ -162,7 +162,7 @@ class HaCluster:
             if predicate():
                 return
             if time.monotonic() > deadline:
-                raise SoakError(f"no {what} within {timeout_s:g} s")
+                raise SoakError(f"gave up waiting {timeout_s:g} s for {what}")
             time.sleep(poll_s)
 
     def leader(self) -> Replica | None:
