@@ -333,6 +333,43 @@ def test_a_stalled_server_is_unavailable_after_stall_s(reads: bool) -> None:
     assert time.monotonic() - t0 < 60, "gave up at its deadline, not after the stall"
 
 
+@pytest.mark.parametrize("reads", [False, True])
+def test_an_upload_is_abandoned_once_asked_not_at_the_stall(reads: bool) -> None:
+    """A leader cut off the network (its kernel keeps the connection; no answer comes) while the learner already
+    moved to the new one: `abandon` turning True ends the wait within a poll, long before `stall_s`, as
+    UNAVAILABLE (the learner then resumes at the new leader)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        drained = threading.Event()
+
+        def serve() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while reads and conn.recv(1 << 20):
+                    pass
+                drained.wait(120)
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        payload = memoryview(bytes(64 << 20 if not reads else 1 << 20))
+        moved_at = time.monotonic() + 1.0
+        with pytest.raises(BulkError) as e:
+            bulk_upload(
+                f"127.0.0.1:{listener.getsockname()[1]}",
+                TOKEN,
+                request("ab", len(payload)),
+                payload,
+                timeout_s=120,
+                stall_s=60,
+                abandon=lambda: time.monotonic() >= moved_at,
+            )
+        waited = time.monotonic() - moved_at
+        drained.set()
+        t.join(timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(e.value)
+    assert "abandoned" in (e.value.details() or ""), e.value.details()
+    assert waited < 20, f"waited {waited:.1f} s after the move"
+
+
 def test_retry_policy_retries_an_unavailable_bulk_upload(server: BulkServer, store: Store) -> None:
     calls = []
     payload = os.urandom(1000)

@@ -91,6 +91,7 @@ STATUS_OK = 0
 BUFFER_BYTES = 4 << 20  # one receive buffer; the server keeps two per upload (one filling, one being fed)
 SEND_PIECE_BYTES = 4 << 20  # the client looks for an early answer between pieces
 STALL_S = 30.0  # an upload in which no byte moved for this long is given up (UNAVAILABLE) and resumed
+ABANDON_POLL_S = 0.5  # a client waiting on the socket asks this often whether to abandon the upload (`bulk_upload`)
 LINGER_S = 2.0
 STOP_JOIN_S = 30.0  # how long `stop` waits for connections once they are cut (a handler call cannot be cut)
 RETRY_AFTER_S = 1.0  # the hint a refused connection gets
@@ -826,28 +827,53 @@ def _poll_answer(sock: socket.socket) -> bytes | None:
         sock.setblocking(True)
 
 
-def _send_piece(sock: socket.socket, piece: memoryview, stall_s: float, left: Callable[[], float]) -> None:
-    """`sendall` that times out only when no byte went out for `stall_s` (or the upload's deadline passed): a
-    slow link makes progress, a frozen server does not."""
+class _Waits:
+    """How long one blocking socket call may wait: until the upload's deadline, `stall_s` after the last byte moved,
+    and `ABANDON_POLL_S` at a time, between which `abandon()` is asked (True: give up now, ConnectionError)."""
+
+    def __init__(self, left: Callable[[], float], stall_s: float, abandon: Callable[[], bool]) -> None:
+        self.left, self.stall_s, self.abandon = left, stall_s, abandon
+        self.moved_at = time.monotonic()
+
+    def timeout(self) -> float:
+        idle = time.monotonic() - self.moved_at
+        if idle >= self.stall_s:
+            raise TimeoutError(f"not a byte moved for {self.stall_s:g} s")
+        if self.abandon():
+            raise ConnectionError("the upload was abandoned: the learner moved to another coordinator")
+        return min(self.left(), self.stall_s - idle, ABANDON_POLL_S)
+
+    def moved(self) -> None:
+        self.moved_at = time.monotonic()
+
+
+def _send_piece(sock: socket.socket, piece: memoryview, waits: _Waits) -> None:
+    """`sendall` that times out only when no byte went out for the stall time (or the upload's deadline passed, or
+    it is abandoned): a slow link makes progress, a frozen server does not."""
     sent = 0
     while sent < len(piece):
-        sock.settimeout(min(left(), stall_s))
-        sent += sock.send(piece[sent:])
+        sock.settimeout(waits.timeout())
+        try:
+            sent += sock.send(piece[sent:])
+        except TimeoutError:
+            continue  # the next `timeout()` decides: stalled, abandoned, or wait on
+        waits.moved()
 
 
-def _read_answer(sock: socket.socket, head: bytes, deadline: float, stall_s: float) -> Response:
+def _read_answer(sock: socket.socket, head: bytes, waits: _Waits) -> Response:
     buf = bytearray(head)
 
     def need(n: int) -> None:
         while len(buf) < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("no answer from the bulk server in time")
-            sock.settimeout(min(left, stall_s))
-            data = sock.recv(max(n - len(buf), 1 << 12))
+            sock.settimeout(waits.timeout())
+            try:
+                data = sock.recv(max(n - len(buf), 1 << 12))
+            except TimeoutError:
+                continue
             if not data:
                 raise ConnectionError("the bulk server closed the connection without an answer")
             buf.extend(data)
+            waits.moved()
 
     need(_REPLY.size)
     status, n = _REPLY.unpack_from(buf)
@@ -873,11 +899,14 @@ def bulk_upload(
     stall_s: float = STALL_S,
     ssl_context: ssl.SSLContext | None = None,
     server_hostname: str | None = None,
+    abandon: Callable[[], bool] = lambda: False,
 ) -> Response:
     """Upload `payload` (already sliced from `request.header.resume_offset`) to the bulk server at `address`
     (HOST:PORT) within `timeout_s` in all, and with no `stall_s` during which not a byte moved (a server frozen or
-    cut off: its kernel may keep the connection open). Raises `BulkError`: the server's status for an error frame,
-    UNAVAILABLE when the connection fails, resets, stalls or times out (then ask GetUploadStatus and resume)."""
+    cut off: its kernel may keep the connection open). `abandon`, asked every `ABANDON_POLL_S` while the socket
+    waits: True gives up at once (a learner that moved to a new leader stops waiting on one cut off). Raises
+    `BulkError`: the server's status for an error frame, UNAVAILABLE when the connection fails, resets, stalls, times
+    out or is abandoned (then ask GetUploadStatus and resume)."""
     if request.WhichOneof("kind") != "header":
         raise InvalidArgument("a bulk upload's request must carry the header (SubmissionHeader)")
     encoded = request.SerializeToString()
@@ -903,6 +932,7 @@ def bulk_upload(
     except OSError as e:
         raise BulkError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to the bulk server at {address}: {e}") from e
     sock = raw
+    waits = _Waits(left, stall_s, abandon)
     try:
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sent_error: OSError | None = None
@@ -918,13 +948,20 @@ def bulk_upload(
                 if early is not None:
                     head = early
                     break
-                _send_piece(sock, view[pos : pos + SEND_PIECE_BYTES], stall_s, left)
+                _send_piece(sock, view[pos : pos + SEND_PIECE_BYTES], waits)
                 pos += SEND_PIECE_BYTES
         except OSError as e:  # includes timeouts, resets and TLS failures: the server may have answered first
             sent_error = e
         try:
             answer_deadline = deadline if sent_error is None else min(deadline, time.monotonic() + 1.0)
-            return _read_answer(sock, head, answer_deadline, stall_s)
+
+            def answer_left() -> float:
+                s = answer_deadline - time.monotonic()
+                if s <= 0:
+                    raise TimeoutError("no answer from the bulk server in time")
+                return s
+
+            return _read_answer(sock, head, _Waits(answer_left, stall_s, abandon))
         except (OSError, ValueError) as e:
             cause = sent_error or e
             raise BulkError(

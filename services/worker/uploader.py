@@ -195,7 +195,8 @@ class Uploader:
     def _bulk(
         self, port: int, header: coordinator_pb2.SubmissionHeader, payload: bytes | bytearray | memoryview, offset: int
     ) -> Response:
-        """The payload over the coordinator's bulk upload port (same host, same TLS identity and token)."""
+        """The payload over the coordinator's bulk upload port (same host, same TLS identity and token), abandoned
+        as soon as the learner moves to another coordinator."""
         host = host_of(self.address())
         sec = self.cfg.security
         if sec.tls and self._bulk_ssl is None:
@@ -208,4 +209,6 @@ class Uploader:
             timeout_s=self.cfg.upload_timeout_s,
             ssl_context=self._bulk_ssl,
             server_hostname=host if sec.tls else None,
+            # moved to another coordinator (a new leader, say): stop waiting on this one, which may be cut off
+            abandon=lambda: host_of(self.address()) != host,
         )
