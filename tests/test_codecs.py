@@ -835,3 +835,15 @@ def test_a_residual_file_that_cannot_be_made_or_written_says_what_to_do(tmp_path
         ErrorFeedback(get_codec("fp32"), 10, store=SpilledVector(str(tmp_path), 10))
     with pytest.raises(CodecError, match="10 values"):
         ErrorFeedback(get_codec("int8"), 10, store=SpilledVector(str(tmp_path), 11))
+
+
+def test_warm_up_compiles_the_block_kernels_only_for_blockwise_codecs() -> None:
+    from diloco.core import kernels
+
+    assert codecs.warm_up("fp32", "bf16", "topk", "sparse") is None
+    thread = codecs.warm_up("fp32", "int4")
+    assert thread is not None
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    for kernel in (kernels.quantize, kernels.quantize_toward, kernels.dequantize):
+        assert kernel.signatures, kernel  # compiled (or loaded from numba's cache) for the arrays the codecs pass

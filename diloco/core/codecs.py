@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -80,6 +81,7 @@ __all__ = [
     "get_codec",
     "iter_chunks",
     "payload_decoder",
+    "warm_up",
 ]
 
 ALLOWED_BLOCK_SIZES: tuple[int, ...] = tuple(1 << p for p in range(4, 13))  # 16 .. 4096
@@ -1181,6 +1183,30 @@ def get_codec(name: str, *, block_size: int | None = None, topk_fraction: float 
     """The codec called `name`; `block_size` applies to the blockwise ones (int8/int4: 128 by default; sparse: its
     chunk, 4096), `topk_fraction` to topk (0.01) and sparse (`SparseCodec.DEFAULT_FRACTION`); None: the default."""
     return codec_class(name).create(block_size=block_size, topk_fraction=topk_fraction)
+
+
+def warm_up(*names: str) -> threading.Thread | None:
+    """Compile the kernels of the blockwise codecs among `names` on a daemon thread (None: none is blockwise), so
+    that a process's first encode or decode does not wait for numba (about 2 s cold, 0.5 s from its cache): a
+    standby's first round as leader, a learner's first upload. A caller that needs a kernel meanwhile waits for the
+    compile, as it would have anyway."""
+    blockwise = sorted({n for n in names if issubclass(codec_class(n), _BlockCodec)})
+    if not blockwise:
+        return None
+
+    def run() -> None:
+        x = torch.linspace(-1.0, 1.0, 300)
+        for name in blockwise:
+            codec = get_codec(name, block_size=16)
+            data, meta = codec.encode(x)
+            codec.decode(bytes(data), meta)  # read-only bytes, as a received chunk
+            codec.decode(bytearray(data), meta)
+            codec.encode_and_subtract(x.clone())
+            codec.encode_toward(x, torch.zeros_like(x), torch.empty_like(x))
+
+    thread = threading.Thread(target=run, name="codec-warm-up", daemon=True)
+    thread.start()
+    return thread
 
 
 def check_ef_decay(decay: float) -> float:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from diloco import log as logging
+from diloco.core.codecs import warm_up
 from diloco.core.coordinator import CoordinatorCore, RoundApplied, Submission
 from diloco.core.energy import CarbonTrace
 from diloco.core.fragments import FragmentedCoordinator, layout_for
@@ -176,6 +177,7 @@ class CoordinatorServer:
                 return self.port
             self._build()
             self._started = True
+            warm_up(self.cfg.codec, self.cfg.broadcast_codec)  # a standby is ready to lead without a compile
             return self.port
 
     def _build(self) -> None:

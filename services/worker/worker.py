@@ -22,6 +22,8 @@ import torch
 
 from diloco import log as logging
 from diloco.core import learner as core
+from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC
+from diloco.core.codecs import warm_up
 from diloco.errors import ConfigError
 from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.limits import MAX_REASON_CHARS
@@ -107,6 +109,7 @@ class Worker:
         self.bulk_port = 0  # the bulk upload port of the coordinator followed (0: upload over gRPC)
         self.watcher: Watcher | None = None
         self.exit_reason = ""
+        self._warmed = False  # the codecs' kernels were asked to compile (`warm_up`, at the first registration)
         self._stop_requested = False
         failover = self.coordinators.failover
         self.uploader = Uploader(
@@ -293,6 +296,9 @@ class Worker:
             self.heartbeats.address = reg.healthd_address
         self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
         self.core.registered(time.monotonic(), reg.worker_id, reg.epoch, reg.mode, reg.plan)
+        if not self._warmed:  # the codecs' kernels compile during the first inner steps, not at the first upload
+            warm_up(reg.codec, DEFAULT_BROADCAST_CODEC)
+            self._warmed = True
         self.log.info(
             "worker.registered",
             epoch=reg.epoch,
