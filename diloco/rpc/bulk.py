@@ -828,12 +828,19 @@ def _poll_answer(sock: socket.socket) -> bytes | None:
 
 
 class _Waits:
-    """How long one blocking socket call may wait: until the upload's deadline, `stall_s` after the last byte moved,
-    and `ABANDON_POLL_S` at a time, between which `abandon()` is asked (True: give up now, ConnectionError)."""
+    """How long one blocking socket call may wait: until `deadline` (monotonic; past it, TimeoutError(`late`)),
+    `stall_s` after the last byte moved, and `ABANDON_POLL_S` at a time, between which `abandon()` is asked (True:
+    give up now, ConnectionError)."""
 
-    def __init__(self, left: Callable[[], float], stall_s: float, abandon: Callable[[], bool]) -> None:
-        self.left, self.stall_s, self.abandon = left, stall_s, abandon
+    def __init__(self, deadline: float, late: str, stall_s: float, abandon: Callable[[], bool]) -> None:
+        self.deadline, self.late, self.stall_s, self.abandon = deadline, late, stall_s, abandon
         self.moved_at = time.monotonic()
+
+    def left(self) -> float:
+        s = self.deadline - time.monotonic()
+        if s <= 0:
+            raise TimeoutError(self.late)
+        return s
 
     def timeout(self) -> float:
         idle = time.monotonic() - self.moved_at
@@ -920,19 +927,12 @@ def bulk_upload(
         view = view.cast("B")
     host, port = _split_address(address)
     deadline = time.monotonic() + timeout_s
-
-    def left() -> float:
-        s = deadline - time.monotonic()
-        if s <= 0:
-            raise TimeoutError(f"bulk upload did not finish within {timeout_s:g} s")
-        return s
-
+    waits = _Waits(deadline, f"bulk upload did not finish within {timeout_s:g} s", stall_s, abandon)
     try:
-        raw = socket.create_connection((host, port), timeout=left())
+        raw = socket.create_connection((host, port), timeout=waits.left())
     except OSError as e:
         raise BulkError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to the bulk server at {address}: {e}") from e
     sock = raw
-    waits = _Waits(left, stall_s, abandon)
     try:
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sent_error: OSError | None = None
@@ -940,7 +940,7 @@ def bulk_upload(
         try:
             if ssl_context is not None:
                 sock = ssl_context.wrap_socket(raw, server_hostname=server_hostname or host)
-            sock.settimeout(left())
+            sock.settimeout(waits.left())
             sock.sendall(MAGIC + _U32.pack(len(token)) + token + _U32.pack(len(encoded)) + encoded)
             pos = 0
             while pos < len(view):
@@ -954,14 +954,8 @@ def bulk_upload(
             sent_error = e
         try:
             answer_deadline = deadline if sent_error is None else min(deadline, time.monotonic() + 1.0)
-
-            def answer_left() -> float:
-                s = answer_deadline - time.monotonic()
-                if s <= 0:
-                    raise TimeoutError("no answer from the bulk server in time")
-                return s
-
-            return _read_answer(sock, head, _Waits(answer_left, stall_s, abandon))
+            answer = _Waits(answer_deadline, "no answer from the bulk server in time", stall_s, abandon)
+            return _read_answer(sock, head, answer)
         except (OSError, ValueError) as e:
             cause = sent_error or e
             raise BulkError(
