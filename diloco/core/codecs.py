@@ -677,6 +677,9 @@ class _BlockCodec(Codec):
     def _packed_bytes(count: int) -> int:
         """Bytes that `count` values take."""
 
+    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
+        return _BlockDecoder(meta, out, sink, self.qmax)
+
     def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         x = _check_input(flat)
         return self._encode(x.numel(), _viewing(x), _in_place, subtract=False)
@@ -700,6 +703,12 @@ class _BlockCodec(Codec):
         payload = np.empty(4 * blocks + self._packed_bytes(numel), dtype=np.uint8)
         return payload, payload[: 4 * blocks].view(np.float32), payload[4 * blocks :]
 
+    def _slab(self, scales: np.ndarray, values: np.ndarray, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The scales and packed bytes of elements [start, end), a whole number of blocks from a block's start."""
+        first, blocks = start // self.block_size, (end - start) // self.block_size
+        at = self._packed_bytes(start)  # whole blocks: whole bytes
+        return scales[first : first + blocks], values[at : at + self._packed_bytes(end - start)]
+
     def _encode(self, numel: int, load: Load, store: Store, *, subtract: bool) -> tuple[memoryview, EncodedMeta]:
         """Quantize slab by slab straight into the payload (`kernels.quantize`): scales and packed values are
         written in place."""
@@ -712,11 +721,8 @@ class _BlockCodec(Codec):
         for start in range(0, full, _SLAB):
             end = min(start + _SLAB, full)
             loaded = load(start, end)
-            at = self._packed_bytes(start)  # start is a whole number of blocks: its bytes are whole
-            out = values[at : at + self._packed_bytes(end - start)]
-            first = start // bs
-            block_scales = scales[first : first + (end - start) // bs]
-            worst = max(worst, kernels.quantize(loaded.numpy(), bs, self.qmax, block_scales, out, subtract))
+            block_scales, block_values = self._slab(scales, values, start, end)
+            worst = max(worst, kernels.quantize(loaded.numpy(), bs, self.qmax, block_scales, block_values, subtract))
             if subtract:
                 store(start, loaded)
         if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
@@ -755,9 +761,7 @@ class _BlockCodec(Codec):
         worst = 0
         for start in range(0, full, _FUSED_SLAB):
             end = min(start + _FUSED_SLAB, full)
-            at, first = self._packed_bytes(start), start // bs
-            block_scales = scales[first : first + (end - start) // bs]
-            block_values = values[at : at + self._packed_bytes(end - start)]
+            block_scales, block_values = self._slab(scales, values, start, end)
             worst = max(
                 worst,
                 kernels.quantize_toward(
@@ -791,9 +795,6 @@ class Int8Codec(_BlockCodec):
     def _packed_bytes(count: int) -> int:
         return count
 
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
-        return _BlockDecoder(meta, out, sink, self.qmax)
-
 
 class Int4Codec(_BlockCodec):
     """Blockwise abs-max 4-bit (values -7..7, two per byte): error at most scale/2 per element."""
@@ -805,9 +806,6 @@ class Int4Codec(_BlockCodec):
     @staticmethod
     def _packed_bytes(count: int) -> int:
         return (count + 1) // 2
-
-    def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
-        return _BlockDecoder(meta, out, sink, self.qmax)
 
 
 class _BlockDecoder(StreamDecoder):
