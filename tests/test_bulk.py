@@ -15,6 +15,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -300,10 +301,9 @@ def test_connection_failures_are_unavailable_and_retryable(store: Store) -> None
         bulk_upload("no-port", TOKEN, request("x", 1), memoryview(b"x"), timeout_s=5)
 
 
-@pytest.mark.parametrize("reads", [False, True])
-def test_a_stalled_server_is_unavailable_after_stall_s(reads: bool) -> None:
-    """A server that accepts and then neither reads (a frozen process: its kernel holds the connection) nor answers
-    (read everything, then froze): the client gives up after `stall_s` without progress, not at its deadline."""
+def upload_to_a_frozen_server(reads: bool, **kwargs: Any) -> BulkError:
+    """What `bulk_upload` (with `kwargs`) raises against a server that accepts and then neither reads (a frozen
+    process: its kernel holds the connection) nor answers (`reads`: read everything, then froze)."""
     with socket.create_server(("127.0.0.1", 0)) as listener:
         drained = threading.Event()
 
@@ -317,19 +317,22 @@ def test_a_stalled_server_is_unavailable_after_stall_s(reads: bool) -> None:
         t = threading.Thread(target=serve, daemon=True)
         t.start()
         payload = memoryview(bytes(64 << 20 if not reads else 1 << 20))
-        t0 = time.monotonic()
-        with pytest.raises(BulkError) as e:
-            bulk_upload(
-                f"127.0.0.1:{listener.getsockname()[1]}",
-                TOKEN,
-                request("st", len(payload)),
-                payload,
-                timeout_s=120,
-                stall_s=0.5,
-            )
-        drained.set()
-        t.join(timeout=10)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(e.value)
+        try:
+            with pytest.raises(BulkError) as e:
+                address = f"127.0.0.1:{listener.getsockname()[1]}"
+                bulk_upload(address, TOKEN, request("fz", len(payload)), payload, timeout_s=120, **kwargs)
+        finally:
+            drained.set()
+            t.join(timeout=10)
+    return e.value
+
+
+@pytest.mark.parametrize("reads", [False, True])
+def test_a_stalled_server_is_unavailable_after_stall_s(reads: bool) -> None:
+    """A frozen server: the client gives up after `stall_s` without progress, not at its deadline."""
+    t0 = time.monotonic()
+    error = upload_to_a_frozen_server(reads, stall_s=0.5)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(error)
     assert time.monotonic() - t0 < 60, "gave up at its deadline, not after the stall"
 
 
@@ -338,35 +341,11 @@ def test_an_upload_is_abandoned_once_asked_not_at_the_stall(reads: bool) -> None
     """A leader cut off the network (its kernel keeps the connection; no answer comes) while the learner already
     moved to the new one: `abandon` turning True ends the wait within a poll, long before `stall_s`, as
     UNAVAILABLE (the learner then resumes at the new leader)."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        drained = threading.Event()
-
-        def serve() -> None:
-            conn, _ = listener.accept()
-            with conn:
-                while reads and conn.recv(1 << 20):
-                    pass
-                drained.wait(120)
-
-        t = threading.Thread(target=serve, daemon=True)
-        t.start()
-        payload = memoryview(bytes(64 << 20 if not reads else 1 << 20))
-        moved_at = time.monotonic() + 1.0
-        with pytest.raises(BulkError) as e:
-            bulk_upload(
-                f"127.0.0.1:{listener.getsockname()[1]}",
-                TOKEN,
-                request("ab", len(payload)),
-                payload,
-                timeout_s=120,
-                stall_s=60,
-                abandon=lambda: time.monotonic() >= moved_at,
-            )
-        waited = time.monotonic() - moved_at
-        drained.set()
-        t.join(timeout=10)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(e.value)
-    assert "abandoned" in (e.value.details() or ""), e.value.details()
+    moved_at = time.monotonic() + 1.0
+    error = upload_to_a_frozen_server(reads, stall_s=60, abandon=lambda: time.monotonic() >= moved_at)
+    waited = time.monotonic() - moved_at
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(error)
+    assert "abandoned" in (error.details() or ""), error.details()
     assert waited < 20, f"waited {waited:.1f} s after the move"
 
 
