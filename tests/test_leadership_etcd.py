@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -482,4 +483,40 @@ def test_https_to_a_plain_http_etcd_fails_at_once(etcd_server: EtcdServer, tmp_p
             election.observe()
         assert time.monotonic() - started < election.cfg.call_timeout_s
     finally:
+        election.close()
+
+
+class Resetter:
+    """A TLS endpoint that resets every connection (RST, not FIN) in the handshake, as etcd's plain HTTP port
+    sometimes answers a ClientHello."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self.sock.accept()
+                with conn, contextlib.suppress(OSError):
+                    conn.recv(65536)  # the ClientHello
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_reset_in_the_handshake_is_a_refused_handshake(tmp_path: Path) -> None:
+    """What `test_https_to_a_plain_http_etcd_fails_at_once` meets now and then (a reset, not a close), every time."""
+    write_bundle(tmp_path / "pki", clients=[], hosts=("127.0.0.1",), tokens=False)
+    server = Resetter()
+    election = EtcdElection(
+        EtcdConfig(host="127.0.0.1", port=server.port, key=KEY, tls=EtcdTls(str(tmp_path / "pki" / "ca.pem")))
+    )
+    try:
+        with pytest.raises(EtcdTlsRefused, match=r"Connection reset by peer.*or etcd serves plain HTTP there"):
+            election.observe()
+    finally:
+        server.close()
         election.close()

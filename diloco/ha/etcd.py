@@ -44,6 +44,7 @@ import math
 import re
 import ssl
 import threading
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -390,6 +391,9 @@ class EtcdElection:
         except etcd_errors.ConnectionFailedError as e:
             if isinstance(e.__context__, requests.exceptions.SSLError):  # etcd3gw wraps what requests raised
                 return _tls_refused(where, e.__context__)
+            reset = _reset_in_handshake(e)
+            if reset is not None:
+                return _tls_refused(where, reset)
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.ConnectionTimeoutError as e:
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
@@ -404,8 +408,25 @@ class EtcdElection:
         return reply
 
 
-def _tls_refused(where: str, err: requests.exceptions.SSLError) -> EtcdTlsRefused:
-    """What a failed handshake means, and which file to check."""
+def _reset_in_handshake(err: BaseException) -> ConnectionError | None:
+    """The reset under `err` if it came in the TLS handshake, told by a frame of `do_handshake` on its traceback
+    (etcd's plain HTTP port may reset a ClientHello rather than close it); None for a reset of a connection already
+    up (an etcd dying mid-call), or any other failure. (An SSL error is a refused handshake wherever it comes: with
+    TLS 1.3, etcd refuses a client certificate at the client's first read, after its handshake is done.)"""
+    seen: set[int] = set()
+    cause: BaseException | None = err
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ConnectionResetError | ConnectionAbortedError):
+            in_handshake = any(f.name == "do_handshake" for f in traceback.extract_tb(cause.__traceback__))
+            return cause if in_handshake else None
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
+def _tls_refused(where: str, err: BaseException) -> EtcdTlsRefused:
+    """What a failed handshake means (`err`: the SSL error, or the reset in the handshake), and which file to
+    check."""
     text = str(err)
     found = re.search(r"\[SSL[^\]]*\][^(')]*|EOF occurred in violation of protocol", text)
     reason = found.group(0).strip() if found else text[-200:]
