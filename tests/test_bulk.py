@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import os
 import socket
 import ssl
@@ -347,6 +348,72 @@ def test_an_upload_is_abandoned_once_asked_not_at_the_stall(reads: bool) -> None
     assert error.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(error)
     assert "abandoned" in (error.details() or ""), error.details()
     assert waited < 20, f"waited {waited:.1f} s after the move"
+
+
+@contextlib.contextmanager
+def unanswered(phase: str, tls_dir: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """An address (and `bulk_upload` keywords) at which an upload never gets past `phase`: `lookup` (the host's
+    name never resolves: the resolver itself is held, as DNS for a host cut off the network can be), `connect` (a
+    listener whose accept queue is full: the kernel drops the SYN) or `handshake` (a server that accepts and never
+    answers the ClientHello)."""
+    with socket.socket() as listener, contextlib.ExitStack() as stack:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        address, kwargs = f"127.0.0.1:{listener.getsockname()[1]}", {}
+        if phase == "lookup":
+            held = threading.Event()
+            stack.callback(held.set)
+            real = socket.getaddrinfo
+            stack.enter_context(pytest.MonkeyPatch.context()).setattr(
+                socket, "getaddrinfo", lambda *a, **k: held.wait(120) and real(*a, **k)
+            )
+        elif phase == "connect":
+            while True:  # fill the accept queue; the connect that times out is the first dropped
+                filler = stack.enter_context(socket.socket())
+                filler.settimeout(0.3)
+                try:
+                    filler.connect(listener.getsockname())
+                except TimeoutError:
+                    break
+        else:
+            kwargs = {"ssl_context": bulk.client_ssl_context_from_dir(tls_dir, "worker")}
+        yield address, kwargs
+
+
+@pytest.mark.parametrize("phase", ["lookup", "connect", "handshake"])
+def test_an_upload_that_cannot_connect_is_abandoned_once_asked(phase: str, tmp_path: Path) -> None:
+    """A leader cut off the network before the upload began: its name may not resolve for tens of seconds, its
+    kernel answers no SYN, or the connection is up and the TLS handshake gets no answer. Each wait is given up
+    within a poll of `abandon` turning True, long before `stall_s`, as UNAVAILABLE."""
+    write_bundle(tmp_path, clients=["worker"], tokens=False)
+    with unanswered(phase, tmp_path) as (address, kwargs):
+        moved_at = time.monotonic() + 1.0
+        with pytest.raises(BulkError) as e:
+            bulk_upload(
+                address,
+                TOKEN,
+                request("cut", 1000),
+                memoryview(bytes(1000)),
+                timeout_s=120,
+                stall_s=60,
+                abandon=lambda: time.monotonic() >= moved_at,
+                **kwargs,
+            )
+        waited = time.monotonic() - moved_at
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and is_retryable(e.value)
+    assert "abandoned" in (e.value.details() or ""), e.value.details()
+    assert waited < 20, f"waited {waited:.1f} s after the move"
+
+
+@pytest.mark.parametrize("phase", ["connect", "handshake"])
+def test_an_upload_that_cannot_connect_is_unavailable_after_stall_s(phase: str, tmp_path: Path) -> None:
+    write_bundle(tmp_path, clients=["worker"], tokens=False)
+    with unanswered(phase, tmp_path) as (address, kwargs):
+        t0 = time.monotonic()
+        with pytest.raises(BulkError) as e:
+            bulk_upload(address, TOKEN, request("cut", 10), memoryview(bytes(10)), timeout_s=120, stall_s=1, **kwargs)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "not a byte moved for 1 s" in (e.value.details() or "")
+    assert time.monotonic() - t0 < 60, "gave up at its deadline, not after the stall"
 
 
 def test_retry_policy_retries_an_unavailable_bulk_upload(server: BulkServer, store: Store) -> None:
@@ -721,6 +788,42 @@ def test_tls_client_is_its_certificate(store: Store, tls_dirs: tuple[Path, Path]
         assert upload(srv, "tls-more", b"abc", ssl_context=ctx).version == zlib.crc32(b"abc")
     finally:
         srv.stop()
+
+
+def test_a_slow_tls_handshake_goes_on_across_polls(
+    tls_server: BulkServer, store: Store, tls_dirs: tuple[Path, Path]
+) -> None:
+    """A handshake that takes several `ABANDON_POLL_S` (a long link) resumes after each poll and completes."""
+    good, _ = tls_dirs
+    with socket.create_server(("127.0.0.1", 0)) as front:
+
+        def relay() -> None:  # holds the client's first bytes back, then passes everything through
+            conn, _ = front.accept()
+            with conn, socket.create_connection(("127.0.0.1", tls_server.port)) as back:
+                time.sleep(3 * bulk.ABANDON_POLL_S)
+                pumps = [threading.Thread(target=pump, args=ab, daemon=True) for ab in ((conn, back), (back, conn))]
+                for t in pumps:
+                    t.start()
+                for t in pumps:
+                    t.join(20)
+
+        def pump(a: socket.socket, b: socket.socket) -> None:
+            with contextlib.suppress(OSError):
+                while data := a.recv(1 << 16):
+                    b.sendall(data)
+                b.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=relay, daemon=True).start()
+        r = bulk_upload(
+            f"127.0.0.1:{front.getsockname()[1]}",
+            TOKEN,
+            request("slow-hello", 3),
+            memoryview(b"abc"),
+            timeout_s=20,
+            ssl_context=bulk.client_ssl_context_from_dir(good, "worker"),
+            server_hostname="127.0.0.1",
+        )
+    assert r.version == zlib.crc32(b"abc")
 
 
 def _no_cert(ca: Path) -> ssl.SSLContext:

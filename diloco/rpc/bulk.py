@@ -60,7 +60,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import math
+import os
 import select
 import socket
 import ssl
@@ -854,6 +856,59 @@ class _Waits:
         self.moved_at = time.monotonic()
 
 
+def _connect(host: str, port: int, waits: _Waits) -> socket.socket:
+    """A TCP connection to host:port in which every wait is `waits`' (a poll at a time, up to the stall; abandoned
+    at once): the name lookup runs on a daemon thread (a cut-off host's name can take tens of seconds to fail), the
+    connect is non-blocking (a host that drops the SYN is never answered)."""
+    found: list[list[Any] | OSError] = []
+
+    def lookup() -> None:
+        try:
+            found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except Exception as e:  # UnicodeError for a malformed name, say
+            found.append(e if isinstance(e, OSError) else OSError(f"{type(e).__name__}: {e}"))
+
+    looking = threading.Thread(target=lookup, name="bulk-lookup", daemon=True)
+    looking.start()
+    while not found:  # left running when given up on: the lookup ends on its own
+        looking.join(waits.timeout())
+    if isinstance(found[0], OSError):
+        raise found[0]
+    failed: OSError = OSError(f"{host} resolves to no address")
+    for family, kind, proto, _, addr in found[0]:
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setblocking(False)
+            err = sock.connect_ex(addr)
+            poller = select.poll()
+            poller.register(sock, select.POLLOUT)
+            while err in (errno.EINPROGRESS, errno.EALREADY, errno.EWOULDBLOCK):
+                if poller.poll(waits.timeout() * 1000):
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        except BaseException:
+            sock.close()
+            raise
+        if err == 0:
+            sock.setblocking(True)
+            waits.moved()
+            return sock
+        sock.close()
+        failed = OSError(err, os.strerror(err))
+    raise failed
+
+
+def _handshake(sock: ssl.SSLSocket, waits: _Waits) -> ssl.SSLSocket:
+    """`sock`'s TLS handshake, waited on a poll at a time (a server that accepted and froze never answers it)."""
+    while True:
+        sock.settimeout(waits.timeout())
+        try:
+            sock.do_handshake()
+        except TimeoutError:
+            continue  # the handshake resumes where it stopped; the next `timeout()` decides
+        waits.moved()
+        return sock
+
+
 def _send_piece(sock: socket.socket, piece: memoryview, waits: _Waits) -> None:
     """`sendall` that times out only when no byte went out for the stall time (or the upload's deadline passed, or
     it is abandoned): a slow link makes progress, a frozen server does not."""
@@ -929,7 +984,7 @@ def bulk_upload(
     deadline = time.monotonic() + timeout_s
     waits = _Waits(deadline, f"bulk upload did not finish within {timeout_s:g} s", stall_s, abandon)
     try:
-        raw = socket.create_connection((host, port), timeout=waits.left())
+        raw = _connect(host, port, waits)
     except OSError as e:
         raise BulkError(grpc.StatusCode.UNAVAILABLE, f"cannot connect to the bulk server at {address}: {e}") from e
     sock = raw
@@ -939,9 +994,15 @@ def bulk_upload(
         head: bytes = b""
         try:
             if ssl_context is not None:
-                sock = ssl_context.wrap_socket(raw, server_hostname=server_hostname or host)
-            sock.settimeout(waits.left())
-            sock.sendall(MAGIC + _U32.pack(len(token)) + token + _U32.pack(len(encoded)) + encoded)
+                sock = _handshake(
+                    ssl_context.wrap_socket(
+                        raw, server_hostname=server_hostname or host, do_handshake_on_connect=False
+                    ),
+                    waits,
+                )
+            _send_piece(
+                sock, memoryview(MAGIC + _U32.pack(len(token)) + token + _U32.pack(len(encoded)) + encoded), waits
+            )
             pos = 0
             while pos < len(view):
                 early = _poll_answer(sock)

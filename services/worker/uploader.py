@@ -126,7 +126,9 @@ class Uploader:
                 if reaction is Reaction.FAILOVER and bulk_port:
                     # the bulk port is not there (a coordinator that moved or restarted): say so over gRPC at
                     # once, whose answer moves this learner if the coordinator did (the port is not the leader's)
-                    self.log().warning("worker.bulk_unavailable", submission_id=sid, port=bulk_port, code=code)
+                    self.log().warning(
+                        "worker.bulk_unavailable", submission_id=sid, port=bulk_port, code=code, details=e.details()
+                    )
                     bulk_port, offset = 0, self._resume_offset(wid, sid, len(payload))
                     continue
                 if reaction is Reaction.FAILOVER and self.failover(e.details() or "", tried):
