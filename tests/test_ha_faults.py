@@ -117,6 +117,36 @@ def test_a_leader_frozen_past_its_lease_is_replaced_and_retires_within_a_bound_o
 
 
 @pytest.mark.timeout(180)
+def test_learners_move_to_a_new_leader_by_healthds_word_while_the_old_one_stays_frozen(
+    etcd_server: EtcdServer, tmp_path: Path
+) -> None:
+    """A frozen leader answers nothing and resets nothing (its kernel still acknowledges every byte), so a learner's
+    own calls find it gone only by a keepalive timeout, 10 to 15 s. The new leader announces itself to healthd,
+    which names it in every heartbeat reply: each learner moves at its next heartbeat, and the job finishes at the
+    new leader while the old one stays frozen."""
+    cfg = config(tmp_path)
+    with LocalCluster(cfg) as cluster:
+        p = start(cluster, etcd_server)
+        wait_for("version 4 at coord-a", lambda: version_at(p.a_addr) >= 4, timeout_s=60, interval_s=0.1)
+        a_proc = cluster.procs["coord-a"]
+        os.kill(a_proc.popen.pid, signal.SIGSTOP)
+        try:
+            promoted = wait_for("coord-b leads", lambda: p.b.first("replica.promoted"), timeout_s=30, interval_s=0.05)
+            announced = wait_for("coord-b announced", lambda: p.b.first("replica.announced"), timeout_s=10)
+            assert announced["epoch"] == promoted["epoch"] and announced["address"] == p.b_addr, announced
+            learners = [Events(cfg.run_dir / f"worker{i}.log") for i in range(cfg.workers)]
+            for i, w in enumerate(learners):
+                told = wait_for(f"worker{i} told of coord-b", lambda w=w: w.first("worker.leader_announced"), 10)
+                assert told["address"] == p.b_addr and told["epoch"] == promoted["epoch"], told
+                moved = [f for f in w.all("worker.coordinator_moved") if f["address"] == p.b_addr]
+                assert moved and moved[0]["hinted"] is True, moved
+            finish_and_check(cfg, p.b_addr, TARGET)
+        finally:
+            os.kill(a_proc.popen.pid, signal.SIGKILL)
+        p.a.proc = None  # killed on purpose
+
+
+@pytest.mark.timeout(180)
 def test_etcd_killed_and_restarted_while_training_runs(etcd_server: EtcdServer, tmp_path: Path) -> None:
     cfg = config(tmp_path)
     with LocalCluster(cfg) as cluster:

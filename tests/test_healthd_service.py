@@ -510,3 +510,50 @@ def test_a_stall_of_healthd_is_logged_and_counted_and_declares_nobody_dead() -> 
     assert metrics.registry.get_sample_value("diloco_healthd_stall_seconds_count") == 1.0
     assert metrics.registry.get_sample_value("diloco_healthd_stall_seconds_sum") == 9.0
     assert metrics.registry.get_sample_value("diloco_healthd_deaths_total") == 0.0
+
+
+def test_the_newest_leader_announced_rides_on_every_heartbeat_reply(healthd: HealthdServer) -> None:
+    """A replica that has come to lead announces itself; every heartbeat reply then names it, and a deposed
+    leader's late announcement (an older epoch) changes nothing."""
+    b = Beater(healthd.address, "w1", interval_s=None)
+    ch, stub = stub_for(healthd)
+    try:
+        b.send()
+        assert (b.wait_acks(1)[0].leader_epoch, b.acks[0].leader_address) == (0, "")  # none announced yet
+        new = healthd_pb2.AnnounceLeaderRequest(epoch=10, address="coordinator-b:50051")
+        late = healthd_pb2.AnnounceLeaderRequest(epoch=2, address="coordinator-a:50051")
+        for request in (new, late, new):
+            reply = stub.AnnounceLeader(request, timeout=5)
+            assert (reply.epoch, reply.address) == (10, "coordinator-b:50051")
+        b.send()
+        ack = b.wait_acks(2)[-1]
+        assert (ack.leader_epoch, ack.leader_address) == (10, "coordinator-b:50051")
+    finally:
+        ch.close()
+        b.close()
+
+
+@pytest.mark.parametrize(
+    ("epoch", "address", "message"),
+    [
+        (0, "coordinator-b:50051", "epoch must be"),
+        (1 << 63, "coordinator-b:50051", "epoch must be"),
+        (1, "", "address must be the leader's HOST:PORT"),
+        (1, "coordinator-b", "address must be the leader's HOST:PORT"),
+        (1, "coordinator-b:5005100", "address must be the leader's HOST:PORT"),
+        (1, "a:1,b:2", "address must be the leader's HOST:PORT"),
+        (1, "bad host:1", "address must be the leader's HOST:PORT"),
+        (1, "h" * 400 + ":1", "the limit is 260"),
+    ],
+)
+def test_bad_announcements_are_invalid_argument_and_change_nothing(
+    healthd: HealthdServer, epoch: int, address: str, message: str
+) -> None:
+    ch, stub = stub_for(healthd)
+    with ch:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.AnnounceLeader(healthd_pb2.AnnounceLeaderRequest(epoch=epoch, address=address), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (err.value.details() or "")
+        reply = stub.AnnounceLeader(healthd_pb2.AnnounceLeaderRequest(epoch=1, address="h:1"), timeout=5)
+        assert (reply.epoch, reply.address) == (1, "h:1")  # the bad one was not taken

@@ -476,3 +476,22 @@ def wait_for_address(log_path: Path, proc: subprocess.Popen[bytes], timeout_s: f
         return ""
 
     return wait_for("healthd to log its address", logged, timeout_s)
+
+
+def test_only_the_coordinators_certificate_with_the_admin_token_announces_a_leader(
+    healthd: HealthdServer, connect: Callable[..., grpc.Channel], pki: Path
+) -> None:
+    """A learner (join token) or the operator (admin token, its own certificate) cannot name the leader every
+    learner moves to; the coordinator's certificate with the admin token can."""
+    join, admin = tokens(pki)
+    announce = healthd_pb2.AnnounceLeaderRequest(epoch=3, address="localhost:50051")
+
+    def as_(name: str, token: str) -> Callable[[], Any]:
+        stub = healthd_pb2_grpc.HealthDaemonStub(connect(healthd.address, name=name, token=token))
+        return lambda: stub.AnnounceLeader(announce, timeout=T)
+
+    assert code_of(as_("worker0", join)) == Code.PERMISSION_DENIED
+    assert code_of(as_("coordinator", join)) == Code.PERMISSION_DENIED
+    assert code_of(as_("admin", admin)) == Code.PERMISSION_DENIED
+    reply = as_("coordinator", admin)()
+    assert (reply.epoch, reply.address) == (3, "localhost:50051")

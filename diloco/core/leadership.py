@@ -586,9 +586,8 @@ MAX_ADDRESS_LIST_CHARS = 2048
 # The status codes of a coordinator call that move a client to another address: the replica is down, draining, or
 # does not lead (a standby, a fenced leader). The learner's reaction table calls this FAILOVER.
 FAILOVER_CODES = ("UNAVAILABLE",)
-_LEADER_HINT = re.compile(
-    r"not the leader; leader is at ([A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:]{2,45}\]:[0-9]{1,5})"
-)
+_HINT_ADDRESS = r"[A-Za-z0-9.\-]{1,253}:[0-9]{1,5}|\[[0-9A-Fa-f:]{2,45}\]:[0-9]{1,5}"
+_LEADER_HINT = re.compile(rf"not the leader; leader is at ({_HINT_ADDRESS})")
 
 
 def coordinator_addresses(text: str) -> tuple[str, ...]:
@@ -615,6 +614,11 @@ def leader_hint(details: str) -> str:
     or ""."""
     m = _LEADER_HINT.search(details[:512])
     return m.group(1) if m else ""
+
+
+def hintable(address: str) -> bool:
+    """Whether `address` is a HOST:PORT a leader hint can name (what `leader_hint` reads back)."""
+    return re.fullmatch(_HINT_ADDRESS, address[:300]) is not None
 
 
 def failover_target(addresses: Sequence[str], current: str, details: str) -> str:

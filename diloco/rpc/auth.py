@@ -73,6 +73,7 @@ METHOD_ROLES: Mapping[str, Mapping[str, Role]] = {
         "Heartbeat": Role.WORKER,
         "ListNodes": Role.READ,
         "WatchNodeEvents": Role.READ,
+        "AnnounceLeader": Role.ADMIN,  # a coordinator replica that has come to lead
     },
     REPLICATION_SERVICE: {  # a standby coordinator: it receives the whole state, and its acks gate publishing
         "FollowLog": Role.ADMIN,

@@ -49,6 +49,7 @@ MAX_UNIX_S = 1e10  # the year 2286
 MAX_WATTS = 100_000.0  # per learner: a rack of 8 GPUs draws ~10 kW; 100 kW is not one learner
 MAX_PRICE_PER_HOUR = 10_000.0  # per learner: an 8-GPU node rents for ~100 per hour on demand
 MAX_ZONE_CHARS = 64  # a grid zone name such as 'DE' or 'US-CAL-CISO'
+MAX_ADDRESS_CHARS = 260  # HOST:PORT: a DNS name is at most 253 characters
 
 QUOTE_CHARS = 48
 DETAILS_CHARS = 512
@@ -235,6 +236,11 @@ LIMITS: Mapping[str, Bound] = {
     # --- HealthDaemon ---------------------------------------------------------------------------------------------
     _P + "HeartbeatRequest.node_id": _text(
         MAX_ID_CHARS, "the worker id the coordinator assigned (healthd's MAX_NODE_ID_CHARS)", _ID_ADVICE
+    ),
+    _P + "AnnounceLeaderRequest.address": _text(
+        MAX_ADDRESS_CHARS,
+        "the new leader's HOST:PORT, passed on to every learner (a DNS name is at most 253 characters)",
+        "send the address learners reach the replica at (its --host and --port)",
     ),
     # --- Replication (standby coordinators) -----------------------------------------------------------------------
     _P + "FollowLogRequest.replica_id": _REPLICA_ID,

@@ -25,31 +25,35 @@ _sym_db = _symbol_database.Default()
 from diloco.v1 import common_pb2 as diloco_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iloco/v1/healthd.proto\x12\tdiloco.v1\x1a\x16\x64iloco/v1/common.proto\"\xb9\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.diloco.v1.NodeRole\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12)\n\nthroughput\x18\x04 \x01(\x0b\x32\x15.diloco.v1.Throughput\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\nsteps_done\x18\x06 \x01(\x04\x12\x0f\n\x07leaving\x18\x07 \x01(\x08\"`\n\x11HeartbeatResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12\x14\n\x0c\x64\x65\x61\x64_after_s\x18\x03 \x01(\x01\"\xcd\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.diloco.v1.NodeRole\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12\x18\n\x10last_seen_unix_s\x18\x04 \x01(\x01\x12)\n\nthroughput\x18\x05 \x01(\x0b\x32\x15.diloco.v1.Throughput\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x12\n\nheartbeats\x18\x07 \x01(\x04\"\x12\n\x10ListNodesRequest\"7\n\x11ListNodesResponse\x12\"\n\x05nodes\x18\x01 \x03(\x0b\x32\x13.diloco.v1.NodeInfo\"\x18\n\x16WatchNodeEventsRequest\"\x92\x01\n\tNodeEvent\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12,\n\x0eprevious_state\x18\x03 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12\x11\n\tat_unix_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t*V\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_WORKER\x10\x01\x12\x19\n\x15NODE_ROLE_COORDINATOR\x10\x02*\x7f\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_STATE_ALIVE\x10\x01\x12\x16\n\x12NODE_STATE_SUSPECT\x10\x02\x12\x13\n\x0fNODE_STATE_DEAD\x10\x03\x12\x13\n\x0fNODE_STATE_LEFT\x10\x04\x32\xf0\x01\n\x0cHealthDaemon\x12J\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x1c.diloco.v1.HeartbeatResponse(\x01\x30\x01\x12\x46\n\tListNodes\x12\x1b.diloco.v1.ListNodesRequest\x1a\x1c.diloco.v1.ListNodesResponse\x12L\n\x0fWatchNodeEvents\x12!.diloco.v1.WatchNodeEventsRequest\x1a\x14.diloco.v1.NodeEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17\x64iloco/v1/healthd.proto\x12\tdiloco.v1\x1a\x16\x64iloco/v1/common.proto\"\xb9\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.diloco.v1.NodeRole\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12)\n\nthroughput\x18\x04 \x01(\x0b\x32\x15.diloco.v1.Throughput\x12\x0f\n\x07version\x18\x05 \x01(\x04\x12\x12\n\nsteps_done\x18\x06 \x01(\x04\x12\x0f\n\x07leaving\x18\x07 \x01(\x08\"\x8e\x01\n\x11HeartbeatResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12\x14\n\x0c\x64\x65\x61\x64_after_s\x18\x03 \x01(\x01\x12\x14\n\x0cleader_epoch\x18\x04 \x01(\x04\x12\x16\n\x0eleader_address\x18\x05 \x01(\t\"7\n\x15\x41nnounceLeaderRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"8\n\x16\x41nnounceLeaderResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xcd\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.diloco.v1.NodeRole\x12#\n\x05state\x18\x03 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12\x18\n\x10last_seen_unix_s\x18\x04 \x01(\x01\x12)\n\nthroughput\x18\x05 \x01(\x0b\x32\x15.diloco.v1.Throughput\x12\x0f\n\x07version\x18\x06 \x01(\x04\x12\x12\n\nheartbeats\x18\x07 \x01(\x04\"\x12\n\x10ListNodesRequest\"7\n\x11ListNodesResponse\x12\"\n\x05nodes\x18\x01 \x03(\x0b\x32\x13.diloco.v1.NodeInfo\"\x18\n\x16WatchNodeEventsRequest\"\x92\x01\n\tNodeEvent\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12#\n\x05state\x18\x02 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12,\n\x0eprevious_state\x18\x03 \x01(\x0e\x32\x14.diloco.v1.NodeState\x12\x11\n\tat_unix_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t*V\n\x08NodeRole\x12\x19\n\x15NODE_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_ROLE_WORKER\x10\x01\x12\x19\n\x15NODE_ROLE_COORDINATOR\x10\x02*\x7f\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x14\n\x10NODE_STATE_ALIVE\x10\x01\x12\x16\n\x12NODE_STATE_SUSPECT\x10\x02\x12\x13\n\x0fNODE_STATE_DEAD\x10\x03\x12\x13\n\x0fNODE_STATE_LEFT\x10\x04\x32\xc7\x02\n\x0cHealthDaemon\x12J\n\tHeartbeat\x12\x1b.diloco.v1.HeartbeatRequest\x1a\x1c.diloco.v1.HeartbeatResponse(\x01\x30\x01\x12\x46\n\tListNodes\x12\x1b.diloco.v1.ListNodesRequest\x1a\x1c.diloco.v1.ListNodesResponse\x12L\n\x0fWatchNodeEvents\x12!.diloco.v1.WatchNodeEventsRequest\x1a\x14.diloco.v1.NodeEvent0\x01\x12U\n\x0e\x41nnounceLeader\x12 .diloco.v1.AnnounceLeaderRequest\x1a!.diloco.v1.AnnounceLeaderResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'diloco.v1.healthd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODEROLE']._serialized_start=808
-  _globals['_NODEROLE']._serialized_end=894
-  _globals['_NODESTATE']._serialized_start=896
-  _globals['_NODESTATE']._serialized_end=1023
+  _globals['_NODEROLE']._serialized_start=970
+  _globals['_NODEROLE']._serialized_end=1056
+  _globals['_NODESTATE']._serialized_start=1058
+  _globals['_NODESTATE']._serialized_end=1185
   _globals['_HEARTBEATREQUEST']._serialized_start=63
   _globals['_HEARTBEATREQUEST']._serialized_end=248
-  _globals['_HEARTBEATRESPONSE']._serialized_start=250
-  _globals['_HEARTBEATRESPONSE']._serialized_end=346
-  _globals['_NODEINFO']._serialized_start=349
-  _globals['_NODEINFO']._serialized_end=554
-  _globals['_LISTNODESREQUEST']._serialized_start=556
-  _globals['_LISTNODESREQUEST']._serialized_end=574
-  _globals['_LISTNODESRESPONSE']._serialized_start=576
-  _globals['_LISTNODESRESPONSE']._serialized_end=631
-  _globals['_WATCHNODEEVENTSREQUEST']._serialized_start=633
-  _globals['_WATCHNODEEVENTSREQUEST']._serialized_end=657
-  _globals['_NODEEVENT']._serialized_start=660
-  _globals['_NODEEVENT']._serialized_end=806
-  _globals['_HEALTHDAEMON']._serialized_start=1026
-  _globals['_HEALTHDAEMON']._serialized_end=1266
+  _globals['_HEARTBEATRESPONSE']._serialized_start=251
+  _globals['_HEARTBEATRESPONSE']._serialized_end=393
+  _globals['_ANNOUNCELEADERREQUEST']._serialized_start=395
+  _globals['_ANNOUNCELEADERREQUEST']._serialized_end=450
+  _globals['_ANNOUNCELEADERRESPONSE']._serialized_start=452
+  _globals['_ANNOUNCELEADERRESPONSE']._serialized_end=508
+  _globals['_NODEINFO']._serialized_start=511
+  _globals['_NODEINFO']._serialized_end=716
+  _globals['_LISTNODESREQUEST']._serialized_start=718
+  _globals['_LISTNODESREQUEST']._serialized_end=736
+  _globals['_LISTNODESRESPONSE']._serialized_start=738
+  _globals['_LISTNODESRESPONSE']._serialized_end=793
+  _globals['_WATCHNODEEVENTSREQUEST']._serialized_start=795
+  _globals['_WATCHNODEEVENTSREQUEST']._serialized_end=819
+  _globals['_NODEEVENT']._serialized_start=822
+  _globals['_NODEEVENT']._serialized_end=968
+  _globals['_HEALTHDAEMON']._serialized_start=1188
+  _globals['_HEALTHDAEMON']._serialized_end=1515
 # @@protoc_insertion_point(module_scope)

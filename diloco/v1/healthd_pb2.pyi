@@ -49,14 +49,34 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[_Union[NodeRole, str]] = ..., sequence: _Optional[int] = ..., throughput: _Optional[_Union[_common_pb2.Throughput, _Mapping]] = ..., version: _Optional[int] = ..., steps_done: _Optional[int] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("sequence", "state", "dead_after_s")
+    __slots__ = ("sequence", "state", "dead_after_s", "leader_epoch", "leader_address")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     DEAD_AFTER_S_FIELD_NUMBER: _ClassVar[int]
+    LEADER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     state: NodeState
     dead_after_s: float
-    def __init__(self, sequence: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., dead_after_s: _Optional[float] = ...) -> None: ...
+    leader_epoch: int
+    leader_address: str
+    def __init__(self, sequence: _Optional[int] = ..., state: _Optional[_Union[NodeState, str]] = ..., dead_after_s: _Optional[float] = ..., leader_epoch: _Optional[int] = ..., leader_address: _Optional[str] = ...) -> None: ...
+
+class AnnounceLeaderRequest(_message.Message):
+    __slots__ = ("epoch", "address")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    address: str
+    def __init__(self, epoch: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class AnnounceLeaderResponse(_message.Message):
+    __slots__ = ("epoch", "address")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    address: str
+    def __init__(self, epoch: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class NodeInfo(_message.Message):
     __slots__ = ("node_id", "role", "state", "last_seen_unix_s", "throughput", "version", "heartbeats")

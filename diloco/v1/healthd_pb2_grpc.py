@@ -49,6 +49,11 @@ class HealthDaemonStub:
                 request_serializer=diloco_dot_v1_dot_healthd__pb2.WatchNodeEventsRequest.SerializeToString,
                 response_deserializer=diloco_dot_v1_dot_healthd__pb2.NodeEvent.FromString,
                 _registered_method=True)
+        self.AnnounceLeader = channel.unary_unary(
+                '/diloco.v1.HealthDaemon/AnnounceLeader',
+                request_serializer=diloco_dot_v1_dot_healthd__pb2.AnnounceLeaderRequest.SerializeToString,
+                response_deserializer=diloco_dot_v1_dot_healthd__pb2.AnnounceLeaderResponse.FromString,
+                _registered_method=True)
 
 
 class HealthDaemonServicer:
@@ -75,6 +80,15 @@ class HealthDaemonServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnounceLeader(self, request, context):
+        """The coordinator replica that has just come to lead says so (admin; with mutual TLS, the coordinator's
+        certificate). healthd passes the newest leader on in every HeartbeatResponse, so a learner moves to it at its
+        next heartbeat, not when its calls to the old leader time out (a leader cut off the network answers nothing).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_HealthDaemonServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +106,11 @@ def add_HealthDaemonServicer_to_server(servicer, server):
                     servicer.WatchNodeEvents,
                     request_deserializer=diloco_dot_v1_dot_healthd__pb2.WatchNodeEventsRequest.FromString,
                     response_serializer=diloco_dot_v1_dot_healthd__pb2.NodeEvent.SerializeToString,
+            ),
+            'AnnounceLeader': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnounceLeader,
+                    request_deserializer=diloco_dot_v1_dot_healthd__pb2.AnnounceLeaderRequest.FromString,
+                    response_serializer=diloco_dot_v1_dot_healthd__pb2.AnnounceLeaderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +194,33 @@ class HealthDaemon:
             '/diloco.v1.HealthDaemon/WatchNodeEvents',
             diloco_dot_v1_dot_healthd__pb2.WatchNodeEventsRequest.SerializeToString,
             diloco_dot_v1_dot_healthd__pb2.NodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnounceLeader(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/diloco.v1.HealthDaemon/AnnounceLeader',
+            diloco_dot_v1_dot_healthd__pb2.AnnounceLeaderRequest.SerializeToString,
+            diloco_dot_v1_dot_healthd__pb2.AnnounceLeaderResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,7 @@ from diloco.ha.etcd import EtcdElection
 from diloco.rpc.metrics import ServedMetrics, serve_metrics
 from diloco.rpc.status import details_of, status_of
 from services.coordinator import checkpoint
+from services.coordinator.announce import LeaderAnnouncer
 from services.coordinator.config import CoordinatorServiceConfig
 from services.coordinator.metrics import ReplicaCollector, ReplicaRole, StandbyView
 from services.coordinator.replication import ReplicationLog
@@ -152,6 +153,7 @@ class HaReplica:
         self.driver = LeadershipDriver(self.replica_id, self.address, election, leadership)
         self.server: CoordinatorServer | None = None
         self.promoted_at: float | None = None  # monotonic time of the promotion (None: never led)
+        self._announcer: LeaderAnnouncer | None = None  # tells healthd this replica leads (with --healthd-address)
         self._follower: StandbyFollower | None = None
         self._channel: grpc.Channel | None = None
         self._following = ""
@@ -286,6 +288,11 @@ class HaReplica:
         )
         server.start()
         self.server, self.promoted_at = server, time.monotonic()
+        if self.cfg.healthd_address:
+            self._announcer = LeaderAnnouncer(
+                self.cfg.healthd_address, self.cfg.security, epoch, self.address, self.log
+            )
+            self._announcer.start()
         self.log.info(
             "replica.promoted",
             epoch=epoch,
@@ -389,6 +396,8 @@ class HaReplica:
 
     def _shutdown(self, grace_s: float | None) -> None:
         """Stop serving (draining for `grace_s`; None: the configured grace), stop following, give the key back."""
+        if self._announcer is not None:
+            self._announcer.stop()
         if self.server is not None:
             self.server.stop(grace_s)
         self._stop_follower()

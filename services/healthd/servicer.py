@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 import grpc
 
+from diloco import log as logging
 from diloco.core.failure import NodeEvent, NodeRole, NodeState, NodeView, Throughput
+from diloco.core.leadership import hintable
 from diloco.core.ratelimit import TokenBucket
 from diloco.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.rpc import auth
@@ -100,6 +102,18 @@ def encode_event(ev: NodeEvent) -> healthd_pb2.NodeEvent:
     )
 
 
+MAX_EPOCH = (1 << 63) - 1
+
+
+def decode_leader(req: healthd_pb2.AnnounceLeaderRequest) -> tuple[int, str]:
+    """The (epoch, HOST:PORT) an announcement names; InvalidArgument saying what is wrong."""
+    if not 1 <= req.epoch <= MAX_EPOCH:
+        raise InvalidArgument(f"epoch must be the leadership epoch won (1 to {MAX_EPOCH}), got {req.epoch}")
+    if not hintable(req.address):  # its length is bounded by diloco.rpc.limits
+        raise InvalidArgument(f"address must be the leader's HOST:PORT, got {req.address[:80]!r}")
+    return req.epoch, req.address
+
+
 def _check_identity(identity: str | None, node_id: str, role: NodeRole) -> None:
     """With mutual TLS, a stream may carry only the heartbeats of the node its certificate names: the coordinator's
     for role coordinator, a learner's own (or any, with the shared `worker` certificate) for role worker. So no
@@ -128,6 +142,10 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
         self.max_heartbeats_per_s = max_heartbeats_per_s
         self.burst = burst
         self.clock = clock
+        # the newest coordinator leader announced (epoch, HOST:PORT), passed on in every heartbeat reply; only the
+        # event loop touches it
+        self.leader: tuple[int, str] = (0, "")
+        self.log = logging.get("healthd")
 
     @streaming
     async def Heartbeat(
@@ -158,9 +176,29 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
             else:
                 state = self.monitor.heartbeat(req.node_id, role, decode_throughput(req), req.version)
             node_id, last_sequence = req.node_id, req.sequence
+            epoch, address = self.leader
             yield healthd_pb2.HeartbeatResponse(
-                sequence=req.sequence, state=NODE_STATES.to_proto(state), dead_after_s=self.monitor.dead_after_s
+                sequence=req.sequence,
+                state=NODE_STATES.to_proto(state),
+                dead_after_s=self.monitor.dead_after_s,
+                leader_epoch=epoch,
+                leader_address=address,
             )
+
+    @unary
+    async def AnnounceLeader(
+        self, request: healthd_pb2.AnnounceLeaderRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> healthd_pb2.AnnounceLeaderResponse:
+        identity = auth.peer_identity(context)
+        if identity is not None and identity != "coordinator":
+            raise PermissionDenied(
+                f"only a coordinator announces a leader (its certificate); this client's is {identity!r}"
+            )
+        epoch, address = decode_leader(request)
+        if epoch > self.leader[0]:  # epochs only grow: a deposed leader's late announcement changes nothing
+            previous, self.leader = self.leader, (epoch, address)
+            self.log.info("healthd.leader_announced", epoch=epoch, address=address, previous=previous[1] or None)
+        return healthd_pb2.AnnounceLeaderResponse(epoch=self.leader[0], address=self.leader[1])
 
     @unary
     async def ListNodes(

@@ -1,7 +1,8 @@
 """Heartbeats to healthd: one per interval with the measured throughput, from a thread that never blocks
 training. A DEAD verdict in a reply means the coordinator was told to drop this learner: the worker registers
 again. `leave(worker_id)` sends one last heartbeat that says the node is leaving, so healthd reports it LEFT, not
-DEAD; `left` is set once healthd answered it (or at once when there is no healthd to tell)."""
+DEAD; `left` is set once healthd answered it (or at once when there is no healthd to tell). Each reply also names
+the newest coordinator leader announced to healthd (epoch and address), handed to `on_leader`."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ class Heartbeats:
         view: Callable[[], Beat | None],
         post: Callable[[object], None],
         log: Callable[[], structlog.stdlib.BoundLogger],
+        on_leader: Callable[[int, str], None] = lambda epoch, address: None,
     ) -> None:
-        self.cfg, self.view, self.post, self.log = cfg, view, post, log
+        self.cfg, self.view, self.post, self.log, self.on_leader = cfg, view, post, log, on_leader
         self.address = cfg.healthd  # else the one the coordinator names (set after Register)
         self.left = threading.Event()
         self._leaving = ""  # the worker id that leaves
@@ -84,6 +86,8 @@ class Heartbeats:
             try:
                 for resp in healthd_pb2_grpc.HealthDaemonStub(chan).Heartbeat(self._beats(beat.worker_id)):
                     backoff.reset()
+                    if resp.leader_epoch:
+                        self.on_leader(resp.leader_epoch, resp.leader_address)
                     try:
                         state = NODE_STATES.from_proto(resp.state)
                     except InvalidArgument as e:

@@ -24,7 +24,8 @@ from diloco import log as logging
 from diloco.core import learner as core
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC
 from diloco.core.codecs import warm_up
-from diloco.errors import ConfigError
+from diloco.core.leadership import hintable
+from diloco.errors import ConfigError, not_leader
 from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.limits import MAX_REASON_CHARS
 from diloco.rpc.metrics import serve_metrics
@@ -115,7 +116,7 @@ class Worker:
         self.uploader = Uploader(
             self.stub, cfg, self.metrics, self.inbox.put, lambda: self.log, failover, self._address
         )
-        self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log)
+        self.heartbeats = Heartbeats(cfg, self._beat, self.inbox.put, lambda: self.log, self._leader_announced)
         self.control = Control(
             self.stub, cfg, self.core, lambda: self._stop_requested, lambda: self.log, failover, self._address
         )
@@ -123,6 +124,14 @@ class Worker:
     def _address(self) -> str:
         """The coordinator address in use now (the leader-following client's)."""
         return self.coordinators.address
+
+    def _leader_announced(self, epoch: int, address: str) -> None:
+        """healthd passes on the newest leader announced (heartbeat thread): one of a newer epoch than the
+        coordinator this learner follows, elsewhere, is moved to now, as a refusal naming it would (calls still
+        running on the old channel end CANCELLED and are retried there)."""
+        if epoch > self.core.coordinator_epoch and address != self.coordinators.address and hintable(address):
+            self.log.info("worker.leader_announced", epoch=epoch, address=address)
+            self.coordinators.failover(str(not_leader(address)))
 
     def stop(self) -> None:
         """Drain: hand the unsent steps back, deregister, say "leaving" to healthd, return from `run`. Safe from a
