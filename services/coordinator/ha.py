@@ -49,6 +49,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry
 
 from diloco import log as logging
+from diloco.core.codecs import warm_up
 from diloco.core.leadership import Duty, Handover, LeaderInfo, LeadershipConfig, duty
 from diloco.errors import FailedPrecondition, not_leader
 from diloco.ha.driver import LeadershipDriver
@@ -223,6 +224,7 @@ class HaReplica:
             )
             return EXIT_UNBOUND
         self._standin.start()
+        warm_up(self.cfg.codec, self.cfg.broadcast_codec)  # while it follows: its first round as leader needs them
         self.driver.start()
         port = self.served_metrics.port if self.served_metrics is not None else -1
         self.log.info("replica.started", address=self.address, etcd=self.cfg.etcd, metrics_port=port)

@@ -177,7 +177,9 @@ class CoordinatorServer:
                 return self.port
             self._build()
             self._started = True
-            warm_up(self.cfg.codec, self.cfg.broadcast_codec)  # a standby is ready to lead without a compile
+            warm_up(
+                self.cfg.codec, self.cfg.broadcast_codec
+            )  # before the first upload (an HA replica warmed up at start)
             return self.port
 
     def _build(self) -> None:
