@@ -138,8 +138,12 @@ def test_learners_move_to_a_new_leader_by_healthds_word_while_the_old_one_stays_
             for i, w in enumerate(learners):
                 told = wait_for(f"worker{i} told of coord-b", lambda w=w: w.first("worker.leader_announced"), 10)
                 assert told["address"] == p.b_addr and told["epoch"] == promoted["epoch"], told
-                moved = [f for f in w.all("worker.coordinator_moved") if f["address"] == p.b_addr]
-                assert moved and moved[0]["hinted"] is True, moved
+                moved = wait_for(  # logged just after the line above: it may not be written yet
+                    f"worker{i} moved to coord-b",
+                    lambda w=w: [f for f in w.all("worker.coordinator_moved") if f["address"] == p.b_addr],
+                    timeout_s=5,
+                )
+                assert moved[0]["hinted"] is True, moved
             finish_and_check(cfg, p.b_addr, TARGET)
         finally:
             os.kill(a_proc.popen.pid, signal.SIGKILL)
