@@ -5,7 +5,8 @@ takes a keepalive or TCP timeout, 5 to 15 s (docs/ha.md).
 
 From a thread of its own, never blocking the replica: at the promotion, then every `REANNOUNCE_S` (a healthd
 that restarted knows no leader), retried with backoff while healthd does not answer. It stops when healthd
-already passes on a newer epoch (this replica was deposed) or when the replica stops leading."""
+already passes on a newer epoch (this replica was deposed), when healthd refuses it for good (`REFUSED`: logged
+once as `replica.announce_refused`) or when the replica stops leading."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ from diloco.v1 import healthd_pb2, healthd_pb2_grpc
 
 REANNOUNCE_S = 5.0
 CALL_TIMEOUT_S = 2.0
+# answers that another try would get again: no admin token or not the coordinator's certificate, an address healthd
+# refuses, a healthd too old to know the call (learners then find the leader by their own calls failing)
+REFUSED = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 
 
 class LeaderAnnouncer:
@@ -54,6 +65,11 @@ class LeaderAnnouncer:
                 try:
                     reply = healthd_pb2_grpc.HealthDaemonStub(channel).AnnounceLeader(request, timeout=CALL_TIMEOUT_S)
                 except grpc.RpcError as e:
+                    if e.code() in REFUSED:  # asking again changes nothing: say why, once, and stop
+                        self.log.warning(
+                            "replica.announce_refused", healthd=self.healthd, code=e.code().name, details=e.details()
+                        )
+                        return
                     self.log.debug("replica.announce_retry", healthd=self.healthd, code=e.code().name)
                     self._stop.wait(backoff.next_s(e))
                     continue
