@@ -557,3 +557,28 @@ def test_bad_announcements_are_invalid_argument_and_change_nothing(
         assert message in (err.value.details() or "")
         reply = stub.AnnounceLeader(healthd_pb2.AnnounceLeaderRequest(epoch=1, address="h:1"), timeout=5)
         assert (reply.epoch, reply.address) == (1, "h:1")  # the bad one was not taken
+
+
+def test_healthds_own_reports_go_to_the_leader_announced() -> None:
+    """healthd reports to the first of two replicas until the other announces that it leads; the next death goes
+    there at once, with no call failing first (a leader cut off the network would answer none)."""
+    a, b = CoordinatorEndpoint(), CoordinatorEndpoint()
+    server = HealthdServer(healthd_config(coordinator_address=f"{a.address},{b.address}"))
+    server.start()
+    try:
+        first = Beater(server.address, "w1")
+        first.wait_acks(2)
+        first.kill()
+        assert [r.request.worker_id for r in a.recorder.wait_failures(1, timeout_s=DEAD_AFTER_S + 5)] == ["w1"]
+        ch, stub = stub_for(server)
+        with ch:
+            stub.AnnounceLeader(healthd_pb2.AnnounceLeaderRequest(epoch=5, address=b.address), timeout=5)
+        second = Beater(server.address, "w2")
+        second.wait_acks(2)
+        second.kill()
+        assert [r.request.worker_id for r in b.recorder.wait_failures(1, timeout_s=DEAD_AFTER_S + 5)] == ["w2"]
+        assert len(a.recorder.failures) == 1  # nothing more went to the replica that no longer leads
+    finally:
+        server.stop(0)
+        a.stop()
+        b.stop()

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from diloco.core.failure import Throughput
+from diloco.errors import not_leader
 from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.limits import MAX_REPORTS
 from diloco.rpc.retry import RetryConfig, is_retryable
@@ -117,6 +118,15 @@ class CoordinatorReporter:
         with self._cond:
             self._throughput.pop(node_id, None)
             self._throughput_sent_at.pop(node_id, None)
+
+    def leader_announced(self, address: str) -> None:
+        """A replica announced that it leads (AnnounceLeader, checked by the servicer): report there from now on,
+        as a refusal naming it would move this reporter (a call in flight to the old leader ends CANCELLED and is
+        retried there)."""
+        with self._cond:
+            coordinators = self._coordinators
+        if coordinators is not None and address in coordinators.addresses:
+            coordinators.failover(str(not_leader(address)))
 
     def idle(self) -> bool:
         """Nothing queued and no call in flight (for tests and shutdown logs)."""

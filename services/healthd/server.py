@@ -52,6 +52,7 @@ class HealthdServer:
             self.monitor,
             max_heartbeats_per_s=cfg.heartbeat_rate_factor / cfg.heartbeat_interval_s,
             burst=cfg.heartbeat_burst,
+            on_leader=self.reporter.leader_announced if self.reporter is not None else lambda address: None,
         )
         self.grpc.add(lambda server: healthd_pb2_grpc.add_HealthDaemonServicer_to_server(servicer, server))
         self.metrics_port = -1

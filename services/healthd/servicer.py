@@ -137,8 +137,9 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
         max_heartbeats_per_s: float = 200.0,
         burst: float = 20.0,
         clock: Callable[[], float] = time.monotonic,
+        on_leader: Callable[[str], None] = lambda address: None,
     ) -> None:
-        self.monitor = monitor
+        self.monitor, self.on_leader = monitor, on_leader
         self.max_heartbeats_per_s = max_heartbeats_per_s
         self.burst = burst
         self.clock = clock
@@ -198,6 +199,7 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
         if epoch > self.leader[0]:  # epochs only grow: a deposed leader's late announcement changes nothing
             previous, self.leader = self.leader, (epoch, address)
             self.log.info("healthd.leader_announced", epoch=epoch, address=address, previous=previous[1] or None)
+            self.on_leader(address)  # healthd's own reports go there too
         return healthd_pb2.AnnounceLeaderResponse(epoch=self.leader[0], address=self.leader[1])
 
     @unary
