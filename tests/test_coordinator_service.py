@@ -409,8 +409,9 @@ def test_a_spill_dir_gone_refuses_uploads_and_keeps_broadcast_deltas_in_memory(
     spill.rmdir()  # the directory goes (an operator, a lost mount) while the round is open: its file was unlinked
     clock.t += 10  # past the grace window: the round closes
     wait_for("the round to close", lambda: env.server.core.version == 1)
-    # its broadcast delta could not be written there: kept in memory, and the version published all the same
-    kept = env.server.state.shadow.updates_since(0, 1) or []
+    # its broadcast delta could not be written there: kept in memory, and the version published all the same (the
+    # shadow records the version's delta just after the round steps the parameters: waited for, not read at once)
+    kept = wait_for("version 1's delta kept", lambda: env.server.state.shadow.updates_since(0, 1), timeout_s=10)
     assert len(kept) == 1 and isinstance(kept[0].data, memoryview)
     assert fetch_params(env)[0].version == 1
     # an upload cannot be held there: refused, saying what to do, and nothing changes
