@@ -24,6 +24,7 @@ import structlog
 
 from diloco import log as dlog
 from diloco.core.failure import NodeRole, NodeState
+from diloco.core.leadership import ANNOUNCED_FOR_S
 from diloco.errors import ConfigError
 from diloco.v1 import common_pb2, healthd_pb2
 from services.healthd.__main__ import main
@@ -528,6 +529,30 @@ def test_the_newest_leader_announced_rides_on_every_heartbeat_reply(healthd: Hea
         b.send()
         ack = b.wait_acks(2)[-1]
         assert (ack.leader_epoch, ack.leader_address) == (10, "coordinator-b:50051")
+    finally:
+        ch.close()
+        b.close()
+
+
+def test_a_leader_that_stops_announcing_is_no_longer_named(healthd: HealthdServer) -> None:
+    """healthd names a leader only `ANNOUNCED_FOR_S` after its last announcement (a leader repeats it every 5 s):
+    then none, and a lower epoch may announce (a leadership store whose epochs started over)."""
+    skew = [0.0]
+    healthd.servicer.clock = lambda: time.monotonic() + skew[0]
+    b = Beater(healthd.address, "w1", interval_s=None)
+    ch, stub = stub_for(healthd)
+    try:
+        stub.AnnounceLeader(healthd_pb2.AnnounceLeaderRequest(epoch=10, address="coordinator-b:50051"), timeout=5)
+        b.send()
+        assert (b.wait_acks(1)[-1].leader_epoch, b.acks[-1].leader_address) == (10, "coordinator-b:50051")
+        skew[0] = ANNOUNCED_FOR_S + 1.0  # it went quiet
+        b.send()
+        assert (b.wait_acks(2)[-1].leader_epoch, b.acks[-1].leader_address) == (0, "")
+        restarted = healthd_pb2.AnnounceLeaderRequest(epoch=2, address="coordinator-a:50051")
+        reply = stub.AnnounceLeader(restarted, timeout=5)
+        assert (reply.epoch, reply.address) == (2, "coordinator-a:50051")
+        b.send()
+        assert (b.wait_acks(3)[-1].leader_epoch, b.acks[-1].leader_address) == (2, "coordinator-a:50051")
     finally:
         ch.close()
         b.close()

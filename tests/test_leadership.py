@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.core.leadership import (
+    ANNOUNCE_EVERY_S,
+    ANNOUNCED_FOR_S,
     Action,
+    AnnouncedLeader,
     Duty,
     EpochCheck,
     LeaderInfo,
@@ -545,3 +548,21 @@ def test_coordinator_address_lists() -> None:
     ]:
         with pytest.raises(InvalidArgument, match=says):
             coordinator_addresses(bad)
+
+
+def test_an_announced_leader_stands_while_it_repeats_itself_and_lapses_when_it_goes_quiet() -> None:
+    named = AnnouncedLeader()
+    assert named.current(0.0) == (0, "")
+    assert named.announce(7, "b:1", 100.0)  # a new leader: news
+    assert not named.announce(3, "a:1", 101.0)  # a deposed leader's late word
+    assert not named.announce(7, "c:1", 101.0)  # another address at the epoch that stands: the first word stands
+    for t in range(1, 10):  # it repeats itself: it never lapses
+        assert not named.announce(7, "b:1", 100.0 + t * ANNOUNCE_EVERY_S)
+    last = 100.0 + 9 * ANNOUNCE_EVERY_S
+    assert named.current(last + ANNOUNCED_FOR_S) == (7, "b:1")
+    assert named.current(last + ANNOUNCED_FOR_S + 0.001) == (0, "")  # gone quiet: none named
+    # a leadership store whose epochs started over: its leader is named, not held to epoch 7 forever
+    assert named.announce(2, "a:1", last + ANNOUNCED_FOR_S + 1.0)
+    assert named.current(last + ANNOUNCED_FOR_S + 1.0) == (2, "a:1")
+    assert named.announce(9, "c:1", last + ANNOUNCED_FOR_S + 2.0)  # a higher epoch replaces it at once
+    assert named.announce(9, "c:1", last + 3 * ANNOUNCED_FOR_S)  # back after a lapse: news again

@@ -621,6 +621,37 @@ def hintable(address: str) -> bool:
     return re.fullmatch(_HINT_ADDRESS, address[:300]) is not None
 
 
+# --- the leader healthd names (docs/protocol-changes.md, "healthd names the new leader") ---------------------------
+ANNOUNCE_EVERY_S = 5.0  # a leading replica announces itself to healthd this often (services/coordinator/announce.py)
+ANNOUNCED_FOR_S = 3 * ANNOUNCE_EVERY_S  # healthd names a leader this long after its last announcement
+
+
+@dataclass
+class AnnouncedLeader:
+    """The coordinator leader healthd names in its heartbeat replies, driven by `now`: the highest epoch announced,
+    for `ANNOUNCED_FOR_S` after its last announcement (the leader repeats it every `ANNOUNCE_EVERY_S`). While it
+    stands, a lower epoch (a deposed leader's late word) or another address at its epoch changes nothing. Once it has
+    lapsed (its leader went quiet: dead, cut off, or deposed with no successor announcing yet) none is named and any
+    epoch may announce, so a leadership store whose epochs started over is not held to a number it will never reach
+    again (learners would move to the lapsed address at every heartbeat)."""
+
+    epoch: int = 0
+    address: str = ""
+    at: float = -math.inf  # the `now` of its last announcement
+
+    def current(self, now: float) -> tuple[int, str]:
+        """(epoch, HOST:PORT) of the leader to name at `now`; (0, "") for none."""
+        return (self.epoch, self.address) if now - self.at <= ANNOUNCED_FOR_S else (0, "")
+
+    def announce(self, epoch: int, address: str, now: float) -> bool:
+        """Take an announcement; True when it names another leader than the one named until now."""
+        held = self.current(now)
+        if epoch < held[0] or (epoch == held[0] and address != held[1]):
+            return False
+        self.epoch, self.address, self.at = epoch, address, now
+        return (epoch, address) != held
+
+
 def failover_target(addresses: Sequence[str], current: str, details: str) -> str:
     """Where a client goes after a FAILOVER code: the leader the refusal names, else the address after `current` in
     `addresses` (round robin; the first when `current` is not one of them)."""

@@ -3,8 +3,9 @@ passes the newest leader on in every heartbeat reply: a learner moves to the new
 instead of when its own calls to the old one fail, which for a leader cut off the network (no reset, no answer)
 takes a keepalive or TCP timeout, 5 to 15 s (docs/ha.md).
 
-From a thread of its own, never blocking the replica: at the promotion, then every `REANNOUNCE_S` (a healthd
-that restarted knows no leader), retried with backoff while healthd does not answer. It stops when healthd
+From a thread of its own, never blocking the replica: at the promotion, then every `ANNOUNCE_EVERY_S` (a healthd
+that restarted knows no leader, and healthd names a leader only `ANNOUNCED_FOR_S` after its last word: the rule is
+`diloco.core.leadership.AnnouncedLeader`), retried with backoff while healthd does not answer. It stops when healthd
 already passes on a newer epoch (this replica was deposed), when healthd refuses it for good (`REFUSED`: logged
 once as `replica.announce_refused`) or when the replica stops leading."""
 
@@ -15,12 +16,12 @@ import threading
 import grpc
 import structlog
 
+from diloco.core.leadership import ANNOUNCE_EVERY_S
 from diloco.errors import ConfigError
 from diloco.rpc.retry import Backoff, BackoffConfig
 from diloco.rpc.security import SecurityConfig
 from diloco.v1 import healthd_pb2, healthd_pb2_grpc
 
-REANNOUNCE_S = 5.0
 CALL_TIMEOUT_S = 2.0
 # answers that another try would get again: no admin token or not the coordinator's certificate, an address healthd
 # refuses, a healthd too old to know the call (learners then find the leader by their own calls failing)
@@ -80,6 +81,6 @@ class LeaderAnnouncer:
                 if reply.epoch > self.epoch:  # healthd knows a newer leader: this replica no longer leads
                     self.log.info("replica.announce_superseded", epoch=self.epoch, newer_epoch=reply.epoch)
                     return
-                self._stop.wait(REANNOUNCE_S)
+                self._stop.wait(ANNOUNCE_EVERY_S)
         finally:
             channel.close()

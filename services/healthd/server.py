@@ -48,7 +48,7 @@ class HealthdServer:
             interceptors=cfg.security.server_interceptors(),
             admission=cfg.admission(),
         )
-        servicer = HealthDaemonServicer(
+        self.servicer = servicer = HealthDaemonServicer(
             self.monitor,
             max_heartbeats_per_s=cfg.heartbeat_rate_factor / cfg.heartbeat_interval_s,
             burst=cfg.heartbeat_burst,

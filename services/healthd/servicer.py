@@ -18,7 +18,7 @@ import grpc
 
 from diloco import log as logging
 from diloco.core.failure import NodeEvent, NodeRole, NodeState, NodeView, Throughput
-from diloco.core.leadership import hintable
+from diloco.core.leadership import AnnouncedLeader, hintable
 from diloco.core.ratelimit import TokenBucket
 from diloco.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from diloco.rpc import auth
@@ -143,9 +143,9 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
         self.max_heartbeats_per_s = max_heartbeats_per_s
         self.burst = burst
         self.clock = clock
-        # the newest coordinator leader announced (epoch, HOST:PORT), passed on in every heartbeat reply; only the
-        # event loop touches it
-        self.leader: tuple[int, str] = (0, "")
+        # the coordinator leader announced, passed on in every heartbeat reply while it stands; only the event loop
+        # touches it
+        self.leader = AnnouncedLeader()
         self.log = logging.get("healthd")
 
     @streaming
@@ -177,7 +177,7 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
             else:
                 state = self.monitor.heartbeat(req.node_id, role, decode_throughput(req), req.version)
             node_id, last_sequence = req.node_id, req.sequence
-            epoch, address = self.leader
+            epoch, address = self.leader.current(self.clock())
             yield healthd_pb2.HeartbeatResponse(
                 sequence=req.sequence,
                 state=NODE_STATES.to_proto(state),
@@ -196,11 +196,13 @@ class HealthDaemonServicer(healthd_pb2_grpc.HealthDaemonServicer):
                 f"only a coordinator announces a leader (its certificate); this client's is {identity!r}"
             )
         epoch, address = decode_leader(request)
-        if epoch > self.leader[0]:  # epochs only grow: a deposed leader's late announcement changes nothing
-            previous, self.leader = self.leader, (epoch, address)
+        now = self.clock()
+        previous = self.leader.current(now)
+        if self.leader.announce(epoch, address, now):  # a deposed leader's late announcement changes nothing
             self.log.info("healthd.leader_announced", epoch=epoch, address=address, previous=previous[1] or None)
             self.on_leader(address)  # healthd's own reports go there too
-        return healthd_pb2.AnnounceLeaderResponse(epoch=self.leader[0], address=self.leader[1])
+        epoch, address = self.leader.current(now)
+        return healthd_pb2.AnnounceLeaderResponse(epoch=epoch, address=address)
 
     @unary
     async def ListNodes(
