@@ -68,15 +68,15 @@ def test_bad_power_price_or_zone_at_registration_is_refused_and_changes_nothing(
     assert code == INVALID and message in details, details
     assert any(w in details for w in ("send", "register", "use one of"))  # it says what to send
     assert not env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers
-    assert not env.server.state.energy.learners
+    assert not env.server.state.placement.book.learners
 
 
 def test_registration_carries_power_zone_price_and_capacity(env: Env) -> None:
     reg = join(env, "w", power(420.0, NVML), zone="FR", price_per_hour=3.5, spot=True)
-    rec = env.server.state.energy.learners[reg.worker_id]
+    rec = env.server.state.placement.book.learners[reg.worker_id]
     assert (rec.watts, rec.source, rec.zone, rec.price_per_hour, rec.spot) == (420.0, PowerSource.NVML, "FR", 3.5, True)
     plain = register(env, "v")  # an older learner: no power, zone or price
-    rec = env.server.state.energy.learners[plain.worker_id]
+    rec = env.server.state.placement.book.learners[plain.worker_id]
     assert (rec.watts, rec.source, rec.zone, rec.price_per_hour, rec.spot) == (0.0, None, "", 0.0, False)
 
 
@@ -88,7 +88,7 @@ def test_reported_power_updates_and_bad_reports_change_nothing(env: Env) -> None
     a = join(env, "a", power(100.0)).worker_id
     b = join(env, "b", power(200.0)).worker_id
     report(env, a, power(150.0, NVML, tokens_per_s=10.0))
-    learners = env.server.state.energy.learners
+    learners = env.server.state.placement.book.learners
     assert (learners[a].watts, learners[a].source) == (150.0, PowerSource.NVML)
     report(env, a, common_pb2.Throughput(tokens_per_s=11.0))  # no power figure: the last one stays
     assert (learners[a].watts, learners[a].source) == (150.0, PowerSource.NVML)
@@ -119,7 +119,7 @@ def test_a_learner_registers_with_what_its_flags_say(env: Env) -> None:
     req = register_request(cfg, "w", None, "cpu", meter.reading())
     req.model_fingerprint = env.server.task.fingerprint
     worker_id = env.stub.Register(req, timeout=T).worker_id
-    rec = env.server.state.energy.learners[worker_id]
+    rec = env.server.state.placement.book.learners[worker_id]
     assert (rec.watts, rec.source, rec.zone, rec.price_per_hour, rec.spot) == (
         350.0,
         PowerSource.DECLARED,
@@ -328,7 +328,7 @@ def test_carbon_placement_follows_the_zones_intensity_over_time(start: Callable[
         assert shards_of(env, b) == []  # DE is above 200 gCO2/kWh: b is paused
         clock.t = 1000.0 + 3700.0  # DE is at 100 now; the next round weighs the zones again
         upload(env, a, "a2")
-        assert env.server.state.energy.learners[b.worker_id].weight == 1.0
+        assert env.server.state.placement.book.learners[b.worker_id].weight == 1.0
         clock.t += 1.0
         upload(env, a, "a3")  # a's submission under the new plan hands shards back to b
         assert shards_of(env, b)
@@ -356,7 +356,10 @@ def test_a_zone_the_trace_does_not_name_is_refused(start: Callable[..., Env], tm
     for zone in ("MARS", ""):
         code, details = code_of(lambda zone=zone: join(env, "w", power(100.0), zone=zone))  # type: ignore[misc]
         assert code == INVALID and "--zone" in details and "DE, FR" in details, details
-    assert not env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers and not env.server.state.energy.learners
+    assert (
+        not env.stub.ListWorkers(pb.ListWorkersRequest(), timeout=T).workers
+        and not env.server.state.placement.book.learners
+    )
     assert join(env, "w", power(100.0), zone="DE").worker_id
 
 
@@ -379,7 +382,7 @@ def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: 
     )
     feed = env.server.carbon
     assert feed is not None
-    live = env.server.state.energy.signal.live
+    live = env.server.state.placement.book.signal.live
     try:
         with structlog.testing.capture_logs() as logs:
             a = join(env, "a", power(100.0), zone="FR")  # a new zone wakes the feed
@@ -402,7 +405,7 @@ def test_a_carbon_provider_that_fails_or_hangs_keeps_the_last_good_value(start: 
             assert time.monotonic() - started < 2.0 and failures(env, "timeout") == 1.0
             # the coordinator answers meanwhile, and its placement uses the last good value
             b = join(env, "b", power(100.0), zone="FR")
-            assert env.server.state.energy.learners[b.worker_id].intensity == 42.0
+            assert env.server.state.placement.book.learners[b.worker_id].intensity == 42.0
             assert env.stub.GetStatus(pb.GetStatusRequest(), timeout=T).live_workers == 2
             feed.refresh()  # the hung call still runs: not asked again
             assert failures(env, "still_running") == 1.0
@@ -442,7 +445,7 @@ def test_a_zone_the_provider_leaves_out_keeps_its_last_value_or_counts_as_the_di
             mode="async",
             min_quorum=1,
         )
-        feed, live = env.server.carbon, env.server.state.energy.signal.live
+        feed, live = env.server.carbon, env.server.state.placement.book.signal.live
         assert feed is not None
         a = join(env, "a", power(300.0), zone="FR")
         b = join(env, "b", power(300.0), zone="PL")  # the provider's grid has no PL

@@ -199,7 +199,7 @@ def test_a_restarted_standby_catches_up_from_its_checkpoint_or_else_from_a_snaps
         assert same_bits(state, leader.states[v])
         assert successor.core.ledger.committed_tokens() == env.server.core.ledger.committed_tokens()
         # the fleet's energy came with the round log's bookkeeping, into the standby's checkpoints
-        assert successor.state.energy.joules == env.server.state.energy.joules > 0
+        assert successor.state.placement.book.joules == env.server.state.placement.book.joules > 0
     finally:
         successor.stop(0)
     assert checkpoint.load_latest(ckpt) is not None

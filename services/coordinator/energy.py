@@ -1,9 +1,9 @@
 """What the coordinator knows of its learners' power, zones and prices, and what they used (issue #15).
 
-Pure: no gRPC, no clock (`now` is a parameter, the coordinator's unix seconds), no I/O. `CoordinatorState` holds
-one `EnergyBook` under its bookkeeping lock, feeds it what learners report, asks it for the placement policy's
-inputs (`infos`, for `diloco.core.energy.decide`, where the rules are) and turns the `Charge`s it returns into
-Prometheus counters.
+Pure: no gRPC, no clock (`now` is a parameter, the coordinator's unix seconds), no I/O. The coordinator's
+`services.coordinator.placement.Placement` holds one `EnergyBook` (under the state's bookkeeping lock), feeds it
+what learners report, asks it for the placement policy's inputs (`infos`, for `diloco.core.energy.decide`, where
+the rules are) and turns the `Charge`s it returns into Prometheus counters.
 
 Inputs, per learner: at registration its zone, price per hour and capacity (spot or on demand); with the
 registration and every heartbeat (forwarded by healthd) its watts while training and their source

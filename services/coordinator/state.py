@@ -41,7 +41,7 @@ from diloco.core.coordinator import (
     WorkerRecord,
     WorkPlan,
 )
-from diloco.core.energy import PauseDelay, Policy, PolicyConfig, PowerSource, decide
+from diloco.core.energy import PolicyConfig, PowerSource
 from diloco.core.fragments import FragmentedCoordinator, FragmentSubmission
 from diloco.core.holds import Holds
 from diloco.core.ledger import ShardState
@@ -67,8 +67,9 @@ from diloco.errors import (
 )
 from diloco.rpc.payload import BufferPool, SpillFile, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
-from services.coordinator.energy import J_PER_KWH, SNAPSHOT_KEY, Charge, EnergyBook, LearnerEnergy
+from services.coordinator.energy import SNAPSHOT_KEY, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
+from services.coordinator.placement import Joining, Placement
 
 __all__ = [
     "Broadcast",
@@ -150,17 +151,6 @@ class StatusView:
 
 
 @dataclass(frozen=True)
-class Joining:
-    """What a registering learner says about its power, zone, price and capacity (issue #15)."""
-
-    watts: float = 0.0
-    source: PowerSource | None = None
-    zone: str = ""
-    price_per_hour: float = 0.0
-    spot: bool = False
-
-
-@dataclass(frozen=True)
 class Report:
     """One learner's throughput report (healthd forwards its heartbeats' figures)."""
 
@@ -234,10 +224,6 @@ class CoordinatorState:
         self.core = core
         # streaming fragments (docs/fragments.md): the tensor work of accept and close goes through it; None: P = 1
         self.frag = fragments
-        self.energy = energy or EnergyBook()  # learners' power, zones, prices and what they used (under `lock`)
-        self.placement = placement or PolicyConfig()  # the placement policy (`diloco.core.energy.decide`)
-        self.pause_delay = PauseDelay(self.placement.started_s or 0.0)  # what its pauses cost the job so far
-        self.placement_reason = ""  # the last decision's reason
         self.on_new_zone: Callable[[], None] | None = None  # a learner brought a zone the carbon provider never gave
         self.epoch = coordinator_epoch
         self.fingerprint = fingerprint
@@ -265,6 +251,8 @@ class CoordinatorState:
         # --fault-crash-before-answer)
         self.before_answer: Callable[[Submission, Outcome], None] | None = None
         self.log = logging.get("coordinator", epoch=coordinator_epoch)
+        # learners' power, zones, prices and what they used, and the placement policy (issue #15; under `lock`)
+        self.placement = Placement(energy or EnergyBook(), placement or PolicyConfig(), metrics, self.log)
         self.work = threading.RLock()
         self.lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []  # called after a new version, and on stop: wake watchers
@@ -290,10 +278,6 @@ class CoordinatorState:
         self._params_holds = Holds()  # readers of Θ outside `work` (`hold_params`: the evaluation)
         self._published = Published(core.version, self.epoch, (), core.finished, self._fragment_versions())
         self._refresh_gauges()
-        # the fleet's counters go on from the book's totals (a checkpoint's, when resumed from one)
-        metrics.fleet_energy_joules.inc(self.energy.joules)
-        metrics.fleet_carbon_grams.inc(self.energy.grams)
-        metrics.fleet_cost.inc(self.energy.cost)
 
     # --- membership ---------------------------------------------------------------------------------------------
     def register(
@@ -309,23 +293,10 @@ class CoordinatorState:
         e = energy or Joining()
         self.check_leading()
         with self.lock:
-            self.energy.check(e.zone)
+            self.placement.book.check(e.zone)
             now = self.clock()
             rec = self.core.register(name, now, speed=speed, device_kind=device_kind)
-            if len(self.energy.learners) >= len(self.core.workers):  # the core dropped departed records
-                for gone in self.energy.forget(self.core.workers):
-                    self.metrics.forget_worker(gone)
-            new_zone = bool(e.zone) and e.zone not in self.energy.signal.live and e.zone not in self.energy.zones()
-            self.energy.join(
-                rec.worker_id,
-                now,
-                zone=e.zone,
-                price_per_hour=e.price_per_hour,
-                spot=e.spot,
-                watts=e.watts,
-                source=e.source,
-            )
-            self._energy_gauges([rec.worker_id])  # weighed at the next round close, with the rest
+            new_zone = self.placement.join(rec.worker_id, now, e, self.core.workers.keys())
             plan = self.core.plan(rec.worker_id)
             self._refresh_gauges()
             self._nudge_locked()
@@ -375,9 +346,9 @@ class CoordinatorState:
                     if strict:
                         raise
                     continue
-                self.energy.report(r.worker_id, r.watts, r.source)
+                self.placement.book.report(r.worker_id, r.watts, r.source)
             self._expire_locked()  # healthd reports again: learners it no longer hears of are gone
-            self._energy_gauges([r.worker_id for r in reports if r.source is not None])
+            self.placement.gauges([r.worker_id for r in reports if r.source is not None])
 
     def remove(self, worker_id: str, state: WorkerState, reason: str) -> tuple[bool, list[int]]:
         """A learner left (LEFT), died (DEAD) or was evicted (EVICTED). Returns (was live, shards released).
@@ -390,8 +361,7 @@ class CoordinatorState:
                 self.metrics.reassignments.inc(len(released))
             if was_live:
                 now = self.clock()
-                self._charge(self.energy.leave(worker_id, now))
-                self._energy_gauges([worker_id])
+                self.placement.leave(worker_id, now)
                 self._place_locked(now)
             self._refresh_gauges()
             self._nudge_locked(poll=True)
@@ -473,8 +443,7 @@ class CoordinatorState:
         expired = self.core.expire_unconfirmed(now)
         for worker_id, released in expired:
             self.metrics.reassignments.inc(len(released))
-            self._charge(self.energy.leave(worker_id, now))
-            self._energy_gauges([worker_id])
+            self.placement.leave(worker_id, now)
             reason = self.core.workers[worker_id].state_reason
             self.log.warning("worker.dead", worker_id=worker_id, reason=reason, released_shards=released)
             self._nudge_locked(poll=True)  # a round may have waited only for it
@@ -483,102 +452,25 @@ class CoordinatorState:
 
     # --- placement and accounting (issue #15) -----------------------------------------------------------------------
     def _place_locked(self, now: float) -> None:
-        """Under `lock`: the placement policy's weights for the active learners now, from their planning speeds
-        (measured, else a bounded claim) and what the energy book knows (watts, zone intensity at `now`, price,
-        capacity), applied to the core (a paused learner keeps its registration, gets no shards and is not waited
-        for; the ledger moves its shards like any hand-off). The rule is `diloco.core.energy.decide`'s. Called at
-        every round close and departure (a newcomer counts with weight 1 until the next round close, so a burst of
-        registrations costs no decision each); `speed` has nothing to decide (every weight is 1)."""
-        if self.placement.policy is Policy.SPEED:
-            return
-        c = self.core
-        live = c.live_ids()
-        speeds = c.planning_speeds()
-        active = {w: speeds[w] for w in live if c.workers[w].state == WorkerState.ACTIVE}
-        delay = self.pause_delay.advance(now)
-        infos = self.energy.infos(active, now)
-        decision = decide(now, infos, self.placement, tokens_left=self._tokens_left(), delay_s=delay)
-        self.pause_delay.follow(decision)
-        weights = {w: decision.weights.get(w, 1.0) for w in live}
-        changed = c.set_placement_weights(weights)
-        moved = self.energy.set_weights(weights, now)
-        self._charge(moved.charges)
-        if active:  # with nobody active (the run over, everyone gone) the last reason stays
-            self.placement_reason = decision.reason
-        if changed:
-            self.metrics.placement_changes.inc()
-            self._nudge_locked(poll=True)  # a round may have waited only for a learner now paused
-            self.log.info(
-                "placement.changed",
-                policy=self.placement.policy.value,
-                reason=decision.reason,
-                paused=list(decision.paused),
-                weights={w: x for w, x in weights.items() if x != 1.0},
-                plan_seq=c.plan_seq,
-            )
-        self._energy_gauges(moved.changed)
-
-    def _tokens_left(self) -> float:
-        """Tokens the run still needs (for the `cost` policy's deadline): the rounds left to the target times the
-        tokens an applied round held so far on average; 0 (unknown) without a target or before the first round."""
-        c = self.core
-        target = c.cfg.target_outer_steps
-        if not target or not c.version:
-            return 0.0
-        return max(0, target - c.version) * c.tokens_applied / c.version
-
-    def _charge(self, charges: list[Charge]) -> None:
-        """Under `lock`: what learners used, into the counters."""
-        m = self.metrics
-        for ch in charges:
-            if ch.joules:
-                m.energy_joules.labels(worker=ch.worker_id).inc(ch.joules)
-                m.fleet_energy_joules.inc(ch.joules)
-            if ch.grams:
-                m.carbon_grams.labels(worker=ch.worker_id).inc(ch.grams)
-                m.fleet_carbon_grams.inc(ch.grams)
-            if ch.cost:
-                m.cost.labels(worker=ch.worker_id).inc(ch.cost)
-                m.fleet_cost.inc(ch.cost)
-
-    def _energy_gauges(self, worker_ids: list[str]) -> None:
-        """Under `lock`: the watts and weights of `worker_ids` (those that changed), and how many are paused."""
-        for w in worker_ids:
-            rec = self.energy.learners.get(w)
-            if rec is not None:
-                self.metrics.worker_watts.labels(worker=w).set(rec.watts)
-                self.metrics.placement_weight.labels(worker=w).set(rec.weight)
-        self.metrics.paused_workers.set(self.energy.paused)
+        """Under `lock`: the placement policy weighs the learners again (`Placement.place`); a round may have waited
+        only for a learner it paused."""
+        if self.placement.place(self.core, now):
+            self._nudge_locked(poll=True)
 
     def zones(self) -> set[str]:
         """The live learners' zones (the carbon provider asks for these)."""
         with self.lock:
-            return self.energy.zones(self.core.live_ids())
+            return self.placement.book.zones(self.core.live_ids())
 
     def set_intensity(self, zone: str, value: float) -> None:
         """The carbon provider's value for `zone` (gCO2/kWh); the next placement uses it."""
         with self.lock:
-            recovered = self.energy.signal.set_live(zone, value)
-        self.metrics.carbon_intensity.labels(zone=zone).set(value)
-        if recovered:
-            self.log.info("carbon.provider_recovered", zone=zone, gco2_per_kwh=value)
+            self.placement.set_intensity(zone, value)
 
     def intensity_failed(self, zone: str, reason: str, detail: str) -> None:
-        """A carbon provider call gave no good value for `zone`: counted by reason and by zone, and logged when the
-        zone's fallback or the reason changes (`CarbonSignal.fail` says what the zone falls back to)."""
+        """A carbon provider call gave no good value for `zone` (`Placement.intensity_failed`)."""
         with self.lock:
-            fallback = self.energy.signal.fail(zone, reason, self.clock())
-        self.metrics.carbon_provider_failures.labels(reason=reason).inc()
-        self.metrics.carbon_fallbacks.labels(zone=zone, to=fallback.to).inc()
-        if fallback.changed:
-            self.log.warning(
-                "carbon.provider_failed",
-                zone=zone,
-                reason=reason,
-                detail=detail,
-                fallback=fallback.to,
-                gco2_per_kwh=fallback.value,
-            )
+            self.placement.intensity_failed(zone, reason, detail, self.clock())
 
     def _close_round(self, now: float) -> RoundApplied | None:
         """Under `work`: close a round if the policy says so (bookkeeping under `lock`), then step it and encode
@@ -981,7 +873,7 @@ class CoordinatorState:
                 except DilocoError as e:
                     raise self.reject(e, e.code.lower()) from None
                 seconds = self.core.workers[sub.worker_id].speed_samples[-1][1]  # this submission's work
-                self._charge([self.energy.work(sub.worker_id, seconds, now)])
+                self.placement.work(sub.worker_id, seconds, now)
                 with self._table_lock:
                     self.uploads.accepted(sub, done.meta.encoded_bytes)
                 self.metrics.submission_tokens.observe(sub.tokens)
@@ -1092,9 +984,7 @@ class CoordinatorState:
     def status(self, mode: str) -> StatusView:
         c = self.core
         with self.lock:
-            self._charge(self.energy.accrue(self.clock()))  # costs up to now
-            book = self.energy
-            learners = [rec for w in c.live_ids() if (rec := book.learners.get(w)) is not None]
+            use = self.placement.usage(c.live_ids(), self.clock())  # costs up to now
             return StatusView(
                 mode=mode,
                 version=c.version,
@@ -1114,24 +1004,24 @@ class CoordinatorState:
                 min_quorum=c.cfg.rounds.min_quorum,
                 rejected_submissions=self.rejected,
                 started_unix_s=self.started_at,
-                placement=self.placement.policy.value,
-                placement_reason=self.placement_reason,
-                paused_workers=book.paused,
-                watts=math.fsum(r.watts for r in learners),
-                energy_kwh=book.joules / J_PER_KWH,
-                carbon_g=book.grams,
-                cost=book.cost,
+                placement=self.placement.policy.policy.value,
+                placement_reason=self.placement.reason,
+                paused_workers=use.paused_workers,
+                watts=use.watts,
+                energy_kwh=use.energy_kwh,
+                carbon_g=use.carbon_g,
+                cost=use.cost,
             )
 
     def workers(self) -> list[WorkerView]:
         with self.lock:
             now = self.clock()
-            self._charge(self.energy.accrue(now))  # costs up to now
+            self.placement.accrue(now)  # costs up to now
             return [
                 WorkerView(
                     WorkerRecord(**vars(rec)),
                     self.core.plan(rec.worker_id) if rec.state in LIVE_STATES else None,
-                    self.energy.view(rec.worker_id, now),
+                    self.placement.book.view(rec.worker_id, now),
                 )
                 for rec in sorted(self.core.workers.values(), key=lambda r: r.registered_at)
             ]
@@ -1149,9 +1039,9 @@ class CoordinatorState:
         releasing `work` (`checkpoint.save(..., hold=state.work)`). It carries the fleet's energy, carbon and cost
         totals, costs charged up to now (`services.coordinator.energy.Totals`)."""
         with self.work, self.lock:
-            self._charge(self.energy.accrue(self.clock()))
+            totals = self.placement.totals(self.clock())  # costs charged up to now
             snap = self.frag.snapshot() if self.frag is not None else self.core.snapshot()
-            return {**snap, SNAPSHOT_KEY: self.energy.totals().to_snapshot()}
+            return {**snap, SNAPSHOT_KEY: totals.to_snapshot()}
 
     def stop(self) -> None:
         with self.lock:
