@@ -679,10 +679,13 @@ def test_a_pending_round_closes_when_the_missing_learner_dies(start: Callable[..
 def test_drain_evict_release_and_deregister(start: Callable[..., Env]) -> None:
     env = start(expected_workers=3)
     a, b, c = register(env, "a"), register(env, "b"), register(env, "c")
+    ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    assert [s for s in ledger.shards if s.owner == a.worker_id]
     drained = env.stub.DrainWorker(pb.DrainWorkerRequest(worker_id=a.worker_id), timeout=T)
     assert drained.state == common_pb2.WORKER_STATE_DRAINING
     assert not env.stub.GetWorkPlan(pb.GetWorkPlanRequest(worker_id=a.worker_id), timeout=T).plan.shards
     ledger = env.stub.GetLedger(pb.GetLedgerRequest(), timeout=T)
+    assert {s.owner for s in ledger.shards} == {b.worker_id, c.worker_id}  # a's shards moved at once
     owned_by_b = sorted(s.shard_id for s in ledger.shards if s.owner == b.worker_id)
     evicted = env.stub.EvictWorker(pb.EvictWorkerRequest(worker_id=b.worker_id, reason="misbehaves"), timeout=T)
     assert owned_by_b and sorted(evicted.reassigned_shards) == owned_by_b

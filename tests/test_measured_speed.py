@@ -12,7 +12,8 @@ from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore, Submissi
 from diloco.core.ledger import ShardRange
 from diloco.core.placement import CLAIM_SPREAD
 from diloco.core.rounds import RoundConfig
-from diloco.core.states import DEAD
+from diloco.core.states import DEAD, WorkerState
+from diloco.errors import DilocoError
 
 N = 4
 SHARD = 10**9  # tokens per shard: never exhausted here
@@ -221,11 +222,36 @@ def test_cached_planning_speeds_match_a_fresh_computation(mode: str) -> None:
 
 
 def test_a_drain_or_a_quarantine_is_not_a_drift() -> None:
-    """Only speed changes re-place shards at a close; a drained learner keeps its shards as before this rule."""
+    """Only speed changes re-place shards at a close: a drain moved the drained learner's shards already."""
     c = core("decoupled", 2, shards=4, k=1)
     a, b = c.register("a", 0.0).worker_id, c.register("b", 0.0).worker_id
     c.drain(b)
     seq, owners = c.plan_seq, [s.owner for s in c.ledger.states()]
-    deliver(c, a, "a1", 1000, now=10.0)
-    assert c.poll(11.0) is not None
+    assert owners == [a] * 4
+    deliver(c, a, "a1", 1000, now=10.0)  # closes the round at once: the drained learner has nothing to send
+    assert c.version == 1
     assert c.plan_seq == seq and [s.owner for s in c.ledger.states()] == owners
+
+
+def test_a_drained_learner_hands_its_shards_over_at_once_and_nothing_is_counted_twice() -> None:
+    """A drained learner gets no shards: they move to the active learners at once, at their accepted cursors under
+    a new epoch, also those staged towards it; its late submission of steps made before is refused, while the one
+    accepted before the drain is applied."""
+    c = core("decoupled", 3, shards=6, k=1)
+    a, b, x = (c.register(n, 0.0).worker_id for n in ("a", "b", "x"))
+    deliver(c, x, "x1", 1000, now=1.0)  # accepted before the drain: applied as usual
+    lease = c.plan(x).shards[0]
+    late = ShardRange(lease.shard_id, lease.epoch, lease.cursor, lease.cursor + 500)  # trained, not yet sent
+    c.staged[c.plan(a).shards[0].shard_id] = (x, c.plan_seq + 1)  # a hand-off towards x still pending
+    drained = c.drain(x)
+    assert drained.state == WorkerState.DRAINING and c.plan(x).shards == ()
+    assert not c.ledger.shard_ids_of(x) and all(target != x for target, _ in c.staged.values())
+    assert set(s.owner for s in c.ledger.states()) == {a, b}
+    moved = c.ledger.state(lease.shard_id)
+    assert moved.epoch > lease.epoch and moved.accepted == lease.cursor  # resumes where x's acceptance left it
+    assert c.drain(x) is drained and c.ledger.state(lease.shard_id).epoch == moved.epoch  # again: nothing changes
+    with pytest.raises(DilocoError):
+        c.accept(Submission(x, "x2", c.version, 500, 10, (late,), c.plan_seq), torch.zeros(N), 2.0)
+    applied = c.poll(3.0)
+    assert applied is not None and applied.tokens == 1000  # x1 only
+    assert c.ledger.state(lease.shard_id).committed == lease.cursor

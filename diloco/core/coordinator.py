@@ -528,8 +528,23 @@ class CoordinatorCore:
         return released
 
     def drain(self, worker_id: str) -> WorkerRecord:
+        """The operator takes a learner out of the work (DrainWorker): it stays registered and gets no shards. Those
+        it holds go to the active learners at once, as a paused learner's do: they resume at their accepted cursors
+        under a new epoch, so steps it trained but did not submit are trained again by the new owner and a late
+        submission of them is refused (exactly-once). Its accepted submissions are applied as usual. Waiting for
+        its next submission, the hand-off of a slower learner, would hold them for ever: a learner with no shards
+        submits nothing more. Returns the record (draining an already draining learner changes nothing)."""
         rec = self._live_worker(worker_id)
+        if rec.state == DRAINING:
+            return rec
         rec.state, rec.state_reason = DRAINING, "drained by operator"
+        for shard in self.ledger.release(worker_id):
+            self.staged.pop(shard, None)
+        for shard, (target, _) in list(self.staged.items()):
+            if target == worker_id:
+                del self.staged[shard]
+        self._speeds_changed()
+        self._rebalance()
         return rec
 
     def set_placement_weights(self, weights: Mapping[str, float]) -> bool:

@@ -9,7 +9,7 @@ from enum import StrEnum
 class WorkerState(StrEnum):
     """A learner's state in the coordinator's registry.
 
-    ACTIVE      --drain-->                DRAINING  (finishes its work, gets no shards)
+    ACTIVE      --drain-->                DRAINING  (gets no shards: they move to the active learners at once)
     ACTIVE      --guard refuses-->        QUARANTINED (keeps its shards, gets no new ones)
     QUARANTINED --clean submission / release--> ACTIVE
     ACTIVE, DRAINING, QUARANTINED --remove--> DEAD | LEFT | EVICTED (final: the learner registers again)

@@ -394,10 +394,18 @@ class CoordinatorState:
         return True, released
 
     def drain(self, worker_id: str) -> WorkerRecord:
+        """The operator's DrainWorker: the learner stays registered and its shards move at once (`core.drain`). A
+        round that was only waiting for it closes at once (the poller closes it)."""
         with self.lock:
+            owned = sorted(s.shard_id for s in self.core.ledger.owned_by(worker_id))
             rec = self.core.drain(worker_id)
             view = WorkerRecord(**vars(rec))
-        self.log.info("worker.draining", worker_id=worker_id)
+            owners = {i: self.core.ledger.state(i).owner for i in owned}
+            if owned:
+                self.metrics.reassignments.inc(len(owned))
+            self._refresh_gauges()
+            self._nudge_locked(poll=True)
+        self.log.info("worker.draining", worker_id=worker_id, released_shards=owned, owners=owners)
         return view
 
     def release(self, worker_id: str) -> WorkerRecord:
