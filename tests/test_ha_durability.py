@@ -19,6 +19,9 @@ import pytest
 
 from diloco.cluster import LocalCluster, LogFollower, Proc, wait_for
 from diloco.ha.etcd_server import EtcdServer
+from diloco.rpc.server import channel
+from diloco.v1 import coordinator_pb2 as pb
+from diloco.v1 import coordinator_pb2_grpc
 from services.coordinator.ha import free_port
 from tests.support import Events, ha_cluster_config, healthd_for_replicas, scrape, spawn_replica
 
@@ -41,6 +44,11 @@ def received(run_dir: Path, workers: int) -> list[list[int]]:
         ]
         for i in range(workers)
     ]
+
+
+def ha_status(address: str) -> pb.HaStatus:
+    with channel(address) as ch:
+        return coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5).ha
 
 
 def newest_received(run_dir: Path, workers: int) -> int:
@@ -127,6 +135,8 @@ def test_a_leader_whose_standby_dies_publishes_or_waits_as_told_and_standby_metr
             assert newest_received(run, cfg.workers) < held, "a learner received a version no standby holds"
             assert max(int(str(f["version"])) for f in a.all("round.closed")) < held
             assert m[degraded] == degraded_before
+            ha = ha_status(a_addr)  # what `diloco ctl status` shows the operator
+            assert ha.holding_version == held and ha.held_s >= 3 * ACK_TIMEOUT_S, ha
 
         # the standby comes back (a supervisor's restart) and catches up; a held version then goes out
         b.proc = replica("coord-b")
@@ -140,6 +150,7 @@ def test_a_leader_whose_standby_dies_publishes_or_waits_as_told_and_standby_metr
             assert float(str(released["held_s"])) >= 3 * ACK_TIMEOUT_S and released["acked"] == ["coord-b"]
             wait_for("a learner receives the held version", lambda: newest_received(run, cfg.workers) >= held, 60)
             assert scrape(metrics["coord-a"])[("diloco_coordinator_holding", ())] == 0
+            assert ha_status(a_addr).holding_version != held
         newest_a = max(int(str(f["version"])) for f in a.all("round.closed"))
         m = wait_for("coord-b is back in step", lambda: standby_at(newest_a), timeout_s=90, interval_s=0.2)
         assert roles(m)["standby"] == 1

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from rich.console import Console
 
+from diloco.cli.ctl import render_ha
 from diloco.cli.main import main
 from diloco.errors import ConfigError, not_leader
 from diloco.ha.etcd_server import EtcdServer
@@ -176,6 +178,17 @@ def test_a_coordinator_without_standbys_or_etcd_shows_no_ha(plain_coordinator: C
         status = coordinator_pb2_grpc.CoordinatorStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
     assert not status.HasField("ha")
     assert plain_coordinator.metrics.registry.get_sample_value("diloco_is_leader") is None
+
+
+def test_ctl_status_says_which_version_is_held_back_for_a_standby() -> None:
+    """--when-no-standby wait: a version too few standbys acknowledged is held back; ctl status names it and for how
+    long, and what the operator can do (the field is filled by the leader: tests/test_ha_durability.py)."""
+    console = Console(record=True, width=200)
+    render_ha(console, pb.HaStatus(replica_id="a", is_leader=True, leader_epoch=3, holding_version=7, held_s=12.5))
+    out = console.export_text()
+    assert "held back" in out and "version 7 for 12.5 s" in out and "start or mend a standby" in out
+    render_ha(console, pb.HaStatus(replica_id="a", is_leader=True, leader_epoch=3))
+    assert "held back" not in console.export_text()
 
 
 # --- StepDown's refusals --------------------------------------------------------------------------------------------

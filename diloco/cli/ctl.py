@@ -218,6 +218,11 @@ def render_ha(console: Console, ha: Any) -> None:
         "round log version": str(ha.log_version),
         "round log": _log_size(ha) if ha.log_max_bytes else "-",  # 0: no round log (or a leader before the cap)
     }
+    if ha.holding_version:
+        rows["held back"] = (
+            f"version {ha.holding_version} for {ha.held_s:,.1f} s: too few standbys acknowledged it "
+            "(--when-no-standby wait); learners get it once one does: start or mend a standby"
+        )
     for k, v in rows.items():
         t.add_row(k, v)
     console.print(t)

@@ -319,7 +319,7 @@ class GetStatusResponse(_message.Message):
     def __init__(self, mode: _Optional[_Union[RoundMode, str]] = ..., version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., paused: _Optional[bool] = ..., live_workers: _Optional[int] = ..., pending_submissions: _Optional[int] = ..., tokens_applied: _Optional[int] = ..., last_round_unix_s: _Optional[float] = ..., validation_loss: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., target_outer_steps: _Optional[int] = ..., finished: _Optional[bool] = ..., codec: _Optional[str] = ..., min_quorum: _Optional[int] = ..., rejected_submissions: _Optional[int] = ..., started_unix_s: _Optional[float] = ..., validation_tokens: _Optional[int] = ..., placement: _Optional[str] = ..., placement_reason: _Optional[str] = ..., paused_workers: _Optional[int] = ..., watts: _Optional[float] = ..., energy_kwh: _Optional[float] = ..., carbon_g: _Optional[float] = ..., cost: _Optional[float] = ..., ha: _Optional[_Union[HaStatus, _Mapping]] = ...) -> None: ...
 
 class HaStatus(_message.Message):
-    __slots__ = ("replica_id", "leader_id", "leader_address", "leader_epoch", "is_leader", "sync_replicas", "log_version", "replicas", "log_oldest_version", "log_entries", "log_bytes", "log_max_bytes")
+    __slots__ = ("replica_id", "leader_id", "leader_address", "leader_epoch", "is_leader", "sync_replicas", "log_version", "replicas", "log_oldest_version", "log_entries", "log_bytes", "log_max_bytes", "holding_version", "held_s")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ID_FIELD_NUMBER: _ClassVar[int]
     LEADER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -332,6 +332,8 @@ class HaStatus(_message.Message):
     LOG_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     LOG_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOG_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOLDING_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_S_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     leader_id: str
     leader_address: str
@@ -344,7 +346,9 @@ class HaStatus(_message.Message):
     log_entries: int
     log_bytes: int
     log_max_bytes: int
-    def __init__(self, replica_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., sync_replicas: _Optional[int] = ..., log_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., log_oldest_version: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_max_bytes: _Optional[int] = ...) -> None: ...
+    holding_version: int
+    held_s: float
+    def __init__(self, replica_id: _Optional[str] = ..., leader_id: _Optional[str] = ..., leader_address: _Optional[str] = ..., leader_epoch: _Optional[int] = ..., is_leader: _Optional[bool] = ..., sync_replicas: _Optional[int] = ..., log_version: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., log_oldest_version: _Optional[int] = ..., log_entries: _Optional[int] = ..., log_bytes: _Optional[int] = ..., log_max_bytes: _Optional[int] = ..., holding_version: _Optional[int] = ..., held_s: _Optional[float] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("replica_id", "acked_version", "lag_versions", "lagging")

@@ -266,6 +266,7 @@ class ReplicationLog:
         self._degraded = 0  # versions published degraded in a row (0: not degraded)
         self._quiet = 0  # of those, the ones not logged (nobody missed a deadline: no standby followed, or lagged)
         self._asks: list[_SnapshotAsk] = []  # under `_cond`: snapshots wanted by standbys, not taken yet
+        self._held: tuple[int, float] | None = None  # under `_cond`: the version held back (WAIT) and since when
         self.stopping = False
         self.log = logging.get("coordinator", epoch=state.epoch)
         core.on_step = self._on_step
@@ -289,6 +290,13 @@ class ReplicationLog:
     def usage(self) -> LogUsage:
         with self._cond:
             return self._log.usage()
+
+    def held(self) -> tuple[int, float] | None:
+        """The version held back now (`--when-no-standby wait`: too few standbys acknowledged it) and the seconds
+        it has been held; None when none is."""
+        with self._cond:
+            held = self._held
+        return None if held is None else (held[0], max(0.0, self.clock() - held[1]))
 
     def _digest(self) -> Digest:
         """Under `work`: the digest of the state now (with fragments, over their outer optimizers)."""
@@ -359,6 +367,7 @@ class ReplicationLog:
                         break
                     if d.gate is Gate.HOLD and held_at is None:
                         held_at = self.clock()
+                        self._held = (version, held_at)
                         self._holding(version, d)
                     self._cond.wait(HOLD_COUNT_S if d.gate is Gate.HOLD else max(0.0, d.deadline - self.clock()))
             for ask in asks:  # standbys asking for a snapshot while this thread holds `work`: it takes them
@@ -368,6 +377,8 @@ class ReplicationLog:
         if held_at is not None:
             self._count_held(held_at, counted)
             self.state.metrics.holding.set(0)
+            with self._cond:
+                self._held = None
         if d.gate in (Gate.WAIT, Gate.HOLD):  # the log stopped first
             if self._gate.when_no_standby is WhenNoStandby.PUBLISH:
                 return True
@@ -539,6 +550,7 @@ class HaView:
     log_version: int  # the newest version in the round log (lag counts from it)
     replicas: tuple[ReplicaLag, ...]
     log: LogUsage | None = None  # what the round log holds (None: no round log)
+    held: tuple[int, float] | None = None  # the version held back for a standby's acknowledgement, and seconds held
 
 
 def ha_view(leadership: LeadershipView | None, log: ReplicationLog | None, address: str) -> HaView | None:
@@ -557,6 +569,7 @@ def ha_view(leadership: LeadershipView | None, log: ReplicationLog | None, addre
         log_version=log.newest if log is not None else 0,
         replicas=log.replicas() if log is not None else (),
         log=log.usage() if log is not None else None,
+        held=log.held() if log is not None else None,
     )
 
 

@@ -85,6 +85,8 @@ def ha_to_proto(v: HaView) -> coordinator_pb2.HaStatus:
         log_entries=v.log.entries if v.log is not None else 0,
         log_bytes=v.log.bytes if v.log is not None else 0,
         log_max_bytes=(v.log.max_bytes or 0) if v.log is not None else 0,
+        holding_version=v.held[0] if v.held is not None else 0,
+        held_s=v.held[1] if v.held is not None else 0.0,
         replicas=[
             coordinator_pb2.ReplicaStatus(
                 replica_id=r.replica_id, acked_version=r.acked, lag_versions=r.lag, lagging=r.lagging
