@@ -23,13 +23,16 @@ from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
 from diloco.errors import ConfigError
 from diloco.ha.driver import LeadershipDriver
 from diloco.ha.etcd import (
+    FORGET_FAILURE_S,
     MAX_HANGING,
     EtcdConfig,
     EtcdElection,
+    EtcdRefused,
     EtcdTls,
     EtcdTlsRefused,
     EtcdUnavailable,
     EtcdUnreachable,
+    next_endpoint,
 )
 from diloco.ha.etcd_server import EtcdServer
 from diloco.rpc.tls import write_bundle
@@ -345,6 +348,19 @@ def dead_port() -> int:
         return port
 
 
+def test_after_a_failure_calls_go_to_a_member_that_answered_before_a_slow_one_and_to_a_dead_one_last() -> None:
+    """A leader whose member died (refused) and whose next member is slow under load does not go back to the dead
+    one while another may answer; failures older than FORGET_FAILURE_S no longer count."""
+    assert next_endpoint(0, 3, {}, 10.0) == 1  # nothing known: round robin
+    assert next_endpoint(2, 3, {}, 10.0) == 0
+    refused_a, slow_b = {0: (True, 10.0), 1: (False, 20.0)}, {1: (False, 20.0)}
+    assert next_endpoint(1, 3, refused_a, 21.0) == 2  # c has not failed
+    assert next_endpoint(2, 3, {**refused_a, 2: (False, 22.0)}, 23.0) == 1  # b was only slow; a refused
+    assert next_endpoint(2, 3, {**slow_b, 0: (False, 5.0), 2: (False, 22.0)}, 23.0) == 0  # both slow: in turn
+    assert next_endpoint(2, 3, {**refused_a, 2: (False, 22.0)}, 10.0 + FORGET_FAILURE_S + 1) == 0  # a forgiven
+    assert next_endpoint(0, 1, {0: (True, 1.0)}, 2.0) == 0  # the only one
+
+
 def test_a_replica_given_several_endpoints_moves_past_a_dead_or_hung_one(cluster: Cluster) -> None:
     """`--etcd A,B,C`: calls go to one endpoint at a time; one that gives no answer (refused, or hanging past
     call_timeout_s) sends the next call to the next. A driver whose first two endpoints are a dead port and a hung
@@ -352,7 +368,7 @@ def test_a_replica_given_several_endpoints_moves_past_a_dead_or_hung_one(cluster
     live = (cluster.etcd.host, cluster.etcd.port)
     election = EtcdElection(EtcdConfig(host="127.0.0.1", port=dead_port(), key=KEY, others=(live,)))
     try:
-        with pytest.raises(EtcdUnreachable, match="ConnectionFailedError"):
+        with pytest.raises(EtcdRefused, match="ConnectionFailedError"):
             election.observe()
         assert election.endpoint == f"{live[0]}:{live[1]}"
         assert election.observe() is None  # the live member answers

@@ -6,8 +6,11 @@ seconds) nor a reply that trickles in; so every request runs on a thread of its 
 `MAX_HANGING` of them still hang on an endpoint, a new call there fails at once rather than start another.
 
 Several endpoints (the members of one etcd cluster, `EtcdConfig.others`): calls go to one at a time; when it gives
-no answer (refused, timed out, hanging, a server error: `EtcdUnreachable`) the next call goes to the next one, round
-robin. A call is never sent twice (its outcome may be unknown); the driver's next call, a fraction of a second
+no answer (refused, timed out, hanging, a server error: `EtcdUnreachable`) the next call goes to another one
+(`next_endpoint`): one that has not failed in the last `FORGET_FAILURE_S` first, then one that was only slow, and
+last one that refused the connection (nothing listens there: a member that is down), each in round-robin order. So
+a leader whose member died and whose next member is slow under load does not go back to the dead one while another
+answers. A call is never sent twice (its outcome may be unknown); the driver's next call, a fraction of a second
 later, is. An answer, even a refusal (a lease etcd no longer has), keeps the endpoint.
 
 - campaign: grant a lease of `ttl_s`, then one transaction: if the leader key's create_revision is 0 (no key),
@@ -44,7 +47,9 @@ import math
 import re
 import ssl
 import threading
+import time
 import traceback
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +64,7 @@ MAX_KEY_CHARS = 256
 MAX_ENDPOINTS = 5  # members of one etcd cluster a replica is given
 MAX_PEERS = 64  # standby entries read (the newest standby wins); more are not looked at
 MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
+FORGET_FAILURE_S = 60.0  # an endpoint's failure older than this no longer counts against it (`next_endpoint`)
 
 
 class EtcdUnavailable(Unavailable):
@@ -67,6 +73,10 @@ class EtcdUnavailable(Unavailable):
 
 class EtcdUnreachable(EtcdUnavailable):
     """The endpoint gave no answer (refused, timed out, hanging, a server error): the next call tries the next."""
+
+
+class EtcdRefused(EtcdUnreachable):
+    """Nothing took the connection (refused or reset): the member is down, or not at this address."""
 
 
 class EtcdTlsRefused(EtcdUnreachable):
@@ -221,6 +231,8 @@ class EtcdElection:
         self._key = _b64(cfg.key.encode())
         self._peers_prefix = (cfg.key + ".standbys/").encode()
         self._hanging: list[set[threading.Thread]] = [set() for _ in self._clients]  # given up on, still running
+        self._failed: dict[int, tuple[bool, float]] = {}  # endpoint -> (refused, when) of its last failure
+        self._clock: Callable[[], float] = time.monotonic
 
     @property
     def endpoint(self) -> str:
@@ -356,8 +368,10 @@ class EtcdElection:
         at = self._at
         try:
             return self._post_to(at, path, body)
-        except EtcdUnreachable:
-            self._at = (at + 1) % len(self._clients)
+        except EtcdUnreachable as e:
+            now = self._clock()
+            self._failed[at] = (isinstance(e, EtcdRefused | EtcdTlsRefused), now)
+            self._at = next_endpoint(at, len(self._clients), self._failed, now)
             raise
 
     def _post_to(self, at: int, path: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -394,7 +408,7 @@ class EtcdElection:
             reset = _reset_in_handshake(e)
             if reset is not None:
                 return _tls_refused(where, reset)
-            return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+            return EtcdRefused(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.ConnectionTimeoutError as e:
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.InternalServerError as e:  # a member without quorum, say: another may answer
@@ -406,6 +420,20 @@ class EtcdElection:
         if not isinstance(reply, dict):
             return EtcdUnavailable(f"{where}: the reply is not a JSON object")
         return reply
+
+
+def next_endpoint(at: int, n: int, failed: Mapping[int, tuple[bool, float]], now: float) -> int:
+    """Where calls go after endpoint `at` of `n` gave no answer, from each endpoint's last failure (`failed`: whether
+    it refused the connection, and when): one not failed in the last `FORGET_FAILURE_S` first, then one that was only
+    slow (timed out, hung, a server error), then one that refused; among equals, round robin from `at`. `at` itself
+    only when it is the only endpoint."""
+
+    def rank(i: int) -> int:
+        refused, when = failed.get(i, (False, -math.inf))
+        return 0 if now - when > FORGET_FAILURE_S else (2 if refused else 1)
+
+    others = [(at + k) % n for k in range(1, n)]
+    return min(others, key=rank) if others else at  # min keeps the first of equals: round-robin order
 
 
 def _reset_in_handshake(err: BaseException) -> ConnectionError | None:
