@@ -33,7 +33,7 @@ import torch
 
 from diloco import log as logging
 from diloco.bench.section import Context, Log, standalone, table
-from diloco.core.codecs import get_codec
+from diloco.core.codecs import get_codec, warm_up
 from diloco.core.coordinator import CoordinatorConfig, CoordinatorCore
 from diloco.core.rounds import RoundConfig
 from diloco.rpc.payload import meta_to_proto
@@ -104,6 +104,12 @@ class _Coordinator:
             work=self.work,
             chunk_bytes=CHUNK,
         )
+        # as `CoordinatorServer.start` does, and done by the time its first round comes: numba loads (or compiles)
+        # the blockwise codecs' kernels holding the GIL, 0.1-0.2 s each, which a first use mid-round would put on
+        # the control calls measured here (p99 44-132 ms, max up to 175 ms, without this line)
+        warming = warm_up(self.state.codec, self.state.broadcast_codec)
+        if warming is not None:
+            warming.join()
         self.poller = threading.Thread(target=self.state.run_poller, name="bench-rounds", daemon=True)
         self.poller.start()
         self.grpc = GrpcService("127.0.0.1", 0, ["diloco.v1.Coordinator"])
