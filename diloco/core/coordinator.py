@@ -520,10 +520,7 @@ class CoordinatorCore:
         self._departed.append(worker_id)
         self._speeds_changed()
         self.policy.worker_left(worker_id)
-        released = self.ledger.release(worker_id)
-        for shard, (target, _) in list(self.staged.items()):
-            if target == worker_id or shard in released:
-                del self.staged[shard]
+        released = self._take_back((worker_id,))
         self._membership_changed()
         return released
 
@@ -538,11 +535,7 @@ class CoordinatorCore:
         if rec.state == DRAINING:
             return rec
         rec.state, rec.state_reason = DRAINING, "drained by operator"
-        for shard in self.ledger.release(worker_id):
-            self.staged.pop(shard, None)
-        for shard, (target, _) in list(self.staged.items()):
-            if target == worker_id:
-                del self.staged[shard]
+        self._take_back((worker_id,))
         self._speeds_changed()
         self._rebalance()
         return rec
@@ -563,15 +556,18 @@ class CoordinatorCore:
         paused = [w for w, x in new.items() if x == 0 and self._weights.get(w, 1.0) != 0 and w in self.workers]
         self._weights = new
         self._speeds_changed()
-        for worker_id in paused:
-            if self.workers[worker_id].state in LIVE_STATES:
-                for shard in self.ledger.release(worker_id):
-                    self.staged.pop(shard, None)
-        for shard, (target, _) in list(self.staged.items()):
-            if target in paused:
-                del self.staged[shard]
+        self._take_back([w for w in paused if self.workers[w].state in LIVE_STATES])
         self._rebalance()
         return True
+
+    def _take_back(self, worker_ids: Sequence[str]) -> list[int]:
+        """Release the shards `worker_ids` own (each under a new epoch, resumed at its accepted cursor) and drop every
+        hand-off from or towards them. Returns the released shard ids."""
+        released = [shard for w in worker_ids for shard in self.ledger.release(w)]
+        for shard, (target, _) in list(self.staged.items()):
+            if target in worker_ids or shard in released:
+                del self.staged[shard]
+        return released
 
     def release(self, worker_id: str, reason: str = "released by operator") -> WorkerRecord:
         """Lift a quarantine (a live learner that is not quarantined is returned as it is)."""

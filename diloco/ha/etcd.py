@@ -49,7 +49,7 @@ import ssl
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,7 +232,6 @@ class EtcdElection:
         self._peers_prefix = (cfg.key + ".standbys/").encode()
         self._hanging: list[set[threading.Thread]] = [set() for _ in self._clients]  # given up on, still running
         self._failed: dict[int, tuple[bool, float]] = {}  # endpoint -> (refused, when) of its last failure
-        self._clock: Callable[[], float] = time.monotonic
 
     @property
     def endpoint(self) -> str:
@@ -369,7 +368,7 @@ class EtcdElection:
         try:
             return self._post_to(at, path, body)
         except EtcdUnreachable as e:
-            now = self._clock()
+            now = time.monotonic()
             self._failed[at] = (isinstance(e, EtcdRefused | EtcdTlsRefused), now)
             self._at = next_endpoint(at, len(self._clients), self._failed, now)
             raise
