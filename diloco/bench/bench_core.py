@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from diloco.bench.section import Context, Log, console_table, standalone, table
+from diloco.core import parallel
 from diloco.core.broadcast import (
     DEFAULT_BROADCAST_CODEC,
     BroadcastFollower,
@@ -124,13 +125,23 @@ def bench_codecs(
 
 
 def bench_broadcast(
-    numel: int, repeats: int = 3, codec: str = DEFAULT_BROADCAST_CODEC, seed: int = 0
+    numel: int, repeats: int = 3, codec: str = DEFAULT_BROADCAST_CODEC, seed: int = 0, threads: int = 1
 ) -> dict[str, Any]:
     """The broadcast path of one version (ALGORITHM.md section 10), as the services run it: the coordinator's
     `BroadcastShadow.advance` (encode `Θ − Θ̂` once, `Θ̂ += D(q)`, crc32 of `Θ̂`: fused slab by slab, scratch lent as
     the merge buffer is) and one learner applying it (`HeldParams.at`: the payload, queued encoded, decoded window by
     window and added to its `Θ̂` in place, crc32 chained), against a `copy_` of the vector. `crc_s`: a crc32 of the
-    whole vector alone, which each side computes once over its new `Θ̂` (the check that both hold the same bits)."""
+    whole vector alone, which each side computes once over its new `Θ̂` (the check that both hold the same bits).
+    `threads`: every pass, the copy included, on that many threads (`diloco.core.parallel.set_threads`, a service's
+    `--threads`); 1 afterwards."""
+    parallel.set_threads(threads)
+    try:
+        return _bench_broadcast(numel, repeats, codec, seed) | {"threads": threads}
+    finally:
+        parallel.set_threads(1)
+
+
+def _bench_broadcast(numel: int, repeats: int, codec: str, seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
     theta = torch.randn(numel, generator=gen)
     dst = torch.empty_like(theta)
@@ -282,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 OUTER_TARGET_X = 1.2  # our outer step against torch's SGD(nesterov=True) on the same vectors
 INT8_TARGET_X_COPY = 3.0  # int8 encode + streaming decode against a copy into a preallocated buffer (issue #13)
 BROADCAST_TARGET_X_COPY = 3.0  # one version's broadcast: encoded once + applied by a learner, against a copy
+BROADCAST_THREADS = 2  # the broadcast again with `--threads` this many (this machine's cores)
 
 
 @dataclass(frozen=True)
@@ -302,6 +314,7 @@ def section(ctx: Context) -> dict[str, Any]:
     codec_rows = bench_codecs(s.numel, s.repeats, block_size=s.block_size, topk_fraction=s.topk_fraction)
     outer_rows = bench_outer(s.numel, s.repeats)
     broadcast = bench_broadcast(s.numel, s.repeats)
+    broadcast_threads = bench_broadcast(s.numel, s.repeats, threads=BROADCAST_THREADS)
     by = {r["name"]: r for r in [*codec_rows, *outer_rows]}
     outer_x = by["diloco Nesterov step"]["x_limit"]
     int8_x = by["int8"]["x_copy"]
@@ -331,6 +344,7 @@ def section(ctx: Context) -> dict[str, Any]:
         "codecs": codec_rows,
         "outer": outer_rows,
         "broadcast": broadcast,
+        "broadcast_threads": broadcast_threads,
         "checks": checks,
     }
 
@@ -360,6 +374,7 @@ def summary(r: dict[str, Any]) -> str:
                 f"{int8['x_copy']:.1f}x (target ≤ {INT8_TARGET_X_COPY:g}x)",
             ],
             *_broadcast_row(r.get("broadcast")),
+            *_threads_row(r.get("broadcast"), r.get("broadcast_threads")),
         ],
     )
 
@@ -380,6 +395,21 @@ def _broadcast_row(b: dict[str, Any] | None) -> list[list[str]]:
             "(decoded window by window into its Θ̂, checksummed) vs `copy_`",
             f"{b['encode_s']:.3f} s + {b['apply_s']:.3f} s vs {b['copy_s']:.3f} s{_crc_share(b)}",
             f"{b['x_copy']:.1f}x (target ≤ {BROADCAST_TARGET_X_COPY:g}x)",
+        ]
+    ]
+
+
+def _threads_row(one: dict[str, Any] | None, more: dict[str, Any] | None) -> list[list[str]]:
+    """The same broadcast with `--threads` N: each pass against its own time on one thread."""
+    if not one or not more:
+        return []  # measured before the row existed
+    n = more["threads"]
+    return [
+        [
+            f"the same on {n} threads (`--threads {n}`: encode, apply and the copy), against one thread",
+            f"{more['encode_s']:.3f} s + {more['apply_s']:.3f} s vs {more['copy_s']:.3f} s",
+            f"encode {one['encode_s'] / more['encode_s']:.2f}x, apply {one['apply_s'] / more['apply_s']:.2f}x, "
+            f"copy {one['copy_s'] / more['copy_s']:.2f}x faster; {more['x_copy']:.1f}x its copy",
         ]
     ]
 

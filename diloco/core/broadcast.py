@@ -406,7 +406,7 @@ def _apply_in_place(params: torch.Tensor, delta: PendingDelta, on_window: OnWind
 
 
 class _InPlaceDelta:
-    """A window sink (`diloco.core.codecs.WindowSink`) adding a delta's decoded windows into `params` in place.
+    """A window sink (`diloco.core.codecs.AddingSink`) adding a delta's decoded windows into `params` in place.
     Windows that come in order (as the dense decoders hand them over) chain the crc32 of the new bytes while they
     are in cache, after the values before the delta's range; the values after it are chained at the end."""
 
@@ -420,19 +420,29 @@ class _InPlaceDelta:
         self._crc = crc32(_bytes(params[:offset]))
 
     def dense(self, start: int, values: torch.Tensor) -> None:
+        window = self.add_target(start, values.numel())
+        window.add_(values)
+        self.added(start, window)
+
+    def add_target(self, start: int, count: int) -> torch.Tensor:
+        """`params`' window for elements [start, start + count) of the delta (`diloco.core.codecs.AddingSink`: a
+        block codec's decoder adds the values there itself); its values before the add are kept for `on_window`."""
         lo = start + self._offset
-        hi = lo + values.numel()
-        if hi > self._end:
-            raise CodecError(f"a delta window ends at {hi}, past the delta's range (to {self._end})")
-        window = self._params[lo:hi]
-        if self._on_window is None:
-            window.add_(values)
-        else:
-            if self._old.numel() < values.numel():
-                self._old = torch.empty(values.numel(), dtype=window.dtype)
-            old = self._old[: values.numel()].copy_(window)
-            window.add_(values)
-            self._on_window(lo, hi, old, window)
+        if lo + count > self._end:
+            raise CodecError(f"a delta window ends at {lo + count}, past the delta's range (to {self._end})")
+        window = self._params[lo : lo + count]
+        if self._on_window is not None:
+            if self._old.numel() < count:
+                self._old = torch.empty(count, dtype=window.dtype)
+            self._old[:count].copy_(window)
+        return window
+
+    def added(self, start: int, window: torch.Tensor) -> None:
+        """`window` (from `add_target`) holds its new values."""
+        lo = start + self._offset
+        hi = lo + window.numel()
+        if self._on_window is not None:
+            self._on_window(lo, hi, self._old[: window.numel()], window)
         if self._next == lo:
             self._crc = crc32(_bytes(window), self._crc)
             self._next = hi

@@ -49,12 +49,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import ClassVar, NoReturn, Protocol
+from typing import ClassVar, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values, about 7x faster than zlib's
 
+from diloco.core import parallel
 from diloco.errors import InvalidArgument
 
 if sys.byteorder != "little":  # the byte layouts are little-endian and we decode through native views
@@ -63,6 +64,7 @@ if sys.byteorder != "little":  # the byte layouts are little-endian and we decod
 __all__ = [
     "ALLOWED_BLOCK_SIZES",
     "CODEC_NAMES",
+    "AddingSink",
     "BF16Codec",
     "Codec",
     "CodecError",
@@ -269,6 +271,19 @@ class WindowSink(Protocol):
 
     def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Elements `index` (int64, increasing) are `values`; elements never named are 0 (topk payloads)."""
+
+
+@runtime_checkable
+class AddingSink(WindowSink, Protocol):
+    """A sink that adds the decoded values to a vector it holds (a learner's `Θ̂`, brought to the next version in
+    place: `diloco.core.broadcast`). A block codec's decoder adds them there itself, fused with the decode
+    (`kernels.dequantize_add`: one pass over the window, no scratch), where others hand windows to `dense`."""
+
+    def add_target(self, start: int, count: int) -> torch.Tensor:
+        """The contiguous fp32 CPU tensor that elements [start, start + count) are added into."""
+
+    def added(self, start: int, window: torch.Tensor) -> None:
+        """`window`, from `add_target`, holds its new values."""
 
 
 class SlabStore(Protocol):
@@ -717,14 +732,22 @@ class _BlockCodec(Codec):
         bs = self.block_size
         full = numel // bs * bs
         payload, scales, values = self._payload(numel)
-        worst = 0
-        for start in range(0, full, _SLAB):
-            end = min(start + _SLAB, full)
-            loaded = load(start, end)
-            block_scales, block_values = self._slab(scales, values, start, end)
-            worst = max(worst, kernels.quantize(loaded.numpy(), bs, self.qmax, block_scales, block_values, subtract))
-            if subtract:
-                store(start, loaded)
+
+        def part(lo: int, hi: int) -> int:  # the largest |x| bit pattern of [lo, hi)
+            worst = 0
+            for start in range(lo, hi, _SLAB):
+                end = min(start + _SLAB, hi)
+                loaded = load(start, end)
+                block_scales, block_values = self._slab(scales, values, start, end)
+                worst = max(
+                    worst, kernels.quantize(loaded.numpy(), bs, self.qmax, block_scales, block_values, subtract)
+                )
+                if subtract:
+                    store(start, loaded)
+            return worst
+
+        # a vector in memory is encoded in parts at once; slabs loaded from elsewhere (a file) one after another
+        worst = max(parallel.map_parts(part, 0, full, bs) if store is _in_place else [part(0, full)], default=0)
         if full < numel:  # the short last block, padded with zeros (they do not change its abs-max)
             tail = load(full, numel)
             padded = np.zeros(bs, dtype=np.float32)
@@ -737,7 +760,7 @@ class _BlockCodec(Codec):
                 store(full, tail)
         _check_finite(worst < kernels.NON_FINITE, self.name)
         data = payload.data
-        return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs)
+        return data, EncodedMeta(self.name, numel, len(data), parallel.parallel_crc32(data), bs)
 
     def encode_toward(
         self,
@@ -758,17 +781,24 @@ class _BlockCodec(Codec):
         full = numel // bs * bs
         payload, scales, values = self._payload(numel)
         p, s, o = params.numpy(), shadow.numpy(), out.numpy()
-        worst = 0
-        for start in range(0, full, _FUSED_SLAB):
-            end = min(start + _FUSED_SLAB, full)
-            block_scales, block_values = self._slab(scales, values, start, end)
-            worst = max(
-                worst,
-                kernels.quantize_toward(
-                    p[start:end], s[start:end], o[start:end], bs, self.qmax, block_scales, block_values
-                ),
-            )
-            crc = crc32(o[start:end].data.cast("B"), crc)
+
+        def part(lo: int, hi: int) -> tuple[int, int, int]:  # (worst, crc32 of out[lo:hi], its bytes)
+            worst, part_crc = 0, 0
+            for start in range(lo, hi, _FUSED_SLAB):
+                end = min(start + _FUSED_SLAB, hi)
+                block_scales, block_values = self._slab(scales, values, start, end)
+                worst = max(
+                    worst,
+                    kernels.quantize_toward(
+                        p[start:end], s[start:end], o[start:end], bs, self.qmax, block_scales, block_values
+                    ),
+                )
+                part_crc = crc32(o[start:end].data.cast("B"), part_crc)
+            return worst, part_crc, 4 * (hi - lo)
+
+        parts = parallel.map_parts(part, 0, full, bs)
+        worst = max((w for w, _, _ in parts), default=0)
+        crc = parallel.crc_combine([(c, n) for _, c, n in parts], crc)
         if full < numel:  # the short last block, padded with zeros as `_encode` does
             padded = np.zeros((3, bs), dtype=np.float32)  # params, shadow, out
             padded[0, : numel - full], padded[1, : numel - full] = p[full:], s[full:]
@@ -781,7 +811,7 @@ class _BlockCodec(Codec):
             crc = crc32(o[full:].data.cast("B"), crc)
         _check_finite(worst < kernels.NON_FINITE, self.name)
         data = payload.data
-        return data, EncodedMeta(self.name, numel, len(data), crc32(data), bs), crc
+        return data, EncodedMeta(self.name, numel, len(data), parallel.parallel_crc32(data), bs), crc
 
 
 class Int8Codec(_BlockCodec):
@@ -810,7 +840,7 @@ class Int4Codec(_BlockCodec):
 
 class _BlockDecoder(StreamDecoder):
     """Scales first (kept and checked), then values decoded a whole number of blocks at a time
-    (`kernels.dequantize`)."""
+    (`kernels.dequantize`, or `kernels.dequantize_add` into an `AddingSink`'s vector)."""
 
     def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, qmax: int) -> None:
         bs = meta.block_size
@@ -848,10 +878,15 @@ class _BlockDecoder(StreamDecoder):
         # the short last block can take whole bytes too (int4: block_size - 1 values), so count whole blocks by values
         whole = min(len(packed) // per_block, (self.meta.numel - first * bs) // bs)
         if whole:
-            window = self._window(first * bs, whole * bs)
             scales = self._scales[first : first + whole]
-            kernels.dequantize(packed[: whole * per_block], scales, bs, self._qmax, window.numpy())
-            self._emit(first * bs, window)
+            if isinstance(self._sink, AddingSink):
+                window = self._sink.add_target(first * bs, whole * bs)
+                kernels.dequantize_add(packed[: whole * per_block], scales, bs, self._qmax, window.numpy())
+                self._sink.added(first * bs, window)
+            else:
+                window = self._window(first * bs, whole * bs)
+                kernels.dequantize(packed[: whole * per_block], scales, bs, self._qmax, window.numpy())
+                self._emit(first * bs, window)
         if len(packed) > whole * per_block:  # the short last block, decoded padded; int4's odd last nibble is padding
             start = (first + whole) * bs
             padded = np.zeros(per_block, dtype=np.uint8)

@@ -119,3 +119,24 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, out: 
             for i in range(bs // 2):
                 block[2 * i] = np.float32(np.int32(q[i] & 15) - 8) * s
                 block[2 * i + 1] = np.float32(np.int32(q[i] >> 4) - 8) * s
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def dequantize_add(packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, out: np.ndarray) -> None:
+    """out += q·s for the blocks of `out` (as `dequantize` into a buffer, then one fp32 add per element: the same
+    bits). Each block is decoded into a private buffer first: the compiler cannot tell `out` from `packed`, and a
+    loop reading one while writing the other stays scalar."""
+    q8 = packed.view(np.int8)
+    block = np.empty(bs, dtype=np.float32)
+    for b in range(out.size // bs):
+        o, s = b * bs, scales[b]
+        if qmax > 7:
+            for i in range(bs):
+                block[i] = np.float32(q8[o + i]) * s
+        else:
+            for i in range(bs // 2):
+                v = packed[o // 2 + i]
+                block[2 * i] = np.float32(np.int32(v & 15) - 8) * s
+                block[2 * i + 1] = np.float32(np.int32(v >> 4) - 8) * s
+        for i in range(bs):
+            out[o + i] += block[i]

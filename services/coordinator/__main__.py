@@ -6,10 +6,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry
 
 from diloco import log as logging
+from diloco.core import parallel
 from diloco.errors import ConfigError
 from diloco.heap import return_freed_memory
 from diloco.rpc.metrics import serve_metrics
@@ -32,7 +32,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except ConfigError as e:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)  # one service per core; more threads contend on small machines
+    parallel.set_threads(cfg.threads)  # torch's and the codecs' (default 1: one service per core)
     return_freed_memory()  # freed model-sized and layer-sized tensors leave the process's memory (`diloco.heap`)
     log = logging.configure("coordinator", level=cfg.log_level)
     if cfg.follow:

@@ -23,6 +23,7 @@ from diloco.core.fragments import check_fragments
 from diloco.core.guard import GuardConfig, adamw_move_bound
 from diloco.core.merge import MERGE_NAMES
 from diloco.core.outer import OUTER_NAMES, OuterConfig
+from diloco.core.parallel import check_threads
 from diloco.core.replication import WHEN_NO_STANDBY, WhenNoStandby
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
@@ -133,6 +134,7 @@ class CoordinatorServiceConfig:
     max_calls: int = 8192  # gRPC calls running at once (open streams included); more: RESOURCE_EXHAUSTED
     max_calls_per_client: int = 64  # the same for one connection
     work_threads: int = 4  # threads that decode uploads and write checkpoints, off the event loop
+    threads: int = 1  # threads of each model-sized pass: torch's and the codecs' (`diloco.core.parallel`)
     # energy-, carbon- and cost-aware placement (issue #15; diloco.core.energy, services/coordinator/energy.py)
     placement: str = "speed"  # speed | energy | carbon | cost
     carbon_trace: str = ""  # CSV zone,time_s,gco2_per_kwh; "" none
@@ -200,6 +202,7 @@ class CoordinatorServiceConfig:
         _int_in("max_calls", self.max_calls, 16, 1_000_000)
         _int_in("max_calls_per_client", self.max_calls_per_client, 4, self.max_calls)
         _int_in("work_threads", self.work_threads, 1, 256)
+        check_threads(self.threads, "threads (--threads)")
         _choice("placement", self.placement, POLICY_NAMES)
         _float_min("carbon_trace_origin_unix_s", self.carbon_trace_origin_unix_s, 0.0)
         _float_min("carbon_threshold", self.carbon_threshold, 0.0)
@@ -460,6 +463,13 @@ _SERVICE_FLAGS: list[Flag] = [
     ("--max-calls", int, 8192, "gRPC calls running at once, open streams included (more: RESOURCE_EXHAUSTED)"),
     ("--max-calls-per-client", int, 64, "gRPC calls one connection may run at once"),
     ("--work-threads", int, 4, "threads decoding uploads and writing checkpoints, off the event loop"),
+    (
+        "--threads",
+        int,
+        1,
+        "threads of each model-sized pass (outer step, merge, broadcast encode): 1 where services share the "
+        "cores (diloco local); a coordinator alone on a many-core host: about its cores",
+    ),
     (
         "--placement",
         str,

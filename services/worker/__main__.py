@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from diloco import log as logging
+from diloco.core import parallel
 from diloco.errors import ConfigError
 from diloco.heap import return_freed_memory
 from diloco.rpc.payload import check_spill_dir
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"diloco worker: configuration error: {e}", file=sys.stderr)
         return 2
-    torch.set_num_threads(1)
+    parallel.set_threads(cfg.threads)  # torch's intra-op threads and the codecs' parts (default 1)
     return_freed_memory()  # the gradients freed after each step leave no resident pages behind (`diloco.heap`)
     logging.configure("worker")
     if rank is None or device is None:

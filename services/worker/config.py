@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from diloco.core.leadership import coordinator_addresses
+from diloco.core.parallel import check_threads
 from diloco.errors import ConfigError, InvalidArgument
 from diloco.flags import Flag, config_from_flags, env_name, parse_bool
 from diloco.flags import build_parser as build_flag_parser
@@ -39,6 +40,7 @@ class WorkerConfig:
     precision: str = "fp32"  # bf16: bf16 autocast of the forward pass (CUDA only)
     nproc_per_node: int = 1  # > 1: `diloco worker` starts torchrun with this many ranks (one island)
     max_restarts: int = 0  # torchrun's --max-restarts for the island `diloco worker` starts
+    threads: int = 1  # threads of each model-sized pass: torch's and the codecs' (`diloco.core.parallel`)
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     activation_checkpointing: bool = False  # keep each layer's input only; recompute the rest in backward
     spill_dir: str = ""  # the error-feedback residual and θ_at_submit in unlinked files there ("": memory)
@@ -104,6 +106,7 @@ class WorkerConfig:
             raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 with --device cpu")
         if not 1 <= self.nproc_per_node <= 1024:
             raise ConfigError(f"--nproc-per-node must be in [1, 1024], got {self.nproc_per_node}")
+        check_threads(self.threads, "--threads")
         if not 0 <= self.max_restarts <= 1000:
             raise ConfigError(f"--max-restarts must be in [0, 1000], got {self.max_restarts}")
         for address in (*self.coordinators, self.healthd):
@@ -193,6 +196,13 @@ _FLAGS: list[Flag] = [
         "DistributedDataParallel (or FSDP2, --shard-model) over the ranks; rank 0 alone talks to the coordinator",
     ),
     ("--max-restarts", int, 0, "with --nproc-per-node: how often torchrun restarts the island when a rank dies"),
+    (
+        "--threads",
+        int,
+        1,
+        "threads of each model-sized pass (inner steps on CPU, compression, rebase), per rank: 1 where processes "
+        "share the cores (diloco local); a learner alone on a many-core host: about its cores (per rank: / ranks)",
+    ),
     (
         "--shard-model",
         parse_bool,
