@@ -4,6 +4,7 @@ benchmarks. Every child is reaped on exit, whatever happens."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -517,6 +518,14 @@ class LocalCluster:
         if name.startswith("worker") and name.removeprefix("worker").isdigit():
             return self.start_worker(int(name.removeprefix("worker")))
         raise ValueError(f"no child named {name!r}: coordinator, healthd or worker<i>")
+
+    def set_target(self, outer_steps: int) -> None:
+        """The job's target from the coordinator's next start on (`respawn`): an operator changes a running job's
+        target by restarting its coordinator with another `--target-outer-steps` (it resumes from its checkpoint;
+        0: none). Used by the kill storm, whose job has no target until its final fault."""
+        if outer_steps < 0:
+            raise ValueError(f"outer_steps must be >= 0 (0: no target), got {outer_steps}")
+        self.cfg = dataclasses.replace(self.cfg, outer_steps=outer_steps)
 
     def follow(self, name: str) -> LogFollower:
         """A follower of child `name`'s log from its beginning (every incarnation's lines)."""
