@@ -417,29 +417,22 @@ class LocalCluster:
             ],
         )
 
-    def start_worker(self, i: int) -> Proc:
+    def worker_flags(self, i: int) -> list[str]:
+        """Worker `i`'s command-line flags (`python -m services.worker ...`): the cluster's addresses and settings,
+        then its own `worker_args` (a later flag wins)."""
         c = self.cfg
         slowdown = c.slowdowns[i] if i < len(c.slowdowns) else 1.0
-        return self._spawn(
-            f"worker{i}",
-            "services.worker",
-            [
-                "--coordinator",
-                self.coordinator_address,
-                "--healthd",
-                self.healthd_address,
-                "--name",
-                f"worker{i}",
-                "--slowdown",
-                str(slowdown),
-                "--heartbeat-interval-s",
-                str(c.heartbeat_interval_s),
-                *self.security_args(f"worker{i}", tokens=("join",)),
-                *(("--nproc-per-node", str(c.nproc_per_worker)) if c.nproc_per_worker > 1 else ()),
-                *c.worker_args.get(i, ()),
-            ],
-            env=c.worker_env,
-        )
+        return [
+            *("--coordinator", self.coordinator_address, "--healthd", self.healthd_address),
+            *("--name", f"worker{i}", "--slowdown", str(slowdown)),
+            *("--heartbeat-interval-s", str(c.heartbeat_interval_s)),
+            *self.security_args(f"worker{i}", tokens=("join",)),
+            *(("--nproc-per-node", str(c.nproc_per_worker)) if c.nproc_per_worker > 1 else ()),
+            *c.worker_args.get(i, ()),
+        ]
+
+    def start_worker(self, i: int) -> Proc:
+        return self._spawn(f"worker{i}", "services.worker", self.worker_flags(i), env=self.cfg.worker_env)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start healthd, the coordinator and the workers; return once both services answer SERVING.
