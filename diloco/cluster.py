@@ -4,6 +4,7 @@ benchmarks. Every child is reaped on exit, whatever happens."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -416,29 +417,22 @@ class LocalCluster:
             ],
         )
 
-    def start_worker(self, i: int) -> Proc:
+    def worker_flags(self, i: int) -> list[str]:
+        """Worker `i`'s command-line flags (`python -m services.worker ...`): the cluster's addresses and settings,
+        then its own `worker_args` (a later flag wins)."""
         c = self.cfg
         slowdown = c.slowdowns[i] if i < len(c.slowdowns) else 1.0
-        return self._spawn(
-            f"worker{i}",
-            "services.worker",
-            [
-                "--coordinator",
-                self.coordinator_address,
-                "--healthd",
-                self.healthd_address,
-                "--name",
-                f"worker{i}",
-                "--slowdown",
-                str(slowdown),
-                "--heartbeat-interval-s",
-                str(c.heartbeat_interval_s),
-                *self.security_args(f"worker{i}", tokens=("join",)),
-                *(("--nproc-per-node", str(c.nproc_per_worker)) if c.nproc_per_worker > 1 else ()),
-                *c.worker_args.get(i, ()),
-            ],
-            env=c.worker_env,
-        )
+        return [
+            *("--coordinator", self.coordinator_address, "--healthd", self.healthd_address),
+            *("--name", f"worker{i}", "--slowdown", str(slowdown)),
+            *("--heartbeat-interval-s", str(c.heartbeat_interval_s)),
+            *self.security_args(f"worker{i}", tokens=("join",)),
+            *(("--nproc-per-node", str(c.nproc_per_worker)) if c.nproc_per_worker > 1 else ()),
+            *c.worker_args.get(i, ()),
+        ]
+
+    def start_worker(self, i: int) -> Proc:
+        return self._spawn(f"worker{i}", "services.worker", self.worker_flags(i), env=self.cfg.worker_env)
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start healthd, the coordinator and the workers; return once both services answer SERVING.
@@ -517,6 +511,14 @@ class LocalCluster:
         if name.startswith("worker") and name.removeprefix("worker").isdigit():
             return self.start_worker(int(name.removeprefix("worker")))
         raise ValueError(f"no child named {name!r}: coordinator, healthd or worker<i>")
+
+    def set_target(self, outer_steps: int) -> None:
+        """The job's target from the coordinator's next start on (`respawn`): an operator changes a running job's
+        target by restarting its coordinator with another `--target-outer-steps` (it resumes from its checkpoint;
+        0: none). Used by the kill storm, whose job has no target until its final fault."""
+        if outer_steps < 0:
+            raise ValueError(f"outer_steps must be >= 0 (0: no target), got {outer_steps}")
+        self.cfg = dataclasses.replace(self.cfg, outer_steps=outer_steps)
 
     def follow(self, name: str) -> LogFollower:
         """A follower of child `name`'s log from its beginning (every incarnation's lines)."""

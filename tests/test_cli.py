@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from diloco.cli.local import config_from_args
 from diloco.cli.main import COMMANDS, build_parser, main
+from diloco.cluster import LocalCluster
 from diloco.errors import ConfigError
 from diloco.rpc.tls import write_bundle
 from services.coordinator.server import CoordinatorServer
@@ -88,6 +90,24 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--power-w" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("decay", ["1.5", "0", "-0.5", "nan", "inf"])
+def test_local_refuses_an_ef_decay_outside_0_1(decay: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["local", "--workers", "2", "--ef-decay", decay]) == 2
+    assert "--ef-decay: error feedback decay (beta) must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_local_passes_ef_decay_to_every_learner(tmp_path: Path) -> None:
+    def learners(*flags: str) -> list[float]:
+        """The decay each learner `diloco local` would start reads from its command line."""
+        argv = ["local", "--workers", "3", "--insecure", "--run-dir", str(tmp_path), *flags]
+        cluster = LocalCluster(config_from_args(build_parser("local").parse_args(argv)))
+        return [parse_worker(cluster.worker_flags(i), {}).ef_decay for i in range(3)]
+
+    assert learners("--ef-decay", "0.7", "--power-w", "300") == [0.7, 0.7, 0.7]
+    assert learners("--ef-decay", "1") == [1.0, 1.0, 1.0]
+    assert learners() == [0.0, 0.0, 0.0]  # no flag: the codec's default
+
+
 @pytest.mark.parametrize(
     ("argv", "env", "field"),
     [
@@ -102,7 +122,7 @@ def test_local_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
         (["--coordinator", "h:1", "--metrics-port", "70000"], {}, "metrics_port"),
         (["--coordinator", "h:1", "--seed", "-3"], {}, "seed"),
         (["--coordinator", "h:1", "--name", "bad\nname"], {}, "name"),
-        (["--coordinator", "h:1", "--ef-decay", "1.5"], {}, r"--ef-decay must be in \(0, 1\]"),
+        (["--coordinator", "h:1", "--ef-decay", "1.5"], {}, r"--ef-decay: .* must be in \(0, 1\]"),
         (["--coordinator", "h:1", "--ef-decay", "-0.5"], {}, "--ef-decay"),
         (["--coordinator", "h:1"], {"DILOCO_EF_DECAY": "nan"}, "--ef-decay"),
         (["--coordinator", "h:1", "--power-w", "-5"], {}, "--power-w"),

@@ -2,8 +2,9 @@
 mutual TLS), the coordinator SIGKILLed ten times, alternately right after a round closed and right after a learner's
 upload was accepted, and started again each time on its port from its newest checkpoint (a new epoch). No
 supervisor runs the learners: every one must live through every kill, the job must reach its target, and the
-ledger must hold every committed range exactly once. The driver is `diloco.bench.storm`, which the benchmark
-section `kill-storm` runs longer (with healthd and learner kills too).
+ledger must hold every committed range exactly once. The job has no target until the final kill, whose restart sets
+one a fixed number of versions ahead: the storm cannot outlast the job however fast its rounds go. The driver is
+`diloco.bench.storm`, which the benchmark section `kill-storm` runs longer (with healthd and learner kills too).
 
 The pure parts of the driver (the schedule, the ledger check, the log follower) are tested here too."""
 
@@ -19,8 +20,8 @@ from diloco.errors import ConfigError
 from diloco.v1 import common_pb2, coordinator_pb2
 
 # Three learners slowed down 3x (they sleep after each step: rounds of about half a second, and CPU left for the
-# restarts). The job's target leaves room for the ten kills (each adds two or three versions) and then some.
-STORM = StormSettings(workers=3, coordinator_kills=10, outer_steps=45, slowdown=3.0, local_steps=10)
+# restarts). The final kill sets the target 10 versions past the coordinator's newest at that kill.
+STORM = StormSettings(workers=3, coordinator_kills=10, finish_rounds=10, slowdown=3.0, local_steps=10)
 
 
 @pytest.mark.slow
@@ -31,7 +32,9 @@ def test_learners_live_through_a_storm_of_coordinator_kills(tmp_path: Path) -> N
     assert result.coordinator_kills >= 10
     assert {k.fault for k in kills} == {Fault.COORDINATOR_AFTER_ROUND.value, Fault.COORDINATOR_MID_UPLOAD.value}
     assert not result.failures(), "\n".join(result.failures())
-    assert result.finished and result.version == result.target_outer_steps == STORM.outer_steps
+    # no target while the faults ran; the final kill's restart set one, and the job finished there
+    assert kills[-1].last_version is not None and kills[-1].last_version + STORM.finish_rounds == result.target_set
+    assert result.finished and result.version == result.target_outer_steps == result.target_set
     assert result.exactly_once and result.tokens_applied > 0
     assert all(result.alive_after_faults.values()) and not result.unexpected_exits
     for k in kills:
@@ -47,13 +50,24 @@ def test_schedule_alternates_coordinator_triggers_and_spreads_the_other_faults()
     coordinator = [f for f in faults if f.coordinator]
     assert coordinator == [Fault.COORDINATOR_AFTER_ROUND, Fault.COORDINATOR_MID_UPLOAD] * 2
     assert faults[0].coordinator and faults[-1].coordinator, "the other faults sit between coordinator kills"
-    assert schedule(StormSettings(coordinator_kills=0, healthd_kills=2, learner_kills=1, workers=3)) == [
+    with pytest.raises(ConfigError, match="workers > min_quorum"):
+        StormSettings(workers=2, min_quorum=2, learner_kills=1)
+
+
+def test_the_job_has_no_target_until_the_final_fault_a_coordinator_kill(tmp_path: Path) -> None:
+    s = StormSettings(coordinator_kills=3, healthd_kills=2, learner_kills=2, workers=3)
+    assert s.cluster_config(tmp_path).outer_steps == 0, "the coordinator starts with no target"
+    assert schedule(s)[-1].coordinator, "the final fault is the coordinator kill that sets the target"
+    assert schedule(StormSettings(coordinator_kills=1, healthd_kills=2, learner_kills=1, workers=3)) == [
         Fault.HEALTHD,
         Fault.LEARNER,
         Fault.HEALTHD,
+        Fault.COORDINATOR_AFTER_ROUND,
     ]
-    with pytest.raises(ConfigError, match="workers > min_quorum"):
-        StormSettings(workers=2, min_quorum=2, learner_kills=1)
+    with pytest.raises(ConfigError, match="coordinator_kills must be >= 1"):
+        StormSettings(coordinator_kills=0, healthd_kills=2)
+    with pytest.raises(ConfigError, match="finish_rounds must be >= 1"):
+        StormSettings(finish_rounds=0)
 
 
 def ledger(*ranges: list[tuple[int, int]], committed: dict[int, int] | None = None) -> list[LedgerShard]:

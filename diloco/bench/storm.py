@@ -23,10 +23,16 @@ shows every shard the victim owned owned by a live learner (its shards reassigne
 process logs `worker.registered`.
 
 Each fault waits for the job to advance after the previous one (a round closed since), so every kill meets a
-running job. Waits poll the children's log files (`LogFollower`, every
-`poll_s`) or the services' RPCs with a deadline; an RPC error while a service restarts means "not yet". A learner
-that exits without being killed is recorded (with its log's tail), never restarted. After the faults the job must
-reach its target; learners then exit 0 with reason `finished`, as they should; any other exit is a failure.
+running job. The job has no target while the faults run (`--target-outer-steps 0`: the storm cannot outlast it,
+however fast the rounds go). The final fault is always a coordinator kill (`schedule`), and its restart sets the
+target, `StormSettings.finish_rounds` versions past the coordinator's newest at the kill, the way an operator changes
+a running job's target: the coordinator restarted with another `--target-outer-steps`, resuming from its checkpoint
+(no RPC changes it). So the job's finish at a known target is still exercised, after every fault.
+
+Waits poll the children's log files (`LogFollower`, every `poll_s`) or the services' RPCs with a deadline; an RPC
+error while a service restarts means "not yet". A learner that exits without being killed is recorded (with its
+log's tail), never restarted. After the faults the job must reach the target the final kill set; learners then exit
+0 with reason `finished`, as they should; any other exit is a failure.
 
     python -m diloco.bench.storm [--quick] [--json]
 """
@@ -77,7 +83,7 @@ class Fault(enum.Enum):
 @dataclass(frozen=True)
 class StormSettings:
     workers: int = 3
-    outer_steps: int = 60  # the job's target: long enough that the storm ends before the job does
+    finish_rounds: int = 10  # the target the final coordinator kill sets: this many versions past its newest
     local_steps: int = 10
     min_local_steps: int = 2
     min_quorum: int = 2
@@ -87,7 +93,7 @@ class StormSettings:
     slowdown: float = 1.0  # every learner's (sleeps after each step): slower rounds, fewer versions per fault
     heartbeat_interval_s: float = 0.25
     dead_after_s: float = 2.0
-    coordinator_kills: int = 12  # alternately right after a round and mid-upload
+    coordinator_kills: int = 12  # alternately right after a round and mid-upload; the last one sets the target
     healthd_kills: int = 0
     learner_kills: int = 0
     poll_s: float = 0.01  # log files are read this often while waiting for a trigger
@@ -98,6 +104,16 @@ class StormSettings:
     def __post_init__(self) -> None:
         if min(self.coordinator_kills, self.healthd_kills, self.learner_kills) < 0:
             raise ConfigError("storm: coordinator_kills, healthd_kills and learner_kills must be >= 0")
+        if self.coordinator_kills < 1:
+            raise ConfigError(
+                "storm: coordinator_kills must be >= 1 (the final fault is a coordinator kill, whose restart sets the "
+                "job's target)"
+            )
+        if self.finish_rounds < 1:
+            raise ConfigError(
+                f"storm: finish_rounds must be >= 1 (the job must advance after the final kill), got "
+                f"{self.finish_rounds}"
+            )
         if self.learner_kills and self.workers <= self.min_quorum:
             raise ConfigError(
                 "storm: learner_kills need workers > min_quorum (rounds stop while a learner is down otherwise)"
@@ -108,7 +124,7 @@ class StormSettings:
             workers=self.workers,
             mode=self.mode,
             slowdowns=(self.slowdown,) * self.workers,
-            outer_steps=self.outer_steps,
+            outer_steps=0,  # no target while the faults run: the final coordinator kill sets it (`_Storm.run`)
             local_steps=self.local_steps,
             min_local_steps=self.min_local_steps,
             min_quorum=self.min_quorum,
@@ -123,7 +139,7 @@ class StormSettings:
 
 def schedule(s: StormSettings) -> list[Fault]:
     """The faults in order: coordinator kills alternating between their two triggers, with the healthd and learner
-    kills (alternating too) spread evenly among them."""
+    kills (alternating too) spread evenly among them, so the last fault is a coordinator kill (when there is one)."""
     coord = [
         Fault.COORDINATOR_AFTER_ROUND if i % 2 == 0 else Fault.COORDINATOR_MID_UPLOAD
         for i in range(s.coordinator_kills)
@@ -174,7 +190,8 @@ class StormResult:
     kills: list[KillRecord]
     finished: bool
     version: int
-    target_outer_steps: int
+    target_outer_steps: int  # the coordinator's, in its final status
+    target_set: int  # what the final coordinator kill's restart set (0: the storm stopped before)
     tokens_applied: int
     ledger_problems: list[str]
     alive_after_faults: dict[str, bool]  # learner -> running when the last fault was over
@@ -195,6 +212,8 @@ class StormResult:
         ledger that is not exactly once."""
         out = [f"{name} exited without being killed: {why}" for name, why in self.unexpected_exits.items()]
         out += [f"{name} was not running after the faults" for name, up in self.alive_after_faults.items() if not up]
+        if self.target_outer_steps != self.target_set:
+            out.append(f"the coordinator's target is {self.target_outer_steps}, the storm set {self.target_set}")
         if not self.finished or self.version < self.target_outer_steps:
             out.append(f"the job did not finish: version {self.version} of {self.target_outer_steps}")
         out += [f"ledger: {p}" for p in self.ledger_problems]
@@ -218,6 +237,7 @@ class _Storm:
         self.rejoining: dict[str, tuple[float, KillRecord]] = {}  # restarted learners not registered yet
         self.exits: dict[str, str] = {}
         self.version = 0  # the coordinator's newest version in its log (closed, or resumed at)
+        self.target = 0  # the job's target, set by the final coordinator kill (0 before: none)
         self.t0 = time.monotonic()
 
     # --- log and process watching -------------------------------------------------------------------------------
@@ -290,7 +310,7 @@ class _Storm:
         except grpc.RpcError:
             return ""
         if st.finished:
-            return f" (the job already finished at version {st.version}: make it longer, --outer-steps)"
+            return f" (the job already finished at version {st.version} of its target {st.target_outer_steps})"
         return f" (coordinator at version {st.version}, {st.live_workers} live learners)"
 
     def _live_learner_ids(self) -> dict[str, str]:
@@ -300,11 +320,14 @@ class _Storm:
 
     # --- faults ------------------------------------------------------------------------------------------------
     def run(self, faults: list[Fault]) -> list[KillRecord]:
+        """Every fault in order; the last one, a coordinator kill (`schedule`), sets the job's target."""
+        if not faults or not faults[-1].coordinator:
+            raise StormError(f"the final fault must be a coordinator kill (it sets the job's target), got {faults}")
         self._await("a first round", [self.coordinator], lambda line: line.event == "round.closed", "coordinator")
         records = []
         for n, fault in enumerate(faults, 1):
             if fault.coordinator:
-                rec = self._kill_coordinator(fault)
+                rec = self._kill_coordinator(fault, final=n == len(faults))
             elif fault is Fault.HEALTHD:
                 rec = self._kill_healthd()
             else:
@@ -333,7 +356,9 @@ class _Storm:
         """Wait for a round closed after the previous fault (so every fault meets a job that advances)."""
         self._await("the job to advance", [self.coordinator], lambda x: x.event == "round.closed", "coordinator")
 
-    def _kill_coordinator(self, fault: Fault) -> KillRecord:
+    def _kill_coordinator(self, fault: Fault, final: bool = False) -> KillRecord:
+        """`final`: the restart sets the job's target, `finish_rounds` past the newest version at the kill (the job
+        resumes at or below it, so at least that many rounds close after the last fault)."""
         c = self.c
         self._drain()
         if fault is Fault.COORDINATOR_AFTER_ROUND:
@@ -348,6 +373,10 @@ class _Storm:
         c.kill("coordinator")
         self._read(self.coordinator)  # the rest of the killed incarnation's log
         rec = KillRecord(fault.value, killed - self.t0, "coordinator", what, self.version)
+        if final:
+            self.target = self.version + self.s.finish_rounds
+            c.set_target(self.target)
+            self.log(f"  the final kill's restart sets the job's target: version {self.target}")
         c.respawn("coordinator")
         serving, _ = self._await(
             "the restarted coordinator to serve",
@@ -481,6 +510,7 @@ def run_storm(s: StormSettings, run_dir: Path, log: Log = lambda line: None) -> 
             finished=status.finished,
             version=status.version,
             target_outer_steps=status.target_outer_steps,
+            target_set=storm.target,
             tokens_applied=status.tokens_applied,
             ledger_problems=ledger_problems(ledger_shards(ledger), status.tokens_applied),
             alive_after_faults=alive,
@@ -492,18 +522,10 @@ def run_storm(s: StormSettings, run_dir: Path, log: Log = lambda line: None) -> 
 
 
 # --- the benchmark section (`diloco bench --only kill-storm`) ------------------------------------------------------
-# four learners, so one can be down while the quorum (2) still closes rounds; the target outlasts the storm
-FULL = StormSettings(
-    workers=4,
-    coordinator_kills=12,
-    healthd_kills=4,
-    learner_kills=4,
-    outer_steps=200,
-    slowdown=3.0,
-    finish_timeout_s=300.0,
-)
+# four learners, so one can be down while the quorum (2) still closes rounds
+FULL = StormSettings(workers=4, coordinator_kills=12, healthd_kills=4, learner_kills=4, slowdown=3.0)
 # one fault of each kind (the learner's restart overlaps the coordinator's), for the `--quick` suite's time budget
-QUICK = StormSettings(workers=3, coordinator_kills=1, healthd_kills=1, learner_kills=1, outer_steps=35, slowdown=3.0)
+QUICK = StormSettings(workers=3, coordinator_kills=1, healthd_kills=1, learner_kills=1, slowdown=3.0)
 RECOVERIES: tuple[tuple[str, str, str], ...] = (  # (label, fault prefix, KillRecord field)
     ("coordinator kill → serving again (`coordinator.serving`)", "coordinator", "serving_s"),
     ("coordinator kill → job advancing again (next version)", "coordinator", "advanced_s"),
@@ -547,9 +569,14 @@ def measure(s: StormSettings, log: Log) -> dict[str, Any]:
         },
         {
             "name": "the job finishes after the storm",
-            "target": f"version {s.outer_steps}",
-            "measured": "storm aborted" if error else f"version {result['version']}",
-            "pass": not error and result["finished"] and result["version"] >= s.outer_steps,
+            "target": f"the target the final coordinator kill set ({s.finish_rounds} versions past the kill's)",
+            "measured": "storm aborted"
+            if error
+            else f"version {result['version']} of {result['target_outer_steps']} (set: {result['target_set']})",
+            "pass": not error
+            and result["finished"]
+            and result["target_outer_steps"] == result["target_set"] > 0
+            and result["version"] >= result["target_set"],
         },
         {
             "name": "ledger exactly once after the storm",
@@ -583,6 +610,24 @@ def _s(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _target_text(s: dict[str, Any]) -> str:
+    """The job's target in the settings sentence (a result measured before the final kill set it had a fixed one)."""
+    if "finish_rounds" not in s:
+        return f"a target of {s['outer_steps']} outer steps"
+    return (
+        "no target while the faults run; the final fault, a coordinator kill, restarts it with a target "
+        f"{s['finish_rounds']} versions past its newest at the kill (`--target-outer-steps`, as an operator changes "
+        "a running job's target), so the storm cannot outlast the job and the job still finishes at a known target"
+    )
+
+
+def _target_set_text(storm: dict[str, Any]) -> str:
+    kills = storm.get("kills", [])
+    if "target_set" not in storm or not kills:
+        return ""
+    return f", the target the final kill set at version {kills[-1]['last_version']},"
+
+
 def markdown(r: dict[str, Any]) -> str:
     s, storm = r["settings"], r["storm"]
     parts = [
@@ -590,7 +635,7 @@ def markdown(r: dict[str, Any]) -> str:
         f"mutual TLS), mode `{s['mode']}`, K = {s['min_quorum']}, H = {s['local_steps']}, the tiny task "
         f"(`diloco.cluster.TINY_TASK_ARGS`), learners slowed {s['slowdown']:g}x (they sleep after each step), a "
         f"checkpoint every {s['checkpoint_every']} round(s), heartbeats every {s['heartbeat_interval_s']:g} s, "
-        f"`dead_after` {s['dead_after_s']:g} s, a target of {s['outer_steps']} outer steps. No supervisor restarts "
+        f"`dead_after` {s['dead_after_s']:g} s, {_target_text(s)}. No supervisor restarts "
         f"anything but the storm: {s['coordinator_kills']} coordinator SIGKILLs (alternately as soon as its log says "
         "`round.closed` and as soon as a learner's log says `worker.submitted`; each restarted at once on the same "
         f"port from its newest checkpoint, under a new epoch), {s['healthd_kills']} healthd SIGKILLs (restarted at "
@@ -645,7 +690,7 @@ def markdown(r: dict[str, Any]) -> str:
             f"After the storm: {sum(storm['alive_after_faults'].values())} of {s['workers']} learners running and "
             f"{len(exits)} exited unexpectedly{' (' + ', '.join(exits) + ')' if exits else ''}; the job "
             f"{'finished' if storm['finished'] else 'did NOT finish'} at version {storm['version']} of "
-            f"{storm['target_outer_steps']} ({storm['wall_s']:.0f} s in all); the ledger is "
+            f"{storm['target_outer_steps']}{_target_set_text(storm)} ({storm['wall_s']:.0f} s in all); the ledger is "
             + ("exactly once" if storm["exactly_once"] else "NOT exactly once: " + "; ".join(storm["ledger_problems"]))
             + f" ({storm['tokens_applied']:,} tokens applied)."
             + (" Failures: " + "; ".join(r["failures"]) if r["failures"] else "")

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from diloco.cli.ctl import state_name
 from diloco.cluster import ClusterConfig, LocalCluster
-from diloco.core.codecs import CODEC_NAMES
+from diloco.core.codecs import CODEC_NAMES, CodecError, check_ef_decay
 from diloco.core.fragments import check_fragments
 from diloco.core.replication import WHEN_NO_STANDBY
 from diloco.core.rounds import MODES
@@ -60,6 +60,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("-H", "--local-steps", type=int, default=30)
     p.add_argument("-K", "--min-quorum", type=int, default=2)
     p.add_argument("--codec", choices=CODEC_NAMES, default="int8")
+    p.add_argument(
+        "--ef-decay",
+        type=float,
+        default=None,
+        help="every learner's error-feedback residual decay beta, in (0, 1] (1: exact; lower forgets what was not "
+        "sent faster; default: the codec's, topk and sparse 0.5, the others 1)",
+    )
     p.add_argument(
         "--fragments",
         type=int,
@@ -160,6 +167,12 @@ def config_from_args(a: argparse.Namespace) -> ClusterConfig:
         worker_args[i] = ("--power-w", str(watts))
     if a.shard_model:
         worker_args = {i: (*worker_args.get(i, ()), "--shard-model", "true") for i in range(a.workers)}
+    if a.ef_decay is not None:
+        try:
+            check_ef_decay(a.ef_decay)
+        except CodecError as e:
+            raise ConfigError(f"--ef-decay: {e}") from None
+        worker_args = {i: (*worker_args.get(i, ()), "--ef-decay", str(a.ef_decay)) for i in range(a.workers)}
     return ClusterConfig(
         workers=a.workers,
         mode=a.mode,

@@ -66,11 +66,8 @@ class WorkerConfig:
             ) from None
         if len(self.name) > 128 or not self.name.isprintable():
             raise ConfigError(f"name must be at most 128 printable characters, got {self.name!r}")
-        if self.ef_decay != 0.0 and not (math.isfinite(self.ef_decay) and 0.0 < self.ef_decay <= 1.0):
-            raise ConfigError(
-                f"--ef-decay must be in (0, 1] (1: exact error feedback; lower forgets the residual faster) or 0 "
-                f"for the codec's default, got {self.ef_decay}"
-            )
+        if self.ef_decay != 0.0:
+            _check_ef_decay(self.ef_decay)
         _bounded("--power-w", self.power_w, MAX_WATTS, "watts the learner draws while training; 0: not declared")
         _bounded("--price-per-hour", self.price_per_hour, MAX_PRICE_PER_HOUR, "the learner's price per hour")
         if self.power_meter not in METER_MODES:
@@ -133,6 +130,16 @@ class WorkerConfig:
         if own and own != auth.SHARED_WORKER_IDENTITY:
             return own
         return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _check_ef_decay(decay: float) -> None:
+    """--ef-decay by the codecs' rule (`check_ef_decay`, which `diloco local` and `diloco simulate` apply too)."""
+    from diloco.core.codecs import CodecError, check_ef_decay  # imports torch: only for a worker given --ef-decay
+
+    try:
+        check_ef_decay(decay)
+    except CodecError as e:
+        raise ConfigError(f"--ef-decay: {e}; or 0 for the codec's default") from None
 
 
 def _bounded(flag: str, value: object, hi: float, what: str) -> None:
