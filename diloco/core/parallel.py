@@ -16,7 +16,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-import torch
 from zlib_ng.zlib_ng import crc32, crc32_combine
 
 from diloco.errors import ConfigError
@@ -40,6 +39,8 @@ def check_threads(n: object, what: str = "threads") -> int:
 
 def set_threads(n: int) -> None:
     """Use `n` threads for model-sized passes, torch's and the codecs'."""
+    import torch  # here: the services' flag parsing checks --threads without loading torch
+
     global _threads, _pool
     n = check_threads(n)
     torch.set_num_threads(n)
