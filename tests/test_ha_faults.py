@@ -25,6 +25,7 @@ import pytest
 from diloco.cluster import (
     ClusterConfig,
     LocalCluster,
+    Proc,
     logged_at,
     wait_for,
 )
@@ -75,6 +76,23 @@ def version_at(address: str) -> int:
     return int(status.version)
 
 
+def freeze_leader(cluster: LocalCluster, p: Pair) -> tuple[Proc, dict[str, object], float]:
+    """Once coord-a has published version 4: SIGSTOP it and wait for coord-b to lead under a higher epoch. Returns
+    coord-a's process (frozen: the caller resumes or kills it), coord-b's `replica.promoted` line and the time of
+    the freeze. coord-a is resumed when coord-b never leads."""
+    wait_for("version 4 at coord-a", lambda: version_at(p.a_addr) >= 4, timeout_s=60, interval_s=0.1)
+    a_proc = cluster.procs["coord-a"]
+    os.kill(a_proc.popen.pid, signal.SIGSTOP)
+    frozen_at = time.time()
+    try:
+        promoted = wait_for("coord-b leads", lambda: p.b.first("replica.promoted"), timeout_s=30, interval_s=0.05)
+        assert int(str(promoted["epoch"])) > p.epoch_a
+    except BaseException:
+        os.kill(a_proc.popen.pid, signal.SIGCONT)
+        raise
+    return a_proc, promoted, frozen_at
+
+
 @pytest.mark.timeout(180)
 def test_a_leader_frozen_past_its_lease_is_replaced_and_retires_within_a_bound_once_resumed(
     etcd_server: EtcdServer, tmp_path: Path
@@ -82,15 +100,8 @@ def test_a_leader_frozen_past_its_lease_is_replaced_and_retires_within_a_bound_o
     cfg = config(tmp_path)
     with LocalCluster(cfg) as cluster:
         p = start(cluster, etcd_server)
-        wait_for("version 4 at coord-a", lambda: version_at(p.a_addr) >= 4, timeout_s=60, interval_s=0.1)
-        a_proc = cluster.procs["coord-a"]
-        os.kill(a_proc.popen.pid, signal.SIGSTOP)
-        frozen_at = time.time()
-        try:
-            promoted = wait_for("coord-b leads", lambda: p.b.first("replica.promoted"), timeout_s=30, interval_s=0.05)
-            assert int(str(promoted["epoch"])) > p.epoch_a
-        finally:  # resumed at once: a learner's call in flight to it is answered (not the leader) and moves on
-            os.kill(a_proc.popen.pid, signal.SIGCONT)
+        a_proc, promoted, frozen_at = freeze_leader(cluster, p)
+        os.kill(a_proc.popen.pid, signal.SIGCONT)  # at once: a learner's call in flight is answered (not the leader)
         resumed_at, resumed = time.time(), time.monotonic()
         assert a_proc.popen.wait(timeout=RETIRE_BOUND_S + 5) == EXIT_RETIRED
         exited_s = time.monotonic() - resumed
@@ -127,11 +138,8 @@ def test_learners_move_to_a_new_leader_by_healthds_word_while_the_old_one_stays_
     cfg = config(tmp_path)
     with LocalCluster(cfg) as cluster:
         p = start(cluster, etcd_server)
-        wait_for("version 4 at coord-a", lambda: version_at(p.a_addr) >= 4, timeout_s=60, interval_s=0.1)
-        a_proc = cluster.procs["coord-a"]
-        os.kill(a_proc.popen.pid, signal.SIGSTOP)
+        a_proc, promoted, _ = freeze_leader(cluster, p)
         try:
-            promoted = wait_for("coord-b leads", lambda: p.b.first("replica.promoted"), timeout_s=30, interval_s=0.05)
             announced = wait_for("coord-b announced", lambda: p.b.first("replica.announced"), timeout_s=10)
             assert announced["epoch"] == promoted["epoch"] and announced["address"] == p.b_addr, announced
             learners = [Events(cfg.run_dir / f"worker{i}.log") for i in range(cfg.workers)]
