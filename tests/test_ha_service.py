@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.cluster import TINY_TASK_ARGS, wait_for
 from diloco.errors import ConfigError, not_leader
-from diloco.ha.etcd import EtcdTls
+from diloco.ha.etcd import EtcdAuth, EtcdTls
 from diloco.rpc.coordinators import MIN_DWELL_S, Coordinators
 from diloco.rpc.server import channel
 from diloco.rpc.tls import write_bundle
@@ -306,3 +306,84 @@ def test_a_leader_hint_that_breaks_the_security_rules_is_not_followed() -> None:
         assert coords.address == b and "worker.leader_hint_refused" in warnings
     finally:
         coords.close()
+
+
+def password_file(tmp_path: Path, content: bytes | str = "a pass phrase\n", name: str = "etcd.password") -> str:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+def test_an_etcd_user_reads_its_password_from_a_file(tmp_path: Path, pki: Path) -> None:
+    """--etcd-user and --etcd-password-file (or DILOCO_ETCD_USER/_PASSWORD_FILE): the file is read at start, its
+    newline dropped; the password is in no repr. Over https a user lets etcd tell who writes, like a client
+    certificate, so it may be off loopback without --etcd-private-network."""
+    path = password_file(tmp_path)
+    user = ("--etcd-user", "coordinator", "--etcd-password-file", path)
+    cfg = parse(replica_flags(tmp_path, "http://127.0.0.1:2379", *user), {})
+    etcd = cfg.etcd_config()
+    assert etcd is not None and etcd.auth == EtcdAuth("coordinator", path) and etcd.auth.password == "a pass phrase"
+    assert "a pass phrase" not in repr(etcd) and "a pass phrase" not in repr(cfg)
+    env = {"DILOCO_ETCD_USER": "coordinator", "DILOCO_ETCD_PASSWORD_FILE": password_file(tmp_path, "pw\r\n", "crlf")}
+    etcd = parse(replica_flags(tmp_path, "https://etcd:2379", "--etcd-ca-file", str(pki / "ca.pem")), env).etcd_config()
+    assert etcd is not None and etcd.endpoints == (("etcd", 2379),) and etcd.tls == EtcdTls(str(pki / "ca.pem"))
+    assert etcd.auth is not None and etcd.auth.user == "coordinator" and etcd.auth.password == "pw"
+    etcd = parse(replica_flags(tmp_path, "http://127.0.0.1:2379"), {}).etcd_config()
+    assert etcd is not None and etcd.auth is None
+
+
+@pytest.mark.parametrize(
+    ("etcd", "user", "content", "match"),
+    [
+        ("http://127.0.0.1:2379", "coordinator", None, "--etcd-user is given without --etcd-password-file"),
+        ("http://127.0.0.1:2379", "", "pw\n", "--etcd-password-file is given without --etcd-user"),
+        ("", "coordinator", "pw\n", "--etcd-user and --etcd-password-file are for etcd leadership; give --etcd"),
+        ("http://127.0.0.1:2379", "coordinator", "missing", r"--etcd-password-file: cannot read .*missing.* \(No such"),
+        ("http://127.0.0.1:2379", "coordinator", "folder", "--etcd-password-file: .* is not a file"),
+        ("http://127.0.0.1:2379", "coordinator", "", "--etcd-password-file: .* is empty; write etcd's password"),
+        ("http://127.0.0.1:2379", "coordinator", "\n", "--etcd-password-file: .* is empty"),
+        ("http://127.0.0.1:2379", "coordinator", "x" * 5000, "holds more than 4096 bytes"),
+        ("http://127.0.0.1:2379", "coordinator", "secret\nsecond line\n", "alone, on one line of printable"),
+        ("http://127.0.0.1:2379", "coordinator", b"\xff\xfe\n", "is not UTF-8 text"),
+        ("http://127.0.0.1:2379", " coordinator", "pw\n", "--etcd-user must be printable, without spaces around"),
+        ("http://10.0.0.1:2379", "coordinator", "pw\n", "plain HTTP, even with --etcd-user .*travel in clear"),
+    ],
+    ids=[
+        "user-without-file",
+        "file-without-user",
+        "without-etcd",
+        "missing-file",
+        "folder",
+        "empty",
+        "only-a-newline",
+        "too-large",
+        "two-lines",
+        "not-utf8",
+        "user-with-spaces",
+        "http-off-loopback",
+    ],
+)
+def test_bad_etcd_user_settings_are_refused_naming_the_flag(
+    tmp_path: Path, etcd: str, user: str, content: bytes | str | None, match: str
+) -> None:
+    """Each refused at start (exit 2 from `python -m services.coordinator`, before anything is served), the message
+    naming the flag and never the file's content."""
+    flags = ["--etcd-user", user] if user else []
+    if content == "missing":
+        flags += ["--etcd-password-file", str(tmp_path / "missing")]
+    elif content == "folder":
+        flags += ["--etcd-password-file", str(tmp_path)]
+    elif content is not None:
+        flags += ["--etcd-password-file", password_file(tmp_path, content)]
+    argv = replica_flags(tmp_path, etcd, *flags) if etcd else ["--insecure", *flags]
+    with pytest.raises(ConfigError, match=match) as refused:
+        parse(argv, {})
+    assert "secret" not in str(refused.value)
+
+
+def test_a_bad_password_file_exits_2_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.coordinator.__main__ import main
+
+    flags = ("--etcd-user", "coordinator", "--etcd-password-file", password_file(tmp_path, ""))
+    assert main(replica_flags(tmp_path, "http://127.0.0.1:2379", *flags), {}) == 2
+    assert "configuration error: --etcd-password-file: " in capsys.readouterr().err

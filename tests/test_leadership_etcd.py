@@ -6,6 +6,7 @@ one replica may accept at any instant."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import socket
 import struct
@@ -14,17 +15,22 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import etcd3gw
 import pytest
 import requests
+from structlog.testing import capture_logs
 
 from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
 from diloco.errors import ConfigError
+from diloco.ha import etcd as etcd_module
 from diloco.ha.driver import LeadershipDriver
 from diloco.ha.etcd import (
     FORGET_FAILURE_S,
     MAX_HANGING,
+    EtcdAuth,
+    EtcdAuthRefused,
     EtcdConfig,
     EtcdElection,
     EtcdRefused,
@@ -32,9 +38,10 @@ from diloco.ha.etcd import (
     EtcdTlsRefused,
     EtcdUnavailable,
     EtcdUnreachable,
+    Won,
     next_endpoint,
 )
-from diloco.ha.etcd_server import EtcdServer
+from diloco.ha.etcd_server import EtcdCluster, EtcdServer
 from diloco.rpc.tls import write_bundle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -52,9 +59,13 @@ class Cluster:
     etcd: EtcdServer
     drivers: dict[str, LeadershipDriver] = field(default_factory=dict)
     tls: EtcdTls | None = None  # how the replicas reach an etcd serving over https
+    auth: EtcdAuth | None = None  # and one with authentication enabled
 
-    def add(self, replica_id: str, start: bool = True) -> LeadershipDriver:
-        election = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY, tls=self.tls))
+    def config(self, **changes: Any) -> EtcdConfig:
+        return EtcdConfig(**{"host": self.etcd.host, "port": self.etcd.port, "key": KEY, "tls": self.tls, **changes})
+
+    def add(self, replica_id: str, start: bool = True, **changes: Any) -> LeadershipDriver:
+        election = EtcdElection(self.config(**{"auth": self.auth, **changes}))
         d = LeadershipDriver(replica_id, f"{replica_id}.test:7000", election, CFG)
         self.drivers[replica_id] = d
         if start:
@@ -73,7 +84,7 @@ class Cluster:
 
     def holder(self) -> LeaderInfo | None:
         """The leader key as etcd has it now (a separate client)."""
-        probe = EtcdElection(EtcdConfig(host=self.etcd.host, port=self.etcd.port, key=KEY, tls=self.tls))
+        probe = EtcdElection(self.config(auth=self.auth))
         try:
             return probe.observe()
         finally:
@@ -536,3 +547,227 @@ def test_a_reset_in_the_handshake_is_a_refused_handshake(tmp_path: Path) -> None
     finally:
         server.close()
         election.close()
+
+
+# --- with etcd's user/password authentication (`auth enable`) ---------------------------------------------------
+
+USER, PASSWORD, ROOT_PASSWORD = "coordinator", "a pass phrase", "root-pass"
+
+
+def etcd_call(etcd: EtcdServer, path: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:
+    """One call to `etcd`'s JSON gateway as an operator makes it (etcdctl's user, role and auth commands), with
+    `token` as its Authorization header; etcd3gw's exception when etcd refuses it."""
+    client = raw_client(etcd)
+    try:
+        reply: dict[str, Any] = client.post(
+            client.get_url(path), json=body, headers={"Authorization": token} if token else None
+        )
+        return reply
+    finally:
+        client.session.close()
+
+
+def token_of(etcd: EtcdServer, user: str, password: str) -> str:
+    token: str = etcd_call(etcd, "/auth/authenticate", {"name": user, "password": password})["token"]
+    return token
+
+
+def as_root(etcd: EtcdServer, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    return etcd_call(etcd, path, body, token_of(etcd, "root", ROOT_PASSWORD))
+
+
+def enable_auth(etcd: EtcdServer) -> None:
+    """What docs/ha.md has the operator run (etcdctl user add, role add, role grant-permission --prefix=true, user
+    grant-role, auth enable): root, and USER whose role may read and write the keys with prefix KEY (the leader key
+    and the standbys' entries)."""
+    etcd_call(etcd, "/auth/user/add", {"name": "root", "password": ROOT_PASSWORD})
+    etcd_call(etcd, "/auth/user/grant", {"user": "root", "role": "root"})
+    etcd_call(etcd, "/auth/user/add", {"name": USER, "password": PASSWORD})
+    etcd_call(etcd, "/auth/role/add", {"name": "leadership"})
+    end = KEY[:-1] + chr(ord(KEY[-1]) + 1)  # the prefix's range end
+    perm = {"permType": "READWRITE", "key": b64(KEY), "range_end": b64(end)}
+    etcd_call(etcd, "/auth/role/grant", {"name": "leadership", "perm": perm})
+    etcd_call(etcd, "/auth/user/grant", {"user": USER, "role": "leadership"})
+    etcd_call(etcd, "/auth/enable", {})
+
+
+def b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def credentials(tmp_path: Path, password: str = PASSWORD, user: str = USER) -> EtcdAuth:
+    """USER (or `user`) and a password file holding `password`, as an operator writes one (a trailing newline)."""
+    path = tmp_path / f"{user}-{len(list(tmp_path.glob('*.password')))}.password"
+    path.write_text(password + "\n")
+    return EtcdAuth(user, str(path))
+
+
+def refuses_token(etcd: EtcdServer, token: str) -> bool:
+    """Whether etcd refuses `token` now (as "invalid auth token"): a token a replica held is dead."""
+    try:
+        etcd_call(etcd, "/kv/range", {"key": b64(KEY)}, token)
+    except etcd3gw.exceptions.Etcd3Exception as e:
+        return "invalid auth token" in (e.detail_text or "")
+    return False
+
+
+@pytest.fixture
+def etcd_auth(etcd_server: EtcdServer) -> EtcdServer:
+    """The `etcd_server` fixture's etcd with authentication enabled (`enable_auth`)."""
+    enable_auth(etcd_server)
+    return etcd_server
+
+
+def test_leadership_works_as_an_etcd_user(etcd_auth: EtcdServer, tmp_path: Path) -> None:
+    """etcd with `auth enable`: replicas given a user and its password file campaign, renew, observe, publish and
+    resign: two elect one leader, the other follows and publishes the version it holds, the leader keeps its lease
+    past the TTL, and its resignation hands the key over."""
+    cluster = Cluster(etcd_auth, auth=credentials(tmp_path))
+    try:
+        a, b = cluster.add("a"), cluster.add("b")
+        leader = one_leader(cluster)
+        follower = b if leader is a else a
+        lv = leader.view()
+        assert cluster.holder() == lv.leader
+        until("the follower knows the leader", lambda: follower.view().leader == lv.leader, cluster, 5.0)
+        follower.caught_up()
+        follower.hold(3)
+        probe = EtcdElection(cluster.config(auth=cluster.auth))
+        try:
+            expected = (lv.leader, {follower.view().replica_id: 3})
+            until("the follower's entry published", lambda: probe.observe_all() == expected, cluster, 5.0)
+        finally:
+            probe.close()
+        end = time.monotonic() + CFG.lease_ttl_s + 0.5
+        until("past the TTL", lambda: time.monotonic() > end, cluster, 10.0)
+        assert leader.may_accept() and leader.view().epoch == lv.epoch and cluster.holder() == lv.leader
+        leader.stop()  # resigns: the key goes at once
+        until("the follower leads", lambda: follower.may_accept(), cluster, CFG.lease_ttl_s)
+        assert follower.view().epoch > lv.epoch and cluster.holder() == follower.view().leader
+    finally:
+        for d in cluster.drivers.values():
+            d.stop(resign=False)
+
+
+def test_a_token_etcd_invalidated_is_renewed_and_the_call_sent_again(etcd_auth: EtcdServer, tmp_path: Path) -> None:
+    """etcd drops every token at `auth disable`, and a user's tokens when its password is set (here to the same one):
+    each call after that is refused for its token, and the client authenticates again and sends it once more, so the
+    call succeeds. While authentication is off, calls go without a token; once it is on again, etcd's "user name is
+    empty" gets the client a token. All four calls are shown across these changes."""
+    etcd = etcd_auth
+    election = EtcdElection(Cluster(etcd).config(auth=credentials(tmp_path), call_timeout_s=2.0))
+    try:
+        won = election.campaign("a", "a.test:7000", 60)
+        assert isinstance(won, Won) and election.observe() == LeaderInfo("a", "a.test:7000", won.epoch)
+        held = token_of(etcd, USER, PASSWORD)  # a token issued as the election's was: dropped with it
+
+        as_root(etcd, "/auth/disable", {})
+        assert refuses_token(etcd, held)
+        assert election.renew(won.lease_id)  # refused for its token; authentication is off: sent without one
+        assert election.observe() == LeaderInfo("a", "a.test:7000", won.epoch)
+
+        etcd_call(etcd, "/auth/enable", {})
+        election.resign(won.lease_id, won.epoch)  # "user name is empty": authenticates, then the txn and revoke
+        assert election.observe() is None
+
+        won = election.campaign("a", "a.test:7000", 60)
+        assert isinstance(won, Won)
+        held = token_of(etcd, USER, PASSWORD)
+        as_root(etcd, "/auth/user/changepw", {"name": USER, "password": PASSWORD})
+        assert refuses_token(etcd, held)
+        lost = election.campaign("b", "b.test:7000", 60)  # its lease grant refused, then sent again
+        assert not isinstance(lost, Won) and lost.holder == LeaderInfo("a", "a.test:7000", won.epoch)
+        assert election.renew(won.lease_id)
+        assert election.observe() == LeaderInfo("a", "a.test:7000", won.epoch)
+    finally:
+        election.close()
+
+
+def test_a_wrong_password_is_refused_naming_the_user_and_the_flag(
+    etcd_auth: EtcdServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Credentials etcd refuses fail each call with `EtcdAuthRefused` naming the user and the flags to check, and an
+    `etcd.auth_refused` error line; the client does not ask etcd again for AUTH_RETRY_S (each try costs etcd a
+    bcrypt check), failing calls at once meanwhile. A driver so configured never leads nor writes the key, and leads
+    once etcd's side is fixed, without a restart."""
+    cluster = Cluster(etcd_auth, auth=credentials(tmp_path))
+    wrong = credentials(tmp_path, "not the password")
+    election = EtcdElection(cluster.config(auth=wrong, call_timeout_s=2.0))
+    refused = r"etcd refused user 'coordinator' .*check --etcd-user and the password in --etcd-password-file"
+    try:
+        with capture_logs() as logs:
+            with pytest.raises(EtcdAuthRefused, match=refused):
+                election.observe()
+            for call in (election.observe, lambda: election.campaign("a", "a.test:7000", 2)):
+                with pytest.raises(EtcdAuthRefused, match=f"{refused}.*not asked again for 5 s"):
+                    call()
+        assert [(e["event"], e["log_level"], e["user"]) for e in logs] == [("etcd.auth_refused", "error", USER)]
+        assert "not the password" not in str(logs)
+    finally:
+        election.close()
+
+    monkeypatch.setattr(etcd_module, "AUTH_RETRY_S", 0.2)
+    d = cluster.add("a", auth=wrong)
+    end = time.monotonic() + 1.0
+    until("1 s of campaigns", lambda: time.monotonic() > end, cluster, 5.0)
+    assert d.view().role is not Role.LEADER and not d.may_accept() and cluster.holder() is None
+    as_root(etcd_auth, "/auth/user/changepw", {"name": USER, "password": "not the password"})
+    until("a leads once etcd takes its password", lambda: d.may_accept(), cluster, 10.0)
+    d.stop()
+
+
+def test_without_a_user_or_without_permission_etcd_refuses_saying_what_to_give(
+    etcd_auth: EtcdServer, tmp_path: Path
+) -> None:
+    """No --etcd-user for an etcd with authentication enabled: every call fails with `EtcdAuthRefused` naming the
+    flags to give; a campaign (whose lease grant etcd allows anyone) leaves neither key nor lease. A user without a
+    role on the key: `EtcdAuthRefused` saying which permission to grant."""
+    cluster = Cluster(etcd_auth, auth=credentials(tmp_path))
+    anonymous = EtcdElection(cluster.config(call_timeout_s=2.0))
+    give = r"etcd has authentication enabled \(etcdserver: user name is empty\); give this replica an etcd user: "
+    try:
+        with pytest.raises(EtcdAuthRefused, match=give + "--etcd-user NAME and --etcd-password-file FILE"):
+            anonymous.observe()
+        with pytest.raises(EtcdAuthRefused, match=give):
+            anonymous.campaign("a", "a.test:7000", 60)
+    finally:
+        anonymous.close()
+    assert cluster.holder() is None
+    assert as_root(etcd_auth, "/kv/lease/leases", {}).get("leases") is None  # the campaign's lease was revoked
+
+    as_root(etcd_auth, "/auth/user/add", {"name": "nobody", "password": PASSWORD})
+    stranger = EtcdElection(cluster.config(auth=credentials(tmp_path, user="nobody"), call_timeout_s=2.0))
+    try:
+        with pytest.raises(EtcdAuthRefused, match=f"etcd user 'nobody' may not read or write '{KEY}'; grant it a role"):
+            stranger.observe()
+    finally:
+        stranger.close()
+
+
+def test_one_token_serves_every_member(etcd_installed: str, tmp_path: Path) -> None:
+    """Three members with authentication enabled: etcd replicates an authentication, so a token one member issued
+    is good at the others. The replica's member killed (not the raft leader: the cluster goes on at once), its next
+    call goes to another member and the calls after it succeed there."""
+    members = EtcdCluster(etcd_installed, tmp_path / "etcd", size=3)
+    try:
+        members.start()
+        second = members.lead_first()  # the raft leader, tried second
+        first, third = members.members[1:]
+        enable_auth(first)
+        assert not refuses_token(second, token_of(first, USER, PASSWORD))
+        others = ((second.host, second.port), (third.host, third.port))
+        cfg = EtcdConfig(first.host, first.port, KEY, 2.0, others, auth=credentials(tmp_path))
+        election = EtcdElection(cfg)
+        try:
+            assert election.observe() is None
+            first.kill()
+            with pytest.raises(EtcdUnreachable):
+                election.observe()
+            assert election.endpoint == f"{second.host}:{second.port}"
+            won = election.campaign("a", "a.test:7000", 60)
+            assert isinstance(won, Won) and election.renew(won.lease_id)
+            assert election.observe() == LeaderInfo("a", "a.test:7000", won.epoch)
+        finally:
+            election.close()
+    finally:
+        members.stop()

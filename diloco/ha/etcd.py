@@ -10,8 +10,9 @@ no answer (refused, timed out, hanging, a server error: `EtcdUnreachable`) the n
 (`next_endpoint`): one that has not failed in the last `FORGET_FAILURE_S` first, then one that was only slow, and
 last one that refused the connection (nothing listens there: a member that is down), each in round-robin order. So
 a leader whose member died and whose next member is slow under load does not go back to the dead one while another
-answers. A call is never sent twice (its outcome may be unknown); the driver's next call, a fraction of a second
-later, is. An answer, even a refusal (a lease etcd no longer has), keeps the endpoint.
+answers. A call is never sent twice (its outcome may be unknown; the one exception, a call etcd refused for its
+token, is below); the driver's next call, a fraction of a second later, is. An answer, even a refusal (a lease etcd
+no longer has), keeps the endpoint.
 
 - campaign: grant a lease of `ttl_s`, then one transaction: if the leader key's create_revision is 0 (no key),
   put {replica_id, address} under the lease and read the key back, else read the key. Won: the epoch is the
@@ -36,6 +37,27 @@ certificate (an etcd started with `--client-cert-auth`). The files are read and 
 A handshake that fails (etcd's certificate not signed by that CA, or this replica's refused by etcd) fails the call
 at once as `EtcdTlsRefused`, whose message says which file to check; it is retried like any call without an answer
 (another member may hold other certificates), so a replica with the wrong files never leads and says why.
+
+With a user (`EtcdConfig.auth`, an `EtcdAuth`: etcd with `auth enable`): before its first call the client
+authenticates (`/auth/authenticate` with the user's name and password, at the endpoint calls go to) and sends the
+token it gets as the `Authorization` header of every call, to whichever endpoint. One token serves all: etcd
+replicates an authentication through raft, so every member holds the token ("simple" tokens; a JWT is good
+anywhere by construction); a member refuses a simple token only once it went unused there for etcd's
+`--auth-token-ttl` (each member keeps that clock apart), which a new authentication mends like any other refusal.
+Tokens per endpoint would cost etcd an authentication (a raft write and a bcrypt check) per member and save none.
+A call that etcd refuses for its token (`TOKEN_REFUSED`: none; expired; dropped at an `auth disable` or a change of
+the user's password; or checked against users and roles that changed before the call was applied) did not happen:
+etcd checks the token before applying anything, and a call refused when applied changes nothing. So it is the one
+call sent twice: the client authenticates again and sends it once more, within the same `call_timeout_s`. An etcd
+that answers that authentication is not enabled gets calls without a token until it asks for one (logged as
+`etcd.auth_off`: that etcd lets anyone write). Credentials etcd refuses, and a user without permission on the key,
+fail the call as `EtcdAuthRefused` (an answer: the endpoint stays; etcd's users are the same at every member), whose
+message names the user and the flags to check; after credentials were refused, no authentication is sent for
+`AUTH_RETRY_S` (each costs etcd a bcrypt check, and the driver retries ten times a second): calls fail at once with
+the same message meanwhile, and each refusal etcd gives is logged (`etcd.auth_refused`, at error). The driver
+retries them like any failure, so a replica with the wrong credentials never leads, says why, and leads once etcd
+takes them (when etcd's side was wrong, without a restart). Without a user, etcd asking for one is `EtcdAuthRefused`
+too, naming the flags to give.
 """
 
 from __future__ import annotations
@@ -44,19 +66,22 @@ import base64
 import contextlib
 import json
 import math
+import os
 import re
 import ssl
+import stat
 import threading
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import etcd3gw
 import requests
 from etcd3gw import exceptions as etcd_errors
 
+from diloco import log
 from diloco.core.leadership import LeaderInfo
 from diloco.errors import ConfigError, InvalidArgument, Unavailable
 
@@ -65,6 +90,21 @@ MAX_ENDPOINTS = 5  # members of one etcd cluster a replica is given
 MAX_PEERS = 64  # standby entries read (the newest standby wins); more are not looked at
 MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
 FORGET_FAILURE_S = 60.0  # an endpoint's failure older than this no longer counts against it (`next_endpoint`)
+AUTH_RETRY_S = 5.0  # after etcd refused the credentials, no authentication is sent for this long
+MAX_PASSWORD_BYTES = 4096  # --etcd-password-file holds at most this much
+MAX_USER_CHARS = 256
+
+# What etcd answers (its gateway's "error" text) about authentication. A call refused for its token was not applied:
+# the token is checked when the call comes in, the auth store's revision before the call is applied (and a refused
+# call changes nothing); "user name is empty" is the answer to a call without a token.
+TOKEN_REFUSED = (
+    "etcdserver: invalid auth token",
+    "etcdserver: revision of auth store is old",
+    "etcdserver: user name is empty",
+)
+CREDENTIALS_REFUSED = "etcdserver: authentication failed, invalid user ID or password"
+AUTH_NOT_ENABLED = "etcdserver: authentication is not enabled"
+PERMISSION_DENIED = "etcdserver: permission denied"
 
 
 class EtcdUnavailable(Unavailable):
@@ -81,6 +121,20 @@ class EtcdRefused(EtcdUnreachable):
 
 class EtcdTlsRefused(EtcdUnreachable):
     """The TLS handshake with the endpoint failed: its certificate is not trusted, or it refused this replica's."""
+
+
+class EtcdAuthRefused(EtcdUnavailable):
+    """etcd refused this replica's credentials (or asks for some and none are given), or its user has no permission
+    on the key: no call succeeds until the flags or etcd's users and roles are fixed. The message says which."""
+
+
+class EtcdTokenRefused(EtcdUnavailable):
+    """etcd refused a call for its token (`reason`, one of `TOKEN_REFUSED`): the call did not happen; authenticate
+    and send it again."""
+
+    def __init__(self, where: str, reason: str) -> None:
+        super().__init__(f"{where}: {reason}")
+        self.reason = reason
 
 
 class MalformedLeaderKey(EtcdUnavailable):
@@ -146,6 +200,56 @@ class EtcdTls:
 
 
 @dataclass(frozen=True)
+class EtcdAuth:
+    """etcd's user/password authentication (etcd with `auth enable`): `user`, and `password_file`, a file holding
+    the password on one line (a trailing newline is dropped). The file is read and checked here, so a missing,
+    unreadable, empty or oversized one is a `ConfigError` naming its flag; the password is kept out of repr (and so
+    of every log line and error message)."""
+
+    user: str
+    password_file: str
+    password: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.user, str) or not self.user or len(self.user) > MAX_USER_CHARS:
+            raise ConfigError(f"--etcd-user must be etcd's user name, 1 to {MAX_USER_CHARS} characters")
+        if not self.user.isprintable() or self.user != self.user.strip():
+            raise ConfigError(f"--etcd-user must be printable, without spaces around it, got {self.user!r}")
+        if not isinstance(self.password_file, str) or not self.password_file or not self.password_file.isprintable():
+            raise ConfigError(f"--etcd-password-file must be the path of a file, got {self.password_file!r}")
+        object.__setattr__(self, "password", read_password(self.password_file))
+
+
+def read_password(path: str) -> str:
+    """The password `path` holds: one line of printable UTF-8, at most `MAX_PASSWORD_BYTES` (its newline dropped).
+    `ConfigError` naming --etcd-password-file and what to do; the message never holds the file's content."""
+    flag = "--etcd-password-file"
+    try:
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a folder; or a pipe, which would block the start
+            raise ConfigError(f"{flag}: {path!r} is not a file; give a file holding etcd's password for --etcd-user")
+        with open(path, "rb") as f:
+            data = f.read(MAX_PASSWORD_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{flag}: cannot read {path!r} ({e.strerror or e})") from e
+    if len(data) > MAX_PASSWORD_BYTES:
+        raise ConfigError(
+            f"{flag}: {path!r} holds more than {MAX_PASSWORD_BYTES} bytes; it must hold the password alone"
+        )
+    try:
+        password = data.decode("utf-8").removesuffix("\n").removesuffix("\r")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag}: {path!r} is not UTF-8 text; it must hold the password alone") from e
+    if not password:
+        raise ConfigError(f"{flag}: {path!r} is empty; write etcd's password for --etcd-user into it")
+    if not password.isprintable():
+        raise ConfigError(
+            f"{flag}: {path!r} must hold the password alone, on one line of printable characters (no tabs, no second "
+            "line)"
+        )
+    return password
+
+
+@dataclass(frozen=True)
 class EtcdConfig:
     host: str = "127.0.0.1"
     port: int = 2379
@@ -153,10 +257,13 @@ class EtcdConfig:
     call_timeout_s: float = 0.5
     others: tuple[tuple[str, int], ...] = ()  # more members of the same etcd cluster, tried in turn (module docstring)
     tls: EtcdTls | None = None  # None: plain HTTP; else https to every endpoint (module docstring)
+    auth: EtcdAuth | None = None  # None: no user; else a token for every call (module docstring)
 
     def __post_init__(self) -> None:
         if self.tls is not None and not isinstance(self.tls, EtcdTls):
             raise ConfigError(f"etcd tls must be an EtcdTls or None, got {type(self.tls).__name__}")
+        if self.auth is not None and not isinstance(self.auth, EtcdAuth):
+            raise ConfigError(f"etcd auth must be an EtcdAuth or None, got {type(self.auth).__name__}")
         if not isinstance(self.others, tuple) or len(self.others) > MAX_ENDPOINTS - 1:
             raise ConfigError(f"etcd: at most {MAX_ENDPOINTS} endpoints, as a tuple of (host, port)")
         for host, port in self.endpoints:
@@ -232,6 +339,11 @@ class EtcdElection:
         self._peers_prefix = (cfg.key + ".standbys/").encode()
         self._hanging: list[set[threading.Thread]] = [set() for _ in self._clients]  # given up on, still running
         self._failed: dict[int, tuple[bool, float]] = {}  # endpoint -> (refused, when) of its last failure
+        # with a user (module docstring): the token (None: none yet; "": etcd has authentication off), and when etcd
+        # last refused the credentials, with its message. Written by the request threads.
+        self._token: str | None = None
+        self._auth_refused: tuple[float, str] | None = None
+        self._log = log.get("ha")
 
     @property
     def endpoint(self) -> str:
@@ -378,9 +490,10 @@ class EtcdElection:
         hanging = self._hanging[at] = {t for t in self._hanging[at] if t.is_alive()}
         if len(hanging) >= MAX_HANGING:
             raise EtcdUnreachable(f"{where}: {len(hanging)} earlier requests still hang; not sending another")
+        deadline = time.monotonic() + self.cfg.call_timeout_s
         outcome: list[dict[str, Any] | EtcdUnavailable] = []
         thread = threading.Thread(
-            target=lambda: outcome.append(self._send(self._clients[at], where, path, body)),
+            target=lambda: outcome.append(self._exchange(at, where, path, body, deadline)),
             name="etcd-call",
             daemon=True,
         )
@@ -394,13 +507,80 @@ class EtcdElection:
             raise reply
         return reply
 
-    @staticmethod
-    def _send(
-        client: etcd3gw.Etcd3Client, where: str, path: str, body: dict[str, Any]
+    def _exchange(
+        self, at: int, where: str, path: str, body: dict[str, Any], deadline: float
     ) -> dict[str, Any] | EtcdUnavailable:
-        """The request itself (on its own thread): the reply, or the failure to raise."""
+        """The call (on its own thread), with the token when there is a user: authenticate first when there is none
+        yet, and once more (then send the call again) when etcd refuses the token (module docstring). Nothing more is
+        sent once `deadline` passed: the caller no longer waits."""
+        if self.cfg.auth is None:
+            reply = self._send(at, where, path, body, None)
+            if isinstance(reply, EtcdTokenRefused):
+                return EtcdAuthRefused(
+                    f"{where}: etcd has authentication enabled ({reply.reason}); give this replica an etcd user: "
+                    "--etcd-user NAME and --etcd-password-file FILE"
+                )
+            return reply
+        token = self._token
+        if token is None:
+            first = self._authenticate(at)
+            if isinstance(first, EtcdUnavailable):
+                return first
+            if time.monotonic() >= deadline:
+                return EtcdUnreachable(f"{where}: no time left after authenticating")
+            token = first
+        reply = self._send(at, where, path, body, token)
+        if not isinstance(reply, EtcdTokenRefused) or time.monotonic() >= deadline:
+            return reply
+        again = self._authenticate(at)  # the call did not happen: authenticate again and send it once more
+        if isinstance(again, EtcdUnavailable):
+            return again
+        if time.monotonic() >= deadline:
+            return EtcdUnreachable(f"{where}: no time left after authenticating again")
+        return self._send(at, where, path, body, again)
+
+    def _authenticate(self, at: int) -> str | EtcdUnavailable:
+        """A new token from endpoint `at` ("" when etcd has authentication off), kept for the next calls; or the
+        failure. Not sent for `AUTH_RETRY_S` after etcd refused the credentials (module docstring)."""
+        auth = self.cfg.auth
+        assert auth is not None
+        host, port = self.cfg.endpoints[at]
+        where = f"etcd {host}:{port}/auth/authenticate"
+        refused = self._auth_refused
+        if refused is not None and time.monotonic() - refused[0] < AUTH_RETRY_S:
+            return EtcdAuthRefused(f"{refused[1]} (not asked again for {AUTH_RETRY_S:g} s)")
+        self._token = None
+        reply = self._send(at, where, "/auth/authenticate", {"name": auth.user, "password": auth.password}, None)
+        if isinstance(reply, EtcdUnavailable) and AUTH_NOT_ENABLED in str(reply):
+            self._token = ""
+            self._log.warning("etcd.auth_off", etcd=f"{host}:{port}", user=auth.user, error=AUTH_NOT_ENABLED)
+            return ""
+        if isinstance(reply, EtcdUnavailable) and CREDENTIALS_REFUSED in str(reply):
+            message = (
+                f"{where}: etcd refused user {auth.user!r} ({CREDENTIALS_REFUSED}): check --etcd-user and the "
+                f"password in --etcd-password-file {auth.password_file!r} (etcd's `user add`/`user passwd`)"
+            )
+            self._auth_refused = (time.monotonic(), message)
+            self._log.error("etcd.auth_refused", etcd=f"{host}:{port}", user=auth.user, error=message)
+            return EtcdAuthRefused(message)
+        if isinstance(reply, EtcdUnavailable):
+            return reply
+        token = reply.get("token")
+        if not isinstance(token, str) or not token or not token.isprintable():
+            return EtcdUnavailable(f"{where}: unexpected authenticate reply from etcd: no token")
+        self._auth_refused = None
+        self._token = token
+        return token
+
+    def _send(
+        self, at: int, where: str, path: str, body: dict[str, Any], token: str | None
+    ) -> dict[str, Any] | EtcdUnavailable:
+        """The request itself (on its own thread), with `token` as its Authorization header unless None or "": the
+        reply, or the failure to raise."""
+        client = self._clients[at]
+        headers = {"Authorization": token} if token else None
         try:
-            reply = client.post(client.get_url(path), json=body)
+            reply = client.post(client.get_url(path), json=body, headers=headers)
         except etcd_errors.ConnectionFailedError as e:
             if isinstance(e.__context__, requests.exceptions.SSLError):  # etcd3gw wraps what requests raised
                 return _tls_refused(where, e.__context__)
@@ -413,12 +593,27 @@ class EtcdElection:
         except etcd_errors.InternalServerError as e:  # a member without quorum, say: another may answer
             return EtcdUnreachable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
         except etcd_errors.Etcd3Exception as e:
-            return EtcdUnavailable(f"{where}: {type(e).__name__} {(e.detail_text or '').strip()[:200]}".rstrip())
+            text = e.detail_text or ""
+            refused = next((r for r in TOKEN_REFUSED if r in text), None)
+            if refused is not None:
+                return EtcdTokenRefused(where, refused)
+            if PERMISSION_DENIED in text:
+                return self._permission_denied(where)
+            return EtcdUnavailable(f"{where}: {type(e).__name__} {text.strip()[:200]}".rstrip())
         except Exception as e:  # anything else the client raises (requests, a reply that is not JSON): no answer
             return EtcdUnreachable(f"{where}: {type(e).__name__}: {e}"[:300])
         if not isinstance(reply, dict):
             return EtcdUnavailable(f"{where}: the reply is not a JSON object")
         return reply
+
+    def _permission_denied(self, where: str) -> EtcdAuthRefused:
+        key = self.cfg.key
+        who = f"etcd user {self.cfg.auth.user!r}" if self.cfg.auth else "this replica's etcd user"
+        return EtcdAuthRefused(
+            f"{where}: {PERMISSION_DENIED}: {who} may not read or write {key!r}; grant it a role with readwrite "
+            f"permission on the keys with prefix {key!r} (etcd's `role grant-permission ROLE --prefix=true readwrite "
+            f"{key}`)"
+        )
 
 
 def next_endpoint(at: int, n: int, failed: Mapping[int, tuple[bool, float]], now: float) -> int:

@@ -153,10 +153,12 @@ class CoordinatorServiceConfig:
     follow: str = ""  # HOST:PORT of the leading coordinator: run as its hot standby (services.coordinator.standby)
     replica_id: str = ""  # the standby's name; "": standby-<hostname>
     etcd: str = ""  # http(s)://HOST:PORT[,...] of etcd's members: campaign there (services/coordinator/ha.py)
-    etcd_private_network: bool = False  # plain HTTP (or https without a client cert) off loopback: a private network
+    etcd_private_network: bool = False  # plain HTTP (or https, no client cert nor user) off loopback: a private network
     etcd_ca_file: str = ""  # https: the CA that signed etcd's certificate (PEM)
     etcd_cert_file: str = ""  # https: this replica's client certificate for etcd (PEM; with etcd_key_file)
     etcd_key_file: str = ""  # https: its private key (PEM)
+    etcd_user: str = ""  # etcd with authentication enabled: this replica's etcd user (with etcd_password_file)
+    etcd_password_file: str = ""  # the file holding that user's password (read at start; never the password itself)
     fault_crash_before_answer: str = ""  # fault tests only: `CrashFault` ("": never)
     log_level: str = "info"
     security: SecurityConfig = field(default_factory=SecurityConfig)  # in-process default: plaintext, loopback
@@ -282,22 +284,39 @@ class CoordinatorServiceConfig:
 
     def etcd_config(self) -> EtcdConfig | None:
         """How to reach etcd (None: no `etcd`): its members in the order tried, over http or https (with the CA and
-        client certificate files, read and checked here). `ConfigError` naming the flag unless the endpoints parse
-        (`parse_etcd_endpoints`: off loopback only with https and a client certificate, or a private network),
-        https has its CA, and the files are given only for https."""
-        from diloco.ha.etcd import EtcdConfig, EtcdTls
+        client certificate files, read and checked here), as an etcd user or not (the password file, read and checked
+        here). `ConfigError` naming the flag unless the endpoints parse (`parse_etcd_endpoints`: off loopback only
+        with https and a client certificate or a user, or a private network), https has its CA, the files are given
+        only for https, and the user and the password file are given together and only with `etcd`."""
+        from diloco.ha.etcd import EtcdAuth, EtcdConfig, EtcdTls
 
-        client_cert = bool(self.etcd_cert_file)
-        scheme, endpoints = parse_etcd_endpoints(self.etcd, self.etcd_private_network, client_cert=client_cert)
+        for name in ("etcd_user", "etcd_password_file"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        client_cert, user = bool(self.etcd_cert_file), bool(self.etcd_user)
+        scheme, endpoints = parse_etcd_endpoints(
+            self.etcd, self.etcd_private_network, client_cert=client_cert, user=user
+        )
         files = [f for f in ("ca", "cert", "key") if getattr(self, f"etcd_{f}_file")]
         if files and scheme != "https":
             flags = ", ".join(f"--etcd-{f}-file" for f in files)
             raise ConfigError(f"{flags}: for etcd over https; give --etcd https://HOST:PORT[,...] or leave them out")
+        if (self.etcd_user or self.etcd_password_file) and not endpoints:
+            raise ConfigError(
+                "--etcd-user and --etcd-password-file are for etcd leadership; give --etcd too, or leave them out"
+            )
+        if user != bool(self.etcd_password_file):
+            raise ConfigError(
+                "--etcd-user is given without --etcd-password-file: give the file holding its password too"
+                if user
+                else "--etcd-password-file is given without --etcd-user: give the etcd user whose password it holds"
+            )
         if not endpoints:
             return None
         tls = EtcdTls(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file) if scheme == "https" else None
+        auth = EtcdAuth(self.etcd_user, self.etcd_password_file) if user else None
         (host, port), *others = endpoints
-        return EtcdConfig(host=host, port=port, others=tuple(others), tls=tls)
+        return EtcdConfig(host=host, port=port, others=tuple(others), tls=tls, auth=auth)
 
     def crash_fault(self) -> CrashFault | None:
         """The crash `fault_crash_before_answer` asks for (None: none)."""
@@ -548,15 +567,16 @@ _SERVICE_FLAGS: list[Flag] = [
         "http(s)://HOST:PORT of etcd, or up to 5 members comma-separated (tried in turn when one does not answer): "
         "campaign for leadership; the winner serves, the others follow it as hot standbys and take over when its "
         "lease expires (needs --checkpoint-dir and --replication-log). http: loopback only (or "
-        "--etcd-private-network); https: needs --etcd-ca-file, and off loopback a client certificate",
+        "--etcd-private-network); https: needs --etcd-ca-file, and off loopback a client certificate or --etcd-user",
     ),
     (
         "--etcd-private-network",
         parse_bool,
         False,
-        "let --etcd name a host off loopback in plain HTTP, or over https without a client certificate (true/false): "
-        "etcd then cannot tell who writes, so only over a private network that nobody else joins (a compose or "
-        "docker bridge network)",
+        "let --etcd name a host off loopback in plain HTTP (anyone on the path reads and writes, and reads "
+        "--etcd-user's password), or over https with neither a client certificate nor --etcd-user (etcd cannot tell "
+        "who writes) (true/false): only over a private network that nobody else joins (a compose or docker bridge "
+        "network)",
     ),
     (
         "--etcd-ca-file",
@@ -572,6 +592,20 @@ _SERVICE_FLAGS: list[Flag] = [
         "--client-cert-auth (e.g. the TLS folder's coordinator.pem)",
     ),
     ("--etcd-key-file", str, "", "etcd over https: the client certificate's private key (PEM)"),
+    (
+        "--etcd-user",
+        str,
+        "",
+        "etcd with authentication enabled (`auth enable`): this replica's etcd user, with --etcd-password-file; it "
+        "needs readwrite on the keys with prefix /diloco/coordinator/leader",
+    ),
+    (
+        "--etcd-password-file",
+        str,
+        "",
+        "the file holding --etcd-user's password (one line; read and checked at start; the password is never taken "
+        "on the command line nor logged)",
+    ),
     (
         "--fault-crash-before-answer",
         str,
@@ -618,12 +652,13 @@ FORMS = "http(s)://HOST:PORT, or up to 5 of them comma-separated (members of one
 
 
 def parse_etcd_endpoints(
-    value: object, private_network: bool = False, client_cert: bool = False
+    value: object, private_network: bool = False, client_cert: bool = False, user: bool = False
 ) -> tuple[str, tuple[tuple[str, int], ...]]:
     """'' -> ('', ()); 'SCHEME://HOST:PORT[,SCHEME://HOST:PORT...]' (one scheme, http or https, for every member; at
     most `MAX_ETCD_ENDPOINTS`, no repeats) -> (SCHEME, ((HOST, PORT), ...)); anything else is a ConfigError. A host
-    off loopback needs https with a client certificate (`client_cert`: etcd can tell who writes), or
-    `private_network` (a network nobody else joins, e.g. compose's)."""
+    off loopback needs https with a client certificate (`client_cert`) or an etcd user (`user`: a password, sent
+    encrypted): either way etcd can tell who writes; or `private_network` (a network nobody else joins, e.g.
+    compose's). A user over plain HTTP counts for nothing there: anyone on the path reads its password."""
     if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
         raise ConfigError(f"etcd must be {FORMS}, at most 512 printable characters, got {value!r} (flag --etcd)")
     if not value:
@@ -639,14 +674,20 @@ def parse_etcd_endpoints(
     endpoints = tuple(endpoint for _, endpoint in parsed)
     if len(set(endpoints)) != len(endpoints):
         raise ConfigError(f"etcd: an endpoint is given twice in {value!r}; give each member once (flag --etcd)")
-    open_ok = private_network or (scheme == "https" and client_cert)
+    open_ok = private_network or (scheme == "https" and (client_cert or user))
     for host, _ in endpoints:
         if not open_ok and host not in _LOOPBACK and not host.startswith("127."):
-            how = "plain HTTP" if scheme == "http" else "https without a client certificate"
+            if scheme == "https":
+                how = "https without a client certificate or an etcd user (etcd cannot tell who writes)"
+            elif user:
+                how = "plain HTTP, even with --etcd-user (its password would travel in clear)"
+            else:
+                how = "plain HTTP (etcd cannot tell who writes)"
             raise ConfigError(
-                f"etcd endpoint must be on loopback with {how} (etcd cannot tell who writes), got host {host!r} (flag "
-                "--etcd); give https:// with --etcd-ca-file, --etcd-cert-file and --etcd-key-file (etcd with "
-                "--client-cert-auth), or on a private network (containers) add --etcd-private-network true"
+                f"etcd endpoint must be on loopback with {how}, got host {host!r} (flag --etcd); give https:// with "
+                "--etcd-ca-file and either --etcd-cert-file and --etcd-key-file (etcd with --client-cert-auth) or "
+                "--etcd-user and --etcd-password-file (etcd with auth enabled), or on a private network (containers) "
+                "add --etcd-private-network true"
             )
     return scheme, endpoints
 
