@@ -151,3 +151,49 @@ def test_services_refuse_a_bad_thread_count(capsys: pytest.CaptureFixture[str]) 
     assert "--threads" in capsys.readouterr().err
     assert main(["coordinator", "--insecure", "--threads", "5000"]) == 2
     assert "--threads" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_decodes_give_the_same_bits_on_any_number_of_threads(codec: str, small_parts: None) -> None:
+    """Into a buffer, window by window into a sink (the coordinator's fold), and added into a learner's `Θ̂` in
+    place with its checksum (a delta broadcast): the parts of each window decoded at once change no bit."""
+    gen = torch.Generator().manual_seed(4)
+    n = 2 * (1 << 20) + 77
+    theta0 = torch.randn(n, generator=gen)
+    data, meta = get_codec(codec).encode(theta0)
+    shadow = BroadcastShadow(theta0, 0, codec)
+    delta = shadow.advance(theta0 + 1e-2 * torch.randn(n, generator=gen), 1)
+    assert delta is not None
+
+    class Collect:
+        def __init__(self) -> None:
+            self.values = torch.full((n,), float("nan"))
+
+        def dense(self, start: int, values: torch.Tensor) -> None:
+            self.values[start : start + values.numel()] = values
+
+        def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
+            raise AssertionError("dense codecs only")
+
+    results = []
+    for threads in (1, 3):
+        parallel.set_threads(threads)
+        out = torch.empty(n)
+        decoder = get_codec(codec).decoder(meta, out)
+        for at in range(0, len(data), 1 << 20):
+            decoder.feed(memoryview(data)[at : at + (1 << 20)])
+        decoder.finish()
+        sink = Collect()
+        windows = get_codec(codec).decoder(meta, sink=sink)
+        windows.feed(data)
+        windows.verify()
+        follower = BroadcastFollower()
+        follower.snapshot(0, theta0.clone())
+        held = follower.delta(1, 0, delta.meta, delta.data, delta.checksum)
+        assert not isinstance(held, Refusal)
+        got = held.at(1)
+        assert not isinstance(got, Refusal), got  # the checksum, taken in parts, matched the coordinator's
+        results.append((out, sink.values, got))
+    for one, more in zip(results[0], results[1], strict=True):
+        assert torch.equal(one, more)
+    assert torch.equal(results[1][2], shadow.shadow)

@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from zlib_ng.zlib_ng import crc32
 
 from diloco.core.codecs import (
     CODEC_NAMES,
@@ -54,6 +53,7 @@ from diloco.core.codecs import (
     payload_decoder,
 )
 from diloco.core.holds import Holds
+from diloco.core.parallel import parallel_crc32
 
 __all__ = [
     "BROADCAST_CODECS",
@@ -82,7 +82,7 @@ HISTORY_BYTES_RATIO = 0.5
 def params_checksum(flat: torch.Tensor) -> int:
     """crc32 (zlib's, computed by zlib-ng: the same values, several times faster) of the fp32 little-endian bytes of
     a contiguous 1-D float32 CPU tensor."""
-    return crc32(flat.numpy().data.cast("B"))
+    return parallel_crc32(flat.numpy().data.cast("B"))
 
 
 def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
@@ -92,7 +92,7 @@ def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
     if x.dim() != 1:
         raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
     data = x.numpy().data.cast("B")
-    return data, EncodedMeta("fp32", x.numel(), len(data), crc32(data))
+    return data, EncodedMeta("fp32", x.numel(), len(data), parallel_crc32(memoryview(data)))
 
 
 @dataclass(frozen=True)
@@ -206,11 +206,11 @@ class BroadcastShadow:
             # q = Q(Θ − Θ̂) over the span, Θ̂ + D(q) decoded from the very bytes sent, and the crc32 of the whole new
             # Θ̂ (chained across the span): one fused pass where the codec has one (blockwise codecs), else with a
             # model-sized scratch
-            crc = crc32(target[:start].numpy().data.cast("B"))
+            crc = parallel_crc32(target[:start].numpy().data.cast("B"))
             part = scratch[start:end] if scratch is not None else None
             span_of = slice(start, end)
             data, meta, crc = self.codec.encode_toward(theta[span_of], shadow[span_of], target[span_of], part, crc)
-            checksum = crc32(target[end:].numpy().data.cast("B"), crc)
+            checksum = parallel_crc32(target[end:].numpy().data.cast("B"), crc)
         except CodecError:
             self._reset(params, version)
             return None
@@ -417,7 +417,7 @@ class _InPlaceDelta:
         self._on_window = on_window
         self._old = torch.empty(0, dtype=params.dtype)  # a window's values before it changes (`on_window` only)
         self._next: int | None = offset  # the crc32 covers params[:next]; None: windows out of order
-        self._crc = crc32(_bytes(params[:offset]))
+        self._crc = parallel_crc32(_bytes(params[:offset]))
 
     def dense(self, start: int, values: torch.Tensor) -> None:
         window = self.add_target(start, values.numel())
@@ -444,7 +444,7 @@ class _InPlaceDelta:
         if self._on_window is not None:
             self._on_window(lo, hi, self._old[: window.numel()], window)
         if self._next == lo:
-            self._crc = crc32(_bytes(window), self._crc)
+            self._crc = parallel_crc32(_bytes(window), self._crc)
             self._next = hi
         else:
             self._next = None
@@ -454,7 +454,7 @@ class _InPlaceDelta:
 
     def checksum(self) -> int:
         if self._next == self._end:
-            return crc32(_bytes(self._params[self._end :]), self._crc)
+            return parallel_crc32(_bytes(self._params[self._end :]), self._crc)
         return params_checksum(self._params)
 
 

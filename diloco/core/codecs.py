@@ -331,7 +331,9 @@ class StreamDecoder:
         self._sink = sink
         self._scratch = torch.empty(0, dtype=torch.float32)
         # a sink gets windows of about _WINDOW_ELEMENTS elements: decode that many elements' bytes at a time
-        self._piece_bytes = max(1, _WINDOW_ELEMENTS * meta.encoded_bytes // max(1, meta.numel))
+        # (times the threads: each decodes a part of about that many at once, `diloco.core.parallel`)
+        window = _WINDOW_ELEMENTS * parallel.threads()
+        self._piece_bytes = max(1, window * meta.encoded_bytes // max(1, meta.numel))
         self._sections = [s for s in sections if s.length > 0]
         self._section = 0
         self._section_pos = 0
@@ -840,7 +842,8 @@ class Int4Codec(_BlockCodec):
 
 class _BlockDecoder(StreamDecoder):
     """Scales first (kept and checked), then values decoded a whole number of blocks at a time
-    (`kernels.dequantize`, or `kernels.dequantize_add` into an `AddingSink`'s vector)."""
+    (`kernels.dequantize`, or `kernels.dequantize_add` into an `AddingSink`'s vector), in parts on `--threads`
+    threads."""
 
     def __init__(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None, qmax: int) -> None:
         bs = meta.block_size
@@ -879,13 +882,18 @@ class _BlockDecoder(StreamDecoder):
         whole = min(len(packed) // per_block, (self.meta.numel - first * bs) // bs)
         if whole:
             scales = self._scales[first : first + whole]
-            if isinstance(self._sink, AddingSink):
-                window = self._sink.add_target(first * bs, whole * bs)
-                kernels.dequantize_add(packed[: whole * per_block], scales, bs, self._qmax, window.numpy())
-                self._sink.added(first * bs, window)
+            adding = self._sink if isinstance(self._sink, AddingSink) else None
+            window = adding.add_target(first * bs, whole * bs) if adding else self._window(first * bs, whole * bs)
+            kernel, values = (kernels.dequantize_add if adding else kernels.dequantize), window.numpy()
+
+            def part(lo: int, hi: int) -> None:  # elements [lo, hi) of the window: whole blocks
+                b0, b1 = lo // bs, hi // bs
+                kernel(packed[b0 * per_block : b1 * per_block], scales[b0:b1], bs, self._qmax, values[lo:hi])
+
+            parallel.map_parts(part, 0, whole * bs, bs)
+            if adding:
+                adding.added(first * bs, window)
             else:
-                window = self._window(first * bs, whole * bs)
-                kernels.dequantize(packed[: whole * per_block], scales, bs, self._qmax, window.numpy())
                 self._emit(first * bs, window)
         if len(packed) > whole * per_block:  # the short last block, decoded padded; int4's odd last nibble is padding
             start = (first + whole) * bs
