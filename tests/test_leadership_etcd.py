@@ -22,7 +22,7 @@ import pytest
 import requests
 from structlog.testing import capture_logs
 
-from diloco.core.leadership import LeaderInfo, LeadershipConfig, Role
+from diloco.core.leadership import LeaderInfo, LeadershipConfig, LeadershipView, Role
 from diloco.errors import ConfigError
 from diloco.ha import etcd as etcd_module
 from diloco.ha.driver import LeadershipDriver
@@ -118,6 +118,18 @@ def one_leader(cluster: Cluster, timeout_s: float = 10.0) -> LeadershipDriver:
     until("one leader", lambda: len(cluster.leaders()) == 1, cluster, timeout_s)
     [rid] = cluster.leaders()
     return cluster.drivers[rid]
+
+
+def elect_two(cluster: Cluster) -> tuple[LeadershipDriver, LeadershipDriver, LeadershipView]:
+    """Replicas a and b campaign: the one that leads, the other once it knows that leader, and the leader's view
+    (etcd holds its record)."""
+    a, b = cluster.add("a"), cluster.add("b")
+    leader = one_leader(cluster)
+    follower = b if leader is a else a
+    lv = leader.view()
+    assert lv.epoch >= 1 and cluster.holder() == lv.leader
+    until("the follower knows the leader", lambda: follower.view().leader == lv.leader, cluster, 5.0)
+    return leader, follower, lv
 
 
 def raw_client(etcd: EtcdServer) -> etcd3gw.Etcd3Client:
@@ -434,12 +446,7 @@ def test_leadership_is_acquired_and_kept_over_tls(etcd_tls: EtcdServer) -> None:
     elect one leader, the other follows, and the leader keeps its lease past the TTL."""
     cluster = Cluster(etcd_tls, tls=client_tls(etcd_tls))
     try:
-        a, b = cluster.add("a"), cluster.add("b")
-        leader = one_leader(cluster)
-        follower = b if leader is a else a
-        lv = leader.view()
-        assert lv.epoch >= 1 and cluster.holder() == lv.leader
-        until("the follower knows the leader", lambda: follower.view().leader == lv.leader, cluster, 5.0)
+        leader, _, lv = elect_two(cluster)
         end = time.monotonic() + CFG.lease_ttl_s + 0.5
         until("past the TTL", lambda: time.monotonic() > end, cluster, 10.0)
         assert leader.may_accept() and leader.view().epoch == lv.epoch and cluster.holder() == lv.leader
@@ -624,12 +631,7 @@ def test_leadership_works_as_an_etcd_user(etcd_auth: EtcdServer, tmp_path: Path)
     past the TTL, and its resignation hands the key over."""
     cluster = Cluster(etcd_auth, auth=credentials(tmp_path))
     try:
-        a, b = cluster.add("a"), cluster.add("b")
-        leader = one_leader(cluster)
-        follower = b if leader is a else a
-        lv = leader.view()
-        assert cluster.holder() == lv.leader
-        until("the follower knows the leader", lambda: follower.view().leader == lv.leader, cluster, 5.0)
+        leader, follower, lv = elect_two(cluster)
         follower.caught_up()
         follower.hold(3)
         probe = EtcdElection(cluster.config(auth=cluster.auth))
