@@ -56,8 +56,9 @@ def threads() -> int:
 
 
 def split(start: int, end: int, align: int, parts: int, min_part: int = MIN_PART_ELEMENTS) -> list[tuple[int, int]]:
-    """[start, end) cut into at most `parts` contiguous ranges of about equal length, each at least `min_part` long
-    (but one, the whole, when it is shorter) and, but for the last, a multiple of `align` long. Pure."""
+    """[start, end) cut into at most `parts` contiguous ranges of about equal length: one (the whole) when it is
+    shorter than twice `min_part`, else each but the last at least `min_part` long and a multiple of `align` (the
+    last takes what is left). Pure."""
     n = end - start
     if n <= 0:
         return []
