@@ -92,7 +92,7 @@ def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
     if x.dim() != 1:
         raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
     data = x.numpy().data.cast("B")
-    return data, EncodedMeta("fp32", x.numel(), len(data), parallel_crc32(memoryview(data)))
+    return data, EncodedMeta("fp32", x.numel(), len(data), parallel_crc32(data))
 
 
 @dataclass(frozen=True)
