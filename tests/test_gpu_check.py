@@ -3,6 +3,8 @@ itself runs only where a GPU is lent; see diloco/bench/gpu_check.py)."""
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -35,3 +37,32 @@ def test_peak_flops_by_device_name() -> None:
     assert peak_flops("NVIDIA H200") == 989e12
     assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_flops("Some Future Accelerator") is None
+
+
+@pytest.mark.slow
+def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path) -> None:
+    """`--cpu` runs the same check (healthd, the coordinator, 2 learners, a tiny model on the CPU) end to end, so
+    what the GPU run measures and writes is exercised where there is no GPU."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco.bench.gpu_check", "--cpu", "--out", str(out)],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert (r["device"], r["gpus"], r["model"], r["outer_steps"]) == ("cpu", 0, "hf:llama-tiny", 2)
+    assert r["parameters"] > 100_000 and math.isfinite(r["validation_loss"])
+    assert sorted(r["learners"]) == ["worker0", "worker1"]
+    for w in r["learners"].values():
+        assert w["device_kind"] == "cpu" and w["tokens"] > 0 and w["tokens_per_s_measured"] > 0
+        assert w["tokens_per_s_inner"] > 0 and w["gpu_memory_mib"] is None
+    assert r["tokens_applied"] == sum(w["tokens"] for w in r["learners"].values())
+    assert r["mfu_estimate"] is None  # no peak for a CPU
+    assert set(r["peak_rss_bytes"]) == {"healthd", "coordinator", "worker0", "worker1"}
+    assert r["coordinator_round_s"]["merge"] is not None and r["learner_round_s"]["inner"] > 0
+    assert r["bytes_received"] > 0 and r["bytes_sent"] > 0

@@ -141,6 +141,35 @@ def lean_worker_args(spill: Path) -> tuple[str, ...]:
     return ("--activation-checkpointing", "true", *spill_args(spill))
 
 
+def read_logs(cluster: LocalCluster) -> dict[str, list[dict[str, Any]]]:
+    """Every process's structured log lines, by process name."""
+    return {
+        name: [line.fields for line in LogFollower(cluster.run_dir / f"{name}.log").read()] for name in cluster.procs
+    }
+
+
+def round_times(
+    logs: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """Mean seconds per round of each coordinator phase (`round.closed`) and each learner phase (`worker.round`,
+    `worker.submitted`: upload, `worker.broadcast_received` of a delta: receive), over the rounds after the first,
+    whose times include start-up."""
+    closed = [f for f in logs["coordinator"] if f.get("event") == "round.closed"]
+    coordinator = {p: _mean([float(f[f"{p}_s"]) for f in closed[1:] if f"{p}_s" in f]) for p in COORDINATOR_PHASES}
+    learner: dict[str, list[float]] = {p: [] for p in (*LEARNER_PHASES, "upload", "receive")}
+    for name in [n for n in logs if n.startswith("worker")]:
+        lines = logs[name]
+        rounds = [f for f in lines if f.get("event") == "worker.round"]
+        for f in rounds[1:]:
+            for p in LEARNER_PHASES:
+                learner[p].append(float(f.get(f"{p}_s", 0.0)))
+        submitted = [float(f["seconds"]) for f in lines if f.get("event") == "worker.submitted"]
+        learner["upload"] += submitted[1:]
+        received = [f for f in lines if f.get("event") == "worker.broadcast_received"]
+        learner["receive"] += [float(f["seconds"]) for f in received if f.get("delta_from") is not None]
+    return coordinator, {p: _mean(v) for p, v in learner.items()}
+
+
 def run_one(
     model: str,
     s: LargeSettings,
@@ -190,23 +219,8 @@ def run_one(
             wall = time.monotonic() - started
             peaks = rss.peaks
             status = cluster.final_status() if evaluate else cluster.status()
-            logs = {
-                name: [line.fields for line in LogFollower(cluster.run_dir / f"{name}.log").read()]
-                for name in cluster.procs
-            }
-    closed = [f for f in logs["coordinator"] if f.get("event") == "round.closed"]
-    coordinator = {p: _mean([float(f[f"{p}_s"]) for f in closed[1:] if f"{p}_s" in f]) for p in COORDINATOR_PHASES}
-    learner: dict[str, list[float]] = {p: [] for p in (*LEARNER_PHASES, "upload", "receive")}
-    for name in [n for n in logs if n.startswith("worker")]:
-        lines = logs[name]
-        rounds = [f for f in lines if f.get("event") == "worker.round"]
-        for f in rounds[1:]:
-            for p in LEARNER_PHASES:
-                learner[p].append(float(f.get(f"{p}_s", 0.0)))
-        submitted = [float(f["seconds"]) for f in lines if f.get("event") == "worker.submitted"]
-        learner["upload"] += submitted[1:]
-        received = [f for f in lines if f.get("event") == "worker.broadcast_received"]
-        learner["receive"] += [float(f["seconds"]) for f in received if f.get("delta_from") is not None]
+            logs = read_logs(cluster)
+    coordinator, learner = round_times(logs)
     result = {
         "model": model,
         "evaluate": evaluate,
@@ -219,7 +233,7 @@ def run_one(
         "validation_loss": status.validation_loss,
         "peak_rss": peaks,
         "coordinator_s": coordinator,
-        "learner_s": {p: _mean(v) for p, v in learner.items()},
+        "learner_s": learner,
         "broadcast_bytes": sorted(
             {
                 int(f["bytes"])

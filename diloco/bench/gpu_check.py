@@ -2,30 +2,46 @@
 
 healthd, the coordinator and 2 learners (real processes, `LocalCluster`, loopback) train a ~100M-parameter
 Llama-style model (`--model hf:llama-100m`) in bf16 on the GPU(s) for a few outer steps; the check writes what
-it measured to a JSON file: tokens/s per learner (what the coordinator measured from accepted submissions), an
-MFU estimate (6 x parameters x tokens/s over the device's dense bf16 peak, when the device is in `PEAK_BF16`),
-the GPU memory each learner process used (nvidia-smi), round times and the loss.
+it measured to a JSON file:
+
+- throughput per learner, twice: what the coordinator measured from accepted submissions (end to end: the round's
+  inner steps, its upload and the wait for a version included), and the tokens over the learner's inner-step
+  seconds alone (`worker.round`'s `inner_s`: training only);
+- an MFU estimate of each (6 x parameters x tokens/s over the dense bf16 peak of the GPUs the learners ran on, when
+  the device is in `PEAK_BF16`);
+- the GPU memory each learner process used (nvidia-smi, sampled while it runs) and every process's peak resident
+  host memory;
+- each learner's device as its heartbeats name it and the power it reported (watts and their source: `nvml` on a
+  CUDA machine with `nvidia-ml-py`), with joules per token; the coordinator's energy account;
+- where a round's time goes (the coordinator's merge, outer step and broadcast encode; a learner's inner steps,
+  pseudo-gradient and encode, upload, receive, rebase; `bench_large.round_times`), and the loss.
 
     bash scripts/gpu_check.sh             # or: python -m diloco.bench.gpu_check --out docs/benchmarks/gpu_check.json
 
 Without CUDA it does nothing and says why (exit 0, nothing written), so it passes on CPU-only machines and in CI.
+`--cpu` rehearses the same check on the CPU with a tiny model, so that what it measures and writes is tested where
+no GPU is (tests/test_gpu_check.py); its figures say nothing about a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from diloco.bench.bench_large import PeakRss, model_numel, read_logs, round_times
 from diloco.cluster import ClusterConfig, LocalCluster, seconds_until
+from diloco.rpc.vocab import POWER_SOURCES
 
 # dense bf16 peak FLOP/s by device name fragment (vendor data sheets, without sparsity)
 PEAK_BF16 = {
@@ -36,6 +52,25 @@ PEAK_BF16 = {
     "L4": 121e12,
     "A10": 125e12,
 }
+WORKERS = 2
+
+
+@dataclass(frozen=True)
+class CheckSettings:
+    model: str = "hf:llama-100m"
+    outer_steps: int = 4
+    local_steps: int = 40
+    seq_len: int = 512
+    batch_size: int = 16
+    eval_tokens: int = 8_192  # scored once, on the last version (the coordinator evaluates on its CPU)
+    device: str = "cuda"  # cuda, or cpu for the rehearsal
+    timeout_s: float = 1800.0
+
+
+# `--cpu`: the same check on a CPU-only machine, small enough for a test
+REHEARSAL = CheckSettings(
+    model="hf:llama-tiny", outer_steps=2, local_steps=4, seq_len=64, batch_size=4, eval_tokens=1024, device="cpu"
+)
 
 
 def skip_reason() -> str:
@@ -68,22 +103,39 @@ def gpu_memory_mib() -> dict[int, int]:
     return used
 
 
-def run(outer_steps: int, local_steps: int, seq_len: int, batch_size: int, model: str) -> dict[str, Any]:
-    device = torch.cuda.get_device_name(0)
-    gpus = torch.cuda.device_count()
+def threads_each() -> int:
+    """`--threads` of the coordinator and of each learner: a quarter of the cores each (3 processes doing
+    model-sized passes share them), at least 1."""
+    return max(1, (os.cpu_count() or 1) // 4)
+
+
+def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
+    cuda = s.device == "cuda"
+    device = torch.cuda.get_device_name(0) if cuda else "cpu"
+    gpus = torch.cuda.device_count() if cuda else 0
+    threads = str(threads_each())
+
+    def worker_flags(i: int) -> tuple[str, ...]:
+        place = ("--device", f"cuda:{i % gpus}", "--precision", "bf16") if cuda else ("--device", "cpu")
+        return (*place, "--threads", threads)
+
     with tempfile.TemporaryDirectory(prefix="diloco-gpu-check-") as tmp:
+        run_dir = keep_dir or Path(tmp)
         cfg = ClusterConfig(
-            workers=2,
+            workers=WORKERS,
             mode="decoupled",
-            outer_steps=outer_steps,
-            local_steps=local_steps,
-            min_local_steps=max(1, local_steps // 2),
+            outer_steps=s.outer_steps,
+            local_steps=s.local_steps,
+            min_local_steps=max(1, s.local_steps // 2),
             min_quorum=1,
-            run_dir=Path(tmp),
+            run_dir=run_dir,
             insecure=True,
-            task_args=("--model", model, "--seq-len", str(seq_len), "--batch-size", str(batch_size)),
-            coordinator_args=("--eval-tokens", "65536"),
-            worker_args={i: ("--device", f"cuda:{i % gpus}", "--precision", "bf16") for i in range(2)},
+            task_args=("--model", s.model, "--seq-len", str(s.seq_len), "--batch-size", str(s.batch_size)),
+            coordinator_args=(
+                *("--eval-tokens", str(s.eval_tokens), "--eval-every", str(s.outer_steps)),
+                *("--threads", threads),
+            ),
+            worker_args={i: worker_flags(i) for i in range(WORKERS)},
         )
         started = time.monotonic()
         memory: dict[str, int] = {}
@@ -91,63 +143,104 @@ def run(outer_steps: int, local_steps: int, seq_len: int, batch_size: int, model
             cluster.start(timeout_s=600)
 
             def finished() -> bool:
-                used = gpu_memory_mib()
+                used = gpu_memory_mib() if cuda else {}
                 for name, proc in cluster.procs.items():
+                    code = proc.popen.poll()
+                    if code not in (None, 0):  # a learner exits 0 once the job is done; anything else is a failure
+                        raise RuntimeError(f"{name} exited with code {code}; its log ends:\n{cluster.tail(name)}")
                     if proc.popen.pid in used:
                         memory[name] = max(memory.get(name, 0), used[proc.popen.pid])
                 return cluster.status().finished
 
-            seconds_until("the job to finish", finished, timeout_s=1800, interval_s=2.0)
-            status = cluster.status()
+            with PeakRss({name: p.popen.pid for name, p in cluster.procs.items()}) as rss:
+                seconds_until("the job to finish", finished, timeout_s=s.timeout_s, interval_s=2.0)
+            wall = time.monotonic() - started
+            status = cluster.final_status()
             workers = cluster.workers().workers
-        wall = time.monotonic() - started
-    speeds = {w.worker_id: w.measured_tokens_per_s for w in workers}
-    total = sum(speeds.values())
-    params = _parameters(model, seq_len)
+            logs = read_logs(cluster)
+    coordinator_s, learner_s = round_times(logs)
+    params = model_numel(s.model, s.seq_len)
     peak = peak_flops(device)
+    learners: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        inner_s = sum(
+            float(f.get("inner_s", 0.0)) for f in logs.get(w.worker_name, ()) if f.get("event") == "worker.round"
+        )
+        tp = w.throughput
+        learners[w.worker_name] = {
+            "device_kind": tp.device_kind,
+            "tokens": w.tokens,
+            "tokens_per_s_measured": round(w.measured_tokens_per_s, 1),
+            "tokens_per_s_inner": round(w.tokens / inner_s, 1) if inner_s > 0 else None,
+            "watts": round(tp.watts, 1),
+            "power_source": POWER_SOURCES.from_proto(tp.power_source).value if tp.power_source else "",
+            "joules_per_token": (tp.watts / w.measured_tokens_per_s) if tp.watts and w.measured_tokens_per_s else None,
+            "gpu_memory_mib": memory.get(w.worker_name),
+        }
+    end_to_end = sum(x["tokens_per_s_measured"] for x in learners.values())
+    inner = sum(x["tokens_per_s_inner"] or 0.0 for x in learners.values())
+    # both learners' tokens over the peak of the GPUs they ran on (one each, or both on one)
+    peak_total = peak * min(WORKERS, gpus) if peak and cuda else None
     return {
         "device": device,
         "gpus": gpus,
-        "model": model,
+        # learners sharing one GPU each report its whole draw (NVML measures a GPU, not a process)
+        "learners_per_gpu": WORKERS / gpus if gpus else None,
+        "torch": torch.__version__,
+        "model": s.model,
         "parameters": params,
-        "seq_len": seq_len,
-        "batch_size": batch_size,
+        "seq_len": s.seq_len,
+        "batch_size": s.batch_size,
+        "local_steps": s.local_steps,
+        "threads_each": int(threads),
         "outer_steps": status.version,
         "wall_s": round(wall, 1),
         "validation_loss": status.validation_loss,
         "tokens_applied": status.tokens_applied,
-        "tokens_per_s_measured": speeds,
-        "tokens_per_s_total": total,
-        # both learners' tokens over the peak of the GPUs they ran on (one each, or both on one)
-        "mfu_estimate": 6 * params * total / (peak * min(2, gpus)) if peak else None,
-        "gpu_memory_mib": memory,
+        "learners": learners,
+        "tokens_per_s_total": round(end_to_end, 1),
+        "tokens_per_s_inner_total": round(inner, 1),
+        "mfu_estimate": 6 * params * end_to_end / peak_total if peak_total else None,
+        "mfu_inner_estimate": 6 * params * inner / peak_total if peak_total else None,
+        "peak_rss_bytes": rss.peaks,
+        "coordinator_round_s": coordinator_s,
+        "learner_round_s": learner_s,
+        "energy_kwh": status.energy_kwh,
         "bytes_received": status.bytes_received,
         "bytes_sent": status.bytes_sent,
     }
 
 
-def _parameters(model: str, seq_len: int) -> int:
-    from diloco.task.factory import TaskConfig, build_task
-    from diloco.task.model import ModelConfig
-
-    task = build_task(TaskConfig(model=ModelConfig(seq_len=seq_len), model_name=model))
-    return sum(p.numel() for p in task.model_fn(0).parameters())
-
-
 def main(argv: list[str] | None = None) -> int:
+    d = CheckSettings()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="docs/benchmarks/gpu_check.json", help="where the measured figures go")
-    p.add_argument("--model", default="hf:llama-100m")
-    p.add_argument("--outer-steps", type=int, default=4)
-    p.add_argument("--local-steps", type=int, default=20)
-    p.add_argument("--seq-len", type=int, default=512)
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--model", default=None, help=f"default {d.model} ({REHEARSAL.model} with --cpu)")
+    p.add_argument("--outer-steps", type=int, default=None, help=f"default {d.outer_steps}")
+    p.add_argument("--local-steps", type=int, default=None, help=f"default {d.local_steps}")
+    p.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len}")
+    p.add_argument("--batch-size", type=int, default=None, help=f"default {d.batch_size}")
+    p.add_argument("--run-dir", type=Path, default=None, help="keep the services' logs here (default: deleted)")
+    p.add_argument("--cpu", action="store_true", help="rehearse the check on the CPU with a tiny model (tests)")
     a = p.parse_args(argv)
-    why = skip_reason()
+    s = REHEARSAL if a.cpu else d
+    given = {
+        k: v
+        for k, v in (
+            ("model", a.model),
+            ("outer_steps", a.outer_steps),
+            ("local_steps", a.local_steps),
+            ("seq_len", a.seq_len),
+            ("batch_size", a.batch_size),
+        )
+        if v is not None
+    }
+    s = replace(s, **given)
+    why = "" if a.cpu else skip_reason()
     if why:
         print(f"gpu check skipped: {why}")
         return 0
-    result = run(a.outer_steps, a.local_steps, a.seq_len, a.batch_size, a.model)
+    result = run(s, a.run_dir)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

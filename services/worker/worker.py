@@ -82,12 +82,8 @@ class Worker:
         self.core = core.LearnerCore(
             core.LearnerConfig(id_prefix=uuid.uuid4().hex + "-", give_up_after_s=cfg.give_up_after_s or None)
         )
-        if island is None:
-            self.device = learner_device(cfg)
-            self.device_kind = self.device.type
-        else:
-            self.device = island.device
-            self.device_kind = device_kind(island.device, island.world)
+        self.device = learner_device(cfg) if island is None else island.device
+        self.device_kind = device_kind(self.device, 1 if island is None else island.world)
         # first: a meter that cannot be read is a configuration error (`__main__` opens it before logging starts)
         self.power = power or open_power_meter(cfg, self.device, island.world if island is not None else 1)
         reading = self.power.reading()
