@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from diloco.bench.gpu_check import peak_flops
+from diloco.bench.gpu_check import markdown, peak_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +66,6 @@ def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path) -> N
     assert set(r["peak_rss_bytes"]) == {"healthd", "coordinator", "worker0", "worker1"}
     assert r["coordinator_round_s"]["merge"] is not None and r["learner_round_s"]["inner"] > 0
     assert r["bytes_received"] > 0 and r["bytes_sent"] > 0
+    assert r["measured"]["commit"] and r["measured"]["date"]
+    shown = markdown(r)  # as the benchmark report shows it
+    assert "| worker0 | cpu |" in shown and "0 W (none)" in shown and "MFU estimate" in shown

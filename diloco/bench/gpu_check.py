@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from diloco.bench.bench_large import PeakRss, model_numel, read_logs, round_times
+from diloco.bench.section import table
 from diloco.cluster import ClusterConfig, LocalCluster, seconds_until
 from diloco.rpc.vocab import POWER_SOURCES
 
@@ -211,6 +212,72 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
     }
 
 
+def markdown(r: dict[str, Any]) -> str:
+    """The check's JSON (`--out`) as the benchmark report shows it."""
+
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    def mfu(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    m = r.get("measured", {})
+    learners = r["learners"]
+    rows = [
+        [
+            name,
+            w["device_kind"],
+            f"{w['tokens']:,}",
+            num(w["tokens_per_s_measured"], ",.0f"),
+            num(w["tokens_per_s_inner"], ",.0f"),
+            f"{w['watts']:,.0f} W ({w['power_source'] or 'none'})",
+            num(w["joules_per_token"] and 1000 * w["joules_per_token"], ".2f"),
+            num(w["gpu_memory_mib"], ","),
+            f"{r['peak_rss_bytes'].get(name, 0) / 1e9:.2f}",
+        ]
+        for name, w in sorted(learners.items())
+    ]
+    phases = ", ".join(f"{k} {num(v, '.3f')} s" for k, v in r["learner_round_s"].items())
+    coordinator = ", ".join(f"{k} {num(v, '.3f')} s" for k, v in r["coordinator_round_s"].items())
+    shared = (
+        f" The {len(learners)} learners share {r['gpus']} GPU(s): each one's NVML watts are its GPU's whole draw, "
+        "so joules per token count a shared GPU's energy once per learner on it."
+        if (r.get("learners_per_gpu") or 0) > 1
+        else ""
+    )
+    return "\n".join(
+        [
+            f"Measured at commit `{str(m.get('commit'))[:10]}`, {m.get('date', '?')}: {r['device']} x{r['gpus']}, "
+            f"torch {r['torch']}. `{r['model']}` ({r['parameters']:,} parameters), seq {r['seq_len']} x batch "
+            f"{r['batch_size']}, H = {r['local_steps']}, bf16 autocast, decoupled rounds; {r['outer_steps']} outer "
+            f"steps in {r['wall_s']} s (start-up included), validation loss {num(r['validation_loss'], '.3f')}, "
+            f"{r['tokens_applied']:,} tokens applied. Regenerate on a CUDA machine: `bash scripts/gpu_check.sh` "
+            "(writes `docs/benchmarks/gpu_check.json`; then `diloco bench --report-only`).",
+            "",
+            table(
+                [
+                    "learner",
+                    "device (heartbeats)",
+                    "tokens",
+                    "tokens/s (coordinator)",
+                    "tokens/s (inner steps)",
+                    "power",
+                    "mJ/token",
+                    "GPU MiB",
+                    "host peak RSS GB",
+                ],
+                rows,
+            ),
+            "",
+            f"- MFU estimate (6 x parameters x tokens/s over {r['gpus']} GPU's dense bf16 peak): "
+            f"{mfu(r['mfu_estimate'])} end to end, {mfu(r['mfu_inner_estimate'])} over inner-step time.{shared}",
+            f"- A learner's round (means after the first): {phases}. The coordinator's: {coordinator}.",
+            f"- Coordinator peak RSS {r['peak_rss_bytes'].get('coordinator', 0) / 1e9:.2f} GB; bytes received "
+            f"{r['bytes_received'] / 1e6:,.0f} MB, sent {r['bytes_sent'] / 1e6:,.0f} MB.",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     d = CheckSettings()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -240,7 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"gpu check skipped: {why}")
         return 0
-    result = run(s, a.run_dir)
+    from diloco.bench.suite import now, provenance
+
+    result = {"measured": {**provenance(), "date": now()}, **run(s, a.run_dir)}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

@@ -4,6 +4,7 @@ them). One `*_md` and one `*_plot` function per section."""
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -816,6 +817,16 @@ def write_report(results: dict[str, Any], out: Path, sections: Sequence[Section]
         ]
         if result.get("checks"):
             body += [checks_md(result), ""]
+    gpu = out / "gpu_check.json"
+    if gpu.is_file():  # measured by scripts/gpu_check.sh where a CUDA machine is lent, not by the suite
+        from diloco.bench import gpu_check
+
+        body += [
+            "## GPU check (the whole system on one CUDA machine)",
+            "",
+            gpu_check.markdown(json.loads(gpu.read_text())),
+            "",
+        ]
     readme = out / "README.md"
     readme.write_text("\n".join(head) + "\n\n" + "\n".join(body).rstrip() + "\n")
     written.append(readme)

@@ -204,7 +204,7 @@ def provenance() -> dict[str, Any]:
     return {"commit": commit, "dirty": None if commit is None or changed is None else bool(changed)}
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
 
 
@@ -263,7 +263,7 @@ def run_suite(out: Path, *, quick: bool = False, only: Sequence[str] = (), log: 
     started = time.monotonic()
     for section in selected:
         log(f"[{section.name}]")
-        where = {**provenance(), "date": _now(), "machine": _machine()}
+        where = {**provenance(), "date": now(), "machine": _machine()}
         t = time.monotonic()
         sections[section.name] = section.run(ctx)
         wall[section.name] = time.monotonic() - t
@@ -275,7 +275,7 @@ def run_suite(out: Path, *, quick: bool = False, only: Sequence[str] = (), log: 
         "meta": {
             "quick": quick,
             "profile": profile.to_dict(),
-            "date": _now(),
+            "date": now(),
             "machine": _machine(),
             "wall_s": wall,
             "sections_run": [s.name for s in selected],
