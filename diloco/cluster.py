@@ -278,7 +278,7 @@ class ClusterConfig:
     run_dir: Path = Path("runs/local")
     task_args: tuple[str, ...] = ()  # model/data flags passed to the coordinator
     coordinator_args: tuple[str, ...] = ()
-    worker_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[int, dict[str, str]] = field(default_factory=dict)  # per worker: extra environment
     worker_args: dict[int, tuple[str, ...]] = field(default_factory=dict)  # extra flags of one worker (fault tests)
     insecure: bool = False  # False: mutual TLS and tokens, generated into a temporary folder
     nproc_per_worker: int = 1  # > 1: every worker is an island of this many ranks (torchrun, DDP)
@@ -432,7 +432,7 @@ class LocalCluster:
         ]
 
     def start_worker(self, i: int) -> Proc:
-        return self._spawn(f"worker{i}", "services.worker", self.worker_flags(i), env=self.cfg.worker_env)
+        return self._spawn(f"worker{i}", "services.worker", self.worker_flags(i), env=self.cfg.worker_env.get(i))
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Start healthd, the coordinator and the workers; return once both services answer SERVING.

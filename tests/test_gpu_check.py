@@ -40,12 +40,22 @@ def test_peak_flops_by_device_name() -> None:
 
 
 @pytest.mark.slow
-def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path) -> None:
+@pytest.mark.parametrize("island", ["", "fsdp"])
+def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path, island: str) -> None:
     """`--cpu` runs the same check (healthd, the coordinator, 2 learners, a tiny model on the CPU) end to end, so
-    what the GPU run measures and writes is exercised where there is no GPU."""
+    what the GPU run measures and writes is exercised where there is no GPU; `--island fsdp` makes each learner a
+    1-rank island (torchrun's environment, one per learner) that shards its model."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "diloco.bench.gpu_check", "--cpu", "--out", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "diloco.bench.gpu_check",
+            "--cpu",
+            "--out",
+            str(out),
+            *(("--island", island) if island else ()),
+        ],
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
         cwd=ROOT,
         capture_output=True,
@@ -56,11 +66,14 @@ def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert (r["device"], r["gpus"], r["model"], r["outer_steps"]) == ("cpu", 0, "hf:llama-tiny", 2)
+    assert r["island"] == (island or None)
     assert r["parameters"] > 100_000 and math.isfinite(r["validation_loss"])
     assert sorted(r["learners"]) == ["worker0", "worker1"]
     for w in r["learners"].values():
         assert w["device_kind"] == "cpu" and w["tokens"] > 0 and w["tokens_per_s_measured"] > 0
         assert w["tokens_per_s_inner"] > 0 and w["gpu_memory_mib"] is None
+        joined = {"backend": "gloo", "world": 1, "sharded": True, "device": "cpu"} if island else None
+        assert w["island"] == joined
     assert r["tokens_applied"] == sum(w["tokens"] for w in r["learners"].values())
     assert r["mfu_estimate"] is None  # no peak for a CPU
     assert set(r["peak_rss_bytes"]) == {"healthd", "coordinator", "worker0", "worker1"}

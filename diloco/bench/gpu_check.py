@@ -65,6 +65,7 @@ class CheckSettings:
     batch_size: int = 16
     eval_tokens: int = 8_192  # scored once, on the last version (the coordinator evaluates on its CPU)
     device: str = "cuda"  # cuda, or cpu for the rehearsal
+    island: str = ""  # ddp or fsdp: each learner a 1-rank island (torchrun's environment), NCCL on CUDA
     timeout_s: float = 1800.0
 
 
@@ -110,6 +111,20 @@ def threads_each() -> int:
     return max(1, (os.cpu_count() or 1) // 4)
 
 
+ISLANDS = ("ddp", "fsdp")
+
+
+def island_env() -> dict[str, str]:
+    """The environment torchrun gives a 1-rank island (`services/worker/island.py` reads it): the learner joins a
+    process group of its own (NCCL on CUDA, gloo on the CPU) on a free loopback port."""
+    from services.coordinator.ha import free_port
+
+    return {
+        **{"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
+        **{"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1"))},
+    }
+
+
 def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
     cuda = s.device == "cuda"
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
@@ -117,8 +132,12 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
     threads = str(threads_each())
 
     def worker_flags(i: int) -> tuple[str, ...]:
-        place = ("--device", f"cuda:{i % gpus}", "--precision", "bf16") if cuda else ("--device", "cpu")
-        return (*place, "--threads", threads)
+        if s.island:  # the island's rank picks its GPU (LOCAL_RANK), as under torchrun
+            place: tuple[str, ...] = ("--device", "auto" if cuda else "cpu")
+            place += ("--shard-model", "true") if s.island == "fsdp" else ()
+        else:
+            place = ("--device", f"cuda:{i % gpus}") if cuda else ("--device", "cpu")
+        return (*place, *(("--precision", "bf16") if cuda else ()), "--threads", threads)
 
     with tempfile.TemporaryDirectory(prefix="diloco-gpu-check-") as tmp:
         run_dir = keep_dir or Path(tmp)
@@ -137,6 +156,7 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
                 *("--threads", threads),
             ),
             worker_args={i: worker_flags(i) for i in range(WORKERS)},
+            worker_env={i: island_env() for i in range(WORKERS)} if s.island else {},
         )
         started = time.monotonic()
         memory: dict[str, int] = {}
@@ -168,8 +188,11 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
             float(f.get("inner_s", 0.0)) for f in logs.get(w.worker_name, ()) if f.get("event") == "worker.round"
         )
         tp = w.throughput
+        joined = [f for f in logs.get(w.worker_name, ()) if f.get("event") == "island.joined"]
         learners[w.worker_name] = {
             "device_kind": tp.device_kind,
+            # the process group it joined, as its log says (None: not an island)
+            "island": {k: joined[-1].get(k) for k in ("backend", "world", "sharded", "device")} if joined else None,
             "tokens": w.tokens,
             "tokens_per_s_measured": round(w.measured_tokens_per_s, 1),
             "tokens_per_s_inner": round(w.tokens / inner_s, 1) if inner_s > 0 else None,
@@ -189,6 +212,7 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
         "learners_per_gpu": WORKERS / gpus if gpus else None,
         "torch": torch.__version__,
         "model": s.model,
+        "island": s.island or None,
         "parameters": params,
         "seq_len": s.seq_len,
         "batch_size": s.batch_size,
@@ -222,6 +246,7 @@ def markdown(r: dict[str, Any]) -> str:
         return "-" if x is None else f"{100 * x:.1f}%"
 
     m = r.get("measured", {})
+    island = f"each learner a 1-rank {r['island'].upper()} island (torchrun's environment), " if r.get("island") else ""
     learners = r["learners"]
     rows = [
         [
@@ -249,8 +274,9 @@ def markdown(r: dict[str, Any]) -> str:
         [
             f"Measured at commit `{str(m.get('commit'))[:10]}`, {m.get('date', '?')}: {r['device']} x{r['gpus']}, "
             f"torch {r['torch']}. `{r['model']}` ({r['parameters']:,} parameters), seq {r['seq_len']} x batch "
-            f"{r['batch_size']}, H = {r['local_steps']}, bf16 autocast, decoupled rounds; {r['outer_steps']} outer "
-            f"steps in {r['wall_s']} s (start-up included), validation loss {num(r['validation_loss'], '.3f')}, "
+            f"{r['batch_size']}, H = {r['local_steps']}, bf16 autocast, {island}decoupled rounds; "
+            f"{r['outer_steps']} outer steps in {r['wall_s']} s (start-up included), validation loss "
+            f"{num(r['validation_loss'], '.3f')}, "
             f"{r['tokens_applied']:,} tokens applied. Regenerate on a CUDA machine: `bash scripts/gpu_check.sh` "
             "(writes `docs/benchmarks/gpu_check.json`; then `diloco bench --report-only`).",
             "",
@@ -287,6 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-steps", type=int, default=None, help=f"default {d.local_steps}")
     p.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len}")
     p.add_argument("--batch-size", type=int, default=None, help=f"default {d.batch_size}")
+    p.add_argument(
+        "--island",
+        choices=ISLANDS,
+        default=None,
+        help="each learner a 1-rank island (torchrun's environment; NCCL on CUDA): ddp, or fsdp (--shard-model)",
+    )
     p.add_argument("--run-dir", type=Path, default=None, help="keep the services' logs here (default: deleted)")
     p.add_argument("--cpu", action="store_true", help="rehearse the check on the CPU with a tiny model (tests)")
     a = p.parse_args(argv)
@@ -299,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             ("local_steps", a.local_steps),
             ("seq_len", a.seq_len),
             ("batch_size", a.batch_size),
+            ("island", a.island),
         )
         if v is not None
     }
