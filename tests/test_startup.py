@@ -3,7 +3,8 @@ and `diloco ctl` must never import torch; the coordinator and the worker, which 
 through the `diloco` command and stop on SIGTERM.
 
 Each child runs under a small wrapper that reports, at exit, whether `torch` (or numpy, which only torch's side
-uses) is in `sys.modules`: what the process imported while it served, not only at import time.
+uses), or the etcd client (only a coordinator given --etcd needs it), is in `sys.modules`: what the process
+imported while it served, not only at import time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(180)
 WRAPPER = """
 import atexit, runpy, sys
 def report():
-    print("HEAVY=" + ",".join(m for m in ("torch", "numpy") if m in sys.modules), flush=True)
+    print("HEAVY=" + ",".join(m for m in ("torch", "numpy", "etcd3gw") if m in sys.modules), flush=True)
 atexit.register(report)
 target, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
 if target == "cli":
@@ -137,6 +138,15 @@ def test_ctl_status_round_trip_without_torch(plain_coordinator: CoordinatorServe
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.lstrip().startswith("{"), proc.stdout[-2000:]  # the reply as JSON
     assert heavy_of(proc.stdout) == []
+
+
+def test_a_coordinator_without_etcd_never_loads_the_etcd_client(tmp_path: Path, children: list[Child]) -> None:
+    argv = wrapped("services.coordinator", "--port", "0", "--bulk-port", "-1", "--insecure", *TINY_TASK_ARGS)
+    child = Child(argv, tmp_path / "coordinator.log")
+    children.append(child)
+    wait_serving(child.wait_event("coordinator.started")["address"], 60.0)
+    assert child.stop() == 0, child.output()[-3000:]
+    assert heavy_of(child.output()) == ["torch", "numpy"]
 
 
 @pytest.mark.slow

@@ -288,8 +288,6 @@ class CoordinatorServiceConfig:
         here). `ConfigError` naming the flag unless the endpoints parse (`parse_etcd_endpoints`: off loopback only
         with https and a client certificate or a user, or a private network), https has its CA, the files are given
         only for https, and the user and the password file are given together and only with `etcd`."""
-        from diloco.ha.etcd import EtcdAuth, EtcdConfig, EtcdTls
-
         for name in ("etcd_user", "etcd_password_file"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -313,6 +311,8 @@ class CoordinatorServiceConfig:
             )
         if not endpoints:
             return None
+        from diloco.ha.etcd import EtcdAuth, EtcdConfig, EtcdTls  # the etcd client: only with --etcd
+
         tls = EtcdTls(self.etcd_ca_file, self.etcd_cert_file, self.etcd_key_file) if scheme == "https" else None
         auth = EtcdAuth(self.etcd_user, self.etcd_password_file) if user else None
         (host, port), *others = endpoints

@@ -52,8 +52,6 @@ from diloco import log as logging
 from diloco.core.codecs import warm_up
 from diloco.core.leadership import Duty, Handover, LeaderInfo, LeadershipConfig, duty
 from diloco.errors import FailedPrecondition, not_leader
-from diloco.ha.driver import LeadershipDriver
-from diloco.ha.etcd import EtcdElection
 from diloco.rpc.metrics import ServedMetrics, serve_metrics
 from diloco.rpc.status import details_of, status_of
 from services.coordinator import checkpoint
@@ -150,6 +148,10 @@ class HaReplica:
         self.cfg = cfg
         self.address = f"{cfg.host}:{cfg.port}"
         self.replica_id = cfg.replica_id or f"coordinator-{socket.gethostname()}-{cfg.port}"
+        # here, not at the top: a coordinator without --etcd never loads the etcd client (requests, etcd3gw)
+        from diloco.ha.driver import LeadershipDriver
+        from diloco.ha.etcd import EtcdElection
+
         election = EtcdElection(etcd)
         self.driver = LeadershipDriver(self.replica_id, self.address, election, leadership)
         self.server: CoordinatorServer | None = None
