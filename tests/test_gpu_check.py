@@ -82,3 +82,21 @@ def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path, isla
     assert r["measured"]["commit"] and r["measured"]["date"]
     shown = markdown(r)  # as the benchmark report shows it
     assert "| worker0 | cpu |" in shown and "0 W (none)" in shown and "MFU estimate" in shown
+
+
+@pytest.mark.parametrize("flag", ["--outer-steps", "--local-steps", "--seq-len", "--batch-size"])
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_sizes_below_one_exit_2_naming_the_flag(flag: str, value: str, tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "diloco.bench.gpu_check", "--cpu", "--out", str(out), flag, value],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"{flag} must be at least 1, got {value}" in proc.stderr
+    assert not out.exists()

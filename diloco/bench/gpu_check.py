@@ -335,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if v is not None
     }
+    for flag in ("outer_steps", "local_steps", "seq_len", "batch_size"):
+        if getattr(a, flag) is not None and getattr(a, flag) < 1:  # 0 outer steps would be a job without end
+            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(a, flag)}")
     s = replace(s, **given)
     why = "" if a.cpu else skip_reason()
     if why:
