@@ -82,6 +82,7 @@ def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path, isla
     assert r["measured"]["commit"] and r["measured"]["date"]
     shown = markdown(r)  # as the benchmark report shows it
     assert "| worker0 | cpu |" in shown and "0 W (none)" in shown and "MFU estimate" in shown
+    assert "fp32 (the CPU rehearsal)" in shown and "bf16 autocast" not in shown
 
 
 @pytest.mark.parametrize("flag", ["--outer-steps", "--local-steps", "--seq-len", "--batch-size"])

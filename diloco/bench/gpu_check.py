@@ -129,7 +129,7 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
     cuda = s.device == "cuda"
     device = torch.cuda.get_device_name(0) if cuda else "cpu"
     gpus = torch.cuda.device_count() if cuda else 0
-    threads = str(threads_each())
+    threads = threads_each()
 
     def worker_flags(i: int) -> tuple[str, ...]:
         if s.island:  # the island's rank picks its GPU (LOCAL_RANK), as under torchrun
@@ -137,7 +137,7 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
             place += ("--shard-model", "true") if s.island == "fsdp" else ()
         else:
             place = ("--device", f"cuda:{i % gpus}") if cuda else ("--device", "cpu")
-        return (*place, *(("--precision", "bf16") if cuda else ()), "--threads", threads)
+        return (*place, *(("--precision", "bf16") if cuda else ()), "--threads", str(threads))
 
     with tempfile.TemporaryDirectory(prefix="diloco-gpu-check-") as tmp:
         run_dir = keep_dir or Path(tmp)
@@ -153,7 +153,7 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
             task_args=("--model", s.model, "--seq-len", str(s.seq_len), "--batch-size", str(s.batch_size)),
             coordinator_args=(
                 *("--eval-tokens", str(s.eval_tokens), "--eval-every", str(s.outer_steps)),
-                *("--threads", threads),
+                *("--threads", str(threads)),
             ),
             worker_args={i: worker_flags(i) for i in range(WORKERS)},
             worker_env={i: island_env() for i in range(WORKERS)} if s.island else {},
@@ -217,7 +217,7 @@ def run(s: CheckSettings, keep_dir: Path | None = None) -> dict[str, Any]:
         "seq_len": s.seq_len,
         "batch_size": s.batch_size,
         "local_steps": s.local_steps,
-        "threads_each": int(threads),
+        "threads_each": threads,
         "outer_steps": status.version,
         "wall_s": round(wall, 1),
         "validation_loss": status.validation_loss,
@@ -247,6 +247,7 @@ def markdown(r: dict[str, Any]) -> str:
 
     m = r.get("measured", {})
     island = f"each learner a 1-rank {r['island'].upper()} island (torchrun's environment), " if r.get("island") else ""
+    precision = "bf16 autocast" if r["gpus"] else "fp32 (the CPU rehearsal)"  # as `run` starts the learners
     learners = r["learners"]
     rows = [
         [
@@ -274,7 +275,7 @@ def markdown(r: dict[str, Any]) -> str:
         [
             f"Measured at commit `{str(m.get('commit'))[:10]}`, {m.get('date', '?')}: {r['device']} x{r['gpus']}, "
             f"torch {r['torch']}. `{r['model']}` ({r['parameters']:,} parameters), seq {r['seq_len']} x batch "
-            f"{r['batch_size']}, H = {r['local_steps']}, bf16 autocast, {island}decoupled rounds; "
+            f"{r['batch_size']}, H = {r['local_steps']}, {precision}, {island}decoupled rounds; "
             f"{r['outer_steps']} outer steps in {r['wall_s']} s (start-up included), validation loss "
             f"{num(r['validation_loss'], '.3f')}, "
             f"{r['tokens_applied']:,} tokens applied. Regenerate on a CUDA machine: `bash scripts/gpu_check.sh` "
