@@ -530,10 +530,18 @@ def rounds(env: Env, reg: pb.RegisterResponse, n: int, start: int = 0) -> None:
 def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
     start: Callable[..., Env], tmp_path: Path, spill: bool
 ) -> None:
-    # 2 int4 deltas: well within the bytes kept; spill: they are kept in files (`--spill-dir`), sent from there
-    env = start(broadcast_codec="int4", broadcast_history=2, spill_dir=str(tmp_path) if spill else "")
+    # 2 int4 deltas: well within the bytes kept; spill: they are kept in files (`--spill-dir`), sent from there. A
+    # second learner that never submits holds version 0 as far as the coordinator knows: every delta may be needed
+    env = start(
+        broadcast_codec="int4",
+        broadcast_history=2,
+        spill_dir=str(tmp_path) if spill else "",
+        min_quorum=1,
+        grace_max_s=0.0,
+    )
     numel, state = env.numel, env.server.state
     reg = register(env)
+    register(env, "fresh")
     call = env.stub.WatchParameters(pb.WatchParametersRequest(worker_id=reg.worker_id, follow=True), timeout=30)
     stream = iter(call)
     follower = BroadcastFollower()
@@ -568,6 +576,39 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
     # a version this coordinator never had (it restarted from an older checkpoint): a full snapshot of the current
     header, _ = read_one(iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=99), timeout=T)), numel)
     assert header.version == 3 and not header.HasField("delta_from")
+
+
+def test_deltas_every_live_learner_is_past_are_let_go(start: Callable[..., Env]) -> None:
+    """The history keeps no delta that every live learner is past: a learner holds the version it trained its last
+    submission from, or a newer one, and one that has not submitted may hold version 0. When both learners trained
+    from version v - 1, its delta goes before version v's is encoded; a watcher naming an older version gets a
+    snapshot. A learner that has not submitted holds the window open; once it leaves, it no longer does."""
+    env = start(broadcast_codec="int4", grace_max_s=0.0)  # int4: the budget alone would keep 3 deltas
+    state = env.server.state
+    a, b = register(env, "a"), register(env, "b")
+
+    def close_round(v: int) -> None:
+        for i, reg in enumerate((a, b)):
+            header, data, _ = make_upload(env, reg, f"{reg.worker_id}-{v}", seed=10 * v + i)
+            submit(env, header, data)
+        assert state.published().version == v
+
+    def kept() -> list[int]:
+        with state.lock:
+            oldest = state.shadow.oldest_delta
+            return [] if oldest is None else list(range(oldest, state.published().version + 1))
+
+    close_round(1)  # both from version 0: delta 1 is kept for a learner at 0
+    assert kept() == [1]
+    close_round(2)  # both from version 1: delta 1 went before delta 2 was encoded
+    assert kept() == [2]
+    assert state.broadcasts_since(1)[1] is not None and state.broadcasts_since(0)[1] is None  # 0: a snapshot
+    c = register(env, "c")  # has not submitted: as far as the coordinator knows, it holds version 0
+    close_round(3)
+    assert kept() == [2, 3]
+    env.stub.Deregister(pb.DeregisterRequest(worker_id=c.worker_id, reason="done"), timeout=T)
+    close_round(4)  # a and b trained from version 3: deltas 2 and 3 go
+    assert kept() == [4]
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int4"])
@@ -649,8 +690,9 @@ def own_version0(env: Env, reg: pb.RegisterResponse, seed: int | None = None) ->
 def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Callable[..., Env]) -> None:
     """WatchParameters with `held_crc32`: the right checksum of version 0 gets a `held` header (no data) while 0 is
     current and the deltas from it later; a wrong one, or a version gone from the window, a full snapshot."""
-    env = start(broadcast_codec="int4", seed=3)
-    reg = register(env)
+    env = start(broadcast_codec="int4", seed=3, min_quorum=1, grace_max_s=0.0)
+    trainer = register(env, "trainer")
+    reg = register(env)  # fresh: it never submits, so every delta kept may still be asked for
     assert reg.init_seed == 3
     v0 = own_version0(env, reg)
     own, other = params_checksum(v0), params_checksum(own_version0(env, reg, seed=4))
@@ -665,7 +707,7 @@ def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Calla
     assert msgs[0].header.params_crc32 == own and not msgs[0].header.HasField("payload")
     wrong = headers(0, other)
     assert [(h.version, h.held, h.HasField("delta_from")) for h in wrong] == [(0, False, False)]  # a snapshot
-    rounds(env, reg, 2)
+    rounds(env, trainer, 2)
     chain = headers(0, own)
     assert [(h.version, h.delta_from, h.held) for h in chain] == [(1, 0, False), (2, 1, False)]
     follower = BroadcastFollower()
@@ -679,7 +721,7 @@ def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Calla
     assert [(h.version, h.HasField("delta_from")) for h in headers(0, other)] == [(2, False)]
     assert [(h.version, h.held) for h in headers(2, params_checksum(held_params(follower)))] == [(2, True)]
     assert [(h.version, h.HasField("delta_from")) for h in headers(2, own)] == [(2, False)]  # not Θ̂_2's checksum
-    rounds(env, reg, 2, start=2)  # int4 keeps three deltas: version 0 has left the window
+    rounds(env, trainer, 2, start=2)  # int4 keeps three deltas: version 0 has left the window
     assert [(h.version, h.HasField("delta_from")) for h in headers(0, own)] == [(4, False)]
     assert [(h.version, h.HasField("delta_from")) for h in headers(7, own)] == [(4, False)]  # never had it
 

@@ -9,7 +9,8 @@ carried into the next broadcast.
 
 `BroadcastShadow` (coordinator side) keeps the last `history` encoded deltas, at most `history_bytes_ratio`
 (default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is
-better served by a snapshot, and the coordinator's memory stays bounded), and the crc32 of `Θ̂_v`'s fp32 bytes. A
+better served by a snapshot, and the coordinator's memory stays bounded), none that every live learner is past
+(`forget_through`), and the crc32 of `Θ̂_v`'s fp32 bytes. A
 learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
 (all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself; `hold`: the
 same view, kept as it is until released: an `advance` meanwhile writes the next `Θ̂` into a new tensor instead of in
@@ -229,6 +230,14 @@ class BroadcastShadow:
             return
         start, end = _check_span(span, self.shadow.numel())
         self._trim(self.codec.payload_bytes(end - start, getattr(self.codec, "block_size", 0), 0), keep=0)
+
+    def forget_through(self, version: int | None) -> None:
+        """Drop the deltas kept up to `version` (None: none): every learner that may still ask holds that version or a
+        newer one, so none of them needs those deltas (the coordinator passes its live learners' oldest submission
+        base, `CoordinatorCore.held_floor`). A learner that comes back from further behind gets a snapshot, as one
+        behind the budget does."""
+        while version is not None and self._deltas and self._deltas[0].version <= version:
+            self._deltas.popleft()
 
     def _trim(self, incoming: int, keep: int) -> None:
         """Drop the oldest deltas kept, all but the newest `keep` at most, until they and `incoming` more bytes fit

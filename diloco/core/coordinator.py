@@ -445,6 +445,13 @@ class CoordinatorCore:
     def live_ids(self) -> list[str]:
         return sorted(w for w, r in self.workers.items() if r.state in LIVE_STATES)
 
+    def held_floor(self) -> int | None:
+        """The oldest version a live learner is known to hold: the least base version of the live learners' last
+        accepted submissions (a learner holds the version it trained from, or a newer one; one that has not
+        submitted counts as holding version 0). None without live learners: who comes next is not known."""
+        bases = [r.last_base_version if r.submissions else 0 for r in self.workers.values() if r.state in LIVE_STATES]
+        return min(bases) if bases else None
+
     def worker(self, worker_id: str) -> WorkerRecord:
         rec = self.workers.get(worker_id)
         if rec is None:

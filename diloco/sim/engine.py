@@ -577,6 +577,7 @@ class Simulator(EventLoop):
             nbytes = self.broadcast_fragments(applied.version)
             params = self.shadow()
         else:
+            self.broadcast.forget_through(self.core.held_floor())  # as the coordinator: deltas no live learner needs
             delta = self.broadcast.advance(self.core.params, applied.version)
             self.broadcast.record(delta)
             params = self.broadcast.shadow.clone()

@@ -507,6 +507,7 @@ class CoordinatorState:
         logged = time.perf_counter()
         span = self._stepped_span(applied.version)
         with self.lock:  # the deltas kept and the one about to be encoded fit the history's budget together
+            self.shadow.forget_through(self.core.held_floor())  # no live learner needs these
             self.shadow.make_room(span)
         delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend(), span=span)
         if delta is not None and self.spill_dir:
