@@ -74,6 +74,20 @@ def test_registration_advertises_the_bulk_port_and_an_upload_over_it_is_accepted
     assert frozen(env) == before
 
 
+def test_the_upload_that_closes_a_round_holds_no_buffer_while_it_closes(env: Env) -> None:
+    """The bulk port receives into the upload's own buffer and lets go of its views of it before `finish`, which
+    folds the upload and closes the round: every upload buffer is back in the pool by the close, which lets the idle
+    ones go (the close is the coordinator's peak), so none is left after the round."""
+    a, b = register(env, "a"), register(env, "b")
+    state = env.server.state
+    header, data, _ = make_upload(env, a, "s1", codec="int8")
+    assert upload(env, a, header, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED
+    assert state.buffers.idle == (1, len(data))  # back in the pool once folded in
+    header_b, data_b, _ = make_upload(env, b, "s2", codec="int8", seed=1)
+    assert upload(env, b, header_b, data_b).outcome == pb.SUBMISSION_OUTCOME_APPLIED
+    assert state.buffers.idle == (0, 0)
+
+
 def test_bulk_port_off(start: Callable[..., Env]) -> None:
     env = start(bulk_port=-1)
     assert register(env).bulk_port == 0

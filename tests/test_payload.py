@@ -161,6 +161,50 @@ def test_an_upload_kept_for_a_resume_keeps_its_buffer_until_dropped() -> None:
     assert pool.idle == (1, len(data))
 
 
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_bytes_received_into_the_lent_storage_are_checked_in_place(codec: str) -> None:
+    """The bulk port receives straight into `storage()` and feeds views of it: the bytes are checked where they lie
+    and kept there (no copy), and the upload holds exactly them."""
+    pool = BufferPool(4, 1 << 20)
+    delta = torch.randn(NUMEL, generator=torch.Generator().manual_seed(3))
+    data, meta = get_codec(codec).encode(delta)
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, pool)
+    storage = receiver.storage()
+    assert storage is not None and len(storage) == len(data) and not storage.readonly
+    at = 0
+    for piece in chunks(data, chunk_bytes=333):
+        storage[at : at + len(piece)] = piece  # what the transport's recv_into does
+        receiver.feed(storage[at : at + len(piece)])
+        at += len(piece)
+    got = receiver.finish()
+    assert bytes(got.data) == bytes(data)
+    assert address(np.frombuffer(got.data, dtype=np.uint8)) == address(np.frombuffer(storage, dtype=np.uint8))
+    acc = MergeAccumulator(NUMEL, segments=SEGMENTS)
+    acc.add(got, 1)
+    assert torch.equal(acc.result(), get_codec(codec).decode(data, meta))
+
+
+def test_a_resume_moves_the_upload_away_from_what_the_stream_taken_over_was_lent() -> None:
+    """A stream taken over by a resume may still write into the storage it was lent (its kernel receive completes
+    after the takeover, bytes still queued on its connection arrive): after `resumed()` those writes land in a buffer
+    the upload no longer reads, the bytes already checked stay as they were checked, and the payload completes."""
+    pool = BufferPool(4, 1 << 20)
+    data, meta = get_codec("int8").encode(torch.randn(NUMEL, generator=torch.Generator().manual_seed(4)))
+    receiver = UploadReceiver(meta, NUMEL, SEGMENTS, pool)
+    old = receiver.storage()
+    assert old is not None
+    old[:500] = data[:500]
+    receiver.feed(old[:500])  # the first stream's checked bytes
+    receiver.resumed()  # a second stream resumes at 500
+    old[:] = b"\xff" * len(old)  # the first stream, taken over, goes on writing where it was lent
+    new = receiver.storage()
+    assert new is not None and len(new) == len(data) - 500
+    assert address(np.frombuffer(new, dtype=np.uint8)) != address(np.frombuffer(old, dtype=np.uint8)) + 500
+    new[:] = data[500:]
+    receiver.feed(new)
+    assert bytes(receiver.finish().data) == bytes(data)  # the crc32 of the bytes as checked
+
+
 def test_bad_bytes_let_go_of_the_buffer_at_once() -> None:
     pool = BufferPool(4, 1 << 20)
     data, meta = get_codec("int8").encode(torch.ones(NUMEL))

@@ -45,6 +45,9 @@ TARGET_X_TCP = 0.6
 class CopyCrcSink:
     """Copies into a preallocated (touched) torch buffer and computes crc32, as fp32 decoding does."""
 
+    def storage(self) -> None:
+        return None  # received into the server's buffers, copied here
+
     def __init__(self, out: torch.Tensor, work: bool = True) -> None:
         self.out = out
         self.expected_bytes = out.numel()

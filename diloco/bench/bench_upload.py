@@ -672,7 +672,8 @@ def breakdown(
     for name, (data, meta) in payloads.items():
         rows.append(
             (
-                f"upload: receive {name}: decode into the sums of squares, keep the bytes (as the coordinator)",
+                f"upload: receive {name}: decode into the sums of squares, copy the bytes in (gRPC; the bulk port "
+                "receives them in place)",
                 name,
                 len(data),
                 _best(repeats, receive(name, data, meta)),

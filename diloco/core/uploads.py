@@ -85,6 +85,16 @@ class Decoder(Protocol):
 
     def finish(self) -> torch.Tensor | EncodedDelta: ...
 
+    def storage(self) -> memoryview | None:
+        """Where the bytes not yet received will be kept (a transport may receive straight into it, and `feed`
+        views of it), or None: `feed` copies them in."""
+        ...
+
+    def resumed(self) -> None:
+        """Another stream takes the upload over: what `storage` lent an earlier one is no longer where the bytes
+        are kept (that stream may still be writing into it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class UploadLimits:
@@ -243,6 +253,7 @@ class Uploads:
                     "resume_offset",
                 )
             dropped: tuple[Dropped, ...] = ()
+            up.decoder.resumed()  # the stream it takes over may still be writing into what it was lent
         else:
             if up is not None:
                 up.gen += 1  # a restart: a stream still feeding the old upload stops

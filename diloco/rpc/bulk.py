@@ -1,7 +1,8 @@
 """Bulk data plane: pseudo-gradient payloads over a plain TCP (or TLS) byte stream, beside gRPC (the control
-plane). Python gRPC copies every payload byte about three times; here the event loop `recv_into`s reused buffers
-(an `asyncio.BufferedProtocol`) and the upload state machine is fed memoryviews of them on a small thread pool,
-while the next buffer fills (double buffering: decoding in torch and zlib releases the GIL). The upload itself
+plane). Python gRPC copies every payload byte about three times; here the event loop `recv_into`s the buffer the
+coordinator keeps the upload in (`BulkSink.storage`; else reused buffers of its own), an `asyncio.BufferedProtocol`,
+and the upload state machine is fed memoryviews of it on a small thread pool, checking the bytes where they lie,
+while the next piece arrives (decoding in torch and zlib releases the GIL). The upload itself
 (open, feed, finish, interrupted, resumable by byte offset, idempotent by submission id) is the coordinator's one
 upload protocol (`diloco.core.uploads`), shared with the gRPC path; only the framing is new.
 
@@ -125,14 +126,20 @@ class _PeerGone(Exception):
 
 
 class BulkSink(Protocol):
-    """One upload being received. The server calls `feed` with the payload bytes in order (a view into a buffer it
-    reuses: copy what must outlive the call), then exactly one of `finish` (all `expected_bytes` arrived),
-    `interrupted` (the connection ended or stalled first; the bytes fed stay for a resume) or nothing (a `feed`
-    raised), and at last `close`, whatever happened. The calls come one at a time, each on one of the server's
-    handler threads. Errors are `DilocoError`s; they become error frames."""
+    """One upload being received. The server calls `feed` with the payload bytes in order, then exactly one of
+    `finish` (all `expected_bytes` arrived), `interrupted` (the connection ended or stalled first; the bytes fed
+    stay for a resume) or nothing (a `feed` raised), and at last `close`, whatever happened. The calls come one at
+    a time, each on one of the server's handler threads. Errors are `DilocoError`s; they become error frames."""
 
     @property
     def expected_bytes(self) -> int: ...
+
+    def storage(self) -> memoryview | None:
+        """Where the sink keeps the payload, from this stream's first byte (at least `expected_bytes`): the server
+        receives straight into it, and `feed` gets views of it, in place. None: the server receives into buffers of
+        its own, which it reuses, and `feed` copies what must outlive the call. Asked once, before the first
+        `feed`; the sink keeps no view of its own (the server lets go of its views before `finish`)."""
+        ...
 
     def feed(self, data: memoryview) -> None: ...
 
@@ -341,12 +348,16 @@ class _Conn(asyncio.BufferedProtocol):
 # --- the server ---------------------------------------------------------------------------------------------------
 
 
-def _end(sink: BulkSink, last: memoryview, complete: bool) -> Response | None:
-    """Feed `last` (the last piece received), `finish` (None: `interrupted` instead), then `close`: one call on a
-    handler thread, not three. A `feed` that raises skips `finish` and `interrupted`."""
+def _end(sink: BulkSink, box: list[memoryview], complete: bool) -> Response | None:
+    """Feed the last piece received (taken out of `box`, and let go of before `finish`: a view of the sink's
+    `storage` would keep the upload's buffer from the pool while a round closes in `finish`), `finish` (None:
+    `interrupted` instead), then `close`: one call on a handler thread, not three. A `feed` that raises skips
+    `finish` and `interrupted`."""
     try:
+        last = box.pop()
         if len(last):
             sink.feed(last)
+        del last
         if complete:
             return sink.finish()
         sink.interrupted()
@@ -742,9 +753,9 @@ class BulkServer:
             expected = sink.expected_bytes
             if expected < 0:
                 raise InvalidArgument(f"the upload expects a negative byte count ({expected})")
-            got, why, last = await self._receive(conn, sink, expected)
+            got, why, box = await self._receive(conn, sink, expected)
             ended = True
-            response = await self._call(_end, sink, last, got >= expected)
+            response = await self._call(_end, sink, box, got >= expected)
         finally:
             if not ended:
                 await self._call(sink.close)
@@ -768,19 +779,24 @@ class BulkServer:
             return f"connection failed: {conn.error or 'aborted'}"
         return f"no data for {self.idle_timeout_s:g} s"
 
-    async def _receive(self, conn: _Conn, sink: BulkSink, expected: int) -> tuple[int, str, memoryview]:
-        """Receive `expected` bytes into reused buffers and feed them in order, one `feed` at a time; with
-        `overlap`, the next buffer fills while the previous one is fed. Returns (bytes received, why it stopped
-        early or "", the last piece received): that piece is not fed yet; `_end` feeds it in the same handler
-        call as `finish` or `interrupted` (a payload of one buffer costs two handler calls in all, with `open`)."""
+    async def _receive(self, conn: _Conn, sink: BulkSink, expected: int) -> tuple[int, str, list[memoryview]]:
+        """Receive `expected` bytes, `buffer_bytes` at a time, and feed them in order, one `feed` at a time; with
+        `overlap`, the next piece arrives while the previous one is fed. The pieces are received straight into the
+        sink's `storage` when it has one, else into two reused buffers. Returns (bytes received, why it stopped
+        early or "", the last piece received, in a list that `_end` empties): that piece is not fed yet; `_end`
+        feeds it in the same handler call as `finish` or `interrupted` (a payload of one buffer costs two handler
+        calls in all with `open`, three with `storage`)."""
         size = min(self.buffer_bytes, max(expected, 1))
         overlap = self.overlap and expected > size
-        buffers = [memoryview(bytearray(size)) for _ in range(2 if overlap else 1)]
+        storage = await self._call(sink.storage) if expected else None
+        if storage is not None and len(storage) < expected:
+            storage = None
+        buffers = [] if storage is not None else [memoryview(bytearray(size)) for _ in range(2 if overlap else 1)]
         feeding: asyncio.Future[None] | None = None
         got, turn = 0, 0
         try:
             while True:
-                view = buffers[turn % len(buffers)]
+                view = storage[got:] if storage is not None else buffers[turn % len(buffers)]
                 turn += 1
                 k, stop = await conn.fill(view[: min(size, expected - got)], self.idle_timeout_s)
                 if feeding is not None:  # the other buffer's feed: its errors end the upload here
@@ -788,7 +804,7 @@ class BulkServer:
                     await done
                 got += k
                 if stop is not None or got >= expected:
-                    return got, "" if stop is None else self._why(conn, stop), view[:k]
+                    return got, "" if stop is None else self._why(conn, stop), [view[:k]]
                 feeding = self._submit(sink.feed, view[:k])
                 if not overlap:
                     done, feeding = feeding, None

@@ -102,6 +102,12 @@ class PayloadReceiver:
     def feed(self, data: bytes | memoryview) -> None:
         self.decoder.feed(data)
 
+    def storage(self) -> memoryview | None:
+        return None  # decoded as fed, nothing kept
+
+    def resumed(self) -> None:
+        pass  # nothing lent
+
     def finish(self) -> torch.Tensor:
         return self.decoder.finish()
 
@@ -353,9 +359,11 @@ class UploadReceiver:
         self.meta = meta
         self._squares = SegmentSquares(segments)
         self.decoder = payload_decoder(meta, sink=self._squares)
+        self._pool = pool or _UNPOOLED
         self._data: np.ndarray | SpillFile | None = (
-            SpillFile(spill_dir, meta.encoded_bytes) if spill_dir else (pool or _UNPOOLED).take(meta.encoded_bytes)
+            SpillFile(spill_dir, meta.encoded_bytes) if spill_dir else self._pool.take(meta.encoded_bytes)
         )
+        self._lent = False  # `storage` handed the buffer to a stream
 
     @property
     def received(self) -> int:
@@ -369,7 +377,30 @@ class UploadReceiver:
             self._data.write(at, data)
         self._checked(self.decoder.feed, data)  # refuses more bytes than announced (so any after `finish`) first
         if isinstance(self._data, np.ndarray):
-            self._data[at : at + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            src, dst = np.frombuffer(data, dtype=np.uint8), self._data[at : at + len(data)]
+            if src.ctypes.data != dst.ctypes.data:  # not received in place (`storage`): copied in
+                dst[...] = src
+
+    def storage(self) -> memoryview | None:
+        """The buffer the bytes not yet received go to (None with `spill_dir`, or once finished or failed): the bulk
+        port receives straight into it and feeds views of it, which are checked in place, not copied."""
+        data = self._data
+        if not isinstance(data, np.ndarray):
+            return None
+        self._lent = True
+        return data[self.received :].data
+
+    def resumed(self) -> None:
+        """A resume takes the upload over from a stream that may still be receiving into the buffer `storage` lent
+        it (the kernel fills a receive after the takeover, or bytes still queued on the old connection arrive): the
+        bytes received so far move to a fresh buffer, and the old one stays with that stream (its views keep it
+        from the pool) until it ends. Nothing is then written where bytes were checked."""
+        data = self._data
+        if self._lent and isinstance(data, np.ndarray):
+            fresh = self._pool.take(len(data))
+            n = self.received
+            fresh[:n] = data[:n]
+            self._data, self._lent = fresh, False
 
     def finish(self) -> EncodedDelta:
         self._checked(self.decoder.verify)

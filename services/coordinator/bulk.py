@@ -23,6 +23,9 @@ class _UploadSink:
         self.stream, self.epoch = stream, epoch
         self.expected_bytes = stream.expected_bytes
 
+    def storage(self) -> memoryview | None:
+        return self.stream.storage()  # the payload is received into the upload's own buffer
+
     def feed(self, data: memoryview) -> None:
         self.stream.feed(data)
 

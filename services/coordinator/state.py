@@ -181,6 +181,12 @@ class UploadStream:
     def feed(self, data: bytes | memoryview) -> None:
         self._state._chunk(self._stream, data)
 
+    def storage(self) -> memoryview | None:
+        """Where this stream's bytes will be kept, from its first one (`Decoder.storage`); asked before the first
+        `feed`."""
+        with self._state._stripe(self._stream.upload.sub.submission_id):
+            return self._stream.upload.decoder.storage()
+
     def finish(self) -> Outcome:
         return self._state._finish(self._stream)
 
