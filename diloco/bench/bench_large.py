@@ -278,6 +278,11 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     lean = "--grad-clip 0, --activation-checkpointing, --spill-dir"
     for flags, run_ in ((lean, unclipped), (f"{lean}, decoupled", decoupled)):
         variants += [(f"{w} ({flags})", w, run_) for w in sorted(run_["peak_rss"]) if w.startswith("worker")]
+    # the default coordinator again, beside the lean learners: how much its peak moves from run to run
+    variants += [
+        ("coordinator (default flags, fifth run)", "coordinator", unclipped),
+        ("coordinator (default flags, sixth run: decoupled)", "coordinator", decoupled),
+    ]
     for process, name, variant in variants:
         net = variant["peak_rss"][name] - base["peak_rss"][name]
         rows.append(
@@ -352,7 +357,13 @@ def markdown(r: dict[str, Any]) -> str:
         "with `--spill-dir` in a file as well, written at the first step after the submission and read back a slice at "
         "a time by the rebase. A `sync` learner's steady state is the model, the AdamW state, its broadcast Θ̂ and the "
         "error-feedback residual (5x); the activations of a step (about 1.1x of this model at batch 4 x 128, "
-        "hand-measured), the gradients with clipping, and the encoded upload come on top of it at their peaks."
+        "hand-measured), the gradients with clipping, and the encoded upload come on top of it at their peaks. The "
+        "coordinator's steady state is Θ, the outer momentum, the merge buffer and its broadcast Θ̂ (4x); on top of it "
+        "at their peaks come the uploads being received at once (`int8`: about a quarter of the model each; the two "
+        "learners' may arrive together), the broadcast deltas kept (`int4`: about an eighth each; none that every "
+        "live learner has trained from or past) and the delta being encoded. The fifth and sixth runs' coordinators "
+        "have the default flags too: their rows show how far its peak moves from run to run (whether a round's "
+        "uploads arrive together or one after the other)."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],
