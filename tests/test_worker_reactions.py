@@ -333,6 +333,41 @@ def test_heartbeat(name: str, reaction: Reaction) -> None:
         healthd.stop(0)
 
 
+def test_a_learner_still_building_its_model_is_heard_of_before_the_coordinator_gives_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in the field (a 76M-parameter model, two learners on two cores): building the session after Register
+    took 11 s, heartbeats started only after it, and the coordinator declared the learner dead (no heartbeat within
+    `confirm_timeout_s` of registering), refused its first submission and made it register again. Heartbeats now
+    name the registration from the moment Register answers, with healthd's address from that answer."""
+    with socket.socket() as s:  # healthd's port, for the coordinator to name before healthd starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = coordinator(healthd_address=f"127.0.0.1:{port}", confirm_timeout_s=2.0)
+    healthd = HealthdServer(
+        HealthdConfig(
+            port=port, coordinator_address=srv.address, heartbeat_interval_s=0.1, dead_after_s=5.0, metrics_port=-1
+        )
+    )
+    healthd.start()
+    w = Worker(WorkerConfig(coordinator=srv.address, heartbeat_interval_s=0.1))
+    build = w.replica.start_session
+
+    def slow_build(*args: Any, **kwargs: Any) -> None:
+        time.sleep(5.0)  # over twice the confirm timeout
+        build(*args, **kwargs)
+
+    monkeypatch.setattr(w.replica, "start_session", slow_build)
+    try:
+        wid = registered(w)
+        assert srv.core.worker(wid).state == "active", srv.core.worker(wid).state_reason
+        assert wid in {n.node_id for n in healthd.nodes()}
+    finally:
+        w.close()
+        srv.stop(0)
+        healthd.stop(0)
+
+
 # --- sequences found in the field ------------------------------------------------------------------------------
 def test_not_found_inside_the_retry_of_an_unavailable_plan_call_means_register_again(
     worker: Worker, proxy: FaultProxy

@@ -107,6 +107,7 @@ class Worker:
         self.watcher: Watcher | None = None
         self.exit_reason = ""
         self._warmed = False  # the codecs' kernels were asked to compile (`warm_up`, at the first registration)
+        self._joining = ""  # the worker id heartbeats name while `_register` builds the session (model, kernels)
         self._stop_requested = False
         failover = self.coordinators.failover
         self.uploader = Uploader(
@@ -291,19 +292,26 @@ class Worker:
         if reg is None:
             return  # the core knows why (re-register, give up), or the loop sees the stop request
         self.reg, self.bulk_port = reg, reg.bulk_port
-        if self.island is not None:
-            self.island.session(reg.task_json, reg.task_fingerprint)
-        self.replica.start_session(reg.task_json, reg.task_fingerprint, reg.init_seed)
-        # streaming fragments: the coordinator's layout, checked against the model built here (ConfigError: exit 2)
-        self.replica.use_layout(reg.layout(self.replica.specs, self.replica.numel), reg.codec)
-        self.core.use_fragments(reg.fragments)
         if not self.cfg.healthd and reg.healthd_address:
             self.heartbeats.address = reg.healthd_address
-        self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
-        self.core.registered(time.monotonic(), reg.worker_id, reg.epoch, reg.mode, reg.plan)
-        if not self._warmed:  # the codecs' kernels compile during the first inner steps, not at the first upload
-            warm_up(reg.codec, DEFAULT_BROADCAST_CODEC)
-            self._warmed = True
+        # heartbeats name this registration from now on: building the model (and, the first time, the codecs'
+        # kernels) can take longer than the coordinator waits to hear of a new learner (--confirm-timeout-s)
+        self._joining = reg.worker_id
+        try:
+            if self.island is not None:
+                self.island.session(reg.task_json, reg.task_fingerprint)
+            self.replica.start_session(reg.task_json, reg.task_fingerprint, reg.init_seed)
+            # streaming fragments: the coordinator's layout, checked against the model built here (ConfigError:
+            # exit 2)
+            self.replica.use_layout(reg.layout(self.replica.specs, self.replica.numel), reg.codec)
+            self.core.use_fragments(reg.fragments)
+            self.log = logging.get("worker", worker=self.name, worker_id=reg.worker_id)
+            self.core.registered(time.monotonic(), reg.worker_id, reg.epoch, reg.mode, reg.plan)
+            if not self._warmed:  # the codecs' kernels compile during the first inner steps, not at the first upload
+                warm_up(reg.codec, DEFAULT_BROADCAST_CODEC)
+                self._warmed = True
+        finally:
+            self._joining = ""
         self.log.info(
             "worker.registered",
             epoch=reg.epoch,
@@ -333,7 +341,7 @@ class Worker:
             self.log.warning("worker.leave_unconfirmed")
 
     def _beat(self) -> Beat | None:
-        wid, t = self.core.worker_id, self.replica.trainer
+        wid, t = self.core.worker_id or self._joining, self.replica.trainer
         if not wid:
             return None
         tp = t.throughput() if t else None
