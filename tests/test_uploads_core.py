@@ -9,6 +9,7 @@ import torch
 
 from diloco.core.codecs import EncodedMeta, get_codec
 from diloco.core.coordinator import Accepted, Submission
+from diloco.core.merge import EncodedDelta, Segment
 from diloco.core.uploads import (
     Complete,
     Decoder,
@@ -21,7 +22,7 @@ from diloco.core.uploads import (
     Uploads,
 )
 from diloco.errors import AlreadyExists, ConfigError, FailedPrecondition, InvalidArgument, ResourceExhausted
-from diloco.rpc.payload import PayloadReceiver
+from diloco.rpc.payload import BufferPool, PayloadReceiver, UploadReceiver
 
 N = 1000
 TTL = 10.0
@@ -74,6 +75,33 @@ def test_a_whole_upload_is_handed_over_decoded_and_dropped() -> None:
     t.uploads.closed(s)
     assert t.uploads.counts() == (0, 0)
     assert t.uploads.status("w-1", "s1", None, 3.0) == (0, False)
+
+
+def test_a_stream_taken_over_gets_no_storage_and_its_writes_change_nothing_checked() -> None:
+    """The bulk port receives in place, into `storage`. A stream taken over by a resume gets none any more, and what
+    it goes on writing into the storage it was lent (a receive the kernel completes after the takeover) lands where
+    the upload no longer reads: the payload handed over is the bytes as they were checked."""
+    pool = BufferPool(4, 1 << 20)
+    uploads = Uploads(
+        UploadLimits(N, 4 * N + 64, TTL, 4, 2), lambda h: UploadReceiver(h.meta, N, [Segment(0, N)], pool)
+    )
+    data, meta, _ = payload(codec="int8")
+    half = len(data) // 2
+    s1 = opened(uploads.open(header("s1", meta), 1.0, None, 0))
+    lent = uploads.storage(s1)
+    assert lent is not None and len(lent) == len(data)
+    lent[:half] = data[:half]
+    uploads.chunk(s1, lent[:half], 1.5)
+    s2 = opened(uploads.open(header("s1", meta, offset=half), 2.0, None, 0))  # a resume while s1 still streams
+    assert uploads.storage(s1) is None  # superseded: nowhere to write
+    lent[:] = b"\xff" * len(lent)  # s1 goes on writing into what it was lent
+    mine = uploads.storage(s2)
+    assert mine is not None and len(mine) == len(data) - half
+    mine[:] = data[half:]
+    uploads.chunk(s2, mine, 2.5)
+    done = uploads.end(s2)
+    assert isinstance(done.payload, EncodedDelta) and bytes(done.payload.data) == bytes(data)
+    refused("superseded", uploads.chunk, s1, lent[half:], 3.0)
 
 
 def test_a_broken_stream_keeps_its_bytes_and_resumes_from_the_offset_held() -> None:

@@ -6,6 +6,7 @@ raw-TCP bulk port) drive the same `Uploads` with one call per transport event:
     open(header, now, known, version)   a stream starts: a new upload, a resume at a byte offset, or a
                                         duplicate of an accepted submission (answered with its earlier outcome:
                                         `known`, what the round's side holds of it, `CoordinatorCore.accepted`)
+    storage(stream)                     where the stream may receive its bytes in place (bulk port), if anywhere
     chunk(stream, data, now)            payload bytes: checked (decoded) at once and kept by the upload's receiver
     end(stream)                         the stream ended: verify the payload and hand it over (`Complete`)
     broken(stream)                      the stream broke mid-payload: the bytes held stay for a resume
@@ -36,7 +37,7 @@ refused (RESOURCE_EXHAUSTED).
 
 Concurrency is the caller's: calls about one submission id must not run at the same time, and the table calls
 (`open`, `closed`, `status`, `tick`, `accepted`, `drop_worker`, `counts`) must not run at the
-same time as each other; `chunk`, `end` and `broken` touch only their own upload, so uploads of different
+same time as each other; `storage`, `chunk`, `end` and `broken` touch only their own upload, so uploads of different
 submissions decode in parallel. Refusals are `UploadRefused`, carrying the domain error and a short reason for
 metrics; the caller decides how to count and log them.
 """
@@ -279,6 +280,12 @@ class Uploads:
             self._fail(up)
             raise UploadRefused(e, "bad_payload") from None
         up.touched_at = now
+
+    def storage(self, stream: Stream) -> memoryview | None:
+        """Where `stream` may receive its bytes in place (`Decoder.storage`); None once another stream took the
+        upload over (or it completed or failed): a stream taken over must never write where the newer one does."""
+        up = stream.upload
+        return up.decoder.storage() if up.gen == stream.gen else None
 
     def end(self, stream: Stream) -> Complete:
         """`stream` ended after its last byte: verify the payload and hand it over. A short payload stays for a

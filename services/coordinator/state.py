@@ -185,7 +185,7 @@ class UploadStream:
         """Where this stream's bytes will be kept, from its first one (`Decoder.storage`); asked before the first
         `feed`."""
         with self._state._stripe(self._stream.upload.sub.submission_id):
-            return self._stream.upload.decoder.storage()
+            return self._state.uploads.storage(self._stream)
 
     def finish(self) -> Outcome:
         return self._state._finish(self._stream)
