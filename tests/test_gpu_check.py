@@ -17,6 +17,19 @@ from diloco.bench.gpu_check import markdown, peak_flops
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def cpu_check(out: Path, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """`python -m diloco.bench.gpu_check --cpu --out OUT ARGS` in a clean environment, from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-m", "diloco.bench.gpu_check", "--cpu", "--out", str(out), *args],
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run for real")
 def test_the_gpu_check_skips_with_a_reason_without_cuda(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
@@ -46,23 +59,7 @@ def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path, isla
     what the GPU run measures and writes is exercised where there is no GPU; `--island fsdp` makes each learner a
     1-rank island (torchrun's environment, one per learner) that shards its model."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diloco.bench.gpu_check",
-            "--cpu",
-            "--out",
-            str(out),
-            *(("--island", island) if island else ()),
-        ],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
+    proc = cpu_check(out, *(("--island", island) if island else ()), timeout_s=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     assert (r["device"], r["gpus"], r["model"], r["outer_steps"]) == ("cpu", 0, "hf:llama-tiny", 2)
@@ -89,15 +86,7 @@ def test_the_cpu_rehearsal_measures_and_writes_every_figure(tmp_path: Path, isla
 @pytest.mark.parametrize("value", ["0", "-3"])
 def test_sizes_below_one_exit_2_naming_the_flag(flag: str, value: str, tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "diloco.bench.gpu_check", "--cpu", "--out", str(out), flag, value],
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    proc = cpu_check(out, flag, value, timeout_s=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"{flag} must be at least 1, got {value}" in proc.stderr
     assert not out.exists()
