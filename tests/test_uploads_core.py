@@ -43,7 +43,7 @@ class Table:
 def payload(seed: int = 0, codec: str = "fp32") -> tuple[bytes, EncodedMeta, torch.Tensor]:
     delta = torch.randn(N, generator=torch.Generator().manual_seed(seed))
     data, meta = get_codec(codec).encode(delta)
-    return data, meta, delta
+    return bytes(data), meta, delta
 
 
 def header(sid: str, meta: EncodedMeta, worker: str = "w-1", offset: int = 0, base: int = 0) -> UploadHeader:

@@ -47,7 +47,6 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import ClassVar, NoReturn, Protocol, runtime_checkable
 
@@ -93,7 +92,6 @@ MAX_TOPK_NUMEL = 1 << 32  # indices are uint32
 _SLAB = 1 << 20
 # elements per step of `encode_toward`: the slab it writes is still in L2 when its crc32 is taken
 _FUSED_SLAB = 1 << 17
-_PARALLEL_CRC_MIN_BYTES = 8 << 20
 _TOPK_SAMPLED_MIN_NUMEL = 1 << 18  # below this, plain torch.topk is fast enough
 _TOPK_SAMPLE = 1 << 18
 _TOPK_RECORD = np.dtype([("index", "<u4"), ("value", "<f4")])
@@ -215,25 +213,6 @@ def _tensor_view(data: bytes | bytearray | memoryview, dtype: torch.dtype) -> to
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(data, dtype=dtype)
-
-
-def _join_with_crc(parts: Sequence[bytes | memoryview]) -> tuple[bytes, int]:
-    """b"".join(parts) and its crc32. For large payloads the crc runs in a second thread (it releases the GIL)
-    while this one copies: the two single-threaded passes then overlap."""
-    if sum(len(p) for p in parts) < _PARALLEL_CRC_MIN_BYTES:
-        data = b"".join(parts)
-        return data, crc32(data)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        crc = pool.submit(_crc_of_parts, parts)
-        data = b"".join(parts)
-        return data, crc.result()
-
-
-def _crc_of_parts(parts: Sequence[bytes | memoryview]) -> int:
-    crc = 0
-    for part in parts:
-        crc = crc32(part, crc)
-    return crc
 
 
 def _check_input(flat: torch.Tensor) -> torch.Tensor:
@@ -478,6 +457,11 @@ class Codec(ABC):
     def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         """Encode a 1-D float32 tensor (any device). `meta.crc32` is `zlib.crc32` of the bytes."""
 
+    def encode_owned(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        """`encode` of a tensor its caller gives up: the payload may be `flat`'s own memory (fp32's is: no copy),
+        so the caller must not write to it afterwards."""
+        return self.encode(flat)
+
     @abstractmethod
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder: ...
 
@@ -575,11 +559,12 @@ class Codec(ABC):
             )
 
     def _finish(
-        self, parts: Sequence[bytes | memoryview], numel: int, block_size: int = 0, topk_count: int = 0
-    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
-        """The payload made of `parts`, and its meta."""
-        data, crc = _join_with_crc(parts)
-        return data, EncodedMeta(self.name, numel, len(data), crc, block_size, topk_count)
+        self, payload: np.ndarray, numel: int, block_size: int = 0, topk_count: int = 0
+    ) -> tuple[memoryview, EncodedMeta]:
+        """`payload` (a uint8 array this encode wrote, or memory its caller gave up: `encode_owned`) as the payload,
+        not copied, and its meta."""
+        data = payload.data
+        return data, EncodedMeta(self.name, numel, len(data), parallel.parallel_crc32(data), block_size, topk_count)
 
 
 class FP32Codec(Codec):
@@ -594,7 +579,13 @@ class FP32Codec(Codec):
 
     def encode(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         x = _check_input(flat)
-        return self._finish([x.numpy().view(np.uint8).data], x.numel())
+        payload = np.empty(4 * x.numel(), dtype=np.uint8)  # a copy: the caller's tensor may change after
+        payload.view(np.float32)[:] = x.numpy()
+        return self._finish(payload, x.numel())
+
+    def encode_owned(self, flat: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        x = _check_input(flat)
+        return self._finish(x.numpy().view(np.uint8), x.numel())  # its own bytes are the payload
 
     def _encode_and_subtract(self, target: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         data, meta = self.encode(target)
@@ -622,14 +613,15 @@ class BF16Codec(Codec):
         return self._encode(target, subtract=True)
 
     def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
-        parts = []
+        payload = np.empty(2 * x.numel(), dtype=np.uint8)
+        halves = torch.from_numpy(payload.view(np.int16))  # written a slab at a time: no payload-sized temporary
         for start in range(0, x.numel(), _SLAB):
             slab = x[start : start + _SLAB]
             half = slab.to(torch.bfloat16)
-            parts.append(half.view(torch.int16).numpy().tobytes())
+            halves[start : start + slab.numel()].copy_(half.view(torch.int16))
             if subtract:
                 slab.sub_(half.to(torch.float32))
-        return self._finish(parts, x.numel())
+        return self._finish(payload, x.numel())
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
         return _RawDecoder(meta, out, sink, torch.bfloat16, 2)
@@ -761,8 +753,7 @@ class _BlockCodec(Codec):
                 tail.copy_(torch.from_numpy(padded[: tail.numel()]))
                 store(full, tail)
         _check_finite(worst < kernels.NON_FINITE, self.name)
-        data = payload.data
-        return data, EncodedMeta(self.name, numel, len(data), parallel.parallel_crc32(data), bs)
+        return self._finish(payload, numel, block_size=bs)
 
     def encode_toward(
         self,
@@ -812,8 +803,7 @@ class _BlockCodec(Codec):
             o[full:] = padded[2, : numel - full]
             crc = crc32(o[full:].data.cast("B"), crc)
         _check_finite(worst < kernels.NON_FINITE, self.name)
-        data = payload.data
-        return data, EncodedMeta(self.name, numel, len(data), parallel.parallel_crc32(data), bs), crc
+        return (*self._finish(payload, numel, block_size=bs), crc)
 
 
 class Int8Codec(_BlockCodec):
@@ -951,7 +941,7 @@ class TopKCodec(Codec):
         records = np.empty(k, dtype=_TOPK_RECORD)
         records["index"] = index.numpy()
         records["value"] = x[index].numpy()
-        data, meta = self._finish([records.view(np.uint8).data], numel, topk_count=k)
+        data, meta = self._finish(records.view(np.uint8), numel, topk_count=k)
         return data, meta, index
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
@@ -1093,17 +1083,24 @@ class SparseCodec(Codec):
     def _encode(self, x: torch.Tensor, *, subtract: bool) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
         bs, k, numel = self.block_size, self.per_chunk, x.numel()
         full = numel // bs * bs
-        parts: list[bytes] = []
+        payload = np.empty(self.payload_bytes(numel, bs, k), dtype=np.uint8)
+        at = 0
+
+        def put(records: np.ndarray) -> None:  # a slab's records, written into the payload in order
+            nonlocal at
+            payload[at : at + records.nbytes] = records.reshape(-1)
+            at += records.nbytes
+
         step_rows = max(1, _SLAB // bs)
         for start in range(0, full, step_rows * bs):
-            rows = x[start : min(start + step_rows * bs, full)].view(-1, bs)
-            parts.append(self._encode_rows(rows, k, subtract))
+            put(self._encode_rows(x[start : min(start + step_rows * bs, full)].view(-1, bs), k, subtract))
         if full < numel:  # the short last chunk
             rows = x[full:].view(1, -1)
-            parts.append(self._encode_rows(rows, min(k, rows.shape[1]), subtract))
-        return self._finish(parts, numel, block_size=bs, topk_count=k)
+            put(self._encode_rows(rows, min(k, rows.shape[1]), subtract))
+        assert at == payload.nbytes, "the records fill exactly the payload that payload_bytes sized"
+        return self._finish(payload, numel, block_size=bs, topk_count=k)
 
-    def _encode_rows(self, rows: torch.Tensor, k: int, subtract: bool) -> bytes:
+    def _encode_rows(self, rows: torch.Tensor, k: int, subtract: bool) -> np.ndarray:
         """The records of the chunks `rows` (each keeping k entries); with `subtract`, rows -= what they decode to."""
         magnitude = rows.abs()
         _check_finite(bool(torch.isfinite(magnitude.amax(dim=1)).all()), self.name)  # amax propagates NaN
@@ -1117,7 +1114,7 @@ class SparseCodec(Codec):
         codes = m.to(torch.uint8).add_((kept < 0).to(torch.uint8) << (self.BITS - 1))
         if subtract:
             rows.scatter_(1, offsets, kept.sub_(_sparse_values(codes, low, step, self.BITS)))
-        return _sparse_records(low, step, offsets, codes, self.BITS).tobytes()
+        return _sparse_records(low, step, offsets, codes, self.BITS)
 
     def _decoder(self, meta: EncodedMeta, out: torch.Tensor | None, sink: WindowSink | None) -> StreamDecoder:
         return _SparseDecoder(meta, out, sink, self.BITS)
@@ -1264,7 +1261,8 @@ class ErrorFeedback:
     """Error feedback (ALGORITHM.md section 2): send q = Q(delta + β·e), keep e <- (delta + β·e) - D(q).
 
     `residual` is the fp32 e, zero at start. Enabled by default for lossy codecs; when disabled, deltas are
-    encoded as they are and `residual` stays zero.
+    encoded as they are and `residual` is empty: nothing is kept between rounds (an fp32 payload is then the very
+    buffer the delta was built in, not a copy of it).
 
     β (`decay`) is 1, ALGORITHM.md's exact feedback, for every codec but `topk`, whose default is 0.5. A learner
     restarts each round from Θ, which lacks what it has not sent yet, so it pushes the unsent entries the same way
@@ -1302,17 +1300,21 @@ class ErrorFeedback:
         if store is not None and (store.numel != numel or not self.enabled):
             raise CodecError(f"a residual store needs error feedback on and {numel} values, got {store.numel}")
         self.store = store
-        self.residual = torch.zeros(numel if store is None else 0, dtype=torch.float32)
+        self.residual = torch.zeros(numel if store is None and self.enabled else 0, dtype=torch.float32)
 
-    def compress(self, delta: torch.Tensor) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
-        """Encode `delta` plus the carried residual and keep the new residual.
+    def compress(
+        self, delta: torch.Tensor, *, owned: bool = False
+    ) -> tuple[bytes | bytearray | memoryview, EncodedMeta]:
+        """Encode `delta` plus the carried residual and keep the new residual. `owned`: the caller gives `delta` up
+        (with feedback off, its memory may become the payload: `Codec.encode_owned`).
 
         If encoding fails (e.g. a NaN in `delta`), the residual is reset to zero so that one bad step cannot
         poison the following ones, and the error is raised."""
         if delta.numel() != self.numel:
             raise CodecError(f"delta has {delta.numel()} elements, error feedback is set up for {self.numel}")
         if not self.enabled:
-            return self.codec.encode(delta.reshape(-1))
+            flat = delta.reshape(-1)
+            return self.codec.encode_owned(flat) if owned else self.codec.encode(flat)
         flat = _check_input(delta.reshape(-1))
         if self.decay != 1.0:
             self.residual.mul_(self.decay)
@@ -1329,20 +1331,19 @@ class ErrorFeedback:
         """`compress`, with the delta added into the residual by `add(residual)` (a flat fp32 CPU vector; e.g.
         `InnerTrainer.submit_into`) instead of passed whole, so no model-sized copy of the delta is made. The same
         fp32 operations as `compress` in the same order: the payload and the new residual are bit for bit the
-        same. Without feedback the residual (zero) is where the delta is built, and is zero again after."""
-        if self.enabled and self.decay != 1.0:
+        same. Without feedback the delta is built in a zeroed buffer of its own, given up to the encode."""
+        if not self.enabled:
+            built = torch.zeros(self.numel, dtype=torch.float32)
+            add(built)
+            return self.codec.encode_owned(built)
+        if self.decay != 1.0:
             self.residual.mul_(self.decay)
         add(self.residual)
         try:
-            if not self.enabled:
-                return self.codec.encode(self.residual)
             return self.codec.encode_and_subtract(self.residual)
         except Exception:
             self.reset()
             raise
-        finally:
-            if not self.enabled:
-                self.reset()
 
     def compress_slabs(
         self, add: Callable[[int, torch.Tensor], object]

@@ -235,7 +235,7 @@ class Replica:
             delta = trainer.submit_range(*self.layout.range(p))
             if scale != 1.0:
                 delta.mul_(scale)
-            payload, meta = self.efs[p].compress(delta)
+            payload, meta = self.efs[p].compress(delta, owned=True)  # a fresh tensor: fp32 sends it as it is
             return UploadJob(header_of(a.draft, meta, self.specs, self.layout.fingerprint), payload, bulk_port)
         ef = self.efs[0]
         if ef.store is None:
