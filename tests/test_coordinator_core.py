@@ -197,6 +197,42 @@ def test_learner_never_confirmed_alive_is_declared_dead() -> None:
     assert c.next_deadline() is None
 
 
+def test_a_learner_unheard_while_healthd_reports_others_is_dead_within_the_window() -> None:
+    """Found by the kill storm (`diloco bench --only kill-storm`): a learner killed just after it registered with a
+    restarted coordinator never reached healthd under its new id, and was declared dead only at the 10 s
+    registration lease, past the 5 s reassignment window. With healthd reporting others it now goes after
+    `unheard_after_s`; one that healthd hears of in time stays; while healthd is silent only the lease applies."""
+    cfg = CoordinatorConfig(
+        rounds=RoundConfig(min_quorum=1), expected_workers=3, confirm_timeout_s=10.0, unheard_after_s=3.0
+    )
+    c = CoordinatorCore(cfg, torch.zeros(N), [1000] * 6)
+    a = c.register("a", now=0.0).worker_id
+    b = c.register("b", now=1.0).worker_id  # dies before its first heartbeat
+    late = c.register("late", now=1.0).worker_id  # its first heartbeat reaches healthd 2.5 s after registering
+    for t in (0.5, 1.5, 2.5, 3.5):
+        c.report_throughput(a, 100.0, now=t)
+        if t == 3.5:
+            c.report_throughput(late, 100.0, now=t)
+        assert c.expire_unconfirmed(t) == []
+    c.report_throughput(a, 100.0, now=4.0)
+    [(dead, moved)] = c.expire_unconfirmed(4.0)  # healthd reported a for 3 s after b registered: b is gone
+    assert dead == b and moved and c.workers[b].state == DEAD
+    assert "healthd reported other learners for 3 s" in c.workers[b].state_reason
+    assert c.workers[late].state != DEAD and c.workers[a].state != DEAD
+
+    quiet = CoordinatorCore(cfg, torch.zeros(N), [1000] * 6)
+    both = {quiet.register("a", now=0.0).worker_id, quiet.register("b", now=0.0).worker_id}
+    assert quiet.expire_unconfirmed(9.9) == []  # healthd reported nobody: they are judged by the lease alone
+    assert {dead for dead, _ in quiet.expire_unconfirmed(10.0)} == both
+
+
+def test_unheard_after_s_is_bounded_by_the_registration_lease() -> None:
+    with pytest.raises(ConfigError, match=r"unheard_after_s must be in \[0, confirm_timeout_s=10\]"):
+        CoordinatorConfig(confirm_timeout_s=10.0, unheard_after_s=11.0)
+    with pytest.raises(ConfigError, match="unheard_after_s"):
+        CoordinatorConfig(confirm_timeout_s=10.0, unheard_after_s=-1.0)
+
+
 @pytest.mark.parametrize("scale", [True, False])
 def test_a_round_closed_without_every_learner_takes_a_partial_step(scale: bool) -> None:
     cfg = CoordinatorConfig(

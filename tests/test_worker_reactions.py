@@ -368,6 +368,42 @@ def test_a_learner_still_building_its_model_is_heard_of_before_the_coordinator_g
         healthd.stop(0)
 
 
+def test_a_learner_that_dies_before_healthd_hears_of_it_is_declared_dead_before_the_registration_lease() -> None:
+    """Found by the kill storm: a learner killed just after registering (again, with a restarted coordinator) never
+    reached healthd under its new id, so healthd could not report it, and it was declared dead only at
+    `--confirm-timeout-s` (10 s), past the 5 s reassignment window. With healthd reporting a live learner, the
+    coordinator now declares it dead after `--unheard-after-s`; the live learner stays."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = coordinator(healthd_address=f"127.0.0.1:{port}", confirm_timeout_s=30.0, unheard_after_s=1.0)
+    healthd = HealthdServer(
+        HealthdConfig(
+            port=port, coordinator_address=srv.address, heartbeat_interval_s=0.1, dead_after_s=5.0, metrics_port=-1
+        )
+    )
+    healthd.start()
+    w = Worker(WorkerConfig(coordinator=srv.address, heartbeat_interval_s=0.1))
+    try:
+        live = registered(w)
+        with grpc.insecure_channel(srv.address) as ch:  # registers, then never heartbeats: killed at once
+            ghost = (
+                coordinator_pb2_grpc.CoordinatorStub(ch)
+                .Register(
+                    coordinator_pb2.RegisterRequest(worker_name="ghost", model_fingerprint=srv.task.fingerprint),
+                    timeout=5,
+                )
+                .worker_id
+            )
+        wait_for("the ghost declared dead", lambda: srv.core.worker(ghost).state == "dead", timeout_s=20)
+        assert "healthd reported other learners for 1 s" in srv.core.worker(ghost).state_reason
+        assert srv.core.worker(live).state == "active", srv.core.worker(live).state_reason
+    finally:
+        w.close()
+        srv.stop(0)
+        healthd.stop(0)
+
+
 # --- sequences found in the field ------------------------------------------------------------------------------
 def test_not_found_inside_the_retry_of_an_unavailable_plan_call_means_register_again(
     worker: Worker, proxy: FaultProxy

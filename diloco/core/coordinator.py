@@ -131,6 +131,11 @@ class CoordinatorConfig:
     # > 0: a learner not confirmed alive (healthd forwarded its throughput, or it submitted) this long after it
     # registered is declared dead: it died before its first heartbeat, so healthd can never report it
     confirm_timeout_s: float = 0.0
+    # > 0 (and below confirm_timeout_s): such a learner is declared dead sooner, once healthd has reported other
+    # learners for this long since it registered without reporting it (it reports each learner it hears about
+    # once a second), so one that died just after registering is reassigned within the window; while healthd is
+    # silent only confirm_timeout_s applies
+    unheard_after_s: float = 0.0
     guard: GuardConfig = field(default_factory=GuardConfig)  # outlier check off unless outlier_factor > 0
     # decoupled: a round closed on quorum + grace without every expected learner takes a step in proportion to the
     # inner steps it holds (see `_round_fraction`); False: every round takes a full step, as ALGORITHM.md section 4
@@ -163,6 +168,11 @@ class CoordinatorConfig:
             raise ConfigError(f"target_outer_steps must be >= 0, got {self.target_outer_steps}")
         if not self.confirm_timeout_s >= 0:
             raise ConfigError(f"confirm_timeout_s must be >= 0 (0: off), got {self.confirm_timeout_s}")
+        if not 0 <= self.unheard_after_s <= self.confirm_timeout_s:
+            raise ConfigError(
+                f"unheard_after_s must be in [0, confirm_timeout_s={self.confirm_timeout_s:g}] (0: off), "
+                f"got {self.unheard_after_s}"
+            )
         if self.expected_workers:
             self.rounds.check_learners(self.expected_workers)
         if self.rounds.mode == "async" and self.outer.name == "nesterov":
@@ -942,15 +952,27 @@ class CoordinatorCore:
             if r.state in LIVE_STATES and r.confirmed and seen >= max(r.seen_at, since) + t
         ]
 
+    def _unheard(self) -> list[WorkerRecord]:
+        """Unconfirmed learners healthd has not reported for `unheard_after_s` since they registered while it kept
+        reporting others: they died before their first heartbeat reached it. Judged on the times healthd
+        reported, as `_silent` is."""
+        t, seen, since = self.cfg.unheard_after_s, self._healthd_seen_at, self._healthd_since
+        if not t or seen is None or since is None:
+            return []
+        return [r for r in self._unconfirmed() if seen >= max(r.registered_at, since) + t]
+
     def expire_unconfirmed(self, now: float) -> list[tuple[str, list[int]]]:
         """Declare dead the learners healthd cannot report: registered but never confirmed alive within
-        `confirm_timeout_s` (they died before healthd heard of them), or silent while healthd reports the others
-        (`_silent`). Returns (worker, moved shards)."""
+        `confirm_timeout_s`, or within `unheard_after_s` of healthd reporting others (`_unheard`: they died before
+        healthd heard of them), or silent while healthd reports the others (`_silent`). Returns (worker, moved
+        shards)."""
         t = self.cfg.confirm_timeout_s
         self._now = max(self._now, now)
         never = [r for r in self._unconfirmed() if now >= r.registered_at + t]
         reason = f"no heartbeat within {t:g} s of registering"
         out = [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in never]
+        reason = f"healthd reported other learners for {self.cfg.unheard_after_s:g} s after it registered, never it"
+        out += [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in self._unheard()]
         reason = f"healthd reported other learners for {t:g} s but not this one"
         return out + [(r.worker_id, self.remove(r.worker_id, DEAD, reason)) for r in self._silent()]
 

@@ -120,6 +120,7 @@ class CoordinatorServiceConfig:
     task: TaskConfig = field(default_factory=default_task)
     max_upload_bytes: int = 0  # 0: derived from the model (its fp32 size + 1%)
     confirm_timeout_s: float = 10.0  # with healthd: a learner never heard of this long after registering is dead
+    unheard_after_s: float = 3.0  # with healthd reporting others: an unconfirmed learner is dead this soon
     upload_ttl_s: float = 120.0  # interrupted uploads are kept this long for a resume
     max_partial_uploads: int = 32  # uploads held in all (streaming or kept for a resume); each holds a model buffer
     max_uploads_per_worker: int = 2  # uploads one learner may have held at once
@@ -192,6 +193,7 @@ class CoordinatorServiceConfig:
         _int_in("max_upload_bytes", self.max_upload_bytes, 0)
         _float_min("upload_ttl_s", self.upload_ttl_s, 0.0, open_=True)
         _float_min("confirm_timeout_s", self.confirm_timeout_s, 0.0)
+        _float_min("unheard_after_s", self.unheard_after_s, 0.0)
         _int_in("max_partial_uploads", self.max_partial_uploads, 1)
         _int_in("max_uploads_per_worker", self.max_uploads_per_worker, 1, self.max_partial_uploads)
         _float_min("outlier_factor", self.outlier_factor, 0.0)
@@ -342,6 +344,7 @@ class CoordinatorServiceConfig:
             expected_workers=self.expected_workers,
             target_outer_steps=self.target_outer_steps,
             confirm_timeout_s=self.confirm_timeout_s if self.healthd_address else 0.0,
+            unheard_after_s=min(self.unheard_after_s, self.confirm_timeout_s) if self.healthd_address else 0.0,
             guard=self.guard_config(),
             tokens_per_step=self.task.inner.batch_size * self.task.model.seq_len,
             max_workers=self.max_workers,
@@ -455,6 +458,13 @@ _SERVICE_FLAGS: list[Flag] = [
         float,
         10.0,
         "with healthd: declare dead a learner not heard of this long after registering",
+    ),
+    (
+        "--unheard-after-s",
+        float,
+        3.0,
+        "with healthd: sooner, once healthd reported other learners this long after one registered, never it "
+        "(0: off; keep it above healthd's heartbeat interval + 1 s)",
     ),
     ("--upload-ttl-s", float, 120.0, "how long an interrupted upload is kept for a resume"),
     ("--max-partial-uploads", int, 32, "uploads held at once in all, streaming or kept for a resume (memory bound)"),
