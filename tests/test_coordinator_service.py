@@ -805,6 +805,8 @@ def test_the_replication_log_byte_cap_takes_a_count_or_a_size_within_bounds_and_
         ([], {"DILOCO_FAULT_CRASH_BEFORE_ANSWER": "accepted@0"}, "--fault-crash-before-answer"),
         (["--when-no-standby", "maybe"], {}, "when_no_standby"),
         (["--when-no-standby", "wait", "--replication-log", "2"], {}, "--sync-replicas"),
+        (["--unheard-after-s", "-1"], {}, "unheard_after_s"),
+        ([], {"DILOCO_UNHEARD_AFTER_S": "nan"}, "unheard_after_s"),
     ],
 )
 def test_bad_configuration_names_the_field(argv: list[str], env: dict[str, str], field: str) -> None:
