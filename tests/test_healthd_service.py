@@ -471,12 +471,14 @@ def test_process_starts_serves_and_stops_on_sigterm() -> None:
             if record.get("event") == "healthd.started":
                 started = record
         assert started["service"] == "healthd" and started["dead_after_s"] == 0.6
+        proc.send_signal(signal.SIGUSR1)  # every thread's stack to stderr (diloco.signals); the service goes on
         b = Beater(f"127.0.0.1:{started['port']}", "w1", interval_s=None)
         b.send()
         assert b.wait_acks(1)[0].state == healthd_pb2.NODE_STATE_ALIVE
         b.close()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
+        assert proc.stderr is not None and "(most recent call first)" in proc.stderr.read()
         reader.join(5)
         events = []
         while not lines.empty():

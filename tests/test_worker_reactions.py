@@ -25,6 +25,7 @@ from diloco.core import learner as core
 from diloco.core.broadcast import Refusal
 from diloco.core.learner import REACTIONS, STATUS_CODES, Reaction, Rpc
 from diloco.rpc.bulk import BulkError
+from diloco.rpc.coordinators import Coordinators
 from diloco.rpc.retry import Backoff, BackoffConfig, retry_while
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc, healthd_pb2
 from services.coordinator.config import CoordinatorServiceConfig
@@ -277,6 +278,67 @@ def test_watch_parameters(backend: CoordinatorServer, proxy: FaultProxy, name: s
             leave(backend, reg.worker_id)
     expected = {Reaction.RETRY: Delivered, Reaction.FAILOVER: Delivered, Reaction.REREGISTER: SessionLost}[reaction]
     assert isinstance(event, expected), event
+
+
+class MovedMeanwhile:
+    """The leader-following client as a learner's threads see it, with one race made certain: the first time `method`
+    is taken, another thread moves the client (closing the channel the method belongs to) before it is called."""
+
+    def __init__(self, coords: Coordinators, method: str, to: str) -> None:
+        self.coords, self.method, self.to, self.moved = coords, method, to, False
+
+    def __getattr__(self, name: str) -> Any:
+        rpc = getattr(self.coords, name)
+        if name == self.method and not self.moved:
+            self.moved = self.coords.failover(f"not the leader; leader is at {self.to}")
+        return rpc
+
+
+def test_a_watch_started_on_a_channel_a_move_closed_is_retried_at_the_new_address(
+    backend: CoordinatorServer, proxy: FaultProxy
+) -> None:
+    """A failover closes the channel while the watcher is about to start a stream on it: grpc raises ValueError,
+    which ended the watcher's thread, and the learner then waited for a version for good (the quick HA soak, CI
+    of add1806: a learner still running a minute after the job finished). It is an UNAVAILABLE now, retried at the
+    address moved to."""
+    cfg = WorkerConfig(coordinator=f"{proxy.address},{backend.address}")
+    coords = Coordinators(cfg.coordinators, cfg.security, who="worker")
+    try:
+        reg = coords.Register(coordinator_pb2.RegisterRequest(worker_name="watcher"), timeout=10)
+        inbox: queue.Queue[object] = queue.Queue()
+        stub = MovedMeanwhile(coords, "WatchParameters", backend.address)
+        numel, log = backend.core.params.numel(), structlog.get_logger()
+        w = Watcher(stub, reg.worker_id, reg.coordinator_epoch, numel, inbox.put, log, coords.failover)
+        try:
+            first = inbox.get(timeout=30)
+            assert stub.moved and coords.address == backend.address
+            assert first == WatchFailed(reg.worker_id, "UNAVAILABLE")
+            assert isinstance(inbox.get(timeout=30), Delivered)
+        finally:
+            w.close()
+            leave(backend, reg.worker_id)
+    finally:
+        coords.close()
+
+
+def test_an_upload_started_on_a_channel_a_move_closed_is_retried_at_the_new_address(
+    backend: CoordinatorServer, proxy: FaultProxy
+) -> None:
+    """The same race for the upload thread and for a control call on the training thread (a ValueError there ended
+    the process)."""
+    cfg = WorkerConfig(coordinator=f"{proxy.address},{backend.address}", upload_path="grpc", retry_total_s=10.0)
+    w = Worker(cfg)
+    try:
+        w.control.stub = MovedMeanwhile(w.coordinators, "Register", backend.address)
+        w._register()
+        assert w.core.worker_id and w.coordinators.address == backend.address
+        w.coordinators.failover(f"not the leader; leader is at {proxy.address}")
+        w.uploader.stub = MovedMeanwhile(w.coordinators, "SubmitPseudoGradient", backend.address)
+        result = w.uploader.upload(w._upload_job(until_submit(w)))
+        assert result.reaction is None and w.uploader.stub.moved
+    finally:
+        w.close()
+        leave(backend, w.reg.worker_id if w.reg else "")
 
 
 @pytest.mark.parametrize(("name", "reaction"), cases(Rpc.SUBMIT))

@@ -8,8 +8,10 @@ One channel at a time, to the address in use. A coordinator call that ends with 
 must meet the security rules of a configured address, else it is ignored), else to the next address round robin
 (the pure `failover_target`). Without a hint, a move within `MIN_DWELL_S` of the previous one is taken as the same
 outage seen by another thread (a learner's watcher, uploader and control calls) and not made again. Calls still
-running on the old channel end CANCELLED when it is closed. A retry loop whose next try goes to another address
-than the one that failed starts its backoff afresh (`failover` says so).
+running on the old channel end CANCELLED when it is closed; a call started on it after that (another thread took
+the stub's method just before the move) raises `ClosedChannel`, an UNAVAILABLE `grpc.RpcError`, where grpc raises
+a ValueError: every retry loop then tries again at the address now followed. A retry loop whose next try goes to
+another address than the one that failed starts its backoff afresh (`failover` says so).
 
 `Coordinators` stands in for a `CoordinatorStub` (every RPC attribute is the current stub's), so a learner's
 threads use it unchanged and call `failover` themselves on the FAILOVER reaction of their status table. A
@@ -19,10 +21,11 @@ one-shot caller (healthd's reports, `diloco ctl`) uses `call`: the call with the
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import structlog
@@ -38,6 +41,21 @@ MIN_DWELL_S = 0.5
 MOVES_ON = frozenset(getattr(grpc.StatusCode, code) for code in FAILOVER_CODES)
 T = TypeVar("T")
 Logger = Callable[[], structlog.stdlib.BoundLogger | None]
+
+
+class ClosedChannel(grpc.RpcError):
+    """A call started on a channel that a failover (or `close`) closed meanwhile, where grpc raises ValueError. It means
+    what UNAVAILABLE means: try again, at the address followed now."""
+
+    def __init__(self, address: str, error: ValueError) -> None:
+        super().__init__(str(error))
+        self._details = f"the channel to {address} was closed by a move to another coordinator meanwhile ({error})"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
 
 
 class Coordinators:
@@ -67,8 +85,20 @@ class Coordinators:
         self._channel = security.channel(self.address, admin=admin)
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
 
-    def __getattr__(self, name: str) -> Any:  # the RPCs: the current stub's
-        return getattr(self.__dict__["_stub"], name)
+    def __getattr__(self, name: str) -> Any:  # the RPCs: the current stub's, a ValueError of its closed channel read
+        with self.__dict__["_lock"]:
+            channel, address, method = self._channel, self.address, getattr(self.__dict__["_stub"], name)
+        return functools.partial(self._invoke, channel, address, method)
+
+    def _invoke(self, channel: grpc.Channel, address: str, method: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        try:
+            return method(*args, **kw)
+        except ValueError as e:  # grpc's "Cannot invoke RPC ..." once `channel` is closed: any other is raised
+            with self._lock:
+                closed = self._closed or channel is not self._channel
+            if not closed:
+                raise
+            raise ClosedChannel(address, e) from e
 
     @property
     def stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
@@ -123,7 +153,7 @@ class Coordinators:
 
         def attempt() -> T:
             try:
-                return fn(self.stub)
+                return fn(cast(coordinator_pb2_grpc.CoordinatorStub, self))  # a channel closed meanwhile: UNAVAILABLE
             except grpc.RpcError as e:
                 self.moved_by(e)
                 raise

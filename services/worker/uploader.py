@@ -29,28 +29,6 @@ from services.worker.metrics import Metrics
 Response = coordinator_pb2.SubmitPseudoGradientResponse
 
 
-class ClosedChannel(grpc.RpcError):
-    """A call made on a channel that the leader-following client closed meanwhile (it moved to another address):
-    grpc raises ValueError for it. It means what UNAVAILABLE means: try again, at the address now followed."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self._details = message
-
-    @staticmethod
-    def of(e: ValueError) -> ClosedChannel:
-        """The ValueError of a closed channel as a ClosedChannel; any other ValueError is raised again."""
-        if "closed channel" not in str(e):
-            raise e
-        return ClosedChannel(f"the channel was closed by a failover meanwhile ({e})")
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return self._details
-
-
 @dataclass(frozen=True)
 class UploadJob:
     header: coordinator_pb2.SubmissionHeader
@@ -100,7 +78,12 @@ class Uploader:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            result = self.upload(job)
+            try:
+                result = self.upload(job)
+            except Exception as e:  # a fault no status covers: the learner hears of it rather than wait for good
+                wid, sid = job.header.worker_id, job.header.submission_id
+                self.log().exception("worker.upload_crashed", submission_id=sid)
+                result = UploadResult(wid, sid, Reaction.DROP_UPLOAD, detail=f"the upload failed: {e!r}")
             del job  # the payload is not kept while the next one is awaited (a learner's peak memory)
             if not self._closed.is_set():
                 self.post(result)
@@ -116,10 +99,7 @@ class Uploader:
             header.resume_offset = offset
             tried = self.address()
             try:
-                try:
-                    resp = self._bulk(bulk_port, header, payload, offset) if bulk_port else self._grpc(header, payload)
-                except ValueError as e:
-                    raise ClosedChannel.of(e) from e
+                resp = self._bulk(bulk_port, header, payload, offset) if bulk_port else self._grpc(header, payload)
             except grpc.RpcError as e:  # a BulkError is one too, with the same codes
                 code = e.code().name
                 reaction = react(Rpc.SUBMIT, code)
@@ -177,9 +157,6 @@ class Uploader:
                 timeout=self.cfg.rpc_timeout_s,
             )
         except grpc.RpcError:
-            return 0
-        except ValueError as e:
-            ClosedChannel.of(e)  # re-raises anything else
             return 0
         return size if st.complete else min(size, max(0, st.received_bytes))
 

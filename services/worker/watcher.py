@@ -176,6 +176,12 @@ class Watcher:
                 self.log.error("worker.watch_unreadable", error=str(e))
                 self.post(WatchFailed(self.worker_id, "UNIMPLEMENTED"))
                 after = 0
+            except Exception:  # a fault no status covers: the thread goes on, else the learner waits for good
+                if self._closed.is_set():
+                    return
+                self.log.exception("worker.watch_crashed")
+                self.post(WatchFailed(self.worker_id, "UNKNOWN"))
+                after = 0
             if self._closed.wait(backoff.next_s(refusal)):
                 return
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -246,10 +247,9 @@ def run_soak(s: SoakSettings, run_dir: Path, log: Log) -> dict[str, Any]:
         status, ledger = ha.status(leader), ha.ledger(leader)
         try:
             ha.until("the learners to exit", lambda: len(ha.learner_exits) == len(ha.learners), s.step_timeout_s, 0.1)
-        except SoakError as e:  # which learners, and what each last did: the report shows this message
+        except SoakError as e:  # which learners, what each last did and where it waits: the report shows this
             running = [name for name in ha.learners if name not in ha.learner_exits]
-            tails = "; ".join(f"{n}:\n{ha.cluster.tail(n, 8)}" for n in running)
-            raise SoakError(f"{e}; still running: {tails}") from None
+            raise SoakError(f"{e}; still running: {'; '.join(stuck(ha, n) for n in running)}") from None
         commits = commits_of(ha)
         problems = invariant_problems(ha, soak.kills, commits)
         applied_to_published = standby_lead_s(ha, steady_start, steady_end)
@@ -279,6 +279,18 @@ def run_soak(s: SoakSettings, run_dir: Path, log: Log) -> dict[str, Any]:
             "wall_s": time.monotonic() - started,
         }
     return result
+
+
+def stuck(ha: HaCluster, name: str) -> str:
+    """A learner that does not exit: its last log lines, then every thread's stack (SIGUSR1, `diloco.signals`)."""
+    path = ha.cluster.procs[name].log_path
+    before, size = ha.cluster.tail(name, 12), path.stat().st_size
+    ha.cluster.signal(name, signal.SIGUSR1)
+    time.sleep(1.0)
+    with path.open("rb") as f:
+        f.seek(size)
+        stacks = f.read().decode(errors="replace")
+    return f"{name}:\n{before}\nits threads:\n{stacks}"
 
 
 def learner_problems(ha: HaCluster, early: dict[str, str]) -> dict[str, str]:
