@@ -123,7 +123,8 @@ def test_a_restart_that_finds_the_key_expired_defers_to_the_standby_that_publish
     assert b.ahead == ("a",) and b.due(2.0) is not Action.CAMPAIGN
     a.observed(None, 2.05)
     assert a.due(2.05) is Action.CAMPAIGN
-    assert b.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN  # a never took over: b leads with what it has
+    assert b.due(2.0 + 2 * CFG.orphan_after_s - 0.01) is not Action.CAMPAIGN
+    assert b.due(2.0 + 2 * CFG.orphan_after_s) is Action.CAMPAIGN  # a never took over: b leads with what it has
 
 
 def test_a_replica_that_loses_its_first_campaign_is_behind_until_vouched_for() -> None:
@@ -172,9 +173,50 @@ def test_with_two_standbys_the_one_holding_the_newest_version_campaigns_first() 
         m.observed(None, 2.0)  # the leader's lease expired
     assert (b.ahead, c.ahead) == ((), ("b",))
     assert b.due(2.0) is Action.CAMPAIGN
-    assert c.due(2.0) is not Action.CAMPAIGN and c.due(2.0 + CFG.orphan_after_s - 0.01) is not Action.CAMPAIGN
-    assert c.next_deadline() is not None and c.next_deadline() <= 2.0 + CFG.orphan_after_s
-    assert c.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN  # b never took over: an election still happens
+    wait = 2 * CFG.orphan_after_s
+    assert c.due(2.0) is not Action.CAMPAIGN and c.due(2.0 + wait - 0.01) is not Action.CAMPAIGN
+    assert c.next_deadline() is not None and c.next_deadline() <= 2.0 + wait
+    assert c.due(2.0 + wait) is Action.CAMPAIGN  # b never took over: an election still happens
+
+
+def behind(replica_id: str, held: int | None) -> Leadership:
+    """A replica that joined while the leader OTHER led and was never vouched for, its state at `held` (applied
+    from the leader, or resumed from its checkpoint)."""
+    m = Leadership(replica_id, f"{replica_id}:1", CFG)
+    m.observed(OTHER, 0.0)
+    if held is not None:
+        m.hold(held, 0.05)
+    assert m.behind
+    return m
+
+
+def test_among_replicas_no_leader_vouched_for_the_one_holding_the_newest_version_campaigns_first() -> None:
+    """The soak's finding at 852ca20: the restarted standby s applied version 239 10 ms before the leader (which had
+    published it with no standby in step) took its acknowledgement; the leader was killed, and its restart r
+    resumed from its checkpoint at 238. Both were behind and waited the same time: r won, and the learners' version
+    went back. Now s goes first, after `orphan_after_s`; r waits twice that."""
+    s, r = behind("s", 239), behind("r", 238)
+    for m in (s, r):
+        m.peers({"s": 239, "r": 238}, 1.0)
+        m.observed(None, 2.0)
+    assert (s.ahead, r.ahead) == ((), ("s",))
+    assert s.due(2.0 + CFG.orphan_after_s - 0.01) is not Action.CAMPAIGN
+    assert s.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN
+    assert r.due(2.0 + CFG.orphan_after_s) is not Action.CAMPAIGN
+    assert r.due(2.0 + 2 * CFG.orphan_after_s) is Action.CAMPAIGN  # s never took over: r leads with what it has
+
+
+def test_a_replica_holding_a_newer_version_goes_first_even_when_no_leader_vouched_for_it() -> None:
+    """A leader published version 101 with no standby in step and died; its restart resumed from a checkpoint at
+    101, while the standby a leader vouched for holds 100. The restart goes first (behind: after orphan_after_s);
+    the standby, knowing a newer holder, waits twice that."""
+    vouched, restart = standby("t", 100), behind("r", 101)
+    for m in (vouched, restart):
+        m.peers({"t": 100, "r": 101}, 1.0)
+        m.observed(None, 2.0)
+    assert restart.due(2.0 + CFG.orphan_after_s) is Action.CAMPAIGN
+    assert vouched.due(2.0 + CFG.orphan_after_s) is not Action.CAMPAIGN
+    assert vouched.due(2.0 + 2 * CFG.orphan_after_s) is Action.CAMPAIGN
 
 
 def test_a_standby_campaigns_at_once_once_nobody_alive_is_ahead() -> None:

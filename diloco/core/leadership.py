@@ -54,12 +54,18 @@ checkpoint, a version behind what learners held. First the restart read the key 
 it; later, on a quiet machine, the restart came up just after the lease expired and, campaigning before any read,
 won in the moment before the standby did: hence the read first, where the standby's entry makes it defer.)
 
-The newest standby wins. Each standby publishes the newest version a leader accepted its acknowledgement of
-(`hold`) under a key bound to a lease of its own, so the entry goes with the standby; followers read the others'
-entries with the leader key (`peers`). A replica that knows a live standby holding a newer version than its own
-(`ahead`) defers exactly as a behind one does: it campaigns only `orphan_after_s` after the key went. So with two
-standbys the one holding the newest version takes the key first, and an election still happens, bounded, when
-that one does not campaign after all (it died, or cannot reach etcd). Equal versions do not defer: etcd picks one.
+The newest holder wins. Each replica that follows publishes the version its state is at (`hold`: the newest it
+applied from a leader, or the one it resumed from its own checkpoint) under a key bound to a lease of its own, so
+the entry goes with it; followers read the others' entries with the leader key (`peers`). A replica that knows a
+live one holding a newer version than its own (`ahead`) campaigns only `2 x orphan_after_s` after the key went;
+one that holds the newest version campaigns at once when a leader vouched for it, else (behind) after
+`orphan_after_s`. So the replica holding the newest version takes the key first, vouched for or not, and an
+election still happens, bounded, when that one does not campaign after all (it died, or cannot reach etcd). Equal
+versions do not defer: the one a leader vouched for goes first, else etcd picks one. (Seen in the soak at 852ca20:
+the standby restarted after a kill had applied the leader's newest version, 10 ms before the leader, which had
+published it with no standby in step, took its acknowledgement; the leader was killed, and both that standby and
+the leader's restart, holding its older checkpoint, were behind and waited the same `orphan_after_s`. The restart
+won, and the learners' version went back by one. Until then an entry held only a version a leader had vouched for.)
 
 Time never runs backwards inside the machine: a `now` older than the latest one seen is taken as the latest.
 The machine is not thread-safe; the caller serializes calls.
@@ -116,9 +122,9 @@ class LeadershipConfig:
     observe_interval_s: float = 0.1
     # A replica that stepped down or was fenced campaigns again only after this, so another one takes over.
     rejoin_after_s: float = 2.0
-    # A replica that joined while another led, and has not been in step with a leader since (`caught_up`), or that
-    # knows a live standby holding a newer version (`ahead`), campaigns only once the leader key has been gone this
-    # long: an up-to-date standby takes over first.
+    # A replica that joined while another led, and has not been in step with a leader since (`caught_up`),
+    # campaigns only once the leader key has been gone this long (twice this long when it knows a live replica
+    # holding a newer version: `ahead`): an up-to-date standby takes over first.
     orphan_after_s: float = 4.0
 
     def __post_init__(self) -> None:
@@ -349,10 +355,12 @@ class Leadership:
         return None
 
     def _may_campaign_at(self) -> float:
+        """The newest holder first (module docstring): at once when vouched for, `orphan_after_s` after the key
+        went when behind, `2 x orphan_after_s` when another live replica holds a newer version."""
         if not self.behind and not self.ahead:
             return self._campaign_at
         since = self._leaderless_since if self._leaderless_since is not None else self._now
-        return max(self._campaign_at, since + self.cfg.orphan_after_s)
+        return max(self._campaign_at, since + self.cfg.orphan_after_s * (2 if self.ahead else 1))
 
     # --- inputs ---------------------------------------------------------------------------------------------
     def caught_up(self, now: float) -> None:
@@ -362,7 +370,8 @@ class Leadership:
         self._trusted, self.behind = True, False
 
     def hold(self, version: int, now: float) -> None:
-        """A leader accepted this replica's acknowledgement of `version` (what it publishes to the other standbys)."""
+        """This replica's state is at `version` (applied from a leader, or resumed from its checkpoint): what it
+        publishes to the other replicas."""
         self._advance(now)
         _check_version(version)
         self.held = version

@@ -143,7 +143,7 @@ class LeadershipDriver:
             self._wake.set()
 
     def hold(self, version: int) -> None:
-        """A leader accepted this standby's acknowledgement of `version`: publish it to the other standbys."""
+        """This standby's state is at `version` (applied, or resumed from its checkpoint): publish it to the others."""
         with self._lock:
             self._machine.hold(version, self._clock())
             self._hold = version

@@ -429,7 +429,7 @@ class EtcdElection:
             raise EtcdUnavailable(f"unexpected lease grant reply from etcd: {e!r}") from e
 
     def publish(self, replica_id: str, version: int, lease_id: int) -> None:
-        """This standby's entry: the newest version a leader vouched for, under `lease_id`."""
+        """This standby's entry: the version its state is at (`Leadership.hold`), under `lease_id`."""
         key = _b64(self._peers_prefix + replica_id.encode())
         self._post("/kv/put", {"key": key, "value": _b64(json.dumps({"version": version}).encode()), "lease": lease_id})
 

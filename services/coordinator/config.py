@@ -464,7 +464,7 @@ _SERVICE_FLAGS: list[Flag] = [
         float,
         3.0,
         "with healthd: sooner, once healthd reported other learners this long after one registered, never it "
-        "(0: off; keep it above healthd's heartbeat interval + 1 s)",
+        "(0: off; keep it above healthd's heartbeat interval + 1 s; above --confirm-timeout-s it adds nothing)",
     ),
     ("--upload-ttl-s", float, 120.0, "how long an interrupted upload is kept for a resume"),
     ("--max-partial-uploads", int, 32, "uploads held at once in all, streaming or kept for a resume (memory bound)"),

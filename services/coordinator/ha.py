@@ -262,6 +262,7 @@ class HaReplica:
         self._stop_follower()
         cfg = replace(self.cfg, etcd="", etcd_ca_file="", etcd_cert_file="", etcd_key_file="")  # a --follow standby
         follower, chan = follower_from(replace(cfg, follow=address, replica_id=self.replica_id))
+        follower.on_version = self.driver.hold  # what it tells the other replicas it holds (the newest wins)
         follower.on_acked = self._acked  # in step with a leader: may take over
         self._follower, self._channel, self._following = follower, chan, address
         follower.start()
@@ -269,10 +270,9 @@ class HaReplica:
 
     def _acked(self, version: int) -> None:
         """The leader accepted this standby's acknowledgement of `version`: in step with it (it may take over at
-        once), and `version` is what it tells the other standbys it holds (the newest standby wins)."""
+        once, and keeps the learner table when it does)."""
         self.in_step = True
         self.driver.caught_up()
-        self.driver.hold(version)
 
     def _promote(self, epoch: int) -> None:
         started = time.monotonic()

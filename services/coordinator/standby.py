@@ -77,7 +77,8 @@ class StandbyFollower:
         on_version: Callable[[int], None] | None = None,
         on_acked: Callable[[int], None] | None = None,
     ) -> None:
-        """`on_version(v)`: the standby applied version v; `on_acked(v)`: the leader accepted its acknowledgement of
+        """`on_version(v)`: the standby's state is at version v (applied, or resumed from its checkpoint at the start);
+        `on_acked(v)`: the leader accepted its acknowledgement of
         v (the leader holds the same bits at v: this standby is in step with it); `layout`: the fragments it runs
         (the leader's --fragments; None: none)."""
         self.cfg = cfg
@@ -157,8 +158,10 @@ class StandbyFollower:
         except (ResyncRequired, KeyError, TypeError, ValueError) as e:
             self.log.warning("replication.resume_failed", path=str(path), error=str(e))
             return
-        self._last_ckpt = self.standby.version or 0
-        self.log.info("replication.resumed", path=str(path), version=self.standby.version)
+        self._last_ckpt = version = self.standby.version or 0
+        self.log.info("replication.resumed", path=str(path), version=version)
+        if self.on_version is not None:
+            self.on_version(version)
 
     def _run(self) -> None:
         self._resume()
