@@ -55,7 +55,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -938,28 +938,27 @@ class CoordinatorCore:
     def _confirm_deadline(self) -> float | None:
         return min((r.registered_at + self.cfg.confirm_timeout_s for r in self._unconfirmed()), default=None)
 
+    def _unreported(
+        self, t: float, records: Iterable[WorkerRecord], since: Callable[[WorkerRecord], float]
+    ) -> list[WorkerRecord]:
+        """Of `records`, those healthd has not reported for `t` seconds after `since(record)` while it kept
+        reporting others. Judged only on the times healthd reported, so no learner expires while healthd itself is
+        silent (t = 0: none)."""
+        seen, reporting_since = self._healthd_seen_at, self._healthd_since
+        if not t or seen is None or reporting_since is None:
+            return []
+        return [r for r in records if seen >= max(since(r), reporting_since) + t]
+
     def _silent(self) -> list[WorkerRecord]:
         """Live, confirmed learners healthd has not reported for `confirm_timeout_s` while it kept reporting
-        others: they died while healthd was down (a restarted healthd never hears of them). Judged only on the
-        times healthd reported, so no learner expires while healthd itself is silent."""
-        t, seen = self.cfg.confirm_timeout_s, self._healthd_seen_at
-        if not t or seen is None or self._healthd_since is None:
-            return []
-        since = self._healthd_since
-        return [
-            r
-            for r in self.workers.values()
-            if r.state in LIVE_STATES and r.confirmed and seen >= max(r.seen_at, since) + t
-        ]
+        others: they died while healthd was down (a restarted healthd never hears of them)."""
+        live = [r for r in self.workers.values() if r.state in LIVE_STATES and r.confirmed]
+        return self._unreported(self.cfg.confirm_timeout_s, live, lambda r: r.seen_at)
 
     def _unheard(self) -> list[WorkerRecord]:
         """Unconfirmed learners healthd has not reported for `unheard_after_s` since they registered while it kept
-        reporting others: they died before their first heartbeat reached it. Judged on the times healthd
-        reported, as `_silent` is."""
-        t, seen, since = self.cfg.unheard_after_s, self._healthd_seen_at, self._healthd_since
-        if not t or seen is None or since is None:
-            return []
-        return [r for r in self._unconfirmed() if seen >= max(r.registered_at, since) + t]
+        reporting others: they died before their first heartbeat reached it."""
+        return self._unreported(self.cfg.unheard_after_s, self._unconfirmed(), lambda r: r.registered_at)
 
     def expire_unconfirmed(self, now: float) -> list[tuple[str, list[int]]]:
         """Declare dead the learners healthd cannot report: registered but never confirmed alive within
