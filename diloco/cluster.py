@@ -227,6 +227,12 @@ class LogLine:
         return logged_at(self.fields)
 
 
+def _ends_a_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 class LogFollower:
     """Reads the JSON log lines a child appends to its log file (`tail -f`): `read()` returns the complete lines
     written since the last call. A restarted child appends to the same file, so one follower sees every
@@ -353,6 +359,9 @@ class LocalCluster:
             old.log_file.close()  # the ended incarnation's; the new one appends to the same file
         log_path = self.run_dir / f"{name}.log"
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in _reap
+        if log_file.tell() and not _ends_a_line(log_path):  # a killed incarnation's torn last line ends here, or
+            log_file.write(b"\n")  # the new one's first line (`replica.started`, say) would be read glued to it
+            log_file.flush()
         offset = log_file.tell()
         argv = [sys.executable, "-m", module, *args]
         child_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

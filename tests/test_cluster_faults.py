@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from diloco.cluster import LocalCluster
+from diloco.cluster import LocalCluster, LogLine
 from tests.support import assert_finished_and_learned, cluster_config, running, wait_for, worker_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -112,3 +112,29 @@ def test_healthd_restart_never_stops_training(cluster: LocalCluster) -> None:
     dead_ids = {w.worker_id for w in cluster.workers().workers if w.worker_name == "worker2"}
     assert not any(s.owner in dead_ids for s in cluster.ledger().shards), "a dead worker still owns shards"
     assert_finished_and_learned(cluster)
+
+
+def test_a_restarted_child_s_first_line_is_not_glued_to_a_torn_last_line(tmp_path: Path) -> None:
+    """A SIGKILLed child may leave its last log line unfinished; the incarnation started after it appends to the
+    same file. Its first line (`healthd.started`, or a replica's `replica.started`, which the HA soak counts
+    incarnations by) was read glued to the torn one, as one line that is not JSON: lost. The respawn ends the torn
+    line first."""
+    c = LocalCluster(cluster_config(tmp_path))
+    follower = c.follow("healthd")
+    try:
+        c.start_healthd()
+        wait_for("healthd started", lambda: any(x.event == "healthd.started" for x in follower.read()), 30.0)
+        c.kill("healthd")
+        with c.procs["healthd"].log_path.open("ab") as f:
+            f.write(b'{"event": "healthd.torn", "ti')  # what a kill in the middle of a write leaves
+        c.respawn("healthd")
+        lines: list[LogLine] = []
+        wait_for("healthd started again", lambda: lines.extend(follower.read()) or "healthd.started" in events(lines))
+        assert lines[0].event == "" and lines[0].fields["text"] == '{"event": "healthd.torn", "ti'  # a line of its own
+        assert "healthd.started" in events(lines[1:])
+    finally:
+        c.stop()
+
+
+def events(lines: list[LogLine]) -> list[str]:
+    return [x.event for x in lines]
