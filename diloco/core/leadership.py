@@ -283,7 +283,7 @@ class Leadership:
         self._trusted = False  # it led, or a leader vouched for it, in this process: never behind again
         self.behind = False
         self._leaderless_since: float | None = None
-        # The newest standby wins: the version this replica holds (`hold`; None: none vouched for yet), the other
+        # The newest holder wins: the version this replica's state is at (`hold`; None: none yet), the other
         # live standbys' (`peers`) and those of them holding a newer one (`ahead`: it defers to them).
         self.held: int | None = None
         self._peers: dict[str, int] = {}

@@ -11,11 +11,11 @@ The driver keeps what the machine does not: the lease id and epoch of the key it
 and resign. When leadership is lost without a resignation (deposed, lease gone) it revokes that lease, best
 effort.
 
-The newest standby wins: `hold(version)` (a leader accepted this standby's acknowledgement of `version`) is fed to
-the machine and published to etcd under a lease of this replica's own (granted on the first publish, kept alive
-every `renew_interval_s` while it follows, left to expire once it leads); a follower's read of the leader key also
-reads the other standbys' entries (`EtcdElection.observe_all`) and feeds them to the machine (`peers`). These calls
-are upkeep between the machine's actions: a failure is retried at the next turn and changes no role.
+The newest holder wins: `hold(version)` (this standby's state is at `version`: applied from the leader, or resumed from
+its checkpoint) is fed to the machine and published to etcd under a lease of this replica's own (granted on the first
+publish, kept alive every `renew_interval_s` while it follows, left to expire once it leads); a follower's read of the
+leader key also reads the other standbys' entries (`EtcdElection.observe_all`) and feeds them to the machine (`peers`).
+These calls are upkeep between the machine's actions: a failure is retried at the next turn and changes no role.
 
 Lifecycle: `start()` then `stop()`, each safe to call twice. `stop(resign=True)` steps down at once (may_accept
 turns false before it returns), joins the thread and gives the key back, so another replica takes over without
@@ -76,7 +76,7 @@ class LeadershipDriver:
         self._stopped = False
         self._held: tuple[int, int] | None = None  # (lease id, epoch) of the key this replica created
         self._failures: dict[Action, int] = {}  # failed calls in a row, per action (only the first is a warning)
-        # the standby entry (the newest standby wins): the version to publish, the one published, its lease and when
+        # the standby entry (the newest holder wins): the version to publish, the one published, its lease and when
         # that lease is renewed next
         self._hold: int | None = None
         self._published: int | None = None

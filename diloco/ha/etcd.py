@@ -23,7 +23,7 @@ no longer has), keeps the endpoint.
 - observe: read the key: its holder, or None.
 - resign: delete the key if its create_revision is still our epoch (a transaction), then revoke the lease.
 
-The newest standby wins (`diloco.core.leadership`, "The newest standby wins"): each standby keeps an entry
+The newest holder wins (`diloco.core.leadership`, "The newest holder wins"): each standby keeps an entry
 `{key}.standbys/{replica_id}` = {"version": v} under a lease of its own (`grant`, `publish`, kept alive by `renew`),
 and followers read the leader key and every such entry in one transaction (`observe_all`). An entry that is not
 such a record is left out.
@@ -87,7 +87,7 @@ from diloco.errors import ConfigError, InvalidArgument, Unavailable
 
 MAX_KEY_CHARS = 256
 MAX_ENDPOINTS = 5  # members of one etcd cluster a replica is given
-MAX_PEERS = 64  # standby entries read (the newest standby wins); more are not looked at
+MAX_PEERS = 64  # standby entries read (the newest holder wins); more are not looked at
 MAX_HANGING = 4  # requests given up on and still running; beyond this a call fails without starting one
 FORGET_FAILURE_S = 60.0  # an endpoint's failure older than this no longer counts against it (`next_endpoint`)
 AUTH_RETRY_S = 5.0  # after etcd refused the credentials, no authentication is sent for this long
