@@ -13,6 +13,7 @@ not exit).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import threading
@@ -31,4 +32,5 @@ def on_stop_signal(stop: Callable[[str], None], name: str = "stop-signal") -> No
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, handler)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    with contextlib.suppress(OSError, ValueError, RuntimeError, AttributeError):  # stderr with no file descriptor
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # a diagnostic: never a reason not to start

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -43,3 +45,13 @@ def test_a_signal_caught_while_the_main_thread_holds_the_log_lock_stops_the_serv
         assert not done.is_set()  # the stop is waiting for the lock, not holding up this thread
     assert done.wait(10.0)
     assert stopped == [(sig.name, "test-stop")]
+
+
+def test_a_stderr_without_a_file_descriptor_still_gets_the_stop_handlers(
+    restore_handlers: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGUSR1's stack dump (faulthandler) needs stderr's file descriptor; a service whose stderr has none (an
+    embedding process, a test capturing it) starts anyway, with its stop handlers, and without the dump."""
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    on_stop_signal(lambda _name: None, "test-stop")
+    assert all(signal.getsignal(sig) not in (signal.SIG_DFL, signal.default_int_handler) for sig in STOP_SIGNALS)
