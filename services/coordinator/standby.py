@@ -78,9 +78,8 @@ class StandbyFollower:
         on_acked: Callable[[int], None] | None = None,
     ) -> None:
         """`on_version(v)`: the standby's state is at version v (applied, or resumed from its checkpoint at the start);
-        `on_acked(v)`: the leader accepted its acknowledgement of
-        v (the leader holds the same bits at v: this standby is in step with it); `layout`: the fragments it runs
-        (the leader's --fragments; None: none)."""
+        `on_acked(v)`: the leader accepted its acknowledgement of v (the leader holds the same bits at v: this
+        standby is in step with it); `layout`: the fragments it runs (the leader's --fragments; None: none)."""
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.standby = Standby(numel, layout)
