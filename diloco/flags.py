@@ -42,6 +42,21 @@ def byte_size(text: str) -> int:
     return int(m[1]) << _SIZE_SHIFT[m[2].upper()]
 
 
+NEVER = -1  # `spill_size("never")`
+
+
+def spill_size(text: str) -> int:
+    """`--spill-above`: a byte count (`64M`; `0`: every one) or `never` (`NEVER`: memory only)."""
+    if text.strip().lower() == "never":
+        return NEVER
+    try:
+        return byte_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a byte count like 64M or 2G, 0 (everything in files) or never (all in memory), got {text!r}"
+        ) from None
+
+
 class FlagParser(argparse.ArgumentParser):
     """Argument errors become `ConfigError` (the caller prints them and exits 2)."""
 

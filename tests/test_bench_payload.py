@@ -39,7 +39,7 @@ def test_tiny_payload_measures_every_round(watch: bool, spill: bool) -> None:
     text = markdown(result)
     assert "| 2 |" in text and "| mean (after the first) |" in text
     assert ("--no-watch" in text) is not watch
-    assert ("--spill-dir" in check["name"]) is spill and ("--spill" in text) is spill
+    assert ("--spill-above 0" in check["name"]) is spill and (" --spill`" in text) is spill
 
 
 def test_a_size_that_cannot_fit_is_refused_before_anything_starts() -> None:

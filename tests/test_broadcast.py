@@ -25,7 +25,7 @@ from diloco.core import broadcast
 from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Delta, HeldParams, Refusal, params_checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
-from diloco.rpc.payload import PayloadBytes, PayloadReceiver, SpillFile, meta_from_proto
+from diloco.rpc.payload import NEVER, SPILL_ABOVE, PayloadBytes, PayloadReceiver, SpillFile, meta_from_proto
 from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import simulate
 from diloco.sim.result import SimResult
@@ -526,16 +526,18 @@ def rounds(env: Env, reg: pb.RegisterResponse, n: int, start: int = 0) -> None:
         assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_APPLIED
 
 
-@pytest.mark.parametrize("spill", [False, True])
+@pytest.mark.parametrize(("above", "spill"), [(NEVER, False), (SPILL_ABOVE, False), (0, True)])
 def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
-    start: Callable[..., Env], tmp_path: Path, spill: bool
+    start: Callable[..., Env], tmp_path: Path, above: int, spill: bool
 ) -> None:
-    # 2 int4 deltas: well within the bytes kept; spill: they are kept in files (`--spill-dir`), sent from there. A
-    # second learner that never submits holds version 0 as far as the coordinator knows: every delta may be needed
+    # 2 int4 deltas: well within the bytes kept; spill: they are kept in files (`--spill-dir`), sent from there: with
+    # `--spill-above 0`; this small model's deltas stay in memory under the default size. A second learner that
+    # never submits holds version 0 as far as the coordinator knows: every delta may be needed
     env = start(
         broadcast_codec="int4",
         broadcast_history=2,
-        spill_dir=str(tmp_path) if spill else "",
+        spill_dir=str(tmp_path),
+        spill_above=above,
         min_quorum=1,
         grace_max_s=0.0,
     )

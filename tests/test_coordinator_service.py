@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from diloco.core.codecs import get_codec
 from diloco.errors import ConfigError
-from diloco.rpc.payload import PayloadReceiver, meta_from_proto
+from diloco.rpc.payload import NEVER, PayloadReceiver, meta_from_proto
 from diloco.rpc.server import channel
 from diloco.task.data import evaluate
 from diloco.task.params import load_flat_
@@ -137,7 +137,8 @@ def test_stop_ends_following_parameter_streams(env: Env) -> None:
 def test_submission_closes_a_round_and_commits_the_ledger(
     start: Callable[..., Env], tmp_path: Path, codec: str, spill: bool
 ) -> None:
-    env = start(spill_dir=str(tmp_path) if spill else "")  # spill: the bytes held in a file, not memory
+    # spill: the bytes held in a file, not memory (every upload, however small: `--spill-above 0`)
+    env = start(spill_dir=str(tmp_path), spill_above=0 if spill else NEVER)
     reg = register(env)
     before = env.server.core.params.clone()
     h, data, delta = make_upload(env, reg, "s1", codec=codec)
@@ -347,7 +348,7 @@ def test_duplicate_submission_is_idempotent(start: Callable[..., Env]) -> None:
 
 @pytest.mark.parametrize("spill", [False, True])
 def test_interrupted_upload_resumes_from_the_bytes_held(start: Callable[..., Env], tmp_path: Path, spill: bool) -> None:
-    env = start(spill_dir=str(tmp_path) if spill else "")
+    env = start(spill_dir=str(tmp_path), spill_above=0 if spill else NEVER)
     reg = register(env)
     h, data, _ = make_upload(env, reg, "big")
     msgs = requests(h, data)
@@ -402,7 +403,7 @@ def test_a_spill_dir_gone_refuses_uploads_and_keeps_broadcast_deltas_in_memory(
 ) -> None:
     clock, spill = Clock(), tmp_path / "spill"
     spill.mkdir()
-    env = start(clock=clock, expected_workers=2, min_quorum=1, grace_max_s=5.0, spill_dir=str(spill))
+    env = start(clock=clock, expected_workers=2, min_quorum=1, grace_max_s=5.0, spill_dir=str(spill), spill_above=0)
     a, _ = register(env, "a"), register(env, "b")
     h, data, _ = make_upload(env, a, "a1")
     assert submit(env, h, data).outcome == pb.SUBMISSION_OUTCOME_ACCEPTED  # received into the spill dir, folded

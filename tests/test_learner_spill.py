@@ -15,6 +15,7 @@ import torch
 from diloco.core import learner as core
 from diloco.core.broadcast import HeldParams
 from diloco.core.fragments import FragmentLayout
+from diloco.rpc.payload import NEVER, SPILL_ABOVE
 from diloco.task.data import DataConfig
 from diloco.task.factory import TaskConfig, build_task
 from diloco.task.model import ModelConfig
@@ -33,8 +34,14 @@ def _task(tmp_path: Path) -> TaskConfig:
     )
 
 
-def _replica(task: TaskConfig, codec: str, spill_dir: str) -> Replica:
-    replica = Replica(WorkerConfig(coordinator="127.0.0.1:1", spill_dir=spill_dir), torch.device("cpu"), Metrics())
+CPU = torch.device("cpu")
+
+
+def _replica(task: TaskConfig, codec: str, spill_dir: str, above: int | None = None) -> Replica:
+    """A learner's replica at version 0. `above` (`--spill-above`) defaults to 0 when a directory is named (every
+    vector there), else to the default size, which this small model's vectors are below."""
+    above = above if above is not None else 0 if spill_dir else SPILL_ABOVE
+    replica = Replica(WorkerConfig(coordinator="127.0.0.1:1", spill_dir=spill_dir, spill_above=above), CPU, Metrics())
     replica.start_session(task.to_json(), build_task(task).fingerprint)
     replica.use_layout(None, codec)
     assert replica.version0 is not None
@@ -50,6 +57,13 @@ def _submit(replica: Replica, n: int) -> core.Submit:
 
 def test_the_flag_is_checked_at_start(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert parse(["--coordinator", "127.0.0.1:1", "--insecure", "--spill-dir", str(tmp_path)], {}).spill_dir
+    flags = ["--coordinator", "127.0.0.1:1", "--insecure", "--spill-above"]
+    assert parse([*flags, "1G"], {}).spill_above == 1 << 30
+    assert parse([*flags, "never"], {}).spill_above == NEVER
+    assert parse(flags[:-1], {"DILOCO_SPILL_ABOVE": "0"}).spill_above == 0
+    assert parse(flags[:-1], {}).spill_above == SPILL_ABOVE
+    assert main([*flags, "lots"]) == 2
+    assert "--spill-above" in (err := capsys.readouterr().err) and "2G" in err, err
     argv = ["--coordinator", "127.0.0.1:1", "--insecure", "--spill-dir", str(tmp_path / "nowhere")]
     assert main(argv) == 2
     assert "--spill-dir" in (err := capsys.readouterr().err) and "create it" in err, err
@@ -81,6 +95,16 @@ def test_a_learner_with_its_residual_in_a_file_sends_the_same_uploads(tmp_path: 
         assert bytes(a.payload) == bytes(b.payload) and a.header.payload.crc32 == b.header.payload.crc32
     assert memory.trainer is not None and filed.trainer is not None
     assert torch.equal(filed.trainer.params_flat(), memory.trainer.params_flat())
+
+
+@pytest.mark.parametrize("margin", [-1, 0])
+def test_the_residual_goes_to_a_file_only_when_bigger_than_spill_above(tmp_path: Path, margin: int) -> None:
+    task = _task(tmp_path)
+    numel = sum(p.numel() for p in build_task(task).model_fn(0).parameters())
+    replica = _replica(task, "int8", str(tmp_path), above=4 * numel + margin)  # fp32 bytes of the model, ±
+    [ef] = replica.efs
+    assert (ef.store is not None) is (margin < 0)
+    assert ef.residual.numel() == (0 if margin < 0 else numel)
 
 
 def test_a_codec_it_cannot_serve_keeps_the_residual_in_memory(tmp_path: Path) -> None:

@@ -17,7 +17,17 @@ import torch
 from diloco.core.codecs import CodecError, get_codec
 from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.errors import ConfigError
-from diloco.rpc.payload import BufferPool, SpillFile, UploadReceiver, check_spill_dir, chunks
+from diloco.rpc.payload import (
+    NEVER,
+    SPILL_ABOVE,
+    BufferPool,
+    Spill,
+    SpillFile,
+    UploadReceiver,
+    check_spill_dir,
+    chunks,
+    default_spill_dir,
+)
 
 pytestmark = pytest.mark.timeout(30)
 SEGMENTS = [Segment(0, 300, embedding=True), Segment(300, 700)]
@@ -306,3 +316,24 @@ def test_a_spill_dir_that_cannot_hold_files_is_refused_at_start(tmp_path: Path, 
     with pytest.raises(ConfigError, match=f"--spill-dir .*{why}"):
         check_spill_dir(str(path))
     assert check_spill_dir(str(tmp_path)) == str(tmp_path)
+
+
+def test_the_spill_rule_sends_only_payloads_above_its_size_to_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert Spill.checked(str(tmp_path / "nowhere"), NEVER) is None  # never: nothing checked, nothing spilled
+    with pytest.raises(ConfigError, match="--spill-dir"):
+        Spill.checked(str(tmp_path / "nowhere"), 0)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    rule = Spill.checked("", 1000)  # no directory named: $TMPDIR
+    assert rule == Spill(str(tmp_path), 1000)
+    assert rule.directory_for(1000) is None and rule.directory_for(1001) == str(tmp_path)
+    monkeypatch.delenv("TMPDIR")
+    assert Spill.checked("", SPILL_ABOVE) == Spill(default_spill_dir(), SPILL_ABOVE) and default_spill_dir()
+    # an upload's bytes: in a pooled buffer below the size, in a file above it
+    data, meta = get_codec("int8").encode(torch.randn(NUMEL))
+    for above, filed in ((len(data), False), (len(data) - 1, True)):
+        receiver = UploadReceiver(meta, NUMEL, SEGMENTS, spill_dir=Spill(str(tmp_path), above).directory_for(len(data)))
+        for c in chunks(data):
+            receiver.feed(c)
+        assert isinstance(receiver.finish().data, SpillFile) is filed

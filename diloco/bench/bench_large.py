@@ -9,17 +9,20 @@ baseline's peak is what the model costs it; the report sets it against the fp32 
 
 - the coordinator holds Θ, the outer momentum, the merge buffer and the broadcast shadow Θ̂ (4 model-sized
   vectors; its evaluation model views Θ, and a third run of the large model turns evaluation off), the uploads it
-  is receiving (encoded) and the broadcast history's encoded deltas (a fourth run holds both in files,
-  `--spill-dir`); target ≤ 4.5x the fp32 model bytes;
+  is receiving (encoded; by default, `--spill-above 64M`, an upload this size is received into an unlinked file in
+  `--spill-dir`, the kernel's page cache) and the broadcast history's encoded deltas (in memory below that size);
+  target ≤ 4.5x the fp32 model bytes;
 - a learner holds the model, the AdamW state (2x), its broadcast Θ̂ (the base of its pseudo-gradient, brought to
-  each new version in place: `diloco.core.broadcast.HeldParams`) and the error-feedback residual, plus, with the
-  default gradient clipping, every gradient during a step (one more model size); target ≤ model + AdamW state + 2
-  fp32 buffers = 5x the fp32 model bytes. The activations a step keeps for backward come on top (at batch 4 x 128
-  about 1.1x of this model's size). A fifth run trains with `--grad-clip 0` (each parameter takes its AdamW step in
-  backward and drops its gradient there) and learners with `--activation-checkpointing` (only each transformer
-  block's input kept for backward) and `--spill-dir` (the residual in a file, worked a slab at a time); a sixth
-  runs those learners in `decoupled` rounds, where each also keeps θ_at_submit between its submission and the
-  rebase onto the next version (with `--spill-dir` in a file as well).
+  each new version in place: `diloco.core.broadcast.HeldParams`) and the error-feedback residual (by default, as
+  a model-sized vector above `--spill-above`, in an unlinked file, read and written a slab at a time at each
+  submission), plus, with the default gradient clipping, every gradient during a step (one more model size); target
+  ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes. The activations a step keeps for backward come
+  on top (at batch 4 x 128 about 1.1x of this model's size). A fourth run holds everything in memory on every
+  process (`--spill-above never`: what the rule saves). A fifth run trains with `--grad-clip 0` (each parameter
+  takes its AdamW step in backward and drops its gradient there) and learners with `--activation-checkpointing`
+  (only each transformer block's input kept for backward); a sixth runs those learners in `decoupled` rounds,
+  where each also keeps θ_at_submit between its submission and the rebase onto the next version (in a file as
+  well, by the same rule).
 
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
@@ -130,15 +133,14 @@ def _mean(xs: Sequence[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def spill_args(directory: Path) -> tuple[str, str]:
-    """`--spill-dir` for a process of its own: `directory`, made here."""
+def spill_args(directory: Path, memory: bool) -> tuple[str, ...]:
+    """`--spill-dir` for a process of its own: `directory`, made here; `memory`: nothing spilled
+    (`--spill-above never`), else the default rule."""
     directory.mkdir()
-    return ("--spill-dir", str(directory))
+    return ("--spill-dir", str(directory), *(("--spill-above", "never") if memory else ()))
 
 
-def lean_worker_args(spill: Path) -> tuple[str, ...]:
-    """A learner's flags for the least memory: activations checkpointed, the residual in a file in `spill`."""
-    return ("--activation-checkpointing", "true", *spill_args(spill))
+LEAN_WORKER_ARGS = ("--activation-checkpointing", "true")  # a learner's flag for the least memory
 
 
 def read_logs(cluster: LocalCluster) -> dict[str, list[dict[str, Any]]]:
@@ -175,17 +177,18 @@ def run_one(
     s: LargeSettings,
     log: Log,
     evaluate: bool = True,
-    spill: bool = False,
+    memory: bool = False,
     clip: bool = True,
     mode: str = "sync",
 ) -> dict[str, Any]:
     """One cluster run in `mode` rounds; `evaluate` False runs the coordinator with `--eval-every 0` (no evaluation
-    model), `spill` with `--spill-dir` (uploads and kept broadcast deltas held in files, not in memory), `clip` False
-    the task with `--grad-clip 0` (the learners step each parameter in backward: no model-sized gradient buffer) and
-    the learners with `lean_worker_args`."""
+    model), `memory` every process with `--spill-above never` (uploads, kept broadcast deltas and learners' residuals
+    held in memory, whatever their size), `clip` False the task with `--grad-clip 0` (the learners step each
+    parameter in backward: no model-sized gradient buffer) and the learners with `LEAN_WORKER_ARGS`."""
     eval_args = () if evaluate else ("--eval-every", "0")
+    lean = () if clip else LEAN_WORKER_ARGS
     with tempfile.TemporaryDirectory(prefix="diloco-bench-large-") as tmp:
-        coordinator_spill = spill_args(Path(tmp) / "spill") if spill else ()
+        coordinator_spill = spill_args(Path(tmp) / "spill", memory)
         cfg = ClusterConfig(
             workers=s.workers,
             mode=mode,
@@ -207,7 +210,7 @@ def run_one(
                 *(() if clip else ("--grad-clip", "0")),
             ),
             coordinator_args=("--eval-tokens", str(4 * s.seq_len), *eval_args, *coordinator_spill),
-            worker_args={} if clip else {i: lean_worker_args(Path(tmp) / f"spill-w{i}") for i in range(s.workers)},
+            worker_args={i: (*spill_args(Path(tmp) / f"spill-w{i}", memory), *lean) for i in range(s.workers)},
         )
         started = time.monotonic()
         with LocalCluster(cfg) as cluster:
@@ -224,7 +227,7 @@ def run_one(
     result = {
         "model": model,
         "evaluate": evaluate,
-        "spill": spill,
+        "memory": memory,
         "clip": clip,
         "mode": mode,
         "numel": model_numel(model, s.seq_len),
@@ -254,7 +257,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
     base = run_one(s.baseline_model, s, log)
     big = run_one(s.model, s, log)
     no_eval = run_one(s.model, s, log, evaluate=False)  # the coordinator without its evaluation model
-    spilled = run_one(s.model, s, log, spill=True)  # uploads and kept deltas held in files, not in memory
+    in_memory = run_one(s.model, s, log, memory=True)  # nothing in files, whatever its size (`--spill-above never`)
     unclipped = run_one(s.model, s, log, clip=False)  # no gradient buffer, activations checkpointed
     # the same learners training on while their upload is in flight: θ_at_submit held until they rebase
     decoupled = run_one(s.model, s, log, clip=False, mode="decoupled")
@@ -271,11 +274,9 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
                 "x_model": net / model_bytes,
             }
         )
-    variants = [
-        ("coordinator (--eval-every 0)", "coordinator", no_eval),
-        ("coordinator (--spill-dir)", "coordinator", spilled),
-    ]
-    lean = "--grad-clip 0, --activation-checkpointing, --spill-dir"
+    variants = [("coordinator (--eval-every 0)", "coordinator", no_eval)]
+    variants += [(f"{w} (--spill-above never)", w, in_memory) for w in sorted(in_memory["peak_rss"]) if w != "healthd"]
+    lean = "--grad-clip 0, --activation-checkpointing"
     for flags, run_ in ((lean, unclipped), (f"{lean}, decoupled", decoupled)):
         variants += [(f"{w} ({flags})", w, run_) for w in sorted(run_["peak_rss"]) if w.startswith("worker")]
     # the default coordinator again, beside the lean learners: how much its peak moves from run to run
@@ -296,6 +297,8 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         )
     checks = []
     for r in rows:
+        if "never" in r["process"]:
+            continue  # what the spill rule saves, shown in the table; the targets are for the default rule
         if r["process"].startswith("coordinator"):
             target = COORDINATOR_TARGET
         elif r["process"].startswith("worker"):
@@ -316,7 +319,7 @@ def run(s: LargeSettings, log: Log) -> dict[str, Any]:
         "baseline": base,
         "large": big,
         "large_no_eval": no_eval,
-        "large_spill": spilled,
+        "large_in_memory": in_memory,
         "large_no_clip": unclipped,
         "large_no_clip_decoupled": decoupled,
         "model_bytes": model_bytes,
@@ -344,26 +347,26 @@ def markdown(r: dict[str, Any]) -> str:
         f"({base['numel']:,} parameters): the runtime every process carries whatever the model. Peak RSS is "
         "`VmHWM`, read every 0.1 s until the job finishes. The coordinator evaluates every version by default, on a "
         "model whose parameters view Θ (a round closing during an evaluation steps a copy of Θ); the row `--eval-every "
-        "0` is a third run of the large model without evaluation, the row `--spill-dir` a fourth, evaluating, whose "
-        "coordinator holds the uploads it receives and the broadcast deltas it keeps in unlinked files in a directory "
-        "(the kernel's page cache, which it can write out and reclaim) instead of its own memory; the rows "
-        "`--grad-clip 0, --activation-checkpointing, --spill-dir` a fifth, whose learners train without gradient "
-        "clipping (each parameter takes its AdamW step in backward and drops its gradient there: no model-sized "
-        "gradient buffer during a step), keep only each transformer block's input for backward, and hold the "
-        "error-feedback residual in an unlinked file, read and written a slab at a time at each submission (the page "
-        "cache, as the coordinator's `--spill-dir`); the rows `..., decoupled` a sixth, the fifth's learners in "
-        "`decoupled` rounds, where a learner trains on while its upload and the next version are in flight and so also "
-        "keeps θ_at_submit, the parameters whose pseudo-gradient it sent, until it rebases (ALGORITHM.md section 5): "
-        "with `--spill-dir` in a file as well, written at the first step after the submission and read back a slice at "
-        "a time by the rebase. A `sync` learner's steady state is the model, the AdamW state, its broadcast Θ̂ and the "
-        "error-feedback residual (5x); the activations of a step (about 1.1x of this model at batch 4 x 128, "
-        "hand-measured), the gradients with clipping, and the encoded upload come on top of it at their peaks. The "
-        "coordinator's steady state is Θ, the outer momentum, the merge buffer and its broadcast Θ̂ (4x); on top of it "
-        "at their peaks come the uploads being received at once (`int8`: about a quarter of the model each; the two "
-        "learners' may arrive together), the broadcast deltas kept (`int4`: about an eighth each; none that every "
-        "live learner has trained from or past) and the delta being encoded. The fifth and sixth runs' coordinators "
-        "have the default flags too: their rows show how far its peak moves from run to run (whether a round's "
-        "uploads arrive together or one after the other)."
+        "0` is a third run of the large model without evaluation. By default (`--spill-above 64M`) every process holds "
+        "a payload or model-sized vector bigger than 64 MiB in an unlinked file in `--spill-dir` (the kernel's page "
+        "cache, which it can write out and reclaim), not its own memory: here the coordinator's uploads being received "
+        "(`int8`, about a quarter of the model each; its `int4` broadcast deltas, about an eighth, stay in memory) and "
+        "the learners' error-feedback residual, read and written a slab at a time at each submission. The rows "
+        "`--spill-above never` are a fourth run, every process holding all of it in memory: what the rule saves (no "
+        "target is judged there). The rows `--grad-clip 0, --activation-checkpointing` are a fifth, whose learners "
+        "train without gradient clipping (each parameter takes its AdamW step in backward and drops its gradient "
+        "there: no model-sized gradient buffer during a step) and keep only each transformer block's input for "
+        "backward; the rows `..., decoupled` a sixth, the fifth's learners in `decoupled` rounds, where a learner "
+        "trains on while its upload and the next version are in flight and so also keeps θ_at_submit, the parameters "
+        "whose pseudo-gradient it sent, until it rebases (ALGORITHM.md section 5): in a file as well by the same rule, "
+        "written at the first step after the submission and read back a slice at a time by the rebase. A `sync` "
+        "learner's resident steady state is the model, the AdamW state and its broadcast Θ̂ (4x; the residual, a 5th, "
+        "in its file); the activations of a step (about 1.1x of this model at batch 4 x 128, hand-measured), the "
+        "gradients with clipping, and the encoded upload come on top of it at their peaks. The coordinator's steady "
+        "state is Θ, the outer momentum, the merge buffer and its broadcast Θ̂ (4x); on top of it at their peaks come "
+        "the broadcast deltas kept (none that every live learner has trained from or past) and the delta being "
+        "encoded. The fifth and sixth runs' coordinators have the default flags too: their rows show how far its "
+        "peak moves from run to run."
     )
     mem = table(
         ["process", "peak RSS (GB)", "baseline (GB)", "over baseline (GB)", "x fp32 model"],
@@ -386,19 +389,25 @@ def markdown(r: dict[str, Any]) -> str:
             ["coordinator", "outer step", _s(c.get("step"))],
             ["coordinator", "broadcast encode (once per version)", _s(c.get("encode"))],
             ["learner", "inner steps", _s(lr.get("inner"))],
-            ["learner", "pseudo-gradient + encode", _s(lr.get("encode"))],
+            ["learner", "pseudo-gradient + encode (the residual from its file and back)", _s(lr.get("encode"))],
             ["learner", "upload", _s(lr.get("upload"))],
             ["learner", "broadcast receive (the encoded delta)", _s(lr.get("receive"))],
             ["learner", "adopt (decode the delta into Θ̂ in place, load or rebase θ)", _s(lr.get("rebase"))],
             ["learner", "waiting", _s(lr.get("wait"))],
         ],
     )
+    held = r.get("large_in_memory", {})
+    if held:
+        times += (
+            f"\n\nWith everything in memory (fourth run, `--spill-above never`): merge "
+            f"{_s(held['coordinator_s'].get('merge'))} s (the default: the uploads read back from their files), "
+            f"pseudo-gradient + encode {_s(held['learner_s'].get('encode'))} s a round."
+        )
     lean = r.get("large_no_clip", {}).get("learner_s", {})
     if lean:
         times += (
             f"\n\nThe lean learners (fifth run): inner steps {_s(lean.get('inner'))} s (activations recomputed in "
-            f"backward), pseudo-gradient + encode {_s(lean.get('encode'))} s (the residual read and written back "
-            "a slab at a time from its file) a round."
+            f"backward), pseudo-gradient + encode {_s(lean.get('encode'))} s a round."
         )
     decoupled = r.get("large_no_clip_decoupled", {}).get("learner_s", {})
     if decoupled:

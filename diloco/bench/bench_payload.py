@@ -83,7 +83,7 @@ class PayloadSettings:
     rounds: int = 3
     codec: str = "int8"  # the upload codec
     watch: bool = True  # a learner receives every version (this process then holds its Θ̂: 1 more fp32 model size)
-    spill: bool = False  # the coordinator holds uploads and broadcast deltas in files (`--spill-dir`), not memory
+    spill: bool = False  # the coordinator holds uploads and broadcast deltas in files (`--spill-above 0`), not memory
     start_timeout_s: float = 900.0  # the coordinator building a 1B model on a busy CPU
     round_timeout_s: float = 900.0  # each upload and each delivery
 
@@ -193,9 +193,8 @@ def run_one(numel: int, s: PayloadSettings, log: Log) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     watch_events: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="diloco-bench-payload-") as tmp:
-        if s.spill:
-            (Path(tmp) / "spill").mkdir()
-            flags += ["--spill-dir", str(Path(tmp) / "spill")]
+        (Path(tmp) / "spill").mkdir()
+        flags += ["--spill-dir", str(Path(tmp) / "spill"), "--spill-above", "0" if s.spill else "never"]
         coord = Coordinator(cfg, Path(tmp), max_bytes=200_000, shards=SHARDS, extra=flags)
         watcher: Watcher | None = None
         try:
@@ -288,7 +287,7 @@ def run(s: PayloadSettings, log: Log) -> dict[str, Any]:
     net = big["peak"] - base["peak"]
     rounds_net = None if big["peak_rounds"] is None else big["peak_rounds"] - base["peak"]
     check = {
-        "name": f"coordinator at {big['numel']:,} parameters{' (--spill-dir)' if s.spill else ''}: peak RSS "
+        "name": f"coordinator at {big['numel']:,} parameters{' (--spill-above 0)' if s.spill else ''}: peak RSS "
         "over the baseline, in fp32 model sizes",
         "target": f"≤ {COORDINATOR_TARGET:g}x",
         "measured": f"{net / model_bytes:.2f}x ({net / 1e9:.2f} GB over {base['peak'] / 1e9:.2f} GB; "
@@ -324,7 +323,8 @@ def markdown(r: dict[str, Any]) -> str:
         f"Command: `python -m diloco.bench.bench_payload --numel {s['numel']} --rounds {s['rounds']}"
         f"{'' if s['watch'] else ' --no-watch'}{' --spill' if s.get('spill') else ''}`. One "
         f"coordinator process (`sync` rounds, `--eval-every 0`, no checkpoints"
-        f"{', `--spill-dir`: uploads and the deltas it keeps held in files' if s.get('spill') else ''}) "
+        f"{', `--spill-above 0`: uploads and the deltas it keeps held in files' if s.get('spill') else ''}"
+        f"{', `--spill-above never`: uploads and the deltas it keeps held in memory' if not s.get('spill') else ''}) "
         f"holding a GPT of {big['numel']:,} "
         f"parameters ({r['model_bytes'] / gb:.2f} GB in fp32); this process is its {LEARNERS} learners: each round "
         f"both upload the same random pseudo-gradient, `{s['codec']}`-encoded once ({big['upload_bytes'] / 1e6:,.0f} "
@@ -397,7 +397,7 @@ def _flags(p: argparse.ArgumentParser) -> None:
         "--spill",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="the coordinator holds uploads and broadcast deltas in files (--spill-dir), not in memory",
+        help="the coordinator holds uploads and broadcast deltas in files (--spill-above 0), not in memory (never)",
     )
 
 

@@ -13,6 +13,7 @@ import os
 import tempfile
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,6 +31,7 @@ from diloco.core.codecs import (
 )
 from diloco.core.merge import EncodedDelta, Segment, SegmentSquares
 from diloco.errors import ConfigError, InvalidArgument, ResourceExhausted
+from diloco.flags import NEVER
 from diloco.rpc.vocab import CODECS
 from diloco.task.params import ParamSpec
 from diloco.v1 import common_pb2 as pb
@@ -221,6 +223,44 @@ class _Lease:
 
 
 _UNPOOLED = BufferPool(0, 0)  # a new buffer for every upload
+
+
+SPILL_ABOVE = 64 << 20  # bytes: a payload or vector bigger than this is held in a file by default (`--spill-above`)
+
+
+def default_spill_dir() -> str:
+    """Where spill files go when `--spill-dir` names none: `$TMPDIR`, else /var/tmp (on disk where /tmp may be a
+    tmpfs, i.e. memory), else Python's temporary directory."""
+    if os.environ.get("TMPDIR"):
+        return os.environ["TMPDIR"]
+    return "/var/tmp" if os.access("/var/tmp", os.W_OK) else tempfile.gettempdir()
+
+
+@dataclass(frozen=True)
+class Spill:
+    """The rule for what a process holds in unlinked files rather than memory: a payload (an upload being received,
+    a broadcast delta kept for late learners) or a model-sized vector (a learner's residual and θ_at_submit) whose
+    bytes exceed `above` (`NEVER`: none), in `directory`. Small models stay in memory; a large model's cold bytes
+    go to the kernel's page cache, which it can write out and reclaim, so a process's resident memory does not grow
+    with the uploads it holds at once nor with the history it keeps."""
+
+    directory: str
+    above: int = SPILL_ABOVE
+
+    @classmethod
+    def checked(cls, directory: str, above: int) -> Spill | None:
+        """The flags' rule, its directory checked at start (`check_spill_dir`; "": `default_spill_dir`); None when
+        nothing is ever spilled."""
+        if above == NEVER:
+            return None
+        return cls(check_spill_dir(directory or default_spill_dir()), above)
+
+    def wants(self, nbytes: int) -> bool:
+        return nbytes > self.above
+
+    def directory_for(self, nbytes: int) -> str | None:
+        """Where a payload of `nbytes` goes: this directory, or None (memory)."""
+        return self.directory if self.wants(nbytes) else None
 
 
 def check_spill_dir(path: str) -> str:

@@ -13,7 +13,7 @@ from diloco.core import parallel
 from diloco.errors import ConfigError
 from diloco.heap import return_freed_memory
 from diloco.rpc.metrics import serve_metrics
-from diloco.rpc.payload import check_spill_dir
+from diloco.rpc.payload import Spill
 from diloco.rpc.server import tune_gc
 from diloco.signals import on_stop_signal
 from services.coordinator.config import CoordinatorServiceConfig, parse
@@ -27,8 +27,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     try:
         cfg = parse(argv, env)
         load_carbon(cfg)  # a bad --carbon-trace or --carbon-provider: exit 2 before anything starts
-        if cfg.spill_dir:
-            check_spill_dir(cfg.spill_dir)  # missing or not writable: the same
+        Spill.checked(cfg.spill_dir, cfg.spill_above)  # missing or not writable: the same
     except ConfigError as e:
         print(f"diloco coordinator: configuration error: {e}", file=sys.stderr)
         return 2

@@ -27,10 +27,11 @@ from diloco.core.parallel import check_threads
 from diloco.core.replication import WHEN_NO_STANDBY, WhenNoStandby
 from diloco.core.rounds import MODES, RoundConfig
 from diloco.errors import ConfigError
-from diloco.flags import Flag, byte_size, config_from_flags, parse_bool
+from diloco.flags import NEVER, Flag, byte_size, config_from_flags, parse_bool, spill_size
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import security
 from diloco.rpc.admission import AdmissionLimits
+from diloco.rpc.payload import SPILL_ABOVE
 from diloco.rpc.security import SecurityConfig
 from diloco.task.data import DataConfig, check_eval_tokens
 from diloco.task.factory import TaskConfig, task_from_flags
@@ -124,7 +125,8 @@ class CoordinatorServiceConfig:
     upload_ttl_s: float = 120.0  # interrupted uploads are kept this long for a resume
     max_partial_uploads: int = 32  # uploads held in all (streaming or kept for a resume); each holds a model buffer
     max_uploads_per_worker: int = 2  # uploads one learner may have held at once
-    spill_dir: str = ""  # hold uploads' and kept broadcast deltas' bytes in files here, not memory; "": memory
+    spill_dir: str = ""  # where uploads and kept broadcast deltas above `spill_above` bytes are held in files
+    spill_above: int = SPILL_ABOVE  # bytes; 0: every one in a file; NEVER (-1): all in memory
     outlier_factor: float = 10.0  # refuse a pseudo-gradient whose norm per step is above this x the median; 0: off
     outlier_window: int = 32  # accepted norms the median is taken over
     outlier_min_samples: int = 3  # accepted norms before any outlier judgement
@@ -195,6 +197,7 @@ class CoordinatorServiceConfig:
         _float_min("confirm_timeout_s", self.confirm_timeout_s, 0.0)
         _float_min("unheard_after_s", self.unheard_after_s, 0.0)
         _int_in("max_partial_uploads", self.max_partial_uploads, 1)
+        _int_in("spill_above", self.spill_above, NEVER)
         _int_in("max_uploads_per_worker", self.max_uploads_per_worker, 1, self.max_partial_uploads)
         _float_min("outlier_factor", self.outlier_factor, 0.0)
         _int_in("outlier_window", self.outlier_window, 1)
@@ -473,8 +476,15 @@ _SERVICE_FLAGS: list[Flag] = [
         "--spill-dir",
         str,
         "",
-        "hold the uploads being received and the broadcast deltas kept for late learners in unlinked files in "
-        "this directory, not in memory ('': memory); for large models with many learners",
+        "where the uploads being received and the broadcast deltas kept for late learners that are bigger than "
+        "--spill-above are held, in unlinked files ('': $TMPDIR, else /var/tmp)",
+    ),
+    (
+        "--spill-above",
+        spill_size,
+        SPILL_ABOVE,
+        "hold an upload or kept delta bigger than this (e.g. 64M) in a file in --spill-dir, not in memory, so "
+        "memory does not grow with the uploads held at once (0: every one; never: all in memory)",
     ),
     (
         "--outlier-factor",

@@ -29,7 +29,7 @@ from diloco.errors import ConfigError, InvalidArgument
 from diloco.rpc.auth import Tokens
 from diloco.rpc.bulk import BulkServer, server_ssl_context_from_dir
 from diloco.rpc.metrics import ServedMetrics, serve_metrics
-from diloco.rpc.payload import check_spill_dir
+from diloco.rpc.payload import Spill
 from diloco.rpc.server import GrpcService
 from diloco.task.data import evaluate
 from diloco.task.factory import Task, build_task
@@ -244,7 +244,7 @@ class CoordinatorServer:
             energy=EnergyBook(signal, totals),
             placement=cfg.policy_config(started),
             fragments=frag,
-            spill_dir=check_spill_dir(cfg.spill_dir) if cfg.spill_dir else "",
+            spill=Spill.checked(cfg.spill_dir, cfg.spill_above),
         )
         state.fence = self._fence
         crash = cfg.crash_fault()

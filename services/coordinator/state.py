@@ -65,7 +65,7 @@ from diloco.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from diloco.rpc.payload import BufferPool, SpillFile, UploadReceiver
+from diloco.rpc.payload import BufferPool, Spill, SpillFile, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import SNAPSHOT_KEY, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
@@ -223,7 +223,7 @@ class CoordinatorState:
         energy: EnergyBook | None = None,
         placement: PolicyConfig | None = None,
         fragments: FragmentedCoordinator | None = None,
-        spill_dir: str = "",
+        spill: Spill | None = None,
     ) -> None:
         if fragments is not None and fragments.core is not core:
             raise ValueError("fragments must wrap the state's core")
@@ -237,8 +237,9 @@ class CoordinatorState:
         self.numel = core.params.numel()
         # uploads are held encoded (in buffers reused within a round), measured on arrival, decoded again by the merge
         self.buffers = BufferPool(max_partial_uploads, _POOLED_PAYLOADS * max_upload_bytes)
-        # or in unlinked files there (`diloco.rpc.payload.SpillFile`), with the broadcast deltas kept for late learners
-        self.spill_dir = spill_dir or None
+        # or, above the spill rule's size, in unlinked files (`diloco.rpc.payload.SpillFile`), as are the broadcast
+        # deltas kept for late learners
+        self.spill = spill
         sizes = tuple(fragments.layout.size(p) for p in range(fragments.fragments)) if fragments else ()
         self.uploads = Uploads(
             UploadLimits(
@@ -516,8 +517,8 @@ class CoordinatorState:
             self.shadow.forget_through(self.core.held_floor())  # no live learner needs these
             self.shadow.make_room(span)
         delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend(), span=span)
-        if delta is not None and self.spill_dir:
-            delta = self._spilled(delta)
+        if delta is not None and self.spill is not None and self.spill.wants(delta.meta.encoded_bytes):
+            delta = self._spilled(delta, self.spill.directory)
         encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
@@ -539,16 +540,15 @@ class CoordinatorState:
         self._publish(applied, delta)
         return applied
 
-    def _spilled(self, delta: Delta) -> Delta:
-        """The version's delta with its bytes in a spill file (`--spill-dir`), or as it is, in memory, when the file
-        cannot be written (a full disk must not stop a round that has already stepped)."""
-        assert self.spill_dir is not None
+    def _spilled(self, delta: Delta, directory: str) -> Delta:
+        """The version's delta with its bytes in a spill file in `directory` (`--spill-dir`), or as it is, in
+        memory, when the file cannot be written (a full disk must not stop a round that has already stepped)."""
         if not isinstance(delta.data, (bytes, bytearray, memoryview)):
             return delta
         try:
-            return replace(delta, data=SpillFile.holding(self.spill_dir, delta.data))
+            return replace(delta, data=SpillFile.holding(directory, delta.data))
         except (OSError, ResourceExhausted) as e:
-            self.log.warning("broadcast.spill_failed", version=delta.version, spill_dir=self.spill_dir, error=str(e))
+            self.log.warning("broadcast.spill_failed", version=delta.version, spill_dir=directory, error=str(e))
             return delta
 
     def _stepped_span(self, version: int) -> tuple[int, int] | None:
@@ -806,10 +806,11 @@ class CoordinatorState:
 
     def _receiver(self, h: UploadHeader) -> UploadReceiver:
         """The decoder of a new upload: measured on arrival against the merge segments of what it is of."""
+        spill_dir = self.spill.directory_for(h.meta.encoded_bytes) if self.spill is not None else None
         if self.frag is None:
-            return UploadReceiver(h.meta, self.numel, self.core.acc.segments, self.buffers, self.spill_dir)
+            return UploadReceiver(h.meta, self.numel, self.core.acc.segments, self.buffers, spill_dir)
         p = h.fragment
-        return UploadReceiver(h.meta, self.frag.layout.size(p), self.frag.segments_of(p), self.buffers, self.spill_dir)
+        return UploadReceiver(h.meta, self.frag.layout.size(p), self.frag.segments_of(p), self.buffers, spill_dir)
 
     def _log_duplicate(self, h: UploadHeader, outcome: Outcome) -> None:
         self.log.info(

@@ -18,7 +18,7 @@ from diloco import log as logging
 from diloco.core import parallel
 from diloco.errors import ConfigError
 from diloco.heap import return_freed_memory
-from diloco.rpc.payload import check_spill_dir
+from diloco.rpc.payload import Spill
 from diloco.signals import on_stop_signal
 from services.worker.config import WorkerConfig, parse
 from services.worker.island import Island, Rank, launch, resolve_device
@@ -80,8 +80,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = resolve_device(cfg.device, rank.local_rank if rank else None) if rank else None
         if device is not None and cfg.precision == "bf16" and device.type != "cuda":
             raise ConfigError("--precision bf16 needs CUDA (bf16 autocast); use --precision fp32 on CPU")
-        if cfg.spill_dir:
-            check_spill_dir(cfg.spill_dir)
+        Spill.checked(cfg.spill_dir, cfg.spill_above)
         # the power meter the flags ask for (e.g. --power-meter nvml where NVML cannot be read): before anything
         # starts; an island's leader measures every rank's GPU on this host, its followers nothing
         power = None

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from diloco.core.leadership import coordinator_addresses
 from diloco.core.parallel import check_threads
 from diloco.errors import ConfigError, InvalidArgument
-from diloco.flags import Flag, config_from_flags, env_name, parse_bool
+from diloco.flags import NEVER, Flag, config_from_flags, env_name, parse_bool, spill_size
 from diloco.flags import build_parser as build_flag_parser
 from diloco.rpc import auth, security
 from diloco.rpc.limits import MAX_PRICE_PER_HOUR, MAX_WATTS, MAX_ZONE_CHARS
+from diloco.rpc.payload import SPILL_ABOVE
 from diloco.rpc.security import SecurityConfig
 from services.worker.power import METER_MODES
 
@@ -43,7 +44,8 @@ class WorkerConfig:
     threads: int = 1  # threads of each model-sized pass: torch's and the codecs' (`diloco.core.parallel`)
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     activation_checkpointing: bool = False  # keep each layer's input only; recompute the rest in backward
-    spill_dir: str = ""  # the error-feedback residual and θ_at_submit in unlinked files there ("": memory)
+    spill_dir: str = ""  # where the residual and θ_at_submit are held in files when above `spill_above` bytes
+    spill_above: int = SPILL_ABOVE  # bytes; 0: always in files; NEVER (-1): in memory
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
     ef_decay: float = 0.0  # error feedback's residual decay β in (0, 1]; 0: the codec's default (`ErrorFeedback`)
@@ -104,6 +106,8 @@ class WorkerConfig:
         if not 1 <= self.nproc_per_node <= 1024:
             raise ConfigError(f"--nproc-per-node must be in [1, 1024], got {self.nproc_per_node}")
         check_threads(self.threads, "--threads")
+        if self.spill_above < NEVER:
+            raise ConfigError(f"--spill-above must be a byte count or 'never', got {self.spill_above}")
         if not 0 <= self.max_restarts <= 1000:
             raise ConfigError(f"--max-restarts must be in [0, 1000], got {self.max_restarts}")
         for address in (*self.coordinators, self.healthd):
@@ -229,9 +233,17 @@ _FLAGS: list[Flag] = [
         "--spill-dir",
         str,
         "",
-        "hold the error-feedback residual and θ_at_submit (the parameters a learner training on after a submission "
-        "rebases from; model-sized fp32 vectors) in unlinked files in this directory, read and written a slab at a "
-        "time, not in memory (one-process learners; the residual with int8/int4 uploads)",
+        "where the error-feedback residual and θ_at_submit (the parameters a learner training on after a "
+        "submission rebases from; model-sized fp32 vectors) are held when bigger than --spill-above: unlinked "
+        "files, read and written a slab at a time ('': $TMPDIR, else /var/tmp; one-process learners with flat "
+        "parameters on the CPU; the residual with int8/int4 uploads)",
+    ),
+    (
+        "--spill-above",
+        spill_size,
+        SPILL_ABOVE,
+        "hold the residual and θ_at_submit in files in --spill-dir when bigger than this (e.g. 64M; 0: always; "
+        "never: in memory)",
     ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
     (

@@ -17,7 +17,7 @@ from diloco.core.broadcast import HeldParams, Refusal
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.fragments import FragmentLayout
 from diloco.errors import ConfigError
-from diloco.rpc.payload import SpilledVector
+from diloco.rpc.payload import Spill, SpilledVector
 from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
 from diloco.task.inner import InnerTrainer, Throughput
@@ -53,6 +53,7 @@ class ParamsLost(Exception):
 class Replica:
     def __init__(self, cfg: WorkerConfig, device: torch.device, metrics: Metrics, island: Island | None = None) -> None:
         self.cfg, self.device, self.metrics, self.island = cfg, device, metrics, island
+        self.spill = Spill.checked(cfg.spill_dir, cfg.spill_above)  # where model-sized vectors above its size go
         self.trainer: InnerTrainer | None = None
         self.task_json = ""
         self.fingerprint = ""  # of the task built from `task_json`, with this learner's own files
@@ -95,7 +96,7 @@ class Replica:
             )
             if sharded is not None:
                 sharded.live = True  # every rank built its trainer: from now on the leader announces collectives
-            if self.cfg.spill_dir:
+            if self._spills(self.trainer):
                 self._spill_base(self.trainer)
             self.specs = param_specs(self.trainer.model)
             self.task_json, self.fingerprint = task_json, task.fingerprint
@@ -109,27 +110,37 @@ class Replica:
         """Let go of the model and its optimizer (on an island, before the process group goes: `Island.close`)."""
         self.trainer = None
 
+    def _spills(self, trainer: InnerTrainer) -> str | None:
+        """The directory this trainer's model-sized fp32 vectors go to (`--spill-dir`, when they are bigger than
+        `--spill-above`), or None: memory."""
+        return self.spill.directory_for(4 * trainer.numel) if self.spill is not None else None
+
     def _spill_base(self, trainer: InnerTrainer) -> None:
-        """θ_at_submit (what a learner that trains on after a submission rebases from) in a file with --spill-dir,
-        read and written a slice at a time: flat parameters on the CPU. Elsewhere it stays in memory (logged)."""
-        live = trainer.io.flat_view
+        """θ_at_submit (what a learner that trains on after a submission rebases from) in a file in `_spills`'
+        directory, read and written a slice at a time: flat parameters on the CPU. Elsewhere it stays in memory
+        (logged)."""
+        directory, live = self._spills(trainer), trainer.io.flat_view
+        assert directory is not None
         if live is None or live.device.type != "cpu":
-            logging.get("worker").warning("worker.spill_unused", reason="the parameters are not flat on the CPU")
+            logging.get("worker").info("worker.spill_unused", reason="the parameters are not flat on the CPU")
             return
-        trainer.spill_base(SpilledVector(self.cfg.spill_dir, trainer.numel))
+        trainer.spill_base(SpilledVector(directory, trainer.numel))
 
     def _residual_store(self, codec: str) -> SpilledVector | None:
-        """The residual's file with --spill-dir, where it can be worked a slab at a time: a blockwise lossy codec
-        (int8, int4) and flat parameters (a one-process learner). Elsewhere the residual stays in memory (logged)."""
-        if not self.cfg.spill_dir:
-            return None
-        kind, trainer = get_codec(codec), self.trainer
+        """The residual's file in `_spills`' directory, where it can be worked a slab at a time: a blockwise lossy
+        codec (int8, int4) and flat parameters (a one-process learner). Elsewhere the residual stays in memory
+        (logged)."""
+        trainer = self.trainer
         assert trainer is not None
+        directory = self._spills(trainer)
+        if directory is None:
+            return None
+        kind = get_codec(codec)
         if not (kind.blockwise and kind.lossy) or trainer.io.flat_view is None:
             why = "the upload codec is not int8 or int4" if not kind.blockwise else "the parameters are not flat"
-            logging.get("worker").warning("worker.spill_unused", reason=why, codec=codec)
+            logging.get("worker").info("worker.spill_unused", reason=why, codec=codec)
             return None
-        return SpilledVector(self.cfg.spill_dir, trainer.numel)
+        return SpilledVector(directory, trainer.numel)
 
     def use_layout(self, layout: FragmentLayout | None, codec: str) -> None:
         """The registration's fragment layout (None: no fragments) and fresh error-feedback residuals for it: one per
