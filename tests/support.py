@@ -548,3 +548,17 @@ def assert_finished_and_learned(c: LocalCluster) -> None:
     status = c.final_status()
     assert status.validation_loss < UNTRAINED_LOSS - 1.0, f"loss {status.validation_loss} did not drop"
     assert_exactly_once(c)
+
+
+def resident_kb(tensor: torch.Tensor) -> int:
+    """The resident kB of the mapping of this process that holds `tensor`'s first byte (/proc/self/smaps)."""
+    address, rss, inside = tensor.data_ptr(), None, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            rss = int(line.split()[1])
+    assert rss is not None, "no mapping holds the tensor"
+    return rss

@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from diloco.core import learner as core
-from diloco.core.broadcast import HeldParams
+from diloco.core.broadcast import BroadcastShadow, HeldParams, PendingDelta
 from diloco.core.fragments import FragmentLayout
 from diloco.rpc.payload import NEVER, SPILL_ABOVE
 from diloco.task.data import DataConfig
@@ -23,6 +23,7 @@ from services.worker.__main__ import main
 from services.worker.config import WorkerConfig, parse
 from services.worker.metrics import Metrics
 from services.worker.replica import Replica
+from tests.support import Events, assert_finished_and_learned, cluster_config, resident_kb, running, wait_for
 
 
 def _task(tmp_path: Path) -> TaskConfig:
@@ -124,3 +125,72 @@ def test_a_learner_with_fragments_holds_one_residual_per_fragment_and_none_for_t
     assert sum(ef.residual.numel() for ef in replica.efs) == whole  # the model's worth of residual, not twice it
     replica.use_layout(None, "int8")  # registered again, without fragments
     assert [ef.residual.numel() for ef in replica.efs] == [whole]
+
+
+@pytest.mark.parametrize("mode", ["load", "rebase"])
+def test_a_learner_with_theta_hat_in_a_mapped_file_adopts_and_uploads_the_same_bits(tmp_path: Path, mode: str) -> None:
+    """Θ̂ above --spill-above: version 0, and the deltas applied into it in place, live in a shared file mapping whose
+    pages leave resident memory after each adopt and each submission; the parameters and uploads are the same bits
+    as a learner holding Θ̂ in memory."""
+    task = _task(tmp_path)
+    filed, memory = _replica(task, "int8", str(tmp_path)), _replica(task, "int8", "")
+    assert filed.params is not None and memory.params is not None
+    held, theta0 = filed.params[1], memory.params[1].params
+    assert resident_kb(held.params) == 0 and torch.equal(held.params, theta0)  # version 0 mapped, out of memory
+    coordinator = BroadcastShadow(theta0.clone(), 0, "int4")
+    cursor, gen = 0, torch.Generator().manual_seed(0)
+    for v in range(1, 4):
+        for _ in range(2):
+            nxt = filed.step_at(0, cursor)
+            assert memory.step_at(0, cursor) == nxt
+            cursor = nxt
+        a, b = filed.upload_job(_submit(filed, v), 0), memory.upload_job(_submit(memory, v), 0)
+        assert bytes(a.payload) == bytes(b.payload)
+        assert resident_kb(held.params) == 0  # read for the pseudo-gradient, released
+        theta = coordinator.shadow + 1e-3 * torch.randn(theta0.numel(), generator=gen)
+        d = coordinator.advance(theta, v)
+        assert d is not None
+        coordinator.record(d)
+        for r in (filed, memory):
+            assert r.params is not None
+            r.params[1].queue(PendingDelta(v, d.start, d.meta, d.data, d.checksum))
+            r.params = (v, r.params[1])
+            adopt = core.Load(v, 0, reset_codec=False) if mode == "load" else core.Rebase(v)
+            r.adopt(adopt, structlog.get_logger(), "test")
+        assert resident_kb(held.params) == 0 and torch.equal(held.params, coordinator.shadow)  # Θ̂_v, bit for bit
+        assert filed.trainer is not None and memory.trainer is not None
+        assert torch.equal(filed.trainer.params_flat(), memory.trainer.params_flat())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_cluster_holding_everything_in_files_trains_to_its_target_exactly_once(tmp_path: Path) -> None:
+    """`--spill-above 0` on every process: the coordinator's uploads and kept deltas in files, each learner's
+    residual, θ_at_submit and Θ̂ (snapshots decoded into it, deltas applied into it) in files or mapped files; a
+    real decoupled cluster trains to its target, every version received is applied, nothing counted twice."""
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    flags = ("--spill-dir", str(spill), "--spill-above", "0")
+    cfg = cluster_config(
+        tmp_path / "run",
+        workers=2,
+        mode="decoupled",
+        outer_steps=8,
+        coordinator_args=flags,
+        worker_args={0: flags, 1: flags},
+    )
+
+    def mapped(name: str) -> bool:  # the learner maps a file of the spill directory (its Θ̂)
+        try:
+            return str(spill) in Path(f"/proc/{c.procs[name].popen.pid}/maps").read_text()
+        except OSError:
+            return False
+
+    with running(cfg) as c:
+        wait_for("both learners to map Θ̂", lambda: mapped("worker0") and mapped("worker1"), timeout_s=60)
+        assert_finished_and_learned(c)
+    for name in ("worker0", "worker1"):
+        text = (tmp_path / "run" / f"{name}.log").read_text()
+        assert "worker.broadcast_refused" not in text and "worker.spill_unused" not in text
+        assert len(Events(tmp_path / "run" / f"{name}.log").all("worker.broadcast_received")) >= 2
+    assert not list(spill.iterdir())  # every file unlinked from the start

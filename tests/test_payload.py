@@ -16,7 +16,7 @@ import torch
 
 from diloco.core.codecs import CodecError, get_codec
 from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
-from diloco.errors import ConfigError
+from diloco.errors import ConfigError, ResourceExhausted
 from diloco.rpc.payload import (
     NEVER,
     SPILL_ABOVE,
@@ -27,7 +27,10 @@ from diloco.rpc.payload import (
     check_spill_dir,
     chunks,
     default_spill_dir,
+    mapped_vector,
+    release_pages,
 )
+from tests.support import resident_kb
 
 pytestmark = pytest.mark.timeout(30)
 SEGMENTS = [Segment(0, 300, embedding=True), Segment(300, 700)]
@@ -337,3 +340,19 @@ def test_the_spill_rule_sends_only_payloads_above_its_size_to_files(
         for c in chunks(data):
             receiver.feed(c)
         assert isinstance(receiver.finish().data, SpillFile) is filed
+
+
+def test_a_mapped_vector_leaves_resident_memory_when_released_and_keeps_its_values(tmp_path: Path) -> None:
+    numel = 1 << 20
+    t = mapped_vector(str(tmp_path), numel)
+    assert list(tmp_path.iterdir()) == [] and t.numel() == numel and not t.any()  # unlinked, zeros
+    t.copy_(torch.arange(numel, dtype=torch.float32))
+    assert resident_kb(t) >= 4 * numel // 1024  # written: every page resident
+    release_pages(t)
+    assert resident_kb(t) == 0
+    assert torch.equal(t, torch.arange(numel, dtype=torch.float32))  # faulted back from the page cache, intact
+    plain = torch.arange(10, dtype=torch.float32)
+    release_pages(plain)  # not a mapped vector: nothing happens to it
+    assert torch.equal(plain, torch.arange(10, dtype=torch.float32))
+    with pytest.raises(ResourceExhausted, match=r"--spill-dir .*nowhere.*raise --spill-above"):
+        mapped_vector(str(tmp_path / "nowhere"), numel)

@@ -9,9 +9,11 @@ holds at once (up to `--max-partial-uploads` of them, each the size of an encode
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -378,6 +380,38 @@ class SpilledVector:
 
     def close(self) -> None:
         self._file.close()
+
+
+_MAPPED: weakref.WeakValueDictionary[int, mmap.mmap] = weakref.WeakValueDictionary()  # address -> its mapping
+
+
+def mapped_vector(directory: str, numel: int) -> torch.Tensor:
+    """A flat fp32 tensor of `numel` zeros whose bytes live in an unlinked file in `directory`, mapped shared into
+    this process: it reads and writes like any tensor, and `release_pages` drops its pages from the process's
+    resident memory (the kernel's page cache keeps them, writes them out and reclaims them under pressure; the next
+    access faults them back in). For a vector touched once a round: a learner's Θ̂ above `--spill-above`. The file's
+    blocks are reserved here, so a full disk raises `ResourceExhausted` now, never a fault mid-write."""
+    nbytes = 4 * max(1, numel)
+    try:
+        with tempfile.TemporaryFile(dir=directory) as f:  # the mapping keeps the file once it is closed
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+            mapping = mmap.mmap(f.fileno(), nbytes)  # MAP_SHARED: its pages are the file's
+    except OSError as e:
+        raise ResourceExhausted(
+            f"the learner cannot map a {nbytes >> 20} MiB vector in --spill-dir {directory!r} ({e.strerror}): "
+            "free space there, name another directory, or raise --spill-above"
+        ) from None
+    tensor = torch.frombuffer(mapping, dtype=torch.float32, count=numel)  # keeps the mapping alive
+    _MAPPED[tensor.data_ptr()] = mapping
+    return tensor
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Drop the pages of a `mapped_vector` tensor from this process's resident memory (their contents stay in the
+    file's page cache: a shared file mapping loses nothing); any other tensor is left as it is."""
+    mapping = _MAPPED.get(tensor.data_ptr())
+    if mapping is not None and tensor.numel() * 4 <= len(mapping):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class UploadReceiver:

@@ -16,8 +16,8 @@ from diloco.core import learner as core
 from diloco.core.broadcast import HeldParams, Refusal
 from diloco.core.codecs import ErrorFeedback, get_codec
 from diloco.core.fragments import FragmentLayout
-from diloco.errors import ConfigError
-from diloco.rpc.payload import Spill, SpilledVector
+from diloco.errors import ConfigError, ResourceExhausted
+from diloco.rpc.payload import Spill, SpilledVector, mapped_vector, release_pages
 from diloco.task.data import model_loss
 from diloco.task.factory import TaskConfig, build_task, fingerprint_mismatch
 from diloco.task.inner import InnerTrainer, Throughput
@@ -80,7 +80,7 @@ class Replica:
             if self.cfg.activation_checkpointing:
                 enable_activation_checkpointing(model)
             if self.island is None or self.island.leader:
-                self.version0 = flatten_params(model).to("cpu")  # a new vector, before the model moves or shards
+                self.version0 = self._own_version0(flatten_params(model).to("cpu"))  # before the model moves or shards
             loss_fn = self._loss_fn(model)  # a sharded island's model is sharded here
             sharded = ShardedParams(self.island, model) if self.island is not None and self.island.sharded else None
             self.trainer = InnerTrainer(
@@ -114,6 +114,31 @@ class Replica:
         """The directory this trainer's model-sized fp32 vectors go to (`--spill-dir`, when they are bigger than
         `--spill-above`), or None: memory."""
         return self.spill.directory_for(4 * trainer.numel) if self.spill is not None else None
+
+    def theta_hat_vector(self) -> Tensor | None:
+        """Where a snapshot's `Θ̂` is decoded: a vector mapped from a file in the spill directory (`mapped_vector`:
+        its pages leave resident memory between the uses of each round, `release_pages`) when the model's fp32 bytes
+        are above --spill-above; None: a vector in memory (also when the file cannot be made: logged)."""
+        return self._mapped(self.numel) if self.trainer is not None else None
+
+    def _mapped(self, numel: int) -> Tensor | None:
+        directory = self.spill.directory_for(4 * numel) if self.spill is not None else None
+        if directory is None:
+            return None
+        try:
+            return mapped_vector(directory, numel)
+        except ResourceExhausted as e:
+            logging.get("worker").warning("worker.spill_unused", reason=str(e))
+            return None
+
+    def _own_version0(self, flat: Tensor) -> Tensor:
+        """The version 0 built here, as the learner's first `Θ̂` may be: in a mapped file by the spill rule."""
+        mapped = self._mapped(flat.numel())
+        if mapped is None:
+            return flat
+        mapped.copy_(flat)
+        release_pages(mapped)
+        return mapped
 
     def _spill_base(self, trainer: InnerTrainer) -> None:
         """θ_at_submit (what a learner that trains on after a submission rebases from) in a file in `_spills`'
@@ -213,6 +238,7 @@ class Replica:
                 self.metrics.resyncs.inc()
                 for ef in self.efs:
                     ef.reset()
+        release_pages(held.params)  # Θ̂ (in a mapped file by the spill rule) is next read at the submission
         self.metrics.version.set(version)
 
     def train(self, a: core.Train) -> int:
@@ -256,4 +282,6 @@ class Replica:
                 payload, meta = ef.compress_slabs(lambda start, slab: trainer.add_pseudo_gradient(start, slab, scale))
             finally:
                 trainer.mark_submitted()  # as `submit_into` does before the encode, whatever it gives
+        if self.params is not None:
+            release_pages(self.params[1].params)  # Θ̂, the base just read, is next touched at the adopt
         return UploadJob(header_of(a.draft, meta, self.specs), payload, bulk_port)

@@ -33,7 +33,7 @@ import torch
 from diloco.core.broadcast import BroadcastFollower, HeldParams, Refusal, params_checksum
 from diloco.core.learner import Reaction, Rpc, react
 from diloco.errors import InvalidArgument
-from diloco.rpc.payload import PayloadBytes, PayloadReceiver, meta_from_proto
+from diloco.rpc.payload import PayloadBytes, PayloadReceiver, meta_from_proto, release_pages
 from diloco.rpc.retry import Backoff
 from diloco.v1 import coordinator_pb2, coordinator_pb2_grpc
 from services.worker.session import Broadcast, SessionLost
@@ -68,16 +68,19 @@ class Watcher:
         failover: Callable[[str, str], bool] = lambda _details, _tried: False,
         version0: torch.Tensor | None = None,
         address: Callable[[], str] = lambda: "",
+        vector: Callable[[], torch.Tensor | None] = lambda: None,
     ) -> None:
         self.stub, self.worker_id, self.epoch, self.numel = stub, worker_id, epoch, numel
         self.post, self.log = post, log
         self.failover = failover  # FAILOVER: move to another coordinator address (`rpc.coordinators`)
         self.address = address  # the coordinator address in use
+        self.vector = vector  # where a snapshot is decoded (`Replica.theta_hat_vector`); None: a new vector
         self.follower = BroadcastFollower()  # touched by the watch thread only
         # the version 0 this learner built and its checksum, named until a version is delivered or it is refused
         self._own: tuple[torch.Tensor, int] | None = None
         if version0 is not None:
             self._own = (version0, params_checksum(version0))
+            release_pages(version0)  # read whole for its checksum (a mapped file's pages leave resident memory)
         self._closed = threading.Event()
         self._call: grpc.Future | None = None  # type: ignore[type-arg]
         self._thread = threading.Thread(target=self._run, name=f"watch-{worker_id}", daemon=True)
@@ -205,7 +208,8 @@ class Watcher:
         # a delta covers payload.numel values from delta_start (fragments: the range a round stepped)
         if header.HasField("delta_from") and meta.numel >= 1 and header.delta_start + meta.numel <= self.numel:
             return PayloadBytes(meta, meta.numel)
-        return PayloadReceiver(meta, self.numel)
+        out = self.vector() if meta.numel == self.numel and not header.HasField("delta_from") else None
+        return PayloadReceiver(meta, self.numel, out=out)
 
     def _apply(
         self, header: coordinator_pb2.ParametersHeader, receiver: PayloadReceiver | PayloadBytes
@@ -214,6 +218,7 @@ class Watcher:
         if isinstance(receiver, PayloadReceiver):
             flat = receiver.finish()
             if not header.HasField("delta_from"):
+                release_pages(flat)  # decoded (a mapped file's pages: out of resident memory until adopted)
                 return self.follower.snapshot(header.version, flat)
             got: HeldParams | Refusal = Refusal.NO_BASE  # does not fit the model: received, then refused
         else:

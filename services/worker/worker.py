@@ -232,7 +232,16 @@ class Worker:
             epoch, numel, v0 = self.core.coordinator_epoch, self.replica.numel, self.replica.version0
             failover, address = self.coordinators.failover, self._address
             self.watcher = Watcher(
-                self.stub, wid, epoch, numel, self.inbox.put, self.log, failover, version0=v0, address=address
+                self.stub,
+                wid,
+                epoch,
+                numel,
+                self.inbox.put,
+                self.log,
+                failover,
+                version0=v0,
+                address=address,
+                vector=self.replica.theta_hat_vector,
             )
 
     def _do(self, a: core.Action) -> None:
