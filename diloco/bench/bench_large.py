@@ -13,16 +13,17 @@ baseline's peak is what the model costs it; the report sets it against the fp32 
   `--spill-dir`, the kernel's page cache) and the broadcast history's encoded deltas (in memory below that size);
   target ≤ 4.5x the fp32 model bytes;
 - a learner holds the model, the AdamW state (2x), its broadcast Θ̂ (the base of its pseudo-gradient, brought to
-  each new version in place: `diloco.core.broadcast.HeldParams`) and the error-feedback residual (by default, as
-  a model-sized vector above `--spill-above`, in an unlinked file, read and written a slab at a time at each
-  submission), plus, with the default gradient clipping, every gradient during a step (one more model size); target
-  ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes. The activations a step keeps for backward come
-  on top (at batch 4 x 128 about 1.1x of this model's size). A fourth run holds everything in memory on every
-  process (`--spill-above never`: what the rule saves). A fifth run trains with `--grad-clip 0` (each parameter
-  takes its AdamW step in backward and drops its gradient there) and learners with `--activation-checkpointing`
-  (only each transformer block's input kept for backward); a sixth runs those learners in `decoupled` rounds,
-  where each also keeps θ_at_submit between its submission and the rebase onto the next version (in a file as
-  well, by the same rule).
+  each new version in place: `diloco.core.broadcast.HeldParams`; by default, as a model-sized vector above
+  `--spill-above`, in a shared mapping of an unlinked file whose pages leave resident memory after each adopt and
+  submission) and the error-feedback residual (by the same rule in an unlinked file, read and written a slab at a
+  time at each submission), plus, with the default gradient clipping, every gradient during a step (one more model
+  size); target ≤ model + AdamW state + 2 fp32 buffers = 5x the fp32 model bytes. The activations a step keeps for
+  backward come on top (at batch 4 x 128 about 1.1x of this model's size). A fourth run holds everything in memory
+  on every process (`--spill-above never`: what the rule saves). A fifth run trains with `--grad-clip 0` (each
+  parameter takes its AdamW step in backward and drops its gradient there) and learners with
+  `--activation-checkpointing` (only each transformer block's input kept for backward); a sixth runs those learners
+  in `decoupled` rounds, where each also keeps θ_at_submit between its submission and the rebase onto the next
+  version (in a file as well, by the same rule).
 
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
@@ -350,8 +351,10 @@ def markdown(r: dict[str, Any]) -> str:
         "0` is a third run of the large model without evaluation. By default (`--spill-above 64M`) every process holds "
         "a payload or model-sized vector bigger than 64 MiB in an unlinked file in `--spill-dir` (the kernel's page "
         "cache, which it can write out and reclaim), not its own memory: here the coordinator's uploads being received "
-        "(`int8`, about a quarter of the model each; its `int4` broadcast deltas, about an eighth, stay in memory) and "
-        "the learners' error-feedback residual, read and written a slab at a time at each submission. The rows "
+        "(`int8`, about a quarter of the model each; its `int4` broadcast deltas, about an eighth, stay in memory), "
+        "the learners' error-feedback residual, read and written a slab at a time at each submission, and their Θ̂, "
+        "mapped from a file and dropped from resident memory after each adopt and submission (the two moments of a "
+        "round that touch it). The rows "
         "`--spill-above never` are a fourth run, every process holding all of it in memory: what the rule saves (no "
         "target is judged there). The rows `--grad-clip 0, --activation-checkpointing` are a fifth, whose learners "
         "train without gradient clipping (each parameter takes its AdamW step in backward and drops its gradient "
@@ -360,8 +363,9 @@ def markdown(r: dict[str, Any]) -> str:
         "trains on while its upload and the next version are in flight and so also keeps θ_at_submit, the parameters "
         "whose pseudo-gradient it sent, until it rebases (ALGORITHM.md section 5): in a file as well by the same rule, "
         "written at the first step after the submission and read back a slice at a time by the rebase. A `sync` "
-        "learner's resident steady state is the model, the AdamW state and its broadcast Θ̂ (4x; the residual, a 5th, "
-        "in its file); the activations of a step (about 1.1x of this model at batch 4 x 128, hand-measured), the "
+        "learner's resident steady state is the model and the AdamW state (3x; Θ̂ and the residual, a 4th and 5th, "
+        "in the page cache, Θ̂ resident while a submission or an adopt works on it); the activations of a step (about "
+        "1.1x of this model at batch 4 x 128, hand-measured), the "
         "gradients with clipping, and the encoded upload come on top of it at their peaks. The coordinator's steady "
         "state is Θ, the outer momentum, the merge buffer and its broadcast Θ̂ (4x); on top of it at their peaks come "
         "the broadcast deltas kept (none that every live learner has trained from or past) and the delta being "
@@ -401,7 +405,9 @@ def markdown(r: dict[str, Any]) -> str:
         times += (
             f"\n\nWith everything in memory (fourth run, `--spill-above never`): merge "
             f"{_s(held['coordinator_s'].get('merge'))} s (the default: the uploads read back from their files), "
-            f"pseudo-gradient + encode {_s(held['learner_s'].get('encode'))} s a round."
+            f"pseudo-gradient + encode {_s(held['learner_s'].get('encode'))} s, adopt "
+            f"{_s(held['learner_s'].get('rebase'))} s (the default: Θ̂'s pages faulted back from the page cache) a "
+            "round."
         )
     lean = r.get("large_no_clip", {}).get("learner_s", {})
     if lean:
