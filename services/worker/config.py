@@ -44,7 +44,7 @@ class WorkerConfig:
     threads: int = 1  # threads of each model-sized pass: torch's and the codecs' (`diloco.core.parallel`)
     shard_model: bool = False  # an island shards the model over its ranks (FSDP2) instead of replicating it (DDP)
     activation_checkpointing: bool = False  # keep each layer's input only; recompute the rest in backward
-    spill_dir: str = ""  # where the residual and θ_at_submit are held in files when above `spill_above` bytes
+    spill_dir: str = ""  # where the residual, θ_at_submit and Θ̂ are held in files when above `spill_above` bytes
     spill_above: int = SPILL_ABOVE  # bytes; 0: always in files; NEVER (-1): in memory
     island_checksums: bool = False  # every rank logs its parameters' digest at each broadcast (tests, debugging)
     upload_path: str = "auto"  # auto: the bulk upload path when the coordinator offers one, else gRPC; grpc: gRPC
@@ -233,16 +233,17 @@ _FLAGS: list[Flag] = [
         "--spill-dir",
         str,
         "",
-        "where the error-feedback residual and θ_at_submit (the parameters a learner training on after a "
-        "submission rebases from; model-sized fp32 vectors) are held when bigger than --spill-above: unlinked "
-        "files, read and written a slab at a time ('': $TMPDIR, else /var/tmp; one-process learners with flat "
-        "parameters on the CPU; the residual with int8/int4 uploads)",
+        "where the error-feedback residual, θ_at_submit (the parameters a learner training on after a submission "
+        "rebases from) and the broadcast parameters Θ̂, model-sized fp32 vectors, are held when bigger than "
+        "--spill-above: unlinked files, the first two read and written a slab at a time (one-process learners with "
+        "flat parameters on the CPU; the residual with int8/int4 uploads), Θ̂ mapped and dropped from memory "
+        "between its uses ('': $TMPDIR, else /var/tmp)",
     ),
     (
         "--spill-above",
         spill_size,
         SPILL_ABOVE,
-        "hold the residual and θ_at_submit in files in --spill-dir when bigger than this (e.g. 64M; 0: always; "
+        "hold the residual, θ_at_submit and Θ̂ in files in --spill-dir when bigger than this (e.g. 64M; 0: always; "
         "never: in memory)",
     ),
     ("--island-checksums", parse_bool, False, "every island rank logs its parameters' digest at each broadcast"),
