@@ -353,7 +353,7 @@ def markdown(r: dict[str, Any]) -> str:
         "cache, which it can write out and reclaim), not its own memory: here the coordinator's uploads being received "
         "(`int8`, about a quarter of the model each; its `int4` broadcast deltas, about an eighth, stay in memory), "
         "the learners' error-feedback residual, read and written a slab at a time at each submission, and their Θ̂, "
-        "mapped from a file and dropped from resident memory after each adopt and submission (the two moments of a "
+        "mapped from a file and dropped from resident memory after each adopt and submission (the two points of a "
         "round that touch it). The rows "
         "`--spill-above never` are a fourth run, every process holding all of it in memory: what the rule saves (no "
         "target is judged there). The rows `--grad-clip 0, --activation-checkpointing` are a fifth, whose learners "

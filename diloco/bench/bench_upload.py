@@ -1189,8 +1189,8 @@ def markdown(doc: dict[str, Any]) -> str:
                 "coordinator's memory does not grow with the uploads it holds at once. In the same run "
                 f"(`{' '.join(sp['argv'])}`) the fp32 bulk upload then took {bulk['upload_s']:.2f} s, "
                 f"{bulk['upload_x_tcp']:.2f}x raw TCP ({sp['tcp']['gb_per_s']:.2f} GB/s in that run), and its "
-                f"accept {bulk['accept_s_min']:.2f} s (the fold reads the file back). On a link slower than "
-                f"{bulk['upload_gb_per_s']:.1f} GB/s the file costs no upload time."
+                f"accept {bulk['accept_s_min']:.2f} s (the fold reads the file back): a link slower than "
+                f"{bulk['upload_gb_per_s']:.1f} GB/s, not the file, bounds such an upload here."
             )
     if doc["breakdown"]:
         parts += [
