@@ -269,6 +269,12 @@ def test_learner_addresses_move_to_the_named_leader_else_round_robin() -> None:
         assert coords.address == b
         # the same outage seen by another thread: not moved again, but its next try goes to another address too
         assert coords.failover("connection refused", tried=a) and coords.address == b
+        now[0] += MIN_DWELL_S
+        # past the dwell too: an error from the address already left says nothing of b, hint or not
+        assert coords.failover("connection refused", tried=a) and coords.address == b
+        assert coords.failover(f"not the leader; leader is at {c}", tried=a) and coords.address == b
+        assert coords.moves == 1
+        now[0] -= MIN_DWELL_S
         assert not coords.failover("connection refused", tried=b)  # within the dwell: b again, backoff grows
         now[0] += MIN_DWELL_S
         assert coords.failover("", tried=b)

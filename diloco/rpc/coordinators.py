@@ -110,10 +110,14 @@ class Coordinators:
         """A coordinator call to `tried` got a FAILOVER code: move to the leader `details` names, else to the next
         address. True when the address in use now is not `tried` (moved by this call or by another thread's): the
         caller's next try goes to another replica, so it starts its backoff afresh rather than wait out the delay
-        grown against the one that failed (the new leader is then found within a dwell, not a capped backoff)."""
+        grown against the one that failed (the new leader is then found within a dwell, not a capped backoff). An
+        error from an address already left (`tried` is not the one in use: another thread moved meanwhile) moves
+        nothing, hint or not: it tells nothing of the address in use. `tried` "": the address in use."""
         with self._lock:
             if self._closed:
                 return False
+            if tried and tried != self.address:
+                return True
             now = self._clock()
             target = failover_target(self.addresses, self.address, details)
             hinted = bool(leader_hint(details))
