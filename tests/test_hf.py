@@ -24,7 +24,7 @@ from diloco.task.inner import InnerConfig, InnerTrainer
 from diloco.task.model import ModelConfig, model_fingerprint
 from diloco.task.params import flatten_params, load_flat_, merge_segments, param_specs
 from diloco.task.tokenizer import write_tokens
-from tests.support import cluster_config, running, wait_for
+from tests.support import Events, cluster_config, running, wait_for
 
 pytest.importorskip("transformers")
 
@@ -259,4 +259,8 @@ def test_two_learners_train_llama_tiny_in_a_local_cluster(tmp_path: Path) -> Non
     with running(cfg, start_timeout_s=120) as c:
         wait_for("3 outer steps", lambda: c.status().finished, timeout_s=150, interval_s=0.5)
         status = c.status()
-        assert status.version >= 3 and status.validation_loss < 5.0
+        # typically 3.6-3.9 at version 3 (ln 256 = 5.55 untrained); one CI run gave 5.08 with the usual tokens:
+        # a failure shows every round and evaluation, to tell why
+        log = Events(tmp_path / "coordinator.log")
+        rounds = [*log.all("round.closed"), *log.all("eval.done"), *log.all("submission.rejected")]
+        assert status.version >= 3 and status.validation_loss < 5.0, (status.validation_loss, rounds)
