@@ -18,6 +18,7 @@ from diloco.core.codecs import CodecError, get_codec
 from diloco.core.merge import EncodedDelta, MergeAccumulator, Segment
 from diloco.errors import ConfigError, ResourceExhausted
 from diloco.rpc.payload import (
+    IN_MEMORY,
     NEVER,
     SPILL_ABOVE,
     BufferPool,
@@ -324,7 +325,8 @@ def test_a_spill_dir_that_cannot_hold_files_is_refused_at_start(tmp_path: Path, 
 def test_the_spill_rule_sends_only_payloads_above_its_size_to_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert Spill.checked(str(tmp_path / "nowhere"), NEVER) is None  # never: nothing checked, nothing spilled
+    never = Spill.checked(str(tmp_path / "nowhere"), NEVER)  # never: nothing checked, nothing spilled
+    assert never == IN_MEMORY and never.directory_for(1 << 62) is None
     with pytest.raises(ConfigError, match="--spill-dir"):
         Spill.checked(str(tmp_path / "nowhere"), 0)
     monkeypatch.setenv("TMPDIR", str(tmp_path))

@@ -1109,8 +1109,8 @@ def section(ctx: Context) -> dict[str, Any]:
     doc = run(parser(__doc__, _flags).parse_args(argv))
     doc["argv"] = list(argv)
     doc["coordinator"].pop("log_tail", None)
-    spilled_argv = (*argv, *(() if ctx.quick else SPILLED_ARGS))
     if not ctx.quick:
+        spilled_argv = (*argv, *SPILLED_ARGS)
         ctx.log(f"  python -m diloco.bench.bench_upload {' '.join(spilled_argv)}")
         spilled = run(parser(__doc__, _flags).parse_args(spilled_argv))
         doc["spilled"] = {"argv": list(spilled_argv), "tcp": spilled["tcp"], "bulk": spilled["bulk"]}

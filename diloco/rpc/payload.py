@@ -242,27 +242,27 @@ def default_spill_dir() -> str:
 class Spill:
     """The rule for what a process holds in unlinked files rather than memory: a payload (an upload being received,
     a broadcast delta kept for late learners) or a model-sized vector (a learner's residual and θ_at_submit) whose
-    bytes exceed `above` (`NEVER`: none), in `directory`. Small models stay in memory; a large model's cold bytes
-    go to the kernel's page cache, which it can write out and reclaim, so a process's resident memory does not grow
-    with the uploads it holds at once nor with the history it keeps."""
+    bytes exceed `above` (`NEVER`: none, `IN_MEMORY`), in `directory`. Small models stay in memory; a large model's
+    cold bytes go to the kernel's page cache, which it can write out and reclaim, so a process's resident memory
+    does not grow with the uploads it holds at once nor with the history it keeps."""
 
     directory: str
     above: int = SPILL_ABOVE
 
     @classmethod
-    def checked(cls, directory: str, above: int) -> Spill | None:
-        """The flags' rule, its directory checked at start (`check_spill_dir`; "": `default_spill_dir`); None when
-        nothing is ever spilled."""
+    def checked(cls, directory: str, above: int) -> Spill:
+        """The flags' rule, its directory checked at start (`check_spill_dir`; "": `default_spill_dir`), unless
+        nothing is ever spilled (`NEVER`)."""
         if above == NEVER:
-            return None
+            return IN_MEMORY
         return cls(check_spill_dir(directory or default_spill_dir()), above)
-
-    def wants(self, nbytes: int) -> bool:
-        return nbytes > self.above
 
     def directory_for(self, nbytes: int) -> str | None:
         """Where a payload of `nbytes` goes: this directory, or None (memory)."""
-        return self.directory if self.wants(nbytes) else None
+        return self.directory if self.above != NEVER and nbytes > self.above else None
+
+
+IN_MEMORY = Spill("", NEVER)  # `--spill-above never`: every payload and vector in memory
 
 
 def check_spill_dir(path: str) -> str:

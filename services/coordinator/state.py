@@ -65,7 +65,7 @@ from diloco.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from diloco.rpc.payload import BufferPool, Spill, SpillFile, UploadReceiver
+from diloco.rpc.payload import IN_MEMORY, BufferPool, Spill, SpillFile, UploadReceiver
 from diloco.task.factory import fingerprint_mismatch
 from services.coordinator.energy import SNAPSHOT_KEY, EnergyBook, LearnerEnergy
 from services.coordinator.metrics import CoordinatorMetrics
@@ -223,7 +223,7 @@ class CoordinatorState:
         energy: EnergyBook | None = None,
         placement: PolicyConfig | None = None,
         fragments: FragmentedCoordinator | None = None,
-        spill: Spill | None = None,
+        spill: Spill = IN_MEMORY,
     ) -> None:
         if fragments is not None and fragments.core is not core:
             raise ValueError("fragments must wrap the state's core")
@@ -517,8 +517,8 @@ class CoordinatorState:
             self.shadow.forget_through(self.core.held_floor())  # no live learner needs these
             self.shadow.make_room(span)
         delta = self.shadow.advance(self.core.params, applied.version, scratch=self.core.acc.lend(), span=span)
-        if delta is not None and self.spill is not None and self.spill.wants(delta.meta.encoded_bytes):
-            delta = self._spilled(delta, self.spill.directory)
+        if delta is not None:
+            delta = self._spilled(delta)
         encoded = time.perf_counter()
         self._round_seconds = {
             "merge_s": self._merge_s,  # checking and folding this round's uploads (decoding streams as they arrive)
@@ -540,10 +540,12 @@ class CoordinatorState:
         self._publish(applied, delta)
         return applied
 
-    def _spilled(self, delta: Delta, directory: str) -> Delta:
-        """The version's delta with its bytes in a spill file in `directory` (`--spill-dir`), or as it is, in
-        memory, when the file cannot be written (a full disk must not stop a round that has already stepped)."""
-        if not isinstance(delta.data, (bytes, bytearray, memoryview)):
+    def _spilled(self, delta: Delta) -> Delta:
+        """The version's delta with its bytes in a spill file when the spill rule says so (`--spill-above`), or as
+        it is, in memory (also when the file cannot be written: a full disk must not stop a round that has already
+        stepped)."""
+        directory = self.spill.directory_for(delta.meta.encoded_bytes)
+        if directory is None or not isinstance(delta.data, (bytes, bytearray, memoryview)):
             return delta
         try:
             return replace(delta, data=SpillFile.holding(directory, delta.data))
@@ -806,7 +808,7 @@ class CoordinatorState:
 
     def _receiver(self, h: UploadHeader) -> UploadReceiver:
         """The decoder of a new upload: measured on arrival against the merge segments of what it is of."""
-        spill_dir = self.spill.directory_for(h.meta.encoded_bytes) if self.spill is not None else None
+        spill_dir = self.spill.directory_for(h.meta.encoded_bytes)
         if self.frag is None:
             return UploadReceiver(h.meta, self.numel, self.core.acc.segments, self.buffers, spill_dir)
         p = h.fragment

@@ -113,7 +113,7 @@ class Replica:
     def _spills(self, trainer: InnerTrainer) -> str | None:
         """The directory this trainer's model-sized fp32 vectors go to (`--spill-dir`, when they are bigger than
         `--spill-above`), or None: memory."""
-        return self.spill.directory_for(4 * trainer.numel) if self.spill is not None else None
+        return self.spill.directory_for(4 * trainer.numel)
 
     def theta_hat_vector(self) -> Tensor | None:
         """Where a snapshot's `Θ̂` is decoded: a vector mapped from a file in the spill directory (`mapped_vector`:
@@ -122,7 +122,7 @@ class Replica:
         return self._mapped(self.numel) if self.trainer is not None else None
 
     def _mapped(self, numel: int) -> Tensor | None:
-        directory = self.spill.directory_for(4 * numel) if self.spill is not None else None
+        directory = self.spill.directory_for(4 * numel)
         if directory is None:
             return None
         try:
