@@ -308,6 +308,8 @@ class StreamDecoder:
         self.meta = meta
         self._out = out
         self._sink = sink
+        # a sink that adds in place (checked once: an isinstance on a runtime protocol costs ~15 us, per window)
+        self._adding = sink if isinstance(sink, AddingSink) else None
         self._scratch = torch.empty(0, dtype=torch.float32)
         # a sink gets windows of about _WINDOW_ELEMENTS elements: decode that many elements' bytes at a time
         # (times the threads: each decodes a part of about that many at once, `diloco.core.parallel`)
@@ -872,7 +874,7 @@ class _BlockDecoder(StreamDecoder):
         whole = min(len(packed) // per_block, (self.meta.numel - first * bs) // bs)
         if whole:
             scales = self._scales[first : first + whole]
-            adding = self._sink if isinstance(self._sink, AddingSink) else None
+            adding = self._adding
             window = adding.add_target(first * bs, whole * bs) if adding else self._window(first * bs, whole * bs)
             kernel, values = (kernels.dequantize_add if adding else kernels.dequantize), window.numpy()
 
