@@ -4,8 +4,10 @@ run, into a temp dir, so the report code cannot rot; plus the pure helpers it me
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 
 from diloco.bench.bench_bytes import CHOSEN
+from diloco.bench.bench_large import dirtied_bytes
 from diloco.bench.cluster_bench import rate, recovery_s
 from diloco.bench.report import update_readme
 from diloco.bench.seeds import fmt, target_met
@@ -23,6 +26,7 @@ from diloco.bench.suite import NAMES, SECTIONS, parse_only, run_suite
 from diloco.cli.main import main
 from diloco.errors import ConfigError
 from diloco.ha.etcd_server import etcd_binary
+from diloco.rpc.payload import default_spill_dir
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -88,6 +92,11 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     assert rows_of(readme, "1 rank") and rows_of(readme, "2 ranks (torchrun, DDP)"), "island: a row per learner"
     assert all(rows_of(readme, f"`{c}`") for c in ("fp32", "sparse", "topk")), "sparse: a row per codec"
     assert all(rows_of(readme, f"P = {p}") for p in (1, 2, 4)), "fragments: a row per P"
+    large = section_of(readme, "16. A ~100M-parameter model")
+    assert "| process | default (GB) | --spill-above never (GB) | the rule's, per round (MB) |" in large, (
+        "large: writes"
+    )
+    assert rows_of(large, "worker0") and rows_of(large, "coordinator"), "large: a row per process"
     payload = section_of(readme, "20. A ~1B-parameter payload")
     assert rows_of(payload, "1") and rows_of(payload, "peak, whole run"), "payload: a row per round and the peak"
     if etcd_binary() is not None:  # without it the section says it did not run (conftest: CI has it)
@@ -152,6 +161,33 @@ def test_cli_and_script_reject_an_unknown_section(capsys: pytest.CaptureFixture[
         timeout=120,
     )
     assert proc.returncode == 2 and "unknown section" in proc.stderr
+
+
+def _fs_type(path: str) -> str:
+    """The type of the file system `path` is on (the longest mount point above it in /proc/mounts)."""
+    best, kind = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        mount, fs = line.split()[1], line.split()[2]
+        if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, kind = mount, fs
+    return kind
+
+
+def test_dirtied_bytes_counts_the_page_cache_a_process_dirtied_less_what_it_dropped_unwritten() -> None:
+    directory = os.path.realpath(default_spill_dir())
+    if _fs_type(directory) == "tmpfs":
+        pytest.skip(f"{directory} is a tmpfs: its pages are never written to storage, nor counted")
+    before = dirtied_bytes(os.getpid())
+    assert before is not None
+    with tempfile.TemporaryFile(dir=directory) as f:  # unlinked: its dirty pages go unwritten when it is closed
+        f.write(os.urandom(8 << 20))
+        f.flush()
+        during = dirtied_bytes(os.getpid())
+    after = dirtied_bytes(os.getpid())
+    assert during is not None and after is not None
+    assert during - before >= 8 << 20, (before, during)
+    assert after - before < 8 << 20, (before, during, after)  # written back within a second: not by default
+    assert dirtied_bytes(2**22 + 12345) is None  # above pid_max's default: no such process
 
 
 def test_loss_at_tokens_interpolates_between_evaluations() -> None:

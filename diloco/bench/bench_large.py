@@ -25,6 +25,9 @@ baseline's peak is what the model costs it; the report sets it against the fp32 
   in `decoupled` rounds, where each also keeps θ_at_submit between its submission and the rebase onto the next
   version (in a file as well, by the same rule).
 
+Beside the peak, each process's page cache dirtied over the run (`dirtied_bytes`: what it sent or will send to
+storage), at the default rule and with everything in memory: what the spill rule costs in disk writes.
+
 Per round (means over the rounds after the first, whose times include start-up), from the services' own log
 lines: the coordinator's `round.closed` (merge: checking and folding the uploads; the outer step; the broadcast:
 Θ̂ updated and the version encoded once, for every learner), the learners' `worker.round` (inner steps;
@@ -98,14 +101,28 @@ def peak_rss(pid: int) -> int | None:
     return None
 
 
+def dirtied_bytes(pid: int) -> int | None:
+    """The bytes of page cache a process has dirtied (`write_bytes` of /proc/PID/io, less `cancelled_write_bytes`:
+    pages dropped unwritten when their file was truncated or went away): what it has sent or will send to storage,
+    its spill files included. A page rewritten while still dirty counts once. None once it has exited, or where
+    /proc/PID/io cannot be read."""
+    try:
+        fields = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+        return int(fields["write_bytes"]) - int(fields["cancelled_write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 class PeakRss:
     """Each named process's peak resident memory, read every `interval_s` by a thread while it runs: a process that
-    exits when the job finishes (a learner) keeps its last reading, taken at most `interval_s` before its exit."""
+    exits when the job finishes (a learner) keeps its last reading, taken at most `interval_s` before its exit; and
+    beside it the page cache it dirtied so far (`dirtied_bytes`), its last reading likewise."""
 
     def __init__(self, pids: Mapping[str, int], interval_s: float = 0.1) -> None:
         self._pids = dict(pids)
         self._interval_s = interval_s
         self.peaks: dict[str, int] = {}
+        self.dirtied: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
 
@@ -114,6 +131,9 @@ class PeakRss:
             peak = peak_rss(pid)
             if peak is not None:
                 self.peaks[name] = max(peak, self.peaks.get(name, 0))
+            dirtied = dirtied_bytes(pid)
+            if dirtied is not None:
+                self.dirtied[name] = dirtied
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -221,7 +241,7 @@ def run_one(
                     "the job to finish", lambda: cluster.status().finished, timeout_s=s.timeout_s, interval_s=1
                 )
             wall = time.monotonic() - started
-            peaks = rss.peaks
+            peaks, dirtied = rss.peaks, rss.dirtied
             status = cluster.final_status() if evaluate else cluster.status()
             logs = read_logs(cluster)
     coordinator, learner = round_times(logs)
@@ -236,6 +256,7 @@ def run_one(
         "version": status.version,
         "validation_loss": status.validation_loss,
         "peak_rss": peaks,
+        "dirtied": dirtied,
         "coordinator_s": coordinator,
         "learner_s": learner,
         "broadcast_bytes": sorted(
@@ -426,7 +447,33 @@ def markdown(r: dict[str, Any]) -> str:
             f"from its file by the rebase), waiting {_s(decoupled.get('wait'))} s a round."
         )
     sizes = ", ".join(f"{b / 1e6:.1f} MB" for b in big["broadcast_bytes"]) or "-"
-    return f"{head}\n\n{mem}\n\n{times}\n\nDelta broadcasts as received: {sizes}."
+    return f"{head}\n\n{mem}\n\n{times}{_writes(r)}\n\nDelta broadcasts as received: {sizes}."
+
+
+def _writes(r: dict[str, Any]) -> str:
+    """What the spill rule costs in disk writes: each process's page cache dirtied over the whole default run against
+    the run holding everything in memory ("" for results from before it was measured)."""
+    big, held = r["large"], r.get("large_in_memory", {})
+    if "dirtied" not in big or "dirtied" not in held:
+        return ""
+    rounds = max(1, int(big["version"]))
+    rows = [
+        [
+            name,
+            f"{big['dirtied'][name] / 1e9:.2f}",
+            f"{held['dirtied'][name] / 1e9:.2f}",
+            f"{(big['dirtied'][name] - held['dirtied'][name]) / rounds / 1e6:,.0f}",
+        ]
+        for name in sorted(big["dirtied"])
+        if name in held["dirtied"]
+    ]
+    return (
+        "\n\nDisk writes: the page cache each process dirtied over the whole run (`write_bytes` less "
+        "`cancelled_write_bytes` of /proc/PID/io, read with the peak RSS: what it sent or will send to storage, logs "
+        "and the coordinator's final checkpoint included; a page rewritten while still dirty counts once), at the "
+        f"default rule (second run) and with everything in memory (fourth run), over {rounds} rounds.\n\n"
+        + table(["process", "default (GB)", "--spill-above never (GB)", "the rule's, per round (MB)"], rows)
+    )
 
 
 def _flags(p: argparse.ArgumentParser) -> None:
