@@ -167,7 +167,7 @@ def _fs_type(path: str) -> str:
     """The type of the file system `path` is on (the longest mount point above it in /proc/mounts)."""
     best, kind = "", ""
     for line in Path("/proc/mounts").read_text().splitlines():
-        mount, fs = line.split()[1], line.split()[2]
+        mount, fs = line.split()[1:3]
         if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
             best, kind = mount, fs
     return kind
