@@ -245,7 +245,7 @@ def test_a_refused_delta_changes_nothing() -> None:
 
 
 def test_a_delta_whose_checksum_differs_where_it_is_applied_breaks_what_is_held() -> None:
-    """The crc32 of `Θ̂` is checked after the delta was added in place: a mismatch leaves the tensor partly written,
+    """The checksum of `Θ̂` is checked after the delta was added in place: a mismatch leaves the tensor partly written,
     so every later `at` refuses (the learner registers again: `Replica.adopt` raises `ParamsLost`)."""
     thetas = walk(256, 2)
     shadow = BroadcastShadow(thetas[0], 0, "int8")
@@ -509,7 +509,9 @@ def read_one(stream: Iterator[coordinator_pb2.ParametersChunk], numel: int) -> t
 def take_read(f: BroadcastFollower, header: pb.ParametersHeader, data: torch.Tensor) -> torch.Tensor | Refusal:
     """A delta from `read_one` queued by `f` and applied, as a learner does when it adopts the version."""
     meta = meta_from_proto(header.payload)
-    held = f.delta(header.version, header.delta_from, meta, data.numpy().data, header.params_crc32, header.delta_start)
+    held = f.delta(
+        header.version, header.delta_from, meta, data.numpy().data, header.params_checksum, header.delta_start
+    )
     return held if isinstance(held, Refusal) else held.at(header.version)
 
 
@@ -574,7 +576,7 @@ def test_watchers_get_deltas_since_what_they_hold_or_a_snapshot(
     )
     assert header.version == 3 and not header.HasField("delta_from") and header.payload.codec == common_pb2.CODEC_FP32
     assert torch.equal(bits(flat), bits(held_params(follower)))
-    assert header.params_crc32 == params_checksum(flat)
+    assert header.params_checksum == params_checksum(flat)
     # a version this coordinator never had (it restarted from an older checkpoint): a full snapshot of the current
     header, _ = read_one(iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=99), timeout=T)), numel)
     assert header.version == 3 and not header.HasField("delta_from")
@@ -622,14 +624,21 @@ def test_a_version_s_bytes_are_held_once_and_never_change(start: Callable[..., E
     reg = register(env)
     rounds(env, reg, 1)
     snap, release = state.snapshot_broadcast()
-    assert snap.version == 1 and zlib.crc32(snap.data) == snap.checksum
+
+    def intact() -> bool:  # the bytes and both checks agree: the payload's crc32 and Θ̂'s checksum
+        return (
+            zlib.crc32(snap.data) == snap.meta.crc32
+            and params_checksum(torch.frombuffer(bytearray(snap.data), dtype=torch.float32)) == snap.checksum
+        )
+
+    assert snap.version == 1 and intact()
     assert snap.data is state.shadow.snapshot().data  # no copy
     if codec != "fp32":
         _, chain = state.broadcasts_since(0)
         history = state.shadow.updates_since(0, 1)
         assert chain is not None and history is not None and chain[0].data is history[0].data
     rounds(env, reg, 1, start=1)
-    assert state.published().version == 2 and zlib.crc32(snap.data) == snap.checksum  # as it was sent
+    assert state.published().version == 2 and intact()  # as it was sent
     release()
 
 
@@ -690,7 +699,7 @@ def own_version0(env: Env, reg: pb.RegisterResponse, seed: int | None = None) ->
 
 
 def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Callable[..., Env]) -> None:
-    """WatchParameters with `held_crc32`: the right checksum of version 0 gets a `held` header (no data) while 0 is
+    """WatchParameters with `held_checksum`: the right checksum of version 0 gets a `held` header (no data) while 0 is
     current and the deltas from it later; a wrong one, or a version gone from the window, a full snapshot."""
     env = start(broadcast_codec="int4", seed=3, min_quorum=1, grace_max_s=0.0)
     trainer = register(env, "trainer")
@@ -701,12 +710,12 @@ def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Calla
     assert own != other
 
     def headers(after: int, crc: int | None) -> list[pb.ParametersHeader]:
-        req = pb.WatchParametersRequest(worker_id=reg.worker_id, after_version=after, held_crc32=crc)
+        req = pb.WatchParametersRequest(worker_id=reg.worker_id, after_version=after, held_checksum=crc)
         return [m.header for m in env.stub.WatchParameters(req, timeout=T) if m.HasField("header")]
 
-    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_checksum=own), timeout=T))
     assert len(msgs) == 1 and msgs[0].header.held and msgs[0].header.version == 0
-    assert msgs[0].header.params_crc32 == own and not msgs[0].header.HasField("payload")
+    assert msgs[0].header.params_checksum == own and not msgs[0].header.HasField("payload")
     wrong = headers(0, other)
     assert [(h.version, h.held, h.HasField("delta_from")) for h in wrong] == [(0, False, False)]  # a snapshot
     rounds(env, trainer, 2)
@@ -714,7 +723,7 @@ def test_a_learner_naming_its_own_version_0_gets_only_what_it_lacks(start: Calla
     assert [(h.version, h.delta_from, h.held) for h in chain] == [(1, 0, False), (2, 1, False)]
     follower = BroadcastFollower()
     follower.snapshot(0, v0)
-    stream = iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_crc32=own), timeout=T))
+    stream = iter(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=0, held_checksum=own), timeout=T))
     for v in (1, 2):
         header, decoded = read_one(stream, env.numel)
         assert header.version == v and not isinstance(take_read(follower, header, decoded), Refusal)
@@ -814,7 +823,7 @@ def flip_data(msg: coordinator_pb2.ParametersChunk, is_header: bool) -> bool:
 def wrong_checksum(msg: coordinator_pb2.ParametersChunk, is_header: bool) -> bool:
     if not is_header:
         return False
-    msg.header.params_crc32 ^= 1
+    msg.header.params_checksum ^= 1
     return True
 
 

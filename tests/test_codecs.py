@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from diloco.core import codecs
+from diloco.core.checksum import checksum, moved
 from diloco.core.codecs import (
     ALLOWED_BLOCK_SIZES,
     CODEC_NAMES,
@@ -562,12 +563,19 @@ def test_fused_encode_toward_is_bit_identical_to_the_plain_path(name: str, block
     params[::7] = -1e-9
     params[::11] = shadow[::11]
     params[:block_size] = shadow[:block_size]  # an all-zero block
-    fused, plain = torch.empty(numel), torch.empty(numel)
-    data, meta, crc = codec.encode_toward(params, shadow, fused)
-    plain_data, plain_meta, plain_crc = Codec.encode_toward(codec, params, shadow, plain)  # sub, encode, decode, add
-    assert bytes(data) == bytes(plain_data) and meta == plain_meta and crc == plain_crc
-    assert torch.equal(fused.view(torch.int32), plain.view(torch.int32))
-    assert crc == zlib.crc32(fused.numpy().tobytes())
+    fused = torch.empty(numel)
+    base = 0xFEDCBA9876543210  # the checksum of a vector whose range from element 5 `shadow` is
+    data, meta, moved_to = codec.encode_toward(params, shadow, fused, element=5, base=base)
+    plain = Codec.encode_toward(codec, params, shadow, plain_out := torch.empty(numel), element=5, base=base)
+    assert bytes(data) == bytes(plain[0]) and (meta, moved_to) == plain[1:]  # the plain path: sub, encode, ...
+    assert torch.equal(fused.view(torch.int32), plain_out.view(torch.int32))
+    assert moved_to == moved(base, checksum(shadow, 5), checksum(fused, 5))
+    whole = torch.empty(numel)
+    assert (
+        codec.encode_toward(params, shadow, whole)[2]
+        == checksum(whole)
+        == Codec.encode_toward(codec, params, shadow, torch.empty(numel))[2]
+    )
     in_place = shadow.clone()
     codec.encode_toward(params, in_place, in_place)
     assert torch.equal(in_place.view(torch.int32), fused.view(torch.int32))

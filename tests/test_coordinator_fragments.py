@@ -74,16 +74,16 @@ def test_a_delta_chain_carries_each_versions_fragment_versions(start: Callable[.
     for i, p in enumerate((1, 0, 1)):
         h, data, _ = fragment_upload(env, reg, f"s{i}", fragment=p, seed=i)
         submit(env, h, data)
-    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=1, held_crc32=0), timeout=T))
+    msgs = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=1, held_checksum=0), timeout=T))
     headers = [m.header for m in msgs if m.HasField("header")]
     # the checksum named is not the shadow's: a full snapshot of version 3, with its fragment versions
     assert [(h.version, list(h.fragment_versions)) for h in headers] == [(3, [2, 3])]
     receiver = PayloadReceiver(meta_from_proto(headers[0].payload), env.numel)
     for m in msgs[1:]:
         receiver.feed(m.data)
-    held = int(headers[0].params_crc32)
+    held = int(headers[0].params_checksum)
     assert receiver.finish().numel() == env.numel
-    chain = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=3, held_crc32=held), timeout=T))
+    chain = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=3, held_checksum=held), timeout=T))
     assert chain[0].header.held and list(chain[0].header.fragment_versions) == [2, 3]
 
 

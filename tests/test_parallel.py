@@ -15,8 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from diloco.cli.main import main
-from diloco.core import kernels, parallel
+from diloco.core import broadcast, codecs, kernels, parallel
 from diloco.core.broadcast import BroadcastFollower, BroadcastShadow, Refusal
+from diloco.core.checksum import checksum
 from diloco.core.codecs import CodecError, get_codec
 from diloco.errors import ConfigError
 
@@ -83,14 +84,14 @@ def test_encodes_give_the_same_bits_on_any_number_of_threads(codec: str, small_p
         residual = x.clone()
         data_ef, meta_ef = c.encode_and_subtract(residual)
         out = torch.empty(n)
-        data_t, meta_t, crc = c.encode_toward(x, shadow, out, crc=99)
+        data_t, meta_t, new = c.encode_toward(x, shadow, out, element=99)
         results.append(
-            (bytes(data), meta, bytes(data_ef), meta_ef, residual.numpy().tobytes(), bytes(data_t), meta_t, crc, out)
+            (bytes(data), meta, bytes(data_ef), meta_ef, residual.numpy().tobytes(), bytes(data_t), meta_t, new, out)
         )
     for other in results[1:]:
         assert other[:8] == results[0][:8]
         assert torch.equal(other[8], results[0][8])
-    assert results[0][7] == zlib.crc32(results[0][8].numpy().tobytes(), 99)  # the crc32 of out, chained after 99
+    assert results[0][7] == checksum(results[0][8], 99)  # the checksum term of out, sitting at element 99
     assert results[0][1].crc32 == zlib.crc32(results[0][0])
 
 
@@ -113,8 +114,9 @@ def test_fused_decode_and_add_gives_the_bits_of_decode_then_add(qmax: int) -> No
     kernels.dequantize(packed, scales, bs, qmax, decoded)
     expected = (torch.from_numpy(base.copy()) + torch.from_numpy(decoded)).numpy()
     fused = base.copy()
-    kernels.dequantize_add(packed, scales, bs, qmax, fused)
+    old, new = kernels.dequantize_add(packed, scales, bs, qmax, fused, 4000, True)
     assert np.array_equal(fused.view(np.int32), expected.view(np.int32))
+    assert (old, new) == (checksum(torch.from_numpy(base), 4000), checksum(torch.from_numpy(expected), 4000))
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
@@ -144,6 +146,31 @@ def test_a_learner_applies_a_delta_to_the_coordinators_bits_and_sees_every_windo
     assert torch.equal(got, shadow.shadow)
     assert bool((covered == 1).all())
     assert torch.equal(old_seen, before) and torch.equal(new_seen, shadow.shadow)
+
+
+def test_a_queued_delta_is_applied_in_windows_every_thread_shares() -> None:
+    """A learner's apply (`HeldParams.at`) gets windows of the decoder's full size, split across its threads: none
+    cut short by where the scales section ended, only by where a fed chunk ends."""
+    parallel.set_threads(2)
+    try:
+        n = 9 * (1 << 20) + 5
+        theta0 = torch.randn(n, generator=torch.Generator().manual_seed(6))
+        shadow = BroadcastShadow(theta0, 0, "int4")
+        follower = BroadcastFollower()
+        follower.snapshot(0, shadow.shadow.clone())
+        delta = shadow.advance(theta0 + 1e-2, 1)
+        assert delta is not None
+        held = follower.delta(1, 0, delta.meta, delta.data, delta.checksum)
+        assert not isinstance(held, Refusal)
+        windows: list[int] = []
+        got = held.at(1, lambda lo, hi, old, new: windows.append(hi - lo))
+        assert not isinstance(got, Refusal) and torch.equal(got, shadow.shadow)
+        full = codecs._WINDOW_ELEMENTS * 2
+        chunks = -(-delta.meta.encoded_bytes // broadcast._APPLY_CHUNK_BYTES)
+        assert sum(windows) == n and sum(w < full - 128 for w in windows) <= 2 * chunks + 1, windows
+        assert full >= 2 * parallel.MIN_PART_ELEMENTS  # a full window is split across both threads
+    finally:
+        parallel.set_threads(1)
 
 
 def test_services_refuse_a_bad_thread_count(capsys: pytest.CaptureFixture[str]) -> None:

@@ -128,10 +128,12 @@ def bench_broadcast(
     numel: int, repeats: int = 3, codec: str = DEFAULT_BROADCAST_CODEC, seed: int = 0, threads: int = 1
 ) -> dict[str, Any]:
     """The broadcast path of one version (ALGORITHM.md section 10), as the services run it: the coordinator's
-    `BroadcastShadow.advance` (encode `Θ − Θ̂` once, `Θ̂ += D(q)`, crc32 of `Θ̂`: fused slab by slab, scratch lent as
-    the merge buffer is) and one learner applying it (`HeldParams.at`: the payload, queued encoded, decoded window by
-    window and added to its `Θ̂` in place, crc32 chained), against a `copy_` of the vector. `crc_s`: a crc32 of the
-    whole vector alone, which each side computes once over its new `Θ̂` (the check that both hold the same bits).
+    `BroadcastShadow.advance` (encode `Θ − Θ̂` once, `Θ̂ += D(q)`, the checksum of `Θ̂` moved: fused slab by slab,
+    scratch lent as the merge buffer is) and one learner applying it (`HeldParams.at`: the payload, queued encoded,
+    decoded window by window and added to its `Θ̂` in place, its checksum moved in the same loop), against a `copy_`
+    of the vector. `floor_x`: the bytes the two sides must move (encode: read Θ and Θ̂, write Θ̂ and the payload;
+    apply: read the payload and Θ̂, write Θ̂) over the bytes `copy_` moves, the ratio at `copy_`'s speed.
+    `checksum_s`: the state checksum of the whole vector alone (what a fresh learner pays once for its version 0).
     `threads`: every pass, the copy included, on that many threads (`diloco.core.parallel.set_threads`, a service's
     `--threads`); 1 afterwards."""
     parallel.set_threads(threads)
@@ -147,10 +149,11 @@ def _bench_broadcast(numel: int, repeats: int, codec: str, seed: int) -> dict[st
     dst = torch.empty_like(theta)
     dst.copy_(theta)
     copy_s = _best_of(repeats, lambda: dst.copy_(theta))
-    crc_s = _best_of(repeats, lambda: params_checksum(theta))
+    checksum_s = _best_of(repeats, lambda: params_checksum(theta))
     scratch = torch.empty_like(theta)
     scratch.zero_()
     encode_s = apply_s = float("inf")
+    payload = 0
     for v in range(1, repeats + 2):
         shadow = BroadcastShadow(theta, 0, codec)
         follower = BroadcastFollower()
@@ -161,6 +164,7 @@ def _bench_broadcast(numel: int, repeats: int, codec: str, seed: int) -> dict[st
         delta = shadow.advance(theta_v, 1, scratch=scratch)
         t1 = time.perf_counter()
         assert delta is not None
+        payload = delta.meta.encoded_bytes
         held = follower.delta(1, 0, delta.meta, delta.data, delta.checksum)
         assert not isinstance(held, Refusal)
         got = held.at(1)
@@ -177,7 +181,8 @@ def _bench_broadcast(numel: int, repeats: int, codec: str, seed: int) -> dict[st
         "apply_s": apply_s,
         "total_s": total,
         "copy_s": copy_s,
-        "crc_s": crc_s,
+        "checksum_s": checksum_s,
+        "floor_x": (20 * numel + 2 * payload) / (8 * numel),
         "x_copy": total / copy_s,
     }
 
@@ -380,7 +385,9 @@ def summary(r: dict[str, Any]) -> str:
 
 
 def _crc_share(b: dict[str, Any]) -> str:
-    """What the two crc32 passes over Θ̂ (one a side) take of a broadcast ("" when not measured)."""
+    """The broadcast's floor, or (results from before the fused checksum) what the crc32 of Θ̂ took on each side."""
+    if "floor_x" in b:
+        return f"; the bytes it must move at `copy_`'s speed: {b['floor_x']:.2f}x"
     if "crc_s" not in b:
         return ""
     return f"; of it, the crc32 of Θ̂ on each side: 2 x {b['crc_s']:.3f} s = {2 * b['crc_s'] / b['copy_s']:.1f}x"

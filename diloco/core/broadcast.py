@@ -4,13 +4,15 @@ The coordinator holds a shadow `Θ̂` of what it has sent. Publishing version v 
 broadcast codec and sets `Θ̂ ← Θ̂ + D(q_v)`, where `D(q_v)` is what every learner's decoder makes of the very bytes sent,
 added with one fp32 `add` in the same order: a learner that held `Θ̂_{v−1}` and applies `q_v` holds exactly `Θ̂_v`,
 bit for bit. Both sides work slab by slab in cache (`Codec.encode_toward`, `HeldParams`): the difference, the
-decoded values and the checksum never take a pass over model-sized memory of their own. The residual `Θ − Θ̂` is
+decoded values and the checksum never take a pass over model-sized memory of their own. The checksum of `Θ̂`
+(`diloco.core.checksum`) is a sum of per-window terms: a delta moves it by the terms of the range it rewrites, so
+a delta over one fragment costs a pass over that fragment only, on both sides. The residual `Θ − Θ̂` is
 carried into the next broadcast.
 
 `BroadcastShadow` (coordinator side) keeps the last `history` encoded deltas, at most `history_bytes_ratio`
 (default `HISTORY_BYTES_RATIO`) of a full snapshot's bytes in all (the newest always: a learner further behind is
 better served by a snapshot, and the coordinator's memory stays bounded), none that every live learner is past
-(`forget_through`), and the crc32 of `Θ̂_v`'s fp32 bytes. A
+(`forget_through`), and the checksum of `Θ̂_v`. A
 learner holding version u is answered (`updates_since`) with nothing (u is current), the chain of deltas u+1..v
 (all still held), or `None`: it needs a full fp32 snapshot of `Θ̂_v` (`snapshot`: a view of `Θ̂` itself; `hold`: the
 same view, kept as it is until released: an `advance` meanwhile writes the next `Θ̂` into a new tensor instead of in
@@ -43,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from diloco.core.checksum import checksum as params_checksum
+from diloco.core.checksum import moved
 from diloco.core.codecs import (
     CODEC_NAMES,
     Codec,
@@ -80,26 +84,20 @@ DEFAULT_BROADCAST_CODEC = "int4"
 HISTORY_BYTES_RATIO = 0.5
 
 
-def params_checksum(flat: torch.Tensor) -> int:
-    """crc32 (zlib's, computed by zlib-ng: the same values, several times faster) of the fp32 little-endian bytes of
-    a contiguous 1-D float32 CPU tensor."""
-    return parallel_crc32(flat.numpy().data.cast("B"))
-
-
-def _fp32_bytes(flat: torch.Tensor) -> tuple[memoryview, EncodedMeta]:
-    """A private copy of `flat` laid out as the fp32 codec does, and its meta (crc32 = `params_checksum`). The copy
-    (torch) and the checksum release the GIL, where joining bytes would hold it for the whole copy."""
+def _fp32_snapshot(version: int, flat: torch.Tensor) -> Snapshot:
+    """A snapshot of a private copy of `flat`, laid out as the fp32 codec does. The copy (torch), the crc32 and the
+    checksum release the GIL, where joining bytes would hold it for the whole copy."""
     x = flat.detach().to("cpu", torch.float32).contiguous().clone()
     if x.dim() != 1:
         raise CodecError(f"parameters must be a flat vector, got shape {tuple(x.shape)}")
     data = x.numpy().data.cast("B")
-    return data, EncodedMeta("fp32", x.numel(), len(data), parallel_crc32(data))
+    return Snapshot(version, data, EncodedMeta("fp32", x.numel(), len(data), parallel_crc32(data)), params_checksum(x))
 
 
 @dataclass(frozen=True)
 class Delta:
-    """`q_version`: applied to `Θ̂_base` (base = version − 1, crc32 `base_checksum`) it gives `Θ̂_version`, whose
-    crc32 is `checksum`. It covers `meta.numel` values of the flat `Θ̂` from `start` (the whole vector, or the
+    """`q_version`: applied to `Θ̂_base` (base = version − 1, checksum `base_checksum`) it gives `Θ̂_version`, whose
+    checksum is `checksum`. It covers `meta.numel` values of the flat `Θ̂` from `start` (the whole vector, or the
     fragments a round stepped); the rest of `Θ̂` is unchanged."""
 
     version: int
@@ -113,7 +111,7 @@ class Delta:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """`Θ̂_version` in full (fp32); `checksum` equals `meta.crc32`."""
+    """`Θ̂_version` in full (fp32 bytes, `meta.crc32` their crc32); `checksum`: the state checksum of `Θ̂_version`."""
 
     version: int
     data: memoryview
@@ -165,9 +163,8 @@ class BroadcastShadow:
         `advance` does not hold."""
         self.version = version
         if self.codec is None:
-            data, meta = _fp32_bytes(params)
-            self._pending = Snapshot(version, data, meta, meta.crc32)
-            self.checksum = meta.crc32
+            self._pending = _fp32_snapshot(version, params)
+            self.checksum = self._pending.checksum
             return
         self._holds.let_go()  # holders keep the tensor they hold
         self._shadow = params.detach().to("cpu", torch.float32).contiguous().clone()
@@ -204,14 +201,15 @@ class BroadcastShadow:
             target[:start].copy_(shadow[:start])
             target[end:].copy_(shadow[end:])
         try:
-            # q = Q(Θ − Θ̂) over the span, Θ̂ + D(q) decoded from the very bytes sent, and the crc32 of the whole new
-            # Θ̂ (chained across the span): one fused pass where the codec has one (blockwise codecs), else with a
-            # model-sized scratch
-            crc = parallel_crc32(target[:start].numpy().data.cast("B"))
+            # q = Q(Θ − Θ̂) over the span, Θ̂ + D(q) decoded from the very bytes sent, and the span's checksum terms
+            # before and after (the rest of Θ̂, and its terms, unchanged): one fused pass where the codec has one
+            # (blockwise codecs), else with a model-sized scratch
             part = scratch[start:end] if scratch is not None else None
             span_of = slice(start, end)
-            data, meta, crc = self.codec.encode_toward(theta[span_of], shadow[span_of], target[span_of], part, crc)
-            checksum = parallel_crc32(target[end:].numpy().data.cast("B"), crc)
+            ranged = (start, end) != (0, shadow.numel())
+            data, meta, checksum = self.codec.encode_toward(
+                theta[span_of], shadow[span_of], target[span_of], part, start, self.checksum if ranged else None
+            )
         except CodecError:
             self._reset(params, version)
             return None
@@ -261,7 +259,7 @@ class BroadcastShadow:
     def updates_since(self, held: int | None, current: int, held_checksum: int | None = None) -> list[Delta] | None:
         """What a learner holding version `held` (None: none) needs to reach `current` (the published version): []
         when it holds it, the deltas held+1..current when all are kept, else None (a full snapshot). With
-        `held_checksum` (the crc32 the learner computed of what it holds), also None unless that is the checksum
+        `held_checksum` (the checksum the learner computed of what it holds), also None unless that is the checksum
         of this shadow's `Θ̂_held` (`checksum_of`)."""
         if held is not None and held_checksum is not None and self.checksum_of(held) != held_checksum:
             return None
@@ -275,7 +273,7 @@ class BroadcastShadow:
         return chain
 
     def checksum_of(self, version: int) -> int | None:
-        """The crc32 of `Θ̂_version` when a learner holding it can still be served from here: the version `record`ed
+        """The checksum of `Θ̂_version` when a learner holding it can still be served from here: the version `record`ed
         last, or the base of a delta kept; None otherwise (gone from the window, never held, or not yet recorded)."""
         if version == self._recorded[0]:
             return self._recorded[1]
@@ -289,12 +287,12 @@ class BroadcastShadow:
     def snapshot(self) -> Snapshot:
         """`Θ̂` in full: for fp32 the newest `record`ed (a private copy); for lossy codecs the newest version
         `advance` reached, as a view of `Θ̂`'s own bytes (no model-sized copy; its checksum is the one `advance`
-        computed): valid until the next `advance`, unless `hold` keeps it (or a copy is made under the lock that
-        orders the two)."""
+        computed, the crc32 of its bytes taken here, once per version): valid until the next `advance`, unless
+        `hold` keeps it (or a copy is made under the lock that orders the two)."""
         if self._snapshot is None:
             assert self._shadow is not None
             data = self._shadow.numpy().data.cast("B")
-            meta = EncodedMeta("fp32", self._shadow.numel(), len(data), self.checksum)
+            meta = EncodedMeta("fp32", self._shadow.numel(), len(data), parallel_crc32(data))
             self._snapshot = Snapshot(self.version, data, meta, self.checksum)
         return self._snapshot
 
@@ -334,10 +332,14 @@ class Refusal(enum.Enum):
     where it is applied (`HeldParams.at`) has written `Θ̂`, so the learner registers again."""
 
     NO_BASE = "no_base"  # a delta for a version other than the one after the held one (behind, ahead, or a repeat)
-    CHECKSUM = "checksum"  # after applying, Θ̂ differs from the coordinator's
+    CHECKSUM = "checksum"  # after applying, Θ̂'s checksum differs from the coordinator's
     SPAN = "span"  # the delta's range does not lie within the parameters held
     UNREADABLE = "unreadable"  # the delta's content cannot be decoded (its bytes passed their crc32)
 
+
+# A queued delta is fed to its decoder this many bytes at a time: many of the decoder's pieces (a window's bytes, a
+# part per thread), as a piece cut by a chunk's end is decoded as two windows, each too short to split across threads
+_APPLY_CHUNK_BYTES = 8 << 20
 
 OnWindow = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 """`on_window(lo, hi, old, new)`: `Θ̂[lo:hi]` just went from `old` (scratch, valid during the call) to `new`."""
@@ -346,7 +348,7 @@ OnWindow = Callable[[int, int, torch.Tensor, torch.Tensor], None]
 @dataclass(frozen=True)
 class PendingDelta:
     """A delta received and queued, still encoded (its payload's crc32 checked): `Θ̂_version` = `Θ̂_{version−1}` +
-    the decoded values over `meta.numel` values from `start`; `checksum` is the crc32 of `Θ̂_version`."""
+    the decoded values over `meta.numel` values from `start`; `checksum` is the checksum of `Θ̂_version`."""
 
     version: int
     start: int
@@ -359,15 +361,17 @@ class HeldParams:
     """`Θ̂` as a learner holds it: one tensor, brought from version `applied` to a later one in place, by the thread
     that adopts it (`at`), with the deltas queued meanwhile (`queue`, from the watch thread: encoded, a fraction of
     the model each). No second model-sized vector: `Θ̂_{v−1}` becomes `Θ̂_v`, window by window as the delta is
-    decoded, with the crc32 of the new bytes chained while they are in cache.
+    decoded, its checksum moved by each window's terms, taken while the window is in cache.
 
     Whoever keeps `params` (a trainer's base) sees it change at the next `at`: the trainer passes `on_window` to
     rebase its parameters on each window as it changes, or holds a copy of its own first. A delta that fails
     there (its checksum, or content its crc32 let through) has already written the tensor: it is `broken` from
-    then on and every `at` refuses. Thread-safe between one watch thread queueing and one thread calling `at`."""
+    then on and every `at` refuses. Thread-safe between one watch thread queueing and one thread calling `at`.
+    `checksum`: that of `params` as given (computed here when None)."""
 
-    def __init__(self, version: int, params: torch.Tensor) -> None:
+    def __init__(self, version: int, params: torch.Tensor, checksum: int | None = None) -> None:
         self.params = params
+        self.checksum = params_checksum(params) if checksum is None else checksum  # of `applied`
         self.applied = version  # the version `params` holds now
         self.latest = version  # the version the queued deltas lead to
         self.broken: Refusal | None = None
@@ -393,20 +397,20 @@ class HeldParams:
                 if self.applied == version:
                     return self.params
                 delta = self._pending.popleft()
-            failed = _apply_in_place(self.params, delta, on_window)
+            failed = _apply_in_place(self.params, self.checksum, delta, on_window)
             with self._lock:
                 self.broken = failed
                 if failed is None:
-                    self.applied = delta.version
+                    self.applied, self.checksum = delta.version, delta.checksum
 
 
-def _apply_in_place(params: torch.Tensor, delta: PendingDelta, on_window: OnWindow | None) -> Refusal | None:
-    """`params` += the decoded delta (the same fp32 add per element as the coordinator's `Θ̂` update); None, or
-    why it failed (then `params` is partly written)."""
+def _apply_in_place(params: torch.Tensor, base: int, delta: PendingDelta, on_window: OnWindow | None) -> Refusal | None:
+    """`params` (checksum `base`) += the decoded delta (the same fp32 add per element as the coordinator's `Θ̂`
+    update); None, or why it failed (then `params` is partly written)."""
     try:
-        sink = _InPlaceDelta(params, delta.start, delta.meta.numel, on_window)
+        sink = _InPlaceDelta(params, delta.start, delta.meta.numel, on_window, base)
         decoder = payload_decoder(delta.meta, sink=sink)
-        for chunk in payload_chunks(delta.data):
+        for chunk in payload_chunks(delta.data, _APPLY_CHUNK_BYTES):
             decoder.feed(chunk)
         decoder.verify()
     except CodecError:
@@ -415,28 +419,36 @@ def _apply_in_place(params: torch.Tensor, delta: PendingDelta, on_window: OnWind
 
 
 class _InPlaceDelta:
-    """A window sink (`diloco.core.codecs.AddingSink`) adding a delta's decoded windows into `params` in place.
-    Windows that come in order (as the dense decoders hand them over) chain the crc32 of the new bytes while they
-    are in cache, after the values before the delta's range; the values after it are chained at the end."""
+    """A window sink (`diloco.core.codecs.AddingSink`) adding a delta's decoded windows into `params` in place, in
+    any order, and the checksum of `params` after: the sum of the windows' new terms when the delta covers the
+    whole vector, else `base` (the checksum before; None: computed here) moved by each window's terms before and
+    after (a block codec's decoder takes them in its loop, `dense` here)."""
 
-    def __init__(self, params: torch.Tensor, offset: int, numel: int, on_window: OnWindow | None) -> None:
+    def __init__(
+        self, params: torch.Tensor, offset: int, numel: int, on_window: OnWindow | None, base: int | None = None
+    ) -> None:
         if not (offset >= 0 and numel >= 1 and offset + numel <= params.numel()):
             raise CodecError(f"a delta of {numel} values from {offset} does not fit {params.numel()} parameters")
         self._params, self._offset, self._end = params, offset, offset + numel
         self._on_window = on_window
         self._old = torch.empty(0, dtype=params.dtype)  # a window's values before it changes (`on_window` only)
-        self._next: int | None = offset  # the crc32 covers params[:next]; None: windows out of order
-        self._crc = parallel_crc32(_bytes(params[:offset]))
+        self.whole = offset == 0 and numel == params.numel()
+        self._checksum = 0 if self.whole else params_checksum(params) if base is None else base
 
     def dense(self, start: int, values: torch.Tensor) -> None:
         window = self.add_target(start, values.numel())
+        lo = self.element(start)
+        old = 0 if self.whole else params_checksum(window, lo)
         window.add_(values)
-        self.added(start, window)
+        self.added(start, window, old, params_checksum(window, lo))
+
+    def element(self, start: int) -> int:
+        return start + self._offset
 
     def add_target(self, start: int, count: int) -> torch.Tensor:
         """`params`' window for elements [start, start + count) of the delta (`diloco.core.codecs.AddingSink`: a
         block codec's decoder adds the values there itself); its values before the add are kept for `on_window`."""
-        lo = start + self._offset
+        lo = self.element(start)
         if lo + count > self._end:
             raise CodecError(f"a delta window ends at {lo + count}, past the delta's range (to {self._end})")
         window = self._params[lo : lo + count]
@@ -446,29 +458,18 @@ class _InPlaceDelta:
             self._old[:count].copy_(window)
         return window
 
-    def added(self, start: int, window: torch.Tensor) -> None:
-        """`window` (from `add_target`) holds its new values."""
-        lo = start + self._offset
-        hi = lo + window.numel()
+    def added(self, start: int, window: torch.Tensor, old: int, new: int) -> None:
+        """`window` (from `add_target`) holds its new values; `old`, `new`: its checksum terms before and after."""
+        lo = self.element(start)
         if self._on_window is not None:
-            self._on_window(lo, hi, self._old[: window.numel()], window)
-        if self._next == lo:
-            self._crc = parallel_crc32(_bytes(window), self._crc)
-            self._next = hi
-        else:
-            self._next = None
+            self._on_window(lo, lo + window.numel(), self._old[: window.numel()], window)
+        self._checksum = moved(self._checksum, old, new)
 
     def sparse(self, index: torch.Tensor, values: torch.Tensor) -> None:
         raise CodecError("a broadcast delta is dense (fp32, bf16, int8 or int4)")
 
     def checksum(self) -> int:
-        if self._next == self._end:
-            return parallel_crc32(_bytes(self._params[self._end :]), self._crc)
-        return params_checksum(self._params)
-
-
-def _bytes(flat: torch.Tensor) -> memoryview:
-    return flat.numpy().data.cast("B")
+        return self._checksum
 
 
 class BroadcastFollower:
@@ -484,9 +485,10 @@ class BroadcastFollower:
     def reset(self) -> None:
         self.version, self.held = None, None
 
-    def snapshot(self, version: int, flat: torch.Tensor) -> HeldParams:
-        """A full snapshot (its payload crc already checked by the decoder) replaces what is held."""
-        self.version, self.held = version, HeldParams(version, flat)
+    def snapshot(self, version: int, flat: torch.Tensor, checksum: int | None = None) -> HeldParams:
+        """A full snapshot (its payload crc already checked by the decoder; `checksum`: its state checksum, as the
+        coordinator names it, else computed here) replaces what is held."""
+        self.version, self.held = version, HeldParams(version, flat, checksum)
         return self.held
 
     def check_delta(self, version: int, base: int, start: int, numel: int) -> Refusal | None:

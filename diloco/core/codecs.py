@@ -52,9 +52,9 @@ from typing import ClassVar, NoReturn, Protocol, runtime_checkable
 
 import numpy as np
 import torch
-from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values, about 7x faster than zlib's
 
 from diloco.core import parallel
+from diloco.core.checksum import MASK, checksum, moved
 from diloco.errors import InvalidArgument
 
 if sys.byteorder != "little":  # the byte layouts are little-endian and we decode through native views
@@ -90,7 +90,7 @@ MAX_TOPK_NUMEL = 1 << 32  # indices are uint32
 
 # elements per step of the encode loops: large enough for few Python steps, small enough to stay in cache
 _SLAB = 1 << 20
-# elements per step of `encode_toward`: the slab it writes is still in L2 when its crc32 is taken
+# elements per step of `encode_toward` (a kernel call each)
 _FUSED_SLAB = 1 << 17
 _TOPK_SAMPLED_MIN_NUMEL = 1 << 18  # below this, plain torch.topk is fast enough
 _TOPK_SAMPLE = 1 << 18
@@ -261,8 +261,14 @@ class AddingSink(WindowSink, Protocol):
     def add_target(self, start: int, count: int) -> torch.Tensor:
         """The contiguous fp32 CPU tensor that elements [start, start + count) are added into."""
 
-    def added(self, start: int, window: torch.Tensor) -> None:
-        """`window`, from `add_target`, holds its new values."""
+    whole: bool  # the payload covers the whole vector added into (its terms before are not needed)
+
+    def element(self, start: int) -> int:
+        """The absolute index, in the vector added into, of element `start` of the payload."""
+
+    def added(self, start: int, window: torch.Tensor, old: int, new: int) -> None:
+        """`window`, from `add_target`, holds its new values; `old` and `new`: its state-checksum terms
+        (`diloco.core.checksum`) before (0 when `whole`) and after."""
 
 
 class SlabStore(Protocol):
@@ -313,8 +319,11 @@ class StreamDecoder:
         self._scratch = torch.empty(0, dtype=torch.float32)
         # a sink gets windows of about _WINDOW_ELEMENTS elements: decode that many elements' bytes at a time
         # (times the threads: each decodes a part of about that many at once, `diloco.core.parallel`)
+        # cut where a section's pieces start, in whole units of every section: no window is cut short by where the
+        # section before ended (one is, where a fed chunk ends)
         window = _WINDOW_ELEMENTS * parallel.threads()
-        self._piece_bytes = max(1, window * meta.encoded_bytes // max(1, meta.numel))
+        unit = math.lcm(*(s.unit for s in sections))
+        self._piece_bytes = max(1, window * meta.encoded_bytes // max(1, meta.numel) // unit) * unit
         self._sections = [s for s in sections if s.length > 0]
         self._section = 0
         self._section_pos = 0
@@ -358,17 +367,18 @@ class StreamDecoder:
                 f"received {self._received + len(view)} bytes but the payload has {self.meta.encoded_bytes}; "
                 "the stream carries extra data or belongs to another payload: restart the transfer"
             )
-        self._crc = crc32(view, self._crc)
+        self._crc = parallel.parallel_crc32(view, self._crc)
         self._received += len(view)
-        step = self._piece_bytes if self._sink is not None else len(view)
+        rest = view
         try:
-            for at in range(0, len(view), step):
-                rest = view[at : at + step]
-                while rest:
-                    section = self._sections[self._section]
-                    piece = rest[: section.length - self._section_pos]
-                    rest = rest[len(piece) :]
-                    self._feed_section(section, piece)
+            while rest:
+                section = self._sections[self._section]
+                room = section.length - self._section_pos
+                if self._sink is not None:  # to the end of this piece of the section
+                    room = min(room, self._piece_bytes - self._section_pos % self._piece_bytes)
+                piece = rest[:room]
+                rest = rest[len(piece) :]
+                self._feed_section(section, piece)
         except CodecError as err:
             self._failed = err
             self._sections = []
@@ -530,17 +540,21 @@ class Codec(ABC):
         shadow: torch.Tensor,
         out: torch.Tensor,
         scratch: torch.Tensor | None = None,
-        crc: int = 0,
+        element: int = 0,
+        base: int | None = None,
     ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
         """Encode `params − shadow` and write `shadow + D(q)` into `out` (`shadow` itself or another buffer; D is
         this codec's decoder, fed the very bytes), bit for bit what a receiver holding `shadow` gets when it
-        decodes the payload and adds it with one fp32 add. Returns the payload, its meta and the crc32 of `out`'s
-        fp32 bytes, chained from `crc` (the crc32 of the bytes before them, for a range of a larger vector). All
-        three are contiguous 1-D float32 CPU tensors of one size; on a `CodecError` `out` holds garbage. This plain
-        version works in `scratch` (model-sized, else allocated); blockwise codecs fuse it."""
+        decodes the payload and adds it with one fp32 add. Returns the payload, its meta and the state checksum
+        (`diloco.core.checksum`) of the vector once `out` is written: `out` itself when `base` is None, else the
+        vector whose range from absolute index `element` `shadow` is, whose checksum was `base` (moved by the
+        range's terms before and after). All three are contiguous 1-D float32 CPU tensors of one size; on a
+        `CodecError` `out` holds garbage. This plain version works in `scratch` (model-sized, else allocated);
+        blockwise codecs fuse it."""
         self._check_toward(params, shadow, out)
         if scratch is None or scratch.shape != params.shape or scratch.device.type != "cpu":
             scratch = torch.empty_like(params)
+        old = 0 if base is None else checksum(shadow, element)
         work = torch.sub(params, shadow, out=scratch)
         data, meta = self.encode(work)
         decoder = self.decoder(meta, work)
@@ -548,7 +562,7 @@ class Codec(ABC):
             decoder.feed(chunk)
         decoder.finish()
         torch.add(shadow, work, out=out)
-        return data, meta, crc32(out.numpy().data.cast("B"), crc)
+        return data, meta, _moved(base, old, checksum(out, element))
 
     @staticmethod
     def _check_toward(params: torch.Tensor, shadow: torch.Tensor, out: torch.Tensor) -> None:
@@ -644,6 +658,12 @@ class _RawDecoder(StreamDecoder):
                 self._emit(start, self._window(start, values.numel()).copy_(values))
 
         super().__init__(meta, out, [_Section(meta.encoded_bytes, itemsize, handle)], sink)
+
+
+def _moved(base: int | None, old: int, new: int) -> int:
+    """The checksum of a vector a range of which was rewritten, from the range's terms: `new` alone when the range
+    is the whole vector (`base` None), else `base` moved by them."""
+    return new & MASK if base is None else moved(base, old, new)
 
 
 def _viewing(x: torch.Tensor) -> Load:
@@ -763,11 +783,13 @@ class _BlockCodec(Codec):
         shadow: torch.Tensor,
         out: torch.Tensor,
         scratch: torch.Tensor | None = None,
-        crc: int = 0,
+        element: int = 0,
+        base: int | None = None,
     ) -> tuple[bytes | bytearray | memoryview, EncodedMeta, int]:
-        """Fused block by block (`kernels.quantize_toward`): the plain path's bits without its model-sized passes,
-        out = shadow + q * scale as the decoder computes it; each slab's crc32 is taken while it is in cache. No
-        model-sized scratch is needed: `scratch` is not used."""
+        """Fused block by block (`kernels.quantize_toward`): the plain path's bits and checksum without its
+        model-sized passes, out = shadow + q * scale as the decoder computes it, the terms taken while each block
+        is in cache (the old ones only for a range, `base` given). No model-sized scratch is needed: `scratch` is
+        not used."""
         from diloco.core import kernels
 
         numel = params.numel()
@@ -777,35 +799,34 @@ class _BlockCodec(Codec):
         payload, scales, values = self._payload(numel)
         p, s, o = params.numpy(), shadow.numpy(), out.numpy()
 
-        def part(lo: int, hi: int) -> tuple[int, int, int]:  # (worst, crc32 of out[lo:hi], its bytes)
-            worst, part_crc = 0, 0
+        def part(lo: int, hi: int) -> tuple[int, int, int]:  # (worst, old term, new term) of [lo, hi)
+            worst, old, new = 0, 0, 0
             for start in range(lo, hi, _FUSED_SLAB):
                 end = min(start + _FUSED_SLAB, hi)
                 block_scales, block_values = self._slab(scales, values, start, end)
-                worst = max(
-                    worst,
-                    kernels.quantize_toward(
-                        p[start:end], s[start:end], o[start:end], bs, self.qmax, block_scales, block_values
-                    ),
+                view = slice(start, end)
+                w, o_term, n_term = kernels.quantize_toward(
+                    p[view], s[view], o[view], bs, self.qmax, block_scales, block_values, at + start, ranged
                 )
-                part_crc = crc32(o[start:end].data.cast("B"), part_crc)
-            return worst, part_crc, 4 * (hi - lo)
+                worst, old, new = max(worst, w), old + int(o_term), new + int(n_term)
+            return worst, old, new
 
+        at, ranged = element, base is not None
         parts = parallel.map_parts(part, 0, full, bs)
         worst = max((w for w, _, _ in parts), default=0)
-        crc = parallel.crc_combine([(c, n) for _, c, n in parts], crc)
-        if full < numel:  # the short last block, padded with zeros as `_encode` does
+        old, new = sum(t for _, t, _ in parts), sum(t for _, _, t in parts)
+        if full < numel:  # the short last block, padded with zeros as `_encode` does (zeros add nothing to a term)
             padded = np.zeros((3, bs), dtype=np.float32)  # params, shadow, out
             padded[0, : numel - full], padded[1, : numel - full] = p[full:], s[full:]
             packed = np.empty(self._packed_bytes(bs), dtype=np.uint8)
-            worst = max(
-                worst, kernels.quantize_toward(padded[0], padded[1], padded[2], bs, self.qmax, scales[-1:], packed)
+            w, o_term, n_term = kernels.quantize_toward(
+                padded[0], padded[1], padded[2], bs, self.qmax, scales[-1:], packed, at + full, ranged
             )
+            worst, old, new = max(worst, w), old + int(o_term), new + int(n_term)
             values[self._packed_bytes(full) :] = packed[: self._packed_bytes(numel - full)]
             o[full:] = padded[2, : numel - full]
-            crc = crc32(o[full:].data.cast("B"), crc)
         _check_finite(worst < kernels.NON_FINITE, self.name)
-        return (*self._finish(payload, numel, block_size=bs), crc)
+        return (*self._finish(payload, numel, block_size=bs), _moved(base, old, new))
 
 
 class Int8Codec(_BlockCodec):
@@ -876,15 +897,22 @@ class _BlockDecoder(StreamDecoder):
             scales = self._scales[first : first + whole]
             adding = self._adding
             window = adding.add_target(first * bs, whole * bs) if adding else self._window(first * bs, whole * bs)
-            kernel, values = (kernels.dequantize_add if adding else kernels.dequantize), window.numpy()
+            values = window.numpy()
 
-            def part(lo: int, hi: int) -> None:  # elements [lo, hi) of the window: whole blocks
+            at = adding.element(first * bs) if adding else 0  # where the window sits in the vector added into
+
+            def part(lo: int, hi: int) -> tuple[int, int]:  # elements [lo, hi) of the window: whole blocks
                 b0, b1 = lo // bs, hi // bs
-                kernel(packed[b0 * per_block : b1 * per_block], scales[b0:b1], bs, self._qmax, values[lo:hi])
+                args = (packed[b0 * per_block : b1 * per_block], scales[b0:b1], bs, self._qmax, values[lo:hi])
+                if not adding:
+                    kernels.dequantize(*args)
+                    return 0, 0
+                old, new = kernels.dequantize_add(*args, at + lo, not adding.whole)
+                return int(old), int(new)
 
-            parallel.map_parts(part, 0, whole * bs, bs)
+            terms = parallel.map_parts(part, 0, whole * bs, bs)
             if adding:
-                adding.added(first * bs, window)
+                adding.added(first * bs, window, sum(o for o, _ in terms) & MASK, sum(n for _, n in terms) & MASK)
             else:
                 self._emit(first * bs, window)
         if len(packed) > whole * per_block:  # the short last block, decoded padded; int4's odd last nibble is padding

@@ -9,7 +9,15 @@ Block b of x (its `bs` values): a = max |x_i|, s = a / qmax, q_i = rint(x_i · (
 (0 for an all-zero block, or when qmax / a overflows), so |q_i| <= qmax. a is found on the float bits with the sign
 masked off: for non-negative floats integer order is float order, and every NaN pattern is above +inf's, so a bit
 pattern >= `NON_FINITE` means the block held a NaN or an infinity. int8 stores q_i as a byte; int4 stores q_i + 8
-as a nibble, the even element in the low one."""
+as a nibble, the even element in the low one.
+
+The state checksum (ALGORITHM.md section 10, `diloco.core.checksum`): h(x) = Σ_i K_{i div 4096} · W_{i mod 4096} ·
+bits(x_i) mod 2^64, W a fixed table of odd 32-bit weights and K_p an odd 64-bit key per period of 4096 elements (both
+from splitmix64). A sum over elements, so any window of x adds its own term wherever it lies, in any order, and
+changing a window changes h by (new term − old term): the fused kernels return both terms of what they rewrite,
+taken while the block is in cache. Each term of a block is 32x32-bit products summed in 64 bits (one vector
+multiply per 4 values) times one 64-bit key: cheaper than a crc32 pass, and any change to one value changes h (an
+odd weight times a non-zero difference below 2^32 is non-zero mod 2^64)."""
 
 from __future__ import annotations
 
@@ -17,6 +25,20 @@ import numpy as np
 from numba import njit
 
 NON_FINITE = 0x7F800000  # the bit pattern of +inf: an |x| pattern at or above it is inf or NaN
+PERIOD = 4096  # elements per checksum key, the weight table's length: at least the largest block size
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (wrapping)."""
+    with np.errstate(over="ignore"):
+        z = z * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+# the checksum's weights: odd, 32 bits, fixed (part of the protocol: both ends compute the same h)
+WEIGHTS = (_splitmix64(np.arange(1 << 32, (1 << 32) + PERIOD, dtype=np.uint64)) | np.uint64(1)).astype(np.uint32)
 
 # The helpers run once per block and are inlined (`inline="always"`): a call per block costs more than the block, and
 # array views are taken once per kernel call, outside the block loop (a view per block keeps the loops scalar).
@@ -55,6 +77,73 @@ def _pack(x: np.ndarray, inv: np.float32, qmax: int, packed: np.ndarray, q8: np.
             q[i] = lo | (hi << 4)
 
 
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _key(element: int) -> np.uint64:
+    """K of the period holding `element` (an absolute index): splitmix64 of the period number, made odd."""
+    z = np.uint64(element // PERIOD) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (z ^ (z >> np.uint64(31))) | np.uint64(1)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _term(bits: np.ndarray, lo: int, count: int, element: int) -> np.uint64:
+    """The checksum term of `count` values `bits[lo:lo+count]` (uint32 view) that sit at absolute index `element`
+    onwards, all within one period."""
+    acc = np.uint64(0)
+    w = element % PERIOD
+    for i in range(count):
+        acc += np.uint64(bits[lo + i]) * np.uint64(WEIGHTS[w + i])
+    return acc * _key(element)
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _pair(
+    old_bits: np.ndarray, old_lo: int, new_bits: np.ndarray, new_lo: int, count: int, element: int, with_old: bool
+) -> tuple[np.uint64, np.uint64]:
+    """The terms of `count` values before (`old_bits[old_lo:]`, 0 unless `with_old`) and after (`new_bits[new_lo:]`)
+    they were rewritten, within one period: each weight loaded once for both."""
+    w = element % PERIOD
+    old, new = np.uint64(0), np.uint64(0)
+    if with_old:
+        for i in range(count):
+            weight = np.uint64(WEIGHTS[w + i])
+            old += np.uint64(old_bits[old_lo + i]) * weight
+            new += np.uint64(new_bits[new_lo + i]) * weight
+    else:
+        for i in range(count):
+            new += np.uint64(new_bits[new_lo + i]) * np.uint64(WEIGHTS[w + i])
+    key = _key(element)
+    return old * key, new * key
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+def _block_terms(
+    old_bits: np.ndarray, old_lo: int, new_bits: np.ndarray, new_lo: int, count: int, element: int, with_old: bool
+) -> tuple[np.uint64, np.uint64]:
+    """`_pair` of at most `PERIOD` values, which may straddle two periods (a range of a larger vector, e.g. a
+    fragment, starts anywhere)."""
+    first = min(count, PERIOD - element % PERIOD)
+    old, new = _pair(old_bits, old_lo, new_bits, new_lo, first, element, with_old)
+    if first < count:
+        o, n = _pair(old_bits, old_lo + first, new_bits, new_lo + first, count - first, element + first, with_old)
+        old, new = old + o, new + n
+    return old, new
+
+
+@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
+def checksum_term(x: np.ndarray, element: int) -> np.uint64:
+    """The checksum term of float32 values x at absolute indices element, element + 1, ... (module docstring)."""
+    bits = x.view(np.uint32)
+    h = np.uint64(0)
+    i = 0
+    while i < bits.size:
+        count = min(bits.size - i, PERIOD - (element + i) % PERIOD)
+        h += _term(bits, i, count, element + i)
+        i += count
+    return h
+
+
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 def quantize(x: np.ndarray, bs: int, qmax: int, scales: np.ndarray, packed: np.ndarray, subtract: bool) -> int:
     """Encode x's blocks into `scales` (float32, one per block) and `packed` (uint8: the values' bytes); with
@@ -83,12 +172,16 @@ def quantize_toward(
     qmax: int,
     scales: np.ndarray,
     packed: np.ndarray,
-) -> int:
+    element: int,
+    with_old: bool,
+) -> tuple[int, np.uint64, np.uint64]:
     """Encode params - shadow block by block (as `quantize`) and write out = shadow + q·s, the decoded value a
-    receiver adds to its shadow. Returns the largest |params - shadow| bit pattern."""
+    receiver adds to its shadow. Returns the largest |params - shadow| bit pattern and the checksum terms of shadow
+    (before; 0 unless `with_old`) and out (after), the vectors starting at absolute index `element`."""
     diff = np.empty(bs, dtype=np.float32)
     bits, scale_bits, q8 = diff.view(np.int32), scales.view(np.int32), packed.view(np.int8)
-    worst = 0
+    old_bits, new_bits = shadow.view(np.uint32), diff.view(np.uint32)
+    worst, old, new = 0, np.uint64(0), np.uint64(0)
     for b in range(params.size // bs):
         o = b * bs
         for i in range(bs):
@@ -98,9 +191,11 @@ def quantize_toward(
         _pack(diff, inv, qmax, packed, q8, o)
         for i in range(bs):
             diff[i] = shadow[o + i] + np.float32(np.int32(np.rint(diff[i] * inv))) * s
+        t_old, t_new = _block_terms(old_bits, o, new_bits, 0, bs, element + o, with_old)
+        old, new = old + t_old, new + t_new
         for i in range(bs):  # out is often shadow itself: a loop writing one while reading the other stays scalar
             out[o + i] = diff[i]
-    return worst
+    return worst, old, new
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -122,12 +217,18 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, out: 
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
-def dequantize_add(packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, out: np.ndarray) -> None:
+def dequantize_add(
+    packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, out: np.ndarray, element: int, with_old: bool
+) -> tuple[np.uint64, np.uint64]:
     """out += q·s for the blocks of `out` (as `dequantize` into a buffer, then one fp32 add per element: the same
-    bits). Each block is decoded into a private buffer first: the compiler cannot tell `out` from `packed`, and a
-    loop reading one while writing the other stays scalar."""
+    bits); returns the checksum terms of out before (0 unless `with_old`) and after, `out` starting at absolute
+    index `element`. Each block is decoded into a private buffer, and its new values into another, before `out` is
+    written: the compiler cannot tell `out` from `packed`, and a loop reading one while writing the other stays
+    scalar."""
     q8 = packed.view(np.int8)
     block = np.empty(bs, dtype=np.float32)
+    out_bits, new_bits = out.view(np.uint32), block.view(np.uint32)
+    old, new = np.uint64(0), np.uint64(0)
     for b in range(out.size // bs):
         o, s = b * bs, scales[b]
         if qmax > 7:
@@ -139,4 +240,9 @@ def dequantize_add(packed: np.ndarray, scales: np.ndarray, bs: int, qmax: int, o
                 block[2 * i] = np.float32(np.int32(v & 15) - 8) * s
                 block[2 * i + 1] = np.float32(np.int32(v >> 4) - 8) * s
         for i in range(bs):
-            out[o + i] += block[i]
+            block[i] = out[o + i] + block[i]
+        t_old, t_new = _block_terms(out_bits, o, new_bits, 0, bs, element + o, with_old)
+        old, new = old + t_old, new + t_new
+        for i in range(bs):
+            out[o + i] = block[i]
+    return old, new

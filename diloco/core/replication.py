@@ -86,10 +86,10 @@ from typing import Any
 import torch
 from zlib_ng.zlib_ng import crc32  # zlib's crc32, vectorized: the same values
 
-from diloco.core.broadcast import params_checksum
 from diloco.core.coordinator import APPLIED_KEPT, Accepted, applied_from_json, applied_to_json, keep_applied
 from diloco.core.fragments import FragmentLayout, step_fragment
 from diloco.core.outer import OUTER_NAMES, OuterConfig, OuterOptimizer, build_outer
+from diloco.core.parallel import parallel_crc32
 from diloco.errors import ConfigError, FailedPrecondition, InvalidArgument
 
 MAX_OUTER_TENSORS = 4  # tensors an outer optimizer's state holds (Nesterov: 1, Delayed Nesterov: 2)
@@ -150,7 +150,7 @@ def digest(params: torch.Tensor, *outers: OuterOptimizer) -> Digest:
     crc = 0
     for outer in outers:
         crc = outer_checksum(outer, crc)
-    return Digest(params_checksum(params), crc)
+    return Digest(parallel_crc32(params.detach().contiguous().numpy().data.cast("B")), crc)
 
 
 def state_digest(params: torch.Tensor, outer: OuterOptimizer, fragment_outers: Sequence[OuterOptimizer] = ()) -> Digest:

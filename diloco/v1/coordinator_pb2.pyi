@@ -77,19 +77,19 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., coordinator_epoch: _Optional[int] = ..., version: _Optional[int] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., mode: _Optional[_Union[RoundMode, str]] = ..., codec: _Optional[_Union[_common_pb2.Codec, str]] = ..., healthd_address: _Optional[str] = ..., task_json: _Optional[str] = ..., bulk_port: _Optional[int] = ..., task_fingerprint: _Optional[str] = ..., init_seed: _Optional[int] = ..., fragments: _Optional[int] = ..., fragment_bounds: _Optional[_Iterable[int]] = ..., fragment_layout: _Optional[str] = ...) -> None: ...
 
 class WatchParametersRequest(_message.Message):
-    __slots__ = ("worker_id", "after_version", "follow", "held_crc32")
+    __slots__ = ("worker_id", "after_version", "follow", "held_checksum")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
-    HELD_CRC32_FIELD_NUMBER: _ClassVar[int]
+    HELD_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     after_version: int
     follow: bool
-    held_crc32: int
-    def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ..., held_crc32: _Optional[int] = ...) -> None: ...
+    held_checksum: int
+    def __init__(self, worker_id: _Optional[str] = ..., after_version: _Optional[int] = ..., follow: _Optional[bool] = ..., held_checksum: _Optional[int] = ...) -> None: ...
 
 class ParametersHeader(_message.Message):
-    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_crc32", "held", "bulk_port", "fragment_versions", "delta_start")
+    __slots__ = ("version", "coordinator_epoch", "payload", "plan", "applied_submission_ids", "finished", "delta_from", "params_checksum", "held", "bulk_port", "fragment_versions", "delta_start")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
@@ -97,7 +97,7 @@ class ParametersHeader(_message.Message):
     APPLIED_SUBMISSION_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
-    PARAMS_CRC32_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     HELD_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENT_VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -109,12 +109,12 @@ class ParametersHeader(_message.Message):
     applied_submission_ids: _containers.RepeatedScalarFieldContainer[str]
     finished: bool
     delta_from: int
-    params_crc32: int
+    params_checksum: int
     held: bool
     bulk_port: int
     fragment_versions: _containers.RepeatedScalarFieldContainer[int]
     delta_start: int
-    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_crc32: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., delta_start: _Optional[int] = ...) -> None: ...
+    def __init__(self, version: _Optional[int] = ..., coordinator_epoch: _Optional[int] = ..., payload: _Optional[_Union[_common_pb2.PayloadSpec, _Mapping]] = ..., plan: _Optional[_Union[_common_pb2.WorkPlan, _Mapping]] = ..., applied_submission_ids: _Optional[_Iterable[str]] = ..., finished: _Optional[bool] = ..., delta_from: _Optional[int] = ..., params_checksum: _Optional[int] = ..., held: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., fragment_versions: _Optional[_Iterable[int]] = ..., delta_start: _Optional[int] = ...) -> None: ...
 
 class ParametersChunk(_message.Message):
     __slots__ = ("header", "data")

@@ -291,7 +291,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         # 0 (unless named with its checksum), or a version newer than ours (we restarted from an older checkpoint): a
         # full snapshot of the current one
         current = self.state.published().version
-        named: int | None = request.held_crc32 if request.HasField("held_crc32") else None
+        named: int | None = request.held_checksum if request.HasField("held_checksum") else None
         after = request.after_version
         held: int | None = after if (after > 0 or named is not None) and after <= current else None
         while not self.state.stopping:
@@ -346,13 +346,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             self.state.count_sent(len(part))
 
     def _held_header(self, pub: Published, checksum: int, worker_id: str) -> coordinator_pb2.ParametersHeader:
-        """The header that tells a watcher it holds the current version `pub` (crc32 `checksum`): no payload."""
+        """The header that tells a watcher it holds the current version `pub` (checksum `checksum`): no payload."""
         header = coordinator_pb2.ParametersHeader(
             version=pub.version,
             coordinator_epoch=pub.coordinator_epoch,
             applied_submission_ids=list(pub.applied_ids),
             finished=pub.finished,
-            params_crc32=checksum,
+            params_checksum=checksum,
             held=True,
             fragment_versions=pub.fragment_versions,
         )
@@ -374,7 +374,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             payload=meta_to_proto(b.meta, self.specs),
             applied_submission_ids=list(b.applied_ids),
             finished=b.finished,
-            params_crc32=b.checksum,
+            params_checksum=b.checksum,
             fragment_versions=b.fragment_versions,
         )
         if b.delta_from is not None:

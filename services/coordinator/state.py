@@ -107,7 +107,7 @@ class Published:
 @dataclass(frozen=True)
 class Broadcast:
     """One broadcast message of `version`: a full snapshot of the shadow (`delta_from` None) or the delta from
-    `delta_from`, encoded once and shared by every watcher. `checksum`: crc32 of the shadow at `version`."""
+    `delta_from`, encoded once and shared by every watcher. `checksum`: the shadow's at `version`."""
 
     version: int
     coordinator_epoch: int
@@ -674,7 +674,7 @@ class CoordinatorState:
     def broadcasts_since(
         self, held: int | None, held_checksum: int | None = None
     ) -> tuple[Published, list[Broadcast] | None]:
-        """The newest version, and what a watcher holding version `held` (None: none; `held_checksum`: the crc32 it
+        """The newest version, and what a watcher holding version `held` (None: none; `held_checksum`: the checksum it
         named for it, if any) needs to reach it: [] nothing, the deltas held+1..newest, or None: a full snapshot
         (`snapshot_broadcast`; also when the named checksum is not the shadow's). Bookkeeping only (cheap)."""
         with self.lock:

@@ -11,7 +11,7 @@ refused delta (not for the version held, or outside the parameters) or a corrupt
 restarts from version 0 (a full snapshot).
 
 A fresh learner hands the watcher the version 0 it built itself (`version0`: the task's model from the coordinator's
-init seed); until the first version is delivered, each watch names it with its checksum (`held_crc32`), and the
+init seed); until the first version is delivered, each watch names it with its checksum (`held_checksum`), and the
 coordinator answers with the deltas from it, or a header saying it holds the current version (`held`), or, when its
 own version 0 differs or is gone, a full snapshot as for any learner.
 
@@ -101,8 +101,8 @@ class Watcher:
         while not self._closed.is_set():
             req = coordinator_pb2.WatchParametersRequest(worker_id=self.worker_id, after_version=after, follow=True)
             if after == 0 and self._own is not None:
-                self.follower.snapshot(0, self._own[0])  # the base of the deltas from version 0
-                req.held_crc32 = self._own[1]
+                self.follower.snapshot(0, *self._own)  # the base of the deltas from version 0
+                req.held_checksum = self._own[1]
             refusal: grpc.RpcError | None = None  # its retry hint, if any, sets the least wait before the next try
             tried = self.address()
             try:
@@ -193,7 +193,7 @@ class Watcher:
         deliver it. False (logged): it named nothing, or something else; the watch restarts from a snapshot."""
         own, self._own = self._own, None
         held = self.follower.held
-        if own is None or held is None or self.follower.version != header.version or own[1] != header.params_crc32:
+        if own is None or held is None or self.follower.version != header.version or own[1] != header.params_checksum:
             self.log.warning("worker.broadcast_refused", reason="held", version=header.version)
             return False
         self.log.info("worker.broadcast_held", version=header.version, checksum=own[1])
@@ -219,13 +219,13 @@ class Watcher:
             flat = receiver.finish()
             if not header.HasField("delta_from"):
                 release_pages(flat)  # decoded (a mapped file's pages: out of resident memory until adopted)
-                return self.follower.snapshot(header.version, flat)
+                return self.follower.snapshot(header.version, flat, header.params_checksum)
             got: HeldParams | Refusal = Refusal.NO_BASE  # does not fit the model: received, then refused
         else:
             data = receiver.finish()
             meta = receiver.meta
             got = self.follower.delta(
-                header.version, header.delta_from, meta, data, header.params_crc32, header.delta_start
+                header.version, header.delta_from, meta, data, header.params_checksum, header.delta_start
             )
         if isinstance(got, Refusal):
             self.log.warning(
