@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diloco.core import kernels, parallel
-from diloco.core.checksum import MASK, checksum, moved
+from diloco.core.checksum import MASK, checksum, moved, numpy_term
 
 
 def vector(n: int, seed: int = 0) -> torch.Tensor:
@@ -85,3 +85,11 @@ def test_the_same_on_any_number_of_threads() -> None:
     finally:
         parallel.set_threads(1)
     assert len(set(got)) == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 12_000), element=st.integers(0, 1 << 34), seed=st.integers(0, 99))
+def test_numpy_takes_the_same_checksum_as_the_kernels(n: int, element: int, seed: int) -> None:
+    """Small vectors are checksummed in numpy (no numba import on a small job's start-up path)."""
+    x = vector(n, seed).numpy()
+    assert numpy_term(x, element) == int(kernels.checksum_term(x, element))

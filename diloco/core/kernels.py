@@ -24,21 +24,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from diloco.core.checksum import PERIOD, WEIGHTS
+
 NON_FINITE = 0x7F800000  # the bit pattern of +inf: an |x| pattern at or above it is inf or NaN
-PERIOD = 4096  # elements per checksum key, the weight table's length: at least the largest block size
-
-
-def _splitmix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer, elementwise on uint64 (wrapping)."""
-    with np.errstate(over="ignore"):
-        z = z * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
-
-
-# the checksum's weights: odd, 32 bits, fixed (part of the protocol: both ends compute the same h)
-WEIGHTS = (_splitmix64(np.arange(1 << 32, (1 << 32) + PERIOD, dtype=np.uint64)) | np.uint64(1)).astype(np.uint32)
 
 # The helpers run once per block and are inlined (`inline="always"`): a call per block costs more than the block, and
 # array views are taken once per kernel call, outside the block loop (a view per block keeps the loops scalar).
