@@ -11,13 +11,9 @@ masked off: for non-negative floats integer order is float order, and every NaN 
 pattern >= `NON_FINITE` means the block held a NaN or an infinity. int8 stores q_i as a byte; int4 stores q_i + 8
 as a nibble, the even element in the low one.
 
-The state checksum (ALGORITHM.md section 10, `diloco.core.checksum`): h(x) = Σ_i K_{i div 4096} · W_{i mod 4096} ·
-bits(x_i) mod 2^64, W a fixed table of odd 32-bit weights and K_p an odd 64-bit key per period of 4096 elements (both
-from splitmix64). A sum over elements, so any window of x adds its own term wherever it lies, in any order, and
-changing a window changes h by (new term − old term): the fused kernels return both terms of what they rewrite,
-taken while the block is in cache. Each term of a block is 32x32-bit products summed in 64 bits (one vector
-multiply per 4 values) times one 64-bit key: cheaper than a crc32 pass, and any change to one value changes h (an
-odd weight times a non-zero difference below 2^32 is non-zero mod 2^64)."""
+The state checksum's terms (`diloco.core.checksum`, which defines it: 32x32-bit products of each value's bits and
+its weight, summed in 64 bits per period, times the period's key): the fused kernels return the terms of what they
+rewrite, taken while the block is in cache (the old ones only when asked: a range of a larger vector)."""
 
 from __future__ import annotations
 
