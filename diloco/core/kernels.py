@@ -71,17 +71,6 @@ def _key(element: int) -> np.uint64:
 
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
-def _term(bits: np.ndarray, lo: int, count: int, element: int) -> np.uint64:
-    """The checksum term of `count` values `bits[lo:lo+count]` (uint32 view) that sit at absolute index `element`
-    onwards, all within one period."""
-    acc = np.uint64(0)
-    w = element % PERIOD
-    for i in range(count):
-        acc += np.uint64(bits[lo + i]) * np.uint64(WEIGHTS[w + i])
-    return acc * _key(element)
-
-
-@njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
 def _pair(
     old_bits: np.ndarray, old_lo: int, new_bits: np.ndarray, new_lo: int, count: int, element: int, with_old: bool
 ) -> tuple[np.uint64, np.uint64]:
@@ -117,13 +106,13 @@ def _block_terms(
 
 @njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 def checksum_term(x: np.ndarray, element: int) -> np.uint64:
-    """The checksum term of float32 values x at absolute indices element, element + 1, ... (module docstring)."""
+    """The checksum term of float32 values x at absolute indices element, element + 1, ... (`diloco.core.checksum`)."""
     bits = x.view(np.uint32)
     h = np.uint64(0)
     i = 0
     while i < bits.size:
         count = min(bits.size - i, PERIOD - (element + i) % PERIOD)
-        h += _term(bits, i, count, element + i)
+        h += _pair(bits, i, bits, i, count, element + i, False)[1]
         i += count
     return h
 
