@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from diloco.bench.section import Context, Log, console_table, standalone, table
@@ -32,7 +33,7 @@ from diloco.core.broadcast import (
     Refusal,
     params_checksum,
 )
-from diloco.core.codecs import CODEC_NAMES, Codec, get_codec, iter_chunks
+from diloco.core.codecs import CODEC_NAMES, Codec, Int4Codec, Int8Codec, get_codec, iter_chunks
 from diloco.core.outer import Nesterov
 
 CHUNK_BYTES = 1 << 20
@@ -187,6 +188,53 @@ def _bench_broadcast(numel: int, repeats: int, codec: str, seed: int) -> dict[st
     }
 
 
+KERNEL_SLICE = 1 << 16  # values: 256 KiB per float32 vector, the kernels' inputs together inside a core's L2 cache
+
+
+def bench_broadcast_kernels(
+    numel: int, repeats: int = 3, codec: str = DEFAULT_BROADCAST_CODEC, slice_values: int = KERNEL_SLICE
+) -> dict[str, Any]:
+    """Whether the broadcast's fused loops wait on memory or on arithmetic, on one thread: the coordinator's
+    `kernels.quantize_toward` (Θ − Θ̂ into the payload, Θ̂ moved, its checksum terms) and a learner's
+    `kernels.dequantize_add` (the payload added to its Θ̂, its terms), first over the whole vector (`memory`), then
+    over a slice small enough to stay in cache, called until as many values went through (`cache`; one call per
+    slice, a few microseconds each). What the slice saves is the memory traffic's share of the kernels' time."""
+    from diloco.core import kernels  # numba: only when this runs
+
+    c = get_codec(codec)
+    if not isinstance(c, Int4Codec | Int8Codec):
+        raise ValueError(f"{codec} has no fused broadcast kernels (int8 and int4 have)")
+    bs, qmax = c.block_size, c.qmax
+    n = numel // bs * bs
+    part = max(bs, min(slice_values, n) // bs * bs)
+    gen = torch.Generator().manual_seed(0)
+    theta = torch.randn(n, generator=gen).numpy()
+    shadow, held = (theta + 1e-3).copy(), theta.copy()
+    scales = np.empty(n // bs, dtype=np.float32)
+    packed = np.empty(c.payload_bytes(n, bs, 0) - 4 * (n // bs), dtype=np.uint8)
+
+    def encode(m: int, times: int) -> None:
+        for _ in range(times):
+            kernels.quantize_toward(theta[:m], shadow[:m], shadow[:m], bs, qmax, scales, packed, 0, False)
+
+    def apply(m: int, times: int) -> None:
+        for _ in range(times):
+            kernels.dequantize_add(packed, scales, bs, qmax, held[:m], 0, False)
+
+    encode(part, 1)  # compiled (or loaded from numba's cache) before any timing
+    apply(part, 1)
+    times = n // part
+    return {
+        "codec": codec,
+        "numel": n,
+        "slice_values": part,
+        "encode_memory_s": _best_of(repeats, lambda: encode(n, 1)),
+        "apply_memory_s": _best_of(repeats, lambda: apply(n, 1)),
+        "encode_cache_s": _best_of(repeats, lambda: encode(part, times)) * n / (part * times),
+        "apply_cache_s": _best_of(repeats, lambda: apply(part, times)) * n / (part * times),
+    }
+
+
 def bench_outer(numel: int, repeats: int = 3, steps: int = 3) -> list[dict[str, Any]]:
     """Our Nesterov outer step against its limit, `torch.optim.SGD(nesterov=True).step()`, on the same inputs.
 
@@ -320,6 +368,7 @@ def section(ctx: Context) -> dict[str, Any]:
     outer_rows = bench_outer(s.numel, s.repeats)
     broadcast = bench_broadcast(s.numel, s.repeats)
     broadcast_threads = bench_broadcast(s.numel, s.repeats, threads=BROADCAST_THREADS)
+    broadcast_kernels = bench_broadcast_kernels(s.numel, s.repeats)
     by = {r["name"]: r for r in [*codec_rows, *outer_rows]}
     outer_x = by["diloco Nesterov step"]["x_limit"]
     int8_x = by["int8"]["x_copy"]
@@ -350,6 +399,7 @@ def section(ctx: Context) -> dict[str, Any]:
         "outer": outer_rows,
         "broadcast": broadcast,
         "broadcast_threads": broadcast_threads,
+        "broadcast_kernels": broadcast_kernels,
         "checks": checks,
     }
 
@@ -380,6 +430,7 @@ def summary(r: dict[str, Any]) -> str:
             ],
             *_broadcast_row(r.get("broadcast")),
             *_threads_row(r.get("broadcast"), r.get("broadcast_threads")),
+            *_kernels_row(r.get("broadcast_kernels")),
         ],
     )
 
@@ -417,6 +468,24 @@ def _threads_row(one: dict[str, Any] | None, more: dict[str, Any] | None) -> lis
             f"{more['encode_s']:.3f} s + {more['apply_s']:.3f} s vs {more['copy_s']:.3f} s",
             f"encode {one['encode_s'] / more['encode_s']:.2f}x, apply {one['apply_s'] / more['apply_s']:.2f}x, "
             f"copy {one['copy_s'] / more['copy_s']:.2f}x faster; {more['x_copy']:.1f}x its copy",
+        ]
+    ]
+
+
+def _kernels_row(k: dict[str, Any] | None) -> list[list[str]]:
+    """The broadcast's fused loops alone, over the vector in memory and over a slice in cache."""
+    if not k:
+        return []  # measured before the row existed
+    memory = k["encode_memory_s"] + k["apply_memory_s"]
+    cache = k["encode_cache_s"] + k["apply_cache_s"]
+    return [
+        [
+            f"its two fused loops alone ({k['codec']}, one thread: `quantize_toward` + `dequantize_add`), over the "
+            f"vector in memory vs a {4 * k['slice_values'] // 1024} KiB slice in cache, called until as many values "
+            "went through",
+            f"{k['encode_memory_s']:.3f} s + {k['apply_memory_s']:.3f} s vs "
+            f"{k['encode_cache_s']:.3f} s + {k['apply_cache_s']:.3f} s",
+            f"memory's share of their time: {max(0.0, 1 - cache / memory):.0%}",
         ]
     ]
 
