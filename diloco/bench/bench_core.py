@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from diloco.bench.section import Context, Log, console_table, standalone, table
@@ -210,8 +209,7 @@ def bench_broadcast_kernels(
     gen = torch.Generator().manual_seed(0)
     theta = torch.randn(n, generator=gen).numpy()
     shadow, held = (theta + 1e-3).copy(), theta.copy()
-    scales = np.empty(n // bs, dtype=np.float32)
-    packed = np.empty(c.payload_bytes(n, bs, 0) - 4 * (n // bs), dtype=np.uint8)
+    _, scales, packed = c._payload(n)  # the codec's own layout: its scales and packed values
 
     def encode(m: int, times: int) -> None:
         for _ in range(times):
