@@ -576,6 +576,8 @@ def test_fused_encode_toward_is_bit_identical_to_the_plain_path(name: str, block
         == checksum(whole)
         == Codec.encode_toward(codec, params, shadow, torch.empty(numel))[2]
     )
+    for element in (4000, 8192):  # 4000: blocks of 128 or more straddle a period; 8192: by pairs, any block size
+        assert codec.encode_toward(params, shadow, whole, element=element)[2] == checksum(whole, element)
     in_place = shadow.clone()
     codec.encode_toward(params, in_place, in_place)
     assert torch.equal(in_place.view(torch.int32), fused.view(torch.int32))

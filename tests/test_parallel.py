@@ -104,7 +104,10 @@ def test_a_bad_input_found_in_one_part_fails_the_whole_encode(small_parts: None)
 
 
 @pytest.mark.parametrize("qmax", [127, 7])
-def test_fused_decode_and_add_gives_the_bits_of_decode_then_add(qmax: int) -> None:
+@pytest.mark.parametrize(("element", "with_old"), [(4000, True), (4000, False), (4001, False), (12928, False)])
+def test_fused_decode_and_add_gives_the_bits_of_decode_then_add(qmax: int, element: int, with_old: bool) -> None:
+    """Blocks that straddle a period (element 4000, 4001: the terms value by value) and blocks from a block
+    boundary (12,928: the new term by pairs, its period keys past the first)."""
     rng = np.random.default_rng(2)
     bs, blocks = 128, 300
     packed = rng.integers(0, 256, blocks * bs if qmax > 7 else blocks * bs // 2, dtype=np.uint8)
@@ -114,9 +117,10 @@ def test_fused_decode_and_add_gives_the_bits_of_decode_then_add(qmax: int) -> No
     kernels.dequantize(packed, scales, bs, qmax, decoded)
     expected = (torch.from_numpy(base.copy()) + torch.from_numpy(decoded)).numpy()
     fused = base.copy()
-    old, new = kernels.dequantize_add(packed, scales, bs, qmax, fused, 4000, True)
+    old, new = kernels.dequantize_add(packed, scales, bs, qmax, fused, element, with_old)
     assert np.array_equal(fused.view(np.int32), expected.view(np.int32))
-    assert (old, new) == (checksum(torch.from_numpy(base), 4000), checksum(torch.from_numpy(expected), 4000))
+    before = checksum(torch.from_numpy(base), element) if with_old else 0
+    assert (old, new) == (before, checksum(torch.from_numpy(expected), element))
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
