@@ -25,6 +25,7 @@ from diloco.task.params import flatten_params, gather_flat, load_flat_, scatter_
 from services.worker.__main__ import main as worker_main
 from services.worker.island import Rank, shard_model
 from tests.support import (
+    Events,
     assert_exactly_once,
     assert_finished_and_learned,
     cluster_config,
@@ -287,3 +288,33 @@ def test_sharded_island_trains_and_its_submissions_count_exactly_once(tmp_path: 
         status = c.final_status()
         assert status.version == 4 and island.submissions >= 4 and status.rejected_submissions == 0
         assert island.tokens == status.tokens_applied > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_sharded_and_a_ddp_island_train_streaming_fragments_exactly_once(tmp_path: Path) -> None:
+    # --fragments 2: each island submits one fragment at a time (rank 0 gathers θ, the others join) and rebases
+    # only the fragments a version stepped (a gather and a scatter when sharded, a broadcast from rank 0 in DDP)
+    checks = ("--island-checksums", "true")
+    cfg = cluster_config(
+        tmp_path,
+        workers=2,
+        outer_steps=8,
+        nproc_per_worker=2,
+        coordinator_args=("--fragments", "2"),
+        worker_args={0: ("--shard-model", "true", *checks), 1: checks},
+    )
+    with running(cfg) as c:
+        assert_finished_and_learned(c)  # finished, loss well below an untrained model's, the ledger exactly once
+        for name in ("worker0", "worker1"):
+            proc = c.procs[name]
+            wait_for(f"{name} to exit", lambda: not proc.alive, timeout_s=30)  # noqa: B023 - waited on here
+            assert proc.popen.returncode == 0, c.tail(name)
+            assert not events(c, name, "worker.broadcast_refused"), c.tail(name)
+        accepted = Events(tmp_path / "coordinator.log").all("submission.accepted")
+        submitted = {(str(e["worker_id"]).rsplit("-", 1)[0], e["fragment"]) for e in accepted}
+        assert submitted == {(f"worker{i}", p) for i in range(2) for p in range(2)}, submitted
+        assert {e["rank"] for e in events(c, "worker0", "island.joined") if e["sharded"]} == {0, 1}
+        sharded, ddp = params_by_rank(c, "worker0"), params_by_rank(c, "worker1")
+        assert [p[2] for p in sharded[0]] == [p[2] for p in sharded[1]]  # each rank its own shards, in step
+        assert ddp[0] == ddp[1] and len(ddp[0]) >= 3  # DDP: the ranks' replicas equal before and after each

@@ -170,8 +170,6 @@ class Replica:
     def use_layout(self, layout: FragmentLayout | None, codec: str) -> None:
         """The registration's fragment layout (None: no fragments) and fresh error-feedback residuals for it: one per
         fragment, or one for the whole model (in its file with --spill-dir)."""
-        if layout is not None and self.island is not None and self.island.sharded:
-            raise ConfigError("streaming fragments (--fragments > 1) are not built for sharded islands yet")
         kind, decay = get_codec(codec), self.cfg.ef_decay or None
         self.layout = layout
         if layout is None:
