@@ -34,9 +34,9 @@ from diloco.sim.config import SimConfig, parse_failures
 from diloco.sim.engine import Simulator, simulate
 from diloco.sim.links import Transfer, link_peaks, peak_rate
 from diloco.task.factory import build_task
-from diloco.task.inner import InnerTrainer
+from diloco.task.inner import InnerTrainer, LocalParams
 from diloco.task.model import GPT
-from diloco.task.params import merge_segments
+from diloco.task.params import merge_segments, param_specs
 from tests.support import tiny_task
 
 SIZES = (6, 2, 2, 10, 4)  # numel of five tensors: 24 values
@@ -368,27 +368,35 @@ def test_the_catch_up_and_the_first_fragment_follow_the_fragment_versions() -> N
 
 
 # --- the trainer ------------------------------------------------------------------------------------------------
-def test_the_trainer_submits_and_rebases_only_the_given_ranges() -> None:
+@pytest.mark.parametrize("flat", [True, False])
+def test_the_trainer_submits_and_rebases_only_the_given_ranges(flat: bool) -> None:
+    """`flat`: θ is one vector read in place; else (an island's parameters) each range's tensors are read and written
+    on their own (`ParamIO.read_range`), so the ranges are whole tensors, as fragments are."""
     cfg = tiny_task(4)
     task = build_task(cfg)
     corpus = task.corpus
-    t = InnerTrainer(task.model_fn(0), corpus, cfg.inner, seq_len=cfg.model.seq_len, device=torch.device("cpu"))
+    model = task.model_fn(0)
+    io = LocalParams(model, torch.device("cpu"), flat=flat)
+    t = InnerTrainer(model, corpus, cfg.inner, seq_len=cfg.model.seq_len, device=torch.device("cpu"), params=io)
+    assert (t.io.flat_view is not None) == flat
     base = t.base.clone()
     x, y, _ = corpus.batch(0, 0, 4, cfg.model.seq_len)
     t.step(x, y)
     whole = t.pseudo_gradient()
-    lo, hi = 100, 600
+    offsets = [s.offset for s in param_specs(model)]  # the ranges below cut the vector where tensors start
+    first, lo, hi = offsets[1], offsets[2], offsets[5]
     part = t.submit_range(lo, hi)
     assert torch.equal(part, whole[lo:hi])
     assert torch.equal(t.base[:lo], base[:lo]) and not torch.equal(t.base[lo:hi], base[lo:hi])
     assert torch.equal(t.pseudo_gradient()[lo:hi], torch.zeros(hi - lo))
     theta = (t.base - t.pseudo_gradient()).clone()
     new = torch.randn_like(theta)
-    t.rebase_ranges(new, [(0, 50), (lo, hi)])
+    t.rebase_ranges(new, [(0, first), (lo, hi)])
     after = t.base - t.pseudo_gradient()
-    assert torch.equal(t.base[lo:hi], new[lo:hi]) and torch.equal(t.base[50:lo], base[50:lo])
+    assert torch.equal(t.base[lo:hi], new[lo:hi]) and torch.equal(t.base[first:lo], base[first:lo])
     assert torch.allclose(after[lo:hi], new[lo:hi])  # nothing unsent there
-    assert torch.equal(after[50:lo], theta[50:lo])  # untouched outside the ranges
+    assert torch.equal(after[first:lo], theta[first:lo])  # untouched outside the ranges
+    assert torch.equal(after[hi:], theta[hi:])
 
 
 # --- the simulator ----------------------------------------------------------------------------------------------

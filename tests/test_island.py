@@ -20,8 +20,9 @@ import torch.multiprocessing as mp
 
 from diloco.cli.main import main as cli_main
 from diloco.cluster import LocalCluster
+from diloco.errors import InvalidArgument
 from diloco.task.model import GPT, ModelConfig
-from diloco.task.params import flatten_params, gather_flat, load_flat_, scatter_flat_
+from diloco.task.params import flatten_params, gather_flat, load_flat_, param_specs, scatter_flat_
 from services.worker.__main__ import main as worker_main
 from services.worker.island import Rank, shard_model
 from tests.support import (
@@ -233,6 +234,19 @@ def _gather_matches_an_unsharded_replica(rank: int, store: str) -> None:
         scatter_flat_(model, theta if rank == 0 else torch.zeros(0))
         gathered = gather_flat(model)
         assert torch.equal(gathered, theta) if rank == 0 else gathered.numel() == 0
+        # a range of whole tensors (a streaming fragment) alone, read and written
+        specs = param_specs(model)
+        lo, hi = specs[2].offset, specs[5].offset
+        part = gather_flat(model, lo, hi)
+        assert torch.equal(part, theta[lo:hi]) if rank == 0 else part.numel() == 0
+        other = -theta
+        scatter_flat_(model, other[lo:hi] if rank == 0 else torch.zeros(0), lo, hi)
+        gathered = gather_flat(model)
+        if rank == 0:
+            assert torch.equal(gathered, torch.cat([theta[:lo], other[lo:hi], theta[hi:]]))
+        with pytest.raises(InvalidArgument, match="whole parameters"):
+            gather_flat(model, lo + 1, hi)  # refused on every rank before any collective
+        scatter_flat_(model, theta if rank == 0 else torch.zeros(0))
         x, y = torch.randint(0, cfg.vocab_size, (2, 4, cfg.seq_len))
         for m, rows in ((ref, slice(0, 4)), (model, slice(2 * rank, 2 * rank + 2))):
             opt = torch.optim.AdamW(m.parameters(), lr=1e-2)

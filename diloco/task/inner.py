@@ -29,7 +29,7 @@ from diloco.errors import ConfigError, InvalidArgument
 from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
 from diloco.task.model import pick_device
-from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params, view_flat_
+from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params, view_flat_, whole_params
 
 _SLICE = 1 << 22  # elements per slice of `InnerTrainer.submit_into` (16 MiB of fp32)
 
@@ -134,6 +134,14 @@ class ParamIO(Protocol):
         """θ ← `flat`, in place (the optimizer keeps its references to the parameters)."""
         ...
 
+    def read_range(self, lo: int, hi: int) -> Tensor:
+        """θ[lo:hi], a new vector: values of whole parameters (a streaming fragment)."""
+        ...
+
+    def write_range(self, lo: int, hi: int, values: Tensor) -> None:
+        """θ[lo:hi] ← `values`, in place, for a range of whole parameters."""
+        ...
+
 
 class LocalParams:
     """The parameters of a model held whole by this process, read and written on the model's device.
@@ -168,6 +176,19 @@ class LocalParams:
             self._flat.copy_(flat)
         else:
             load_flat_(self.model, flat)
+
+    def read_range(self, lo: int, hi: int) -> Tensor:
+        if self._flat is not None:
+            return self._flat[lo:hi].clone()
+        return torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in whole_params(self.model, lo, hi)])
+
+    @torch.no_grad()
+    def write_range(self, lo: int, hi: int, values: Tensor) -> None:
+        if self._flat is not None:
+            self._flat[lo:hi].copy_(values)
+            return
+        for offset, p in whole_params(self.model, lo, hi):
+            p.copy_(values[offset - lo : offset - lo + p.numel()].view(p.shape))
 
 
 def _add_difference(out: Tensor, base: Tensor, theta: Tensor, scale: float) -> None:
@@ -459,10 +480,11 @@ class InnerTrainer:
     def submit_range(self, lo: int, hi: int) -> Tensor:
         """One fragment's submission (Streaming DiLoCo, `diloco.core.fragments`): Δ = base − θ on `[lo, hi)` (a
         new flat fp32 CPU tensor) and base ← θ there only; the rest of base is left as it is."""
-        theta = self._theta()
+        live = self.io.flat_view
+        theta = live[lo:hi] if live is not None else self.io.read_range(lo, hi)  # that fragment's tensors only
         base = self._own_base()
-        delta = (base[lo:hi] - theta[lo:hi]).cpu()
-        base[lo:hi].copy_(theta[lo:hi])
+        delta = (base[lo:hi] - theta).cpu()
+        base[lo:hi].copy_(theta)
         return delta
 
     def rebase_ranges(self, new_global: Tensor, ranges: Sequence[tuple[int, int]]) -> None:
@@ -471,12 +493,12 @@ class InnerTrainer:
         new = self._check_flat(new_global, "global parameters")
         base = self._own_base()
         live = self.io.flat_view
-        theta = live if live is not None else self.io.read()
-        for lo, hi in ranges:
-            theta[lo:hi].sub_(base[lo:hi]).add_(new[lo:hi])
+        for lo, hi in ranges:  # without a flat view, each range's tensors read and written back on their own
+            theta = live[lo:hi] if live is not None else self.io.read_range(lo, hi)
+            theta.sub_(base[lo:hi]).add_(new[lo:hi])
             base[lo:hi].copy_(new[lo:hi])
-        if live is None:
-            self.io.write(theta)
+            if live is None:
+                self.io.write_range(lo, hi, theta)
 
     # -- training -----------------------------------------------------------------------------------------
 

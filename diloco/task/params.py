@@ -2,16 +2,16 @@
 
 This is the layout of `Θ` and of every pseudo-gradient on the wire: `param_specs` describes it (name, shape,
 offset), `flatten_params` reads it and `load_flat_` writes it back into a model. For a model sharded across a
-process group with FSDP2 (`fully_shard`), `gather_flat` and `scatter_flat_` do the same collectively, through
-torch's state-dict helpers (`torch.distributed.checkpoint.state_dict`). `HostBuffer` carries flat vectors from
-the host to an accelerator through reusable pinned memory.
+process group with FSDP2 (`fully_shard`), `gather_flat` and `scatter_flat_` do the same collectively, a parameter at
+a time, for the whole vector or a range of whole parameters (a streaming fragment). `HostBuffer` carries flat vectors
+from the host to an accelerator through reusable pinned memory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -93,51 +93,61 @@ def view_flat_(model: nn.Module, flat: Tensor) -> bool:
     return True
 
 
-@torch.no_grad()
-def gather_flat(model: nn.Module) -> Tensor:
-    """The full parameters of a model sharded with `fully_shard`, as one flat fp32 vector on the CPU (the layout of
-    `flatten_params`), on rank 0; an empty vector on the other ranks. A collective: every rank of the model's
-    process group calls it together. The shards are gathered one tensor at a time into host memory, so no device
-    ever holds the whole model."""
-    # imported here, as in scatter_flat_: a second or more of start-up that only a sharded island needs
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    if not state:  # not rank 0
-        return torch.zeros(0, dtype=torch.float32)
-    parts = []
-    for s in param_specs(model):
-        value = state[s.name]
-        assert isinstance(value, Tensor), (s.name, type(value))  # a full state dict holds plain tensors
-        parts.append(value.reshape(-1).to(torch.float32))
-    return torch.cat(parts)
+def whole_params(model: nn.Module, lo: int, hi: int) -> list[tuple[int, nn.Parameter]]:
+    """The parameters that make up values [lo, hi) of the flat vector, each with its offset, for a range that starts
+    and ends on parameter boundaries (a streaming fragment; the whole vector); `InvalidArgument` otherwise."""
+    chosen, ends, offset = [], {0}, 0
+    for p in model.parameters():
+        if lo <= offset and offset + p.numel() <= hi:
+            chosen.append((offset, p))
+        offset += p.numel()
+        ends.add(offset)
+    if not (0 <= lo < hi <= offset and lo in ends and hi in ends):
+        raise InvalidArgument(f"[{lo}, {hi}) is not a range of whole parameters of the {offset}-value flat vector")
+    return chosen
 
 
 @torch.no_grad()
-def scatter_flat_(model: nn.Module, flat: Tensor) -> None:
-    """Load rank 0's `flat` (the layout of `flatten_params`, on the CPU) into every rank's shards of a model sharded
-    with `fully_shard` (broadcast from rank 0, each rank keeping its own shards). A collective: every rank calls
-    it together; the other ranks' `flat` is ignored (pass an empty vector). Buffers are left as they are."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+def gather_flat(model: nn.Module, lo: int = 0, hi: int | None = None) -> Tensor:
+    """Values [lo, hi) (whole parameters; default all) of the flat vector of a model sharded with `fully_shard`, as
+    one fp32 vector on the CPU, on rank 0; an empty vector on the other ranks. A collective: every rank of the
+    model's process group calls it together, with the same range. The parameters are gathered one at a time
+    (`DTensor.full_tensor`), so no device ever holds more than the largest of them in full."""
+    from torch.distributed.tensor import DTensor  # imported here: only a sharded island needs it
 
-    state: dict[str, Any] = {}
-    if torch.distributed.get_rank() == 0:
-        total = num_params(model)
-        if flat.ndim != 1 or flat.numel() != total:
-            raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({total},)")
-        flat = flat.to("cpu", torch.float32)
-        by_param = {}
-        for s, p in zip(param_specs(model), model.parameters(), strict=True):
-            by_param[id(p)] = flat[s.offset : s.offset + shape_numel(s.shape)].view(s.shape).to(p.dtype)
-        # every name of a parameter, tied ones (an output head sharing the embedding) included
-        for name, p in model.named_parameters(remove_duplicate=False):
-            state[name] = by_param[id(p)]
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)  # buffers: not ours
-    result = set_model_state_dict(model, state, options=options)
-    missing = set(result.missing_keys) & set(state)
-    if missing:  # a name the state-dict helpers spell differently: never load only part of the parameters
-        raise InvalidArgument(f"the sharded model did not take the parameters {sorted(missing)}")
+    chosen = whole_params(model, lo, num_params(model) if hi is None else hi)
+    leader = torch.distributed.get_rank() == 0
+    out = torch.empty(sum(p.numel() for _, p in chosen) if leader else 0, dtype=torch.float32)
+    for offset, p in chosen:
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if leader:
+            out[offset - lo : offset - lo + p.numel()].copy_(full.detach().reshape(-1))
+    return out
+
+
+@torch.no_grad()
+def scatter_flat_(model: nn.Module, flat: Tensor, lo: int = 0, hi: int | None = None) -> None:
+    """Load rank 0's `flat` (values [lo, hi) of the flat vector, whole parameters, default all; on the CPU) into
+    every rank's shards of a model sharded with `fully_shard`, in place: each parameter's shards are scattered from
+    rank 0 (`distribute_tensor`), one parameter at a time. A collective: every rank calls it together, with the same
+    range; the other ranks' `flat` is ignored (pass an empty vector). Buffers are left as they are."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    chosen = whole_params(model, lo, num_params(model) if hi is None else hi)
+    leader = torch.distributed.get_rank() == 0
+    if leader and (flat.ndim != 1 or flat.numel() != sum(p.numel() for _, p in chosen)):
+        size = sum(p.numel() for _, p in chosen)
+        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({size},)")
+    for offset, p in chosen:
+        if leader:
+            full = flat[offset - lo : offset - lo + p.numel()].view(p.shape).to(p.device, p.dtype)
+        else:
+            full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        if isinstance(p, DTensor):  # this rank's shards of rank 0's full values
+            p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements).to_local())
+        else:
+            torch.distributed.broadcast(full, src=0)
+            p.copy_(full)
 
 
 def local_shards(model: nn.Module) -> list[Tensor]:

@@ -24,8 +24,9 @@ step over the global batch, FSDP averaging the gradients). The flat vectors of t
 θ_at_submit, the pseudo-gradient, error feedback) are used on rank 0 alone, in its host memory (each rank builds
 the whole model in host memory before sharding it, so host memory must hold the model once per rank). The
 trainer reads and writes its parameters through `ShardedParams`, whose every read is a gather of the full
-parameters onto rank 0's host and every write a broadcast from rank 0 into every rank's shards (torch's
-state-dict helpers): collectives, so the leader announces each one first and the followers join it:
+parameters onto rank 0's host and every write a scatter from rank 0 into every rank's shards, a parameter at a
+time (`gather_flat`, `scatter_flat_`): collectives, so the leader announces each one first and the followers join
+it. Each names a range of whole parameters `[a, b)`: the whole model, or one streaming fragment's tensors.
 
 - `GATHER`: every rank takes part in gathering the parameters onto rank 0 (before a pseudo-gradient, a rebase);
 - `SCATTER`: rank 0's new parameters into every rank's shards (a load, a rebase);
@@ -64,7 +65,7 @@ import torch.distributed as dist
 
 from diloco.errors import ConfigError
 from diloco.task.inner import InnerTrainer
-from diloco.task.params import flatten_params, gather_flat, load_flat_, local_shards, scatter_flat_
+from diloco.task.params import flatten_params, gather_flat, load_flat_, local_shards, num_params, scatter_flat_
 
 # A collective waits this long for the other ranks: the leader may sit in a coordinator outage (retrying for as
 # long as it takes) while the followers wait for its next command, so the wait is long; a dead rank is noticed at
@@ -78,8 +79,8 @@ class Op(IntEnum):
     TRAIN = 2
     PARAMS = 3
     STOP = 4
-    GATHER = 5  # sharded islands: every rank gathers the parameters onto rank 0
-    SCATTER = 6  # sharded islands: rank 0's parameters into every rank's shards
+    GATHER = 5  # sharded islands: every rank gathers the parameters [a, b) onto rank 0
+    SCATTER = 6  # sharded islands: rank 0's parameters [a, b) into every rank's shards
 
 
 @dataclass(frozen=True)
@@ -224,14 +225,20 @@ class ShardedParams:
         return None
 
     def read(self) -> torch.Tensor:
-        if self.live and self.island.leader:
-            self.island._header(Op.GATHER)
-        return gather_flat(self.model)
+        return self.read_range(0, num_params(self.model))
 
     def write(self, flat: torch.Tensor) -> None:
+        self.write_range(0, num_params(self.model), flat)
+
+    def read_range(self, lo: int, hi: int) -> torch.Tensor:
         if self.live and self.island.leader:
-            self.island._header(Op.SCATTER)
-        scatter_flat_(self.model, flat)
+            self.island._header(Op.GATHER, lo, hi)
+        return gather_flat(self.model, lo, hi)
+
+    def write_range(self, lo: int, hi: int, values: torch.Tensor) -> None:
+        if self.live and self.island.leader:
+            self.island._header(Op.SCATTER, lo, hi)
+        scatter_flat_(self.model, values, lo, hi)
 
 
 class Island:
@@ -346,10 +353,10 @@ class Island:
                 trainer.steps_done = self._params(trainer.model, a)
             elif op is Op.GATHER:
                 assert replica.trainer is not None
-                replica.trainer.io.read()  # rank 0 gets them
+                replica.trainer.io.read_range(a, b)  # rank 0 gets them
             elif op is Op.SCATTER:
                 assert replica.trainer is not None
-                replica.trainer.io.write(torch.zeros(0))  # rank 0's are loaded
+                replica.trainer.io.write_range(a, b, torch.zeros(0))  # rank 0's are loaded
             else:
                 self.log.info("island.stopped", code=a, pid=os.getpid())
                 return a
