@@ -407,6 +407,38 @@ def test_a_fragment_s_delta_moves_only_its_range_as_one_shadow_per_fragment_woul
     assert torch.equal(bits(skipper.held.at(7)), bits(shadow.shadow))  # type: ignore[union-attr,arg-type]
 
 
+def test_fp32_broadcasts_of_ranged_versions_are_deltas_over_the_range() -> None:
+    """Streaming fragments with `--broadcast-codec fp32`: a version sends its range's `fl(Θ − Θ̂)` (a quarter of
+    the model here), not a full snapshot; `Θ̂` reaches `Θ` there exactly where the two were within a factor of two
+    (Sterbenz: nearly every value), else within two roundings; the rest of `Θ̂` keeps its values, and a learner
+    holds `Θ̂` bit for bit. Without `ranged`, fp32 versions are snapshots as before."""
+    numel = 1 << 16
+    thetas = walk(numel, 4)
+    plain = BroadcastShadow(thetas[0], 0, "fp32")
+    assert not plain.shadowed and plain.advance(thetas[1], 1, span=(0, numel // 4)) is None  # a snapshot
+    shadow = BroadcastShadow(thetas[0], 0, "fp32", ranged=True)
+    assert shadow.shadowed
+    follower = BroadcastFollower()
+    follower.snapshot(0, thetas[0].clone())
+    for v in range(1, 5):
+        start, end = (v % 4) * numel // 4, (v % 4 + 1) * numel // 4
+        before = shadow.shadow.clone()
+        d = shadow.advance(thetas[v], v, span=(start, end))
+        assert d is not None and d.meta.codec == "fp32" and (d.start, d.meta.numel) == (start, end - start)
+        assert d.meta.encoded_bytes == 4 * (end - start)
+        shadow.record(d)
+        new, old, target = shadow.shadow[start:end], before[start:end], thetas[v][start:end]
+        sterbenz = (old.sign() == target.sign()) & (old.abs() <= 2 * target.abs()) & (target.abs() <= 2 * old.abs())
+        assert torch.equal(bits(new[sterbenz]), bits(target[sterbenz])) and sterbenz.float().mean() > 0.95
+        eps = torch.finfo(torch.float32).eps
+        assert ((new - target).abs() <= eps * (target.abs() + (target - old).abs())).all()
+        assert torch.equal(bits(shadow.shadow[:start]), bits(before[:start]))
+        assert torch.equal(bits(shadow.shadow[end:]), bits(before[end:]))
+        got = take(follower, d)
+        assert not isinstance(got, Refusal) and torch.equal(bits(got), bits(shadow.shadow))
+        assert d.checksum == params_checksum(shadow.shadow)
+
+
 def test_a_ranged_delta_sent_while_a_snapshot_is_held_leaves_the_held_bytes_alone() -> None:
     thetas = walk(4096, 1)
     shadow = BroadcastShadow(thetas[0], 0, "int8")

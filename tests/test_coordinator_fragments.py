@@ -11,6 +11,7 @@ import grpc
 import pytest
 import torch
 
+from diloco.core.checksum import checksum
 from diloco.core.codecs import get_codec
 from diloco.core.fragments import FragmentLayout
 from diloco.errors import ConfigError
@@ -85,6 +86,33 @@ def test_a_delta_chain_carries_each_versions_fragment_versions(start: Callable[.
     assert receiver.finish().numel() == env.numel
     chain = list(env.stub.WatchParameters(pb.WatchParametersRequest(after_version=3, held_checksum=held), timeout=T))
     assert chain[0].header.held and list(chain[0].header.fragment_versions) == [2, 3]
+
+
+def test_fp32_broadcasts_send_only_the_stepped_fragment(start: Callable[..., Env]) -> None:
+    # with fragments fp32 keeps a shadow too: version 2 (fragment 0 stepped) is a delta over fragment 0 alone
+    env = start(fragments=P, min_quorum=1, broadcast_codec="fp32")
+    reg = register(env)
+    layout = FragmentLayout(tuple(reg.fragment_bounds))
+    submit(env, *fragment_upload(env, reg, "s1", fragment=1)[:2])
+    first = list(env.stub.WatchParameters(pb.WatchParametersRequest(), timeout=T))
+    assert first[0].header.version == 1 and first[0].header.payload.numel == env.numel  # a snapshot first
+    receiver = PayloadReceiver(meta_from_proto(first[0].header.payload), env.numel)
+    for m in first[1:]:
+        receiver.feed(m.data)
+    held = receiver.finish()
+    submit(env, *fragment_upload(env, reg, "s2", fragment=0, seed=1)[:2])
+    request = pb.WatchParametersRequest(after_version=1, held_checksum=first[0].header.params_checksum)
+    msgs = list(env.stub.WatchParameters(request, timeout=T))
+    header = msgs[0].header
+    lo, hi = layout.range(0)
+    assert (header.version, header.delta_from, header.delta_start) == (2, 1, lo)
+    assert meta_from_proto(header.payload).codec == "fp32" and header.payload.numel == hi - lo < env.numel
+    receiver = PayloadReceiver(meta_from_proto(header.payload), hi - lo)
+    for m in msgs[1:]:
+        receiver.feed(m.data)
+    held[lo:hi] += receiver.finish()
+    assert torch.equal(held.view(torch.int32), env.server.state.shadow.shadow.view(torch.int32))
+    assert checksum(held) == header.params_checksum
 
 
 def _fragment(value: int) -> Callable[[pb.SubmissionHeader], None]:

@@ -21,7 +21,11 @@ the version it holds (a fresh learner holds the version 0 it built itself from t
 only when that is the checksum of this shadow's `Θ̂_u` (`checksum_of`: the version recorded last, or the base of a
 delta kept), else a snapshot, so a learner whose own version differs (another seed, torch build or device) is never
 sent deltas onto the wrong base. With the `fp32` codec there is no shadow: `Θ̂ = Θ` and every broadcast is a full
-snapshot, encoded when the version is published (the behaviour before compressed broadcasts).
+snapshot, encoded when the version is published (the behaviour before compressed broadcasts). Unless the versions
+step ranges (`ranged`: streaming fragments, where a version changes only the fragments its round stepped): then fp32
+keeps a shadow too and sends `fl(Θ − Θ̂)` over the range stepped, which `Θ̂` adds exactly wherever the two values
+are within a factor of two of each other (Sterbenz), as after an outer step they almost always are (elsewhere
+within one rounding, carried forward like any codec's residual).
 
 `BroadcastFollower` (learner side, the watch thread) knows the newest version accepted; it takes snapshots and
 queues, still encoded, the deltas whose base it holds; anything else is refused (`Refusal`) and the learner
@@ -30,9 +34,9 @@ applied twice. The learner's `Θ̂` is one tensor (`HeldParams`), brought forwar
 its checksum checked after each delta: no second model-sized vector.
 
 Threads: the coordinator calls `advance` under its tensor lock, then `record` (which makes the new version visible)
-and `updates_since` under its bookkeeping lock; `snapshot` and `hold` under the tensor lock when the codec is lossy
-(they view `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed). A hold's release may come
-from any thread (`diloco.core.holds`).
+and `updates_since` under its bookkeeping lock; `snapshot` and `hold` under the tensor lock when there is a shadow
+(`shadowed`: they view `Θ̂`), else under the bookkeeping lock (fp32: the snapshot `record` installed). A hold's
+release may come from any thread (`diloco.core.holds`).
 """
 
 from __future__ import annotations
@@ -124,7 +128,9 @@ class BroadcastShadow:
 
     `codec`: one of `BROADCAST_CODECS`; `history`: how many of the newest deltas are kept at most (>= 1), and
     `history_bytes_ratio` how many bytes, as a fraction of a full fp32 snapshot's. `params` at
-    `version` is where broadcasting starts (`Θ̂ = Θ`: a new coordinator, or a restart, sends snapshots first)."""
+    `version` is where broadcasting starts (`Θ̂ = Θ`: a new coordinator, or a restart, sends snapshots first).
+    `ranged`: versions step ranges of `Θ` (`advance(span=)`, streaming fragments), so fp32 sends deltas over them
+    too, through a shadow, instead of a full snapshot per version."""
 
     def __init__(
         self,
@@ -134,13 +140,14 @@ class BroadcastShadow:
         *,
         history: int = DEFAULT_HISTORY,
         history_bytes_ratio: float = HISTORY_BYTES_RATIO,
+        ranged: bool = False,
     ) -> None:
         if codec not in BROADCAST_CODECS:
             raise CodecError(f"unknown broadcast codec {codec!r}; use one of {', '.join(BROADCAST_CODECS)}")
         if history < 1:
             raise CodecError(f"broadcast history must be >= 1, got {history}")
         self.codec_name = codec
-        self.codec: Codec | None = None if codec == "fp32" else get_codec(codec)
+        self.codec: Codec | None = None if codec == "fp32" and not ranged else get_codec(codec)
         self.history = history
         self.history_bytes_ratio = history_bytes_ratio
         self._deltas: deque[Delta] = deque(maxlen=history)
@@ -154,7 +161,8 @@ class BroadcastShadow:
         self.record(None)
 
     @property
-    def lossy(self) -> bool:
+    def shadowed(self) -> bool:
+        """Whether `Θ̂` is a shadow of its own (every codec but fp32 without `ranged`), viewed by `snapshot`."""
         return self.codec is not None
 
     def _reset(self, params: torch.Tensor, version: int) -> None:
@@ -179,9 +187,10 @@ class BroadcastShadow:
         span: tuple[int, int] | None = None,
     ) -> Delta | None:
         """Version `version` (the next one) has parameters `params` (`Θ`): move `Θ̂` towards them. Returns the
-        delta to `record` (None for fp32, whose snapshot is encoded here, or when the delta could not be encoded,
-        e.g. non-finite parameters: then `Θ̂ ← Θ` and learners get a snapshot). `scratch`: a model-sized fp32
-        CPU buffer free for this call (the coordinator lends its merge buffer), else one is kept here. `span`:
+        delta to `record` (None for fp32 without `ranged`, whose snapshot is encoded here, or when the delta could
+        not be encoded, e.g. non-finite parameters: then `Θ̂ ← Θ` and learners get a snapshot). `scratch`: a
+        model-sized fp32 CPU buffer free for this call (the coordinator lends its merge buffer), else one is kept
+        here. `span`:
         only `Θ̂[start:end]` moves (streaming fragments: the range a round stepped; the residual `Θ − Θ̂` elsewhere
         waits for its own fragment's next step, as with one shadow per fragment), the delta covering that range."""
         if self.codec is None or version != self.version + 1:
@@ -285,7 +294,7 @@ class BroadcastShadow:
         return self._deltas[0].version if self._deltas else None
 
     def snapshot(self) -> Snapshot:
-        """`Θ̂` in full: for fp32 the newest `record`ed (a private copy); for lossy codecs the newest version
+        """`Θ̂` in full: for fp32 snapshots the newest `record`ed (a private copy); with a shadow the newest version
         `advance` reached, as a view of `Θ̂`'s own bytes (no model-sized copy; its checksum is the one `advance`
         computed, the crc32 of its bytes taken here, once per version): valid until the next `advance`, unless
         `hold` keeps it (or a copy is made under the lock that orders the two)."""
@@ -298,7 +307,7 @@ class BroadcastShadow:
 
     def hold(self) -> tuple[Snapshot, Callable[[], None]]:
         """`snapshot()`, and a function to call (once, from any thread) when it has been sent: until then `advance`
-        and a reset leave its bytes as they are (lossy codecs: the next `Θ̂` goes into a new tensor, the held one
+        and a reset leave its bytes as they are (a shadow: the next `Θ̂` goes into a new tensor, the held one
         lives on in the holders' views, freed with the last). fp32 snapshots are private copies: nothing to hold."""
         snap = self.snapshot()
         if self.codec is None:

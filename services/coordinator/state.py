@@ -281,7 +281,9 @@ class CoordinatorState:
         self._merge_s = 0.0  # under `work`: time spent checking and folding uploads since the last round closed
         self._round_seconds: dict[str, float] = {}  # under `work`: where the last round's close spent its time
         self.broadcast_codec = broadcast_codec
-        self.shadow = BroadcastShadow(core.params, core.version, broadcast_codec, history=broadcast_history)
+        self.shadow = BroadcastShadow(
+            core.params, core.version, broadcast_codec, history=broadcast_history, ranged=fragments is not None
+        )
         self._params_holds = Holds()  # readers of Θ outside `work` (`hold_params`: the evaluation)
         self._published = Published(core.version, self.epoch, (), core.finished, self._fragment_versions())
         self._refresh_gauges()
@@ -701,11 +703,11 @@ class CoordinatorState:
         return self._fragments_by_version.get(version) or self._published.fragment_versions
 
     def snapshot_broadcast(self) -> tuple[Broadcast, Callable[[], None]]:
-        """The shadow of the newest version in full, and the function to call once it is sent. Lossy broadcasts: a
+        """The shadow of the newest version in full, and the function to call once it is sent. With a shadow: a
         view of `Θ̂` itself (no copy), held until released (a round closing meanwhile writes the next `Θ̂` into a new
         tensor: `BroadcastShadow.hold`), taken under `work` (it waits behind a round or an upload being folded in);
-        fp32 ones: the bytes made with the version."""
-        if self.shadow.lossy:
+        fp32 snapshots: the bytes made with the version."""
+        if self.shadow.shadowed:
             with self.work:
                 snap, release = self.shadow.hold()  # Θ̂ moves only under `work`, and `record` follows `advance` in it
                 with self.lock:
