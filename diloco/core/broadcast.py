@@ -25,7 +25,7 @@ snapshot, encoded when the version is published (the behaviour before compressed
 step ranges (`ranged`: streaming fragments, where a version changes only the fragments its round stepped): then fp32
 keeps a shadow too and sends `fl(Θ − Θ̂)` over the range stepped, which `Θ̂` adds exactly wherever the two values
 are within a factor of two of each other (Sterbenz), as after an outer step they almost always are (elsewhere
-within one rounding, carried forward like any codec's residual).
+within two roundings, carried forward like any codec's residual).
 
 `BroadcastFollower` (learner side, the watch thread) knows the newest version accepted; it takes snapshots and
 queues, still encoded, the deltas whose base it holds; anything else is refused (`Refusal`) and the learner
@@ -190,9 +190,9 @@ class BroadcastShadow:
         delta to `record` (None for fp32 without `ranged`, whose snapshot is encoded here, or when the delta could
         not be encoded, e.g. non-finite parameters: then `Θ̂ ← Θ` and learners get a snapshot). `scratch`: a
         model-sized fp32 CPU buffer free for this call (the coordinator lends its merge buffer), else one is kept
-        here. `span`:
-        only `Θ̂[start:end]` moves (streaming fragments: the range a round stepped; the residual `Θ − Θ̂` elsewhere
-        waits for its own fragment's next step, as with one shadow per fragment), the delta covering that range."""
+        here. `span`: only `Θ̂[start:end]` moves (streaming fragments: the range a round stepped; the residual
+        `Θ − Θ̂` elsewhere waits for its own fragment's next step, as with one shadow per fragment), the delta
+        covering that range."""
         if self.codec is None or version != self.version + 1:
             self._reset(params, version)
             return None
