@@ -115,9 +115,10 @@ def gather_flat(model: nn.Module, lo: int = 0, hi: int | None = None) -> Tensor:
     (`DTensor.full_tensor`), so no device ever holds more than the largest of them in full."""
     from torch.distributed.tensor import DTensor  # imported here: only a sharded island needs it
 
-    chosen = whole_params(model, lo, num_params(model) if hi is None else hi)
+    hi = num_params(model) if hi is None else hi
+    chosen = whole_params(model, lo, hi)
     leader = torch.distributed.get_rank() == 0
-    out = torch.empty(sum(p.numel() for _, p in chosen) if leader else 0, dtype=torch.float32)
+    out = torch.empty(hi - lo if leader else 0, dtype=torch.float32)
     for offset, p in chosen:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         if leader:
@@ -133,11 +134,11 @@ def scatter_flat_(model: nn.Module, flat: Tensor, lo: int = 0, hi: int | None = 
     range; the other ranks' `flat` is ignored (pass an empty vector). Buffers are left as they are."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    chosen = whole_params(model, lo, num_params(model) if hi is None else hi)
+    hi = num_params(model) if hi is None else hi
+    chosen = whole_params(model, lo, hi)
     leader = torch.distributed.get_rank() == 0
-    if leader and (flat.ndim != 1 or flat.numel() != sum(p.numel() for _, p in chosen)):
-        size = sum(p.numel() for _, p in chosen)
-        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({size},)")
+    if leader and (flat.ndim != 1 or flat.numel() != hi - lo):
+        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({hi - lo},)")
     for offset, p in chosen:
         if leader:
             full = flat[offset - lo : offset - lo + p.numel()].view(p.shape).to(p.device, p.dtype)
