@@ -112,7 +112,7 @@ def test_quick_suite_writes_every_section_table_and_plot(quick: tuple[Path, dict
     chosen = f"**{CHOSEN.label(QUICK.sim)}**"  # int4 up, int4 down, H = 40, outer (0.9, 0.5)
     assert rows_of(readme, chosen), "bytes-per-token: no row for the chosen configuration"
     pngs = ("time_to_target", "scale", "compression", "cluster", "cluster_timeline", "outer", "layout")
-    for png in (*pngs, "bytes_per_token"):
+    for png in (*pngs, "bytes_per_token", "fragments", "large"):
         path = out / f"{png}.png"
         assert path.read_bytes()[:8] == PNG_MAGIC and path.stat().st_size > 5000, f"{png}.png missing or empty"
         assert f"]({png}.png)" in readme, f"{png}.png not linked from the report"

@@ -50,7 +50,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import matplotlib
 import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
 
 from diloco.bench.section import Context, Log, standalone, table
 from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, seconds_until
@@ -447,7 +451,60 @@ def markdown(r: dict[str, Any]) -> str:
             f"from its file by the rebase), waiting {_s(decoupled.get('wait'))} s a round."
         )
     sizes = ", ".join(f"{b / 1e6:.1f} MB" for b in big["broadcast_bytes"]) or "-"
-    return f"{head}\n\n{mem}\n\n{times}{_writes(r)}\n\nDelta broadcasts as received: {sizes}."
+    return (
+        f"{head}\n\n{mem}\n\n{times}{_writes(r)}\n\nDelta broadcasts as received: {sizes}.\n\n"
+        "![memory and round time of the ~100M run](large.png)"
+    )
+
+
+PHASES = {  # what the round-time panel stacks, per process: (key in `coordinator_s` / `learner_s`, label)
+    "coordinator": (("merge", "merge"), ("step", "outer step"), ("encode", "broadcast encode")),
+    "learner": (
+        ("inner", "inner steps"),
+        ("encode", "pseudo-gradient + encode"),
+        ("upload", "upload"),
+        ("receive", "broadcast receive"),
+        ("rebase", "adopt"),
+        ("wait", "waiting"),
+    ),
+}
+
+
+def plots(r: dict[str, Any], out: Path) -> list[str]:
+    """Two panels: each judged process's peak RSS over the baseline in fp32 model sizes with its target, and the
+    default run's seconds per round by phase, the coordinator's and a learner's."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 5), gridspec_kw={"width_ratios": [1.6, 1]})
+    rows = [m for m in r["memory"] if m["judged"] and not m["process"].startswith("healthd")]
+    targets = [COORDINATOR_TARGET if m["process"].startswith("coordinator") else LEARNER_TARGET for m in rows]
+    y = range(len(rows))
+    a.barh(
+        list(y),
+        [m["x_model"] for m in rows],
+        color=["C0" if m["x_model"] <= t else "C3" for m, t in zip(rows, targets, strict=True)],
+    )
+    a.scatter(targets, list(y), marker="|", s=200, color="black", label="target", zorder=3)
+    a.set_yticks(list(y), [m["process"] for m in rows], fontsize=7)
+    a.invert_yaxis()
+    a.set_xlabel("peak RSS over the baseline (x fp32 model bytes)")
+    a.grid(alpha=0.3, axis="x")
+    a.legend(fontsize=8)
+    big, color = r["large"], 0
+    for i, (who, phases) in enumerate(PHASES.items()):
+        times = big["coordinator_s" if who == "coordinator" else "learner_s"]
+        left = 0.0
+        for key, label in phases:
+            width = times.get(key) or 0.0
+            b.barh(i, width, left=left, color=f"C{color}", label=f"{who}: {label}")
+            left, color = left + width, color + 1
+    b.set_yticks([0, 1], list(PHASES))
+    b.invert_yaxis()
+    b.set_xlabel("seconds per round (default flags)")
+    b.grid(alpha=0.3, axis="x")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "large.png", dpi=100)
+    plt.close(fig)
+    return ["large.png"]
 
 
 def _writes(r: dict[str, Any]) -> str:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from diloco.bench.seeds import aggregate, check, fmt, spread, target_met, values
 from diloco.bench.settings import PROFILES, ScaleSettings, SimSettings
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC
@@ -164,13 +166,21 @@ class SimRunner:
         self.log = log
         self.cache: dict[str, dict[str, Any]] = {}
 
-    def run(self, cfg: SimConfig, label: str, budget: int = 0) -> dict[str, Any]:
-        key = repr(cfg)
+    def run(self, cfg: SimConfig, label: str, budget: int = 0, threads: int | None = None) -> dict[str, Any]:
+        """The summary of `cfg` simulated (or of an earlier run of the same), with torch on `threads` threads for
+        this run when given, else as it is set: another count sums the same floats in another order, so the run's
+        bits differ."""
+        key = repr(cfg) if threads is None else f"{threads} threads: {cfg!r}"
         if key in self.cache:
             self.log(f"  {label}: same configuration as an earlier run, reused")
             return self.cache[key]
+        before = torch.get_num_threads()
         start = time.monotonic()
-        out = summarize(simulate(cfg), time.monotonic() - start, budget)
+        torch.set_num_threads(threads or before)
+        try:
+            out = summarize(simulate(cfg), time.monotonic() - start, budget)
+        finally:
+            torch.set_num_threads(before)
         self.log(
             f"  {label}: loss {out['loss_at_budget']:.4f} ({out['eval_tokens']:,} val tokens) "
             f"at {out['tokens']:,} tokens, "
@@ -179,10 +189,17 @@ class SimRunner:
         self.cache[key] = out
         return out
 
-    def seeds(self, make: Callable[[int], SimConfig], label: str, budget: int, seeds: Sequence[int]) -> dict[str, Any]:
-        """The configuration `make(seed)` run with every seed, as one row: means, spread and the per-seed runs
-        (`diloco.bench.seeds.aggregate`)."""
-        per_seed = [self.run(make(seed), f"{label} [seed {seed}]", budget) for seed in seeds]
+    def seeds(
+        self,
+        make: Callable[[int], SimConfig],
+        label: str,
+        budget: int,
+        seeds: Sequence[int],
+        threads: int | None = None,
+    ) -> dict[str, Any]:
+        """The configuration `make(seed)` run with every seed (`threads`: as in `run`), as one row: means, spread
+        and the per-seed runs (`diloco.bench.seeds.aggregate`)."""
+        per_seed = [self.run(make(seed), f"{label} [seed {seed}]", budget, threads) for seed in seeds]
         return aggregate(per_seed, seeds)
 
 

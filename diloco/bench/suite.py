@@ -138,6 +138,7 @@ SECTIONS: tuple[Section, ...] = (
         "A ~100M-parameter model through the real services: memory and round time",
         bench_large.section,
         bench_large.markdown,
+        bench_large.plots,
     ),
     Section(
         "bytes-per-token",
@@ -157,6 +158,7 @@ SECTIONS: tuple[Section, ...] = (
         "Streaming fragments: peak link bandwidth and loss against P (simulator)",
         bench_fragments.section,
         bench_fragments.markdown,
+        bench_fragments.plots,
     ),
     Section(
         "payload",
