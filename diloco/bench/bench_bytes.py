@@ -51,7 +51,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from diloco.bench.section import Context, Log, Result, quick_flag, standalone, table
+from diloco.bench.section import Context, Log, Result, quick_flag, save_figure, standalone, table
 from diloco.bench.seeds import check, fmt, target_met, values
 from diloco.bench.settings import FULL, PROFILES, QUICK, SimSettings
 from diloco.bench.sim_bench import (
@@ -244,10 +244,7 @@ def plots(result: Result, out: Path) -> list[str]:
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "bytes_per_token.png", dpi=100)
-    plt.close(fig)
-    return ["bytes_per_token.png"]
+    return [save_figure(fig, out / "bytes_per_token.png")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

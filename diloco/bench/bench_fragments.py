@@ -59,7 +59,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from diloco.bench.section import Context, Result, quick_flag, standalone, table
+from diloco.bench.section import Context, Result, quick_flag, save_figure, standalone, table
 from diloco.bench.seeds import check, fmt, target_met, values
 from diloco.bench.sim_bench import SimRunner
 from diloco.core.fragments import FragmentLayout
@@ -377,10 +377,7 @@ def plots(result: Result, out: Path) -> list[str]:
     c.set_ylabel("loss at the budget against P = 1 (%)")
     c.grid(alpha=0.3, axis="y")
     c.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "fragments.png", dpi=100)
-    plt.close(fig)
-    return ["fragments.png"]
+    return [save_figure(fig, out / "fragments.png")]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

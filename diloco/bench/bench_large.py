@@ -56,7 +56,7 @@ import torch
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from diloco.bench.section import Context, Log, standalone, table
+from diloco.bench.section import Context, Log, save_figure, standalone, table
 from diloco.cluster import ClusterConfig, LocalCluster, LogFollower, seconds_until
 
 COORDINATOR_TARGET = 4.5  # x fp32 model bytes: Θ, momentum, merge buffer, shadow (issue #13 item 4)
@@ -501,10 +501,7 @@ def plots(r: dict[str, Any], out: Path) -> list[str]:
     b.set_xlabel("seconds per round (default flags)")
     b.grid(alpha=0.3, axis="x")
     b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "large.png", dpi=100)
-    plt.close(fig)
-    return ["large.png"]
+    return [save_figure(fig, out / "large.png")]
 
 
 def _writes(r: dict[str, Any]) -> str:

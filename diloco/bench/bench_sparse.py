@@ -166,11 +166,15 @@ def run(s: SparseSettings, runner: SimRunner) -> Result:
             n,
         ),
     ]
-    cells = [{k: c[k] for k in ("codec", "outer", "final_loss", "per_seed")} for g in grid.values() for c in g]
     return {
         "settings": {**dataclasses.asdict(s), "numel": model_numel(s), "mode": "sync"},
         "rows": rows,
-        "grid": [{**c, "per_seed": [{"final_loss": r["final_loss"]} for r in c["per_seed"]]} for c in cells],
+        "grid": [  # every cell's loss, the mean and each seed's
+            {k: c[k] for k in ("codec", "outer", "final_loss")}
+            | {"per_seed": [{"final_loss": r["final_loss"]} for r in c["per_seed"]]}
+            for cells in grid.values()
+            for c in cells
+        ],
         "checks": checks,
     }
 

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from diloco.bench.cluster_bench import rate
-from diloco.bench.section import checks_md, table, verdict
+from diloco.bench.section import checks_md, save_figure, table, verdict
 from diloco.bench.seeds import RULE, fmt, values
 from diloco.bench.sim_bench import EQUAL_LOSS_RULE, equal_loss_fmt
 
@@ -258,10 +258,7 @@ def time_to_target_plot(r: dict[str, Any], out: Path) -> list[str]:
             else:
                 ax.set_xlabel("applied tokens")
         axes[0][j].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "time_to_target.png", dpi=100)
-    plt.close(fig)
-    return ["time_to_target.png"]
+    return [save_figure(fig, out / "time_to_target.png")]
 
 
 # --- section 2 ------------------------------------------------------------------------------------------------
@@ -330,10 +327,7 @@ def scale_plot(r: dict[str, Any], out: Path) -> list[str]:
         ax.set_title(t["network"])
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "scale.png", dpi=100)
-    plt.close(fig)
-    return ["scale.png"]
+    return [save_figure(fig, out / "scale.png")]
 
 
 # --- section 3 ------------------------------------------------------------------------------------------------
@@ -419,10 +413,7 @@ def compression_plot(r: dict[str, Any], out: Path) -> list[str]:
     for ax in (b, c):
         ax.tick_params(axis="x", labelrotation=60, labelsize=8)
         ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(out / "compression.png", dpi=100)
-    plt.close(fig)
-    return ["compression.png"]
+    return [save_figure(fig, out / "compression.png")]
 
 
 # --- section 4 ------------------------------------------------------------------------------------------------
@@ -548,10 +539,7 @@ def cluster_plot(r: dict[str, Any], out: Path) -> list[str]:
     for ax in (a, b):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "cluster.png", dpi=100)
-    plt.close(fig)
-    files = ["cluster.png"]
+    files = [save_figure(fig, out / "cluster.png")]
     killed = [x for x in r["runs"] if x["kill"]]
     if killed:
         files.append(timeline_plot(killed, r["settings"]["window_s"], out / "cluster_timeline.png"))
@@ -597,10 +585,7 @@ def timeline_plot(runs: list[dict[str, Any]], window_s: float, path: Path) -> st
         bottom.set_ylabel(f"applied tokens/s over the next {window_s:g} s")
         bottom.grid(alpha=0.3)
         bottom.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, path)
 
 
 # --- section 5 ------------------------------------------------------------------------------------------------
@@ -676,10 +661,7 @@ def loss_by_tokens_plot(runs: list[dict[str, Any]], label_of: Callable[[dict[str
     ax.set_ylim(top=min(4.0, ax.get_ylim()[1]))
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path.name
+    return save_figure(fig, path)
 
 
 def outer_plot(r: dict[str, Any], out: Path) -> list[str]:
@@ -914,10 +896,7 @@ def energy_plot(r: dict[str, Any], out: Path) -> list[str]:
             ax.set_ylabel(unit)
             ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    tradeoff = out / "energy_tradeoff.png"
-    fig.savefig(tradeoff, dpi=100)
-    plt.close(fig)
+    tradeoff = save_figure(fig, out / "energy_tradeoff.png")
 
     zones = [spec.split("@", 1)[1].split(":")[0] for spec in r["settings"]["fleet"].split(",")]
     names = sorted(set(zones))
@@ -934,8 +913,4 @@ def energy_plot(r: dict[str, Any], out: Path) -> list[str]:
         ax.grid(alpha=0.3)
     axes[0].legend(title="learners training, per zone", fontsize=8, ncol=len(names))
     axes[-1].set_xlabel("wall time (h, virtual; seed 0)")
-    fig.tight_layout()
-    timeline = out / "energy_timeline.png"
-    fig.savefig(timeline, dpi=100)
-    plt.close(fig)
-    return [tradeoff.name, timeline.name]
+    return [tradeoff, save_figure(fig, out / "energy_timeline.png")]

@@ -42,6 +42,16 @@ def no_plots(result: Result, out: Path) -> list[str]:
     return []
 
 
+def save_figure(fig: Any, path: Path) -> str:
+    """Lay out `fig`, write it to `path` at the report's resolution and close it; the file's name."""
+    import matplotlib.pyplot as plt  # only once a section plots: building a parser stays cheap
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path.name
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A Markdown table."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
