@@ -1,15 +1,17 @@
 """Section `sparse`: SparseLoCo-class uploads on the simulator (issue #13, point 3).
 
-A model of about 1M parameters trained by 2 equal learners in `sync` mode for 40 outer steps, with every seed of
-the settings, per upload codec: `fp32` (the baseline) and `sparse` (chunked top-k with 2-bit values and error
-feedback whose residual decays by β each round; `diloco.core.codecs.SparseCodec`), each with every outer setting
-of the grid (Nesterov learning rate and momentum), and `topk` at the same density (8-byte records, its own β) with
-the outer setting chosen for `sparse`, for reference. Each of fp32 and sparse is judged at its own best outer
-setting (the lowest mean final loss over the seeds): a codec compared against a baseline run at settings that
-suit the baseline badly would be judged against a weak baseline. Reported: every grid cell's final loss, and per
-codec at its chosen setting the final validation loss (mean and min–max over the seeds), its penalty against
-fp32's, seed by seed, and the upload bytes against fp32's. Targets: the sparse codec's penalty at most 2% (mean
-and every seed) at 50x or more fewer upload bytes.
+A model of about 1M parameters trained by 2 equal learners in `sync` mode for 40 outer steps, per upload codec:
+`fp32` (the baseline) and `sparse` (chunked top-k with 2-bit values and error feedback whose residual decays by β
+each round; `diloco.core.codecs.SparseCodec`). Each of the two runs every outer setting of the grid (Nesterov
+learning rate and momentum) on the tuning seeds (3 and 4), takes the one with its lowest mean final loss there,
+and is judged at it on the other seeds (0, 1 and 2): a codec compared against a baseline run at settings that suit
+the baseline badly would be judged against a weak baseline, and a setting picked on the seeds it is judged on
+would flatter both. `topk` at the same density (8-byte records, its own β) runs with the setting chosen for
+`sparse`, for reference. A noise floor: fp32 at its setting again with torch on 2 threads instead of 1. Reported:
+every grid cell's final loss on the tuning seeds, and per codec at its chosen setting the final validation loss
+(mean and min–max over the judged seeds), its penalty against fp32's, seed by seed, the noise floor beside it, and
+the upload bytes against fp32's. Targets: the sparse codec's penalty at most 2% (mean and every seed) at 50x or
+more fewer upload bytes.
 
 Until 2026-12-06 every codec ran DiLoCo's outer setting (Nesterov 0.7 / 0.9) and sparse used its default β = 0.5:
 there fp32's loss stalled from the 24th outer step on (seed 0: 2.81, 2.78, 2.79, 2.79, 2.77 at steps 24-40), the
@@ -24,6 +26,16 @@ on seed 0), a FAIL on one seed. The grid was then made the full lr 0.5, 1, 1.5 x
 the same cells for both codecs; a seed-0 run of sparse at 1.4 / 0.3 (2.21) had suggested that its best lay beyond
 the first grid's edge. This was done after seeing that result; the report says so. Over three seeds the full grid
 chose the same cells (sparse 1 / 0.5, fp32 0.5 / 0.5) and the same +1.54%.
+
+Until the second change of 2026-12-06 each codec was judged at its best cell on the judged seeds themselves; that
+run's seed-0 penalty (+2.15%, the only seed over 2%) then proved to be inside what float rounding moves: fp32 and
+sparse at their cells, seed 0, on 2 torch threads instead of 1 ended at 2.1937 (+0.42%) and 2.2285 (-0.14%), a
+penalty of +1.59%. So the section now chooses the outer settings on seeds it does not judge and prints the noise
+floor beside the penalties. Diagnostics run then (seed 0, sparse at lr 1 / momentum 0.5, final loss; the judged
+run's 2.2316): dense 2-bit values with feedback (fraction 1) 2.568, as fp32 at that setting (2.563), so the 2-bit
+values cost nothing; fraction 1/4 2.363 and 1/32 2.230: at one outer setting a denser upload is *worse*, because
+sparse's best outer step is about twice fp32's (what is held back each round lands later); β = 1 2.297. At H = 12
+(same 40 outer steps) the seed-0 penalty was +2.08% (fp32 0.5 / 0.5 1.9559, sparse 1 / 0.5 1.9966).
 
 Tried before, at Nesterov 0.7 / 0.9 (seed 0, final loss; fp32 2.72 then): β = 1, 0.9, 0.5, 0.3 with 2-bit values
 at 1/64: 3.14, 2.63, 2.33, 2.35; 4-bit values at β = 0.5: 2.34 (98x instead of 107x); 2-bit at 1/128, β = 0.5:
@@ -45,6 +57,7 @@ from diloco.bench.seeds import check, fmt, target_met, values
 from diloco.bench.sim_bench import SimRunner
 from diloco.core.codecs import SparseCodec, get_codec
 from diloco.core.outer import OuterConfig
+from diloco.errors import ConfigError
 from diloco.sim.config import SimConfig
 from diloco.task.data import DataConfig
 from diloco.task.factory import TaskConfig
@@ -74,7 +87,16 @@ class SparseSettings:
     beta: float = 0.9  # sparse's error-feedback decay (the codec's default, 0.5, suits Nesterov 0.7 / 0.9)
     # (lr, momentum): DiLoCo's, and lr 0.5, 1, 1.5 with momentum 0 and 0.5
     outers: tuple[tuple[float, float], ...] = ((0.7, 0.9), (0.5, 0), (1, 0), (1.5, 0), (0.5, 0.5), (1, 0.5), (1.5, 0.5))
+    tune_seeds: tuple[int, ...] = (3, 4)  # the grid runs on these; the chosen cells are judged on `seeds`
     seeds: tuple[int, ...] = (0, 1, 2)
+    noise_threads: int = 2  # fp32 again with torch on this many threads: the noise floor of a seed's comparison
+
+    def __post_init__(self) -> None:
+        if set(self.tune_seeds) & set(self.seeds):
+            raise ConfigError(
+                f"tune_seeds {self.tune_seeds} and seeds {self.seeds} overlap: the outer setting must be chosen on "
+                "seeds the comparison is not judged on; use disjoint seeds"
+            )
 
 
 FULL = SparseSettings()
@@ -87,6 +109,7 @@ QUICK = SparseSettings(
     warmup_steps=2,
     eval_tokens=4_096,
     outers=((0.7, 0.9), (1.0, 0.0)),
+    tune_seeds=(1,),
     seeds=(0,),
 )
 CODECS = ("fp32", "sparse", "topk")
@@ -128,19 +151,25 @@ def model_numel(s: SparseSettings) -> int:
 
 
 def run(s: SparseSettings, runner: SimRunner) -> Result:
-    def one(codec: str, outer: tuple[float, float]) -> dict[str, Any]:
-        row = runner.seeds(lambda seed: sim_config(s, codec, seed, outer), f"{codec} {outer}", 0, s.seeds)
+    def one(codec: str, outer: Sequence[float], seeds: Sequence[int], threads: int | None = None) -> dict[str, Any]:
+        lr, momentum = outer
+        label = f"{codec} ({lr:g}, {momentum:g})" + (f" on {threads} torch threads" if threads else "")
+        row = runner.seeds(lambda seed: sim_config(s, codec, seed, (lr, momentum)), label, 0, seeds, threads)
         ef = get_codec(codec, topk_fraction=s.fraction if codec != "fp32" else None)
         beta = s.beta if codec == "sparse" else ef.residual_decay if ef.lossy else None
         for seed_run in row["per_seed"]:
             seed_run.pop("history", None)
         row.pop("history", None)
-        return {"codec": codec, "beta": beta, "outer": list(outer), **row}
+        return {"codec": codec, "beta": beta, "outer": [lr, momentum], **row}
 
-    grid = {codec: [one(codec, outer) for outer in s.outers] for codec in TUNED}
-    rows = [best(grid["fp32"]), best(grid["sparse"])]
-    rows.append(one("topk", tuple(rows[1]["outer"])))
+    # each codec's outer setting is chosen on the tuning seeds, then judged on the others
+    grid = {codec: [one(codec, outer, s.tune_seeds) for outer in s.outers] for codec in TUNED}
+    chosen = {codec: best(cells)["outer"] for codec, cells in grid.items()}
+    rows = [one(codec, chosen[codec], s.seeds) for codec in TUNED]
+    rows.append(one("topk", chosen["sparse"], s.seeds))
     fp32 = rows[0]
+    noise = one("fp32", chosen["fp32"], s.seeds, s.noise_threads)
+    noise_changes = [a / b - 1 for a, b in zip(values(noise, "final_loss"), values(fp32, "final_loss"), strict=True)]
     for r in rows:
         r["upload_ratio"] = fp32["bytes_up"] / r["bytes_up"]
         penalties = [a / b - 1 for a, b in zip(values(r, "final_loss"), values(fp32, "final_loss"), strict=True)]
@@ -152,7 +181,7 @@ def run(s: SparseSettings, runner: SimRunner) -> Result:
     n = len(s.seeds)
     checks = [
         check(
-            "sparse uploads: loss penalty against fp32 (each at its best outer setting)",
+            "sparse uploads: loss penalty against fp32 (each at the outer setting chosen on other seeds)",
             f"≤ {MAX_PENALTY:.0%}",
             fmt(sparse["penalties"], "+.2%"),
             target_met(sparse["penalties"], MAX_PENALTY, at_least=False),
@@ -169,12 +198,13 @@ def run(s: SparseSettings, runner: SimRunner) -> Result:
     return {
         "settings": {**dataclasses.asdict(s), "numel": model_numel(s), "mode": "sync"},
         "rows": rows,
-        "grid": [  # every cell's loss, the mean and each seed's
+        "grid": [  # every cell's loss on the tuning seeds, the mean and each seed's
             {k: c[k] for k in ("codec", "outer", "final_loss")}
-            | {"per_seed": [{"final_loss": r["final_loss"]} for r in c["per_seed"]]}
+            | {"per_seed": [{k: r[k] for k in ("seed", "final_loss")} for r in c["per_seed"]]}
             for cells in grid.values()
             for c in cells
         ],
+        "noise": {"losses": values(noise, "final_loss"), "changes": noise_changes},
         "checks": checks,
     }
 
@@ -198,11 +228,21 @@ def markdown(result: Result) -> str:
         f"{s['fraction']:.2%} of the entries; β is the error feedback's residual decay per round."
     )
     parts = [head]
+    tune = s.get("tune_seeds")
     if outers and "grid" in result:
-        parts.append(
-            "fp32 and sparse each ran with every outer setting (learning rate / momentum); each is judged at its "
-            "own best (lowest mean final loss), topk ran with sparse's. Final validation loss, mean (min–max):"
-        )
+        if tune:
+            chose = (
+                f"fp32 and sparse each ran with every outer setting (learning rate / momentum) on seeds "
+                f"{', '.join(map(str, tune))}, which the comparison below does not use; each codec's setting with "
+                "the lowest mean final loss there is the one it is judged at, on the other seeds; topk ran with "
+                "sparse's. Final validation loss on the tuning seeds, mean (min–max):"
+            )
+        else:  # results from before 2026-12-06's second change: chosen on the judged seeds
+            chose = (
+                "fp32 and sparse each ran with every outer setting (learning rate / momentum); each is judged at its "
+                "own best (lowest mean final loss), topk ran with sparse's. Final validation loss, mean (min–max):"
+            )
+        parts.append(chose)
         by = {(c["codec"], tuple(c["outer"])): c for c in result["grid"]}
         parts.append(
             table(
@@ -235,12 +275,21 @@ def markdown(result: Result) -> str:
         "The penalty is the relative change of the final loss against fp32's, seed by seed (negative: lower than "
         "fp32's)."
     )
+    if "noise" in result:
+        changes = result["noise"]["changes"]
+        note += (
+            f" Noise floor: fp32 at its setting run again with torch on {s['noise_threads']} threads instead of 1 "
+            f"(the same floats summed in another order) ended {', '.join(f'{c:+.2%}' for c in changes)} away, seed "
+            "by seed: a seed's penalty is not known closer than that."
+        )
     if not outers:  # results from before the grid
         note += " Every codec ran the same outer optimizer."
     else:
         note += (
             " Until 2026-12-06 every codec ran Nesterov 0.7 / 0.9 and sparse β = 0.5: fp32's loss stalled there "
-            "(2.76 mean) and sparse showed 15% below it; see the module docstring of `diloco.bench.bench_sparse`."
+            "(2.76 mean) and sparse showed 15% below it. Later that day each codec was judged at its best cell on "
+            "the judged seeds themselves (optimistic for both): sparse +1.54% (+1.19%..+2.15%). See the module "
+            "docstring of `diloco.bench.bench_sparse`."
         )
     return "\n\n".join([*parts, table(headers, rows), note])
 
