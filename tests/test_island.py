@@ -246,6 +246,10 @@ def _gather_matches_an_unsharded_replica(rank: int, store: str) -> None:
             assert torch.equal(gathered, torch.cat([theta[:lo], other[lo:hi], theta[hi:]]))
         with pytest.raises(InvalidArgument, match="whole parameters"):
             gather_flat(model, lo + 1, hi)  # refused on every rank before any collective
+        with pytest.raises(InvalidArgument, match=rf"expected \({hi - lo},\)"):
+            scatter_flat_(model, theta[lo : hi - 1] if rank == 0 else torch.zeros(0), lo, hi)  # refused on every rank
+        after = gather_flat(model)
+        assert torch.equal(after, gathered) if rank == 0 else after.numel() == 0  # nothing was written
         scatter_flat_(model, theta if rank == 0 else torch.zeros(0))
         x, y = torch.randint(0, cfg.vocab_size, (2, 4, cfg.seq_len))
         for m, rows in ((ref, slice(0, 4)), (model, slice(2 * rank, 2 * rank + 2))):

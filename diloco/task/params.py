@@ -131,14 +131,19 @@ def scatter_flat_(model: nn.Module, flat: Tensor, lo: int = 0, hi: int | None = 
     """Load rank 0's `flat` (values [lo, hi) of the flat vector, whole parameters, default all; on the CPU) into
     every rank's shards of a model sharded with `fully_shard`, in place: each parameter's shards are scattered from
     rank 0 (`distribute_tensor`), one parameter at a time. A collective: every rank calls it together, with the same
-    range; the other ranks' `flat` is ignored (pass an empty vector). Buffers are left as they are."""
+    range; the other ranks' `flat` is ignored (pass an empty vector). Buffers are left as they are. A `flat` of the
+    wrong size is refused on every rank (rank 0 sends its verdict first), before anything is written, so no rank is
+    left waiting in a scatter the others never join."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     hi = num_params(model) if hi is None else hi
     chosen = whole_params(model, lo, hi)
     leader = torch.distributed.get_rank() == 0
-    if leader and (flat.ndim != 1 or flat.numel() != hi - lo):
-        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({hi - lo},)")
+    shape = torch.tensor([flat.ndim, flat.numel()] if leader else [0, 0], dtype=torch.int64)
+    torch.distributed.broadcast(shape, src=0)
+    if shape.tolist() != [1, hi - lo]:
+        got = tuple(flat.shape) if leader else f"a {shape[0]}-d tensor of {shape[1]} values on rank 0"
+        raise InvalidArgument(f"flat parameter vector has shape {got}, expected ({hi - lo},)")
     for offset, p in chosen:
         if leader:
             full = flat[offset - lo : offset - lo + p.numel()].view(p.shape).to(p.device, p.dtype)
