@@ -392,6 +392,15 @@ def test_param_specs_and_flat_round_trip() -> None:
     assert torch.equal(flatten_params(other), flat)
     with pytest.raises(InvalidArgument, match="expected"):
         load_flat_(other, flat[:-1])
+    # a range of whole tensors (a streaming fragment), read and written alone
+    lo, hi = specs[1].offset, specs[3].offset
+    assert torch.equal(flatten_params(model, lo, hi), flat[lo:hi])
+    load_flat_(other, -flat[lo:hi], lo, hi)
+    assert torch.equal(flatten_params(other), torch.cat([flat[:lo], -flat[lo:hi], flat[hi:]]))
+    with pytest.raises(InvalidArgument, match=rf"expected \({hi - lo},\)"):
+        load_flat_(other, flat[lo : hi - 1], lo, hi)
+    with pytest.raises(InvalidArgument, match="whole parameters"):
+        flatten_params(model, lo + 1, hi)
 
 
 def test_a_model_can_view_a_flat_vector_instead_of_holding_its_own() -> None:

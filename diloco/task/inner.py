@@ -29,7 +29,7 @@ from diloco.errors import ConfigError, InvalidArgument
 from diloco.task._validate import check_float, check_int
 from diloco.task.data import Corpus, model_loss
 from diloco.task.model import pick_device
-from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params, view_flat_, whole_params
+from diloco.task.params import HostBuffer, flatten_params, load_flat_, num_params, view_flat_
 
 _SLICE = 1 << 22  # elements per slice of `InnerTrainer.submit_into` (16 MiB of fp32)
 
@@ -180,15 +180,14 @@ class LocalParams:
     def read_range(self, lo: int, hi: int) -> Tensor:
         if self._flat is not None:
             return self._flat[lo:hi].clone()
-        return torch.cat([p.detach().reshape(-1).to(torch.float32) for _, p in whole_params(self.model, lo, hi)])
+        return flatten_params(self.model, lo, hi)
 
     @torch.no_grad()
     def write_range(self, lo: int, hi: int, values: Tensor) -> None:
         if self._flat is not None:
             self._flat[lo:hi].copy_(values)
-            return
-        for offset, p in whole_params(self.model, lo, hi):
-            p.copy_(values[offset - lo : offset - lo + p.numel()].view(p.shape))
+        else:
+            load_flat_(self.model, values, lo, hi)
 
 
 def _add_difference(out: Tensor, base: Tensor, theta: Tensor, scale: float) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -50,28 +51,36 @@ def specs_fingerprint(specs: list[ParamSpec]) -> str:
 
 
 @torch.no_grad()
-def flatten_params(model: nn.Module) -> Tensor:
-    """A new contiguous fp32 vector of all parameters, on the model's device."""
-    params = list(model.parameters())
+def flatten_params(model: nn.Module, lo: int = 0, hi: int | None = None) -> Tensor:
+    """A new contiguous fp32 vector of the parameters, on the model's device: all of them, or values [lo, hi) of the
+    flat vector (whole parameters: `whole_params`)."""
+    params = list(model.parameters()) if hi is None else [p for _, p in whole_params(model, lo, hi)]
     if not params:
         return torch.zeros(0, dtype=torch.float32)
     return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
 
 
 @torch.no_grad()
-def load_flat_(model: nn.Module, flat: Tensor) -> None:
-    """Copy `flat` (any device, any float dtype) into the model's parameters in place.
+def load_flat_(model: nn.Module, flat: Tensor, lo: int = 0, hi: int | None = None) -> None:
+    """Copy `flat` (any device, any float dtype) into the model's parameters in place: all of them, or those making
+    up values [lo, hi) of the flat vector (whole parameters: `whole_params`).
 
     In place, so optimizers holding references to the parameters keep working.
     """
-    total = num_params(model)
-    if flat.ndim != 1 or flat.numel() != total:
-        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({total},)")
+    chosen = list(_offsets(model)) if hi is None else whole_params(model, lo, hi)
+    size = num_params(model) if hi is None else hi - lo
+    if flat.ndim != 1 or flat.numel() != size:
+        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({size},)")
+    for offset, p in chosen:
+        p.copy_(flat[offset - lo : offset - lo + p.numel()].view(p.shape))
+
+
+def _offsets(model: nn.Module) -> Iterator[tuple[int, nn.Parameter]]:
+    """Every parameter with its offset in the flat vector."""
     offset = 0
     for p in model.parameters():
-        n = p.numel()
-        p.copy_(flat[offset : offset + n].view(p.shape))
-        offset += n
+        yield offset, p
+        offset += p.numel()
 
 
 @torch.no_grad()
