@@ -31,11 +31,13 @@ Until the second change of 2026-12-06 each codec was judged at its best cell on 
 run's seed-0 penalty (+2.15%, the only seed over 2%) then proved to be inside what float rounding moves: fp32 and
 sparse at their cells, seed 0, on 2 torch threads instead of 1 ended at 2.1937 (+0.42%) and 2.2285 (-0.14%), a
 penalty of +1.59%. So the section now chooses the outer settings on seeds it does not judge and prints the noise
-floor beside the penalties. Diagnostics run then (seed 0, sparse at lr 1 / momentum 0.5, final loss; the judged
-run's 2.2316): dense 2-bit values with feedback (fraction 1) 2.568, as fp32 at that setting (2.563), so the 2-bit
-values cost nothing; fraction 1/4 2.363 and 1/32 2.230: at one outer setting a denser upload is *worse*, because
-sparse's best outer step is about twice fp32's (what is held back each round lands later); β = 1 2.297. At H = 12
-(same 40 outer steps) the seed-0 penalty was +2.08% (fp32 0.5 / 0.5 1.9559, sparse 1 / 0.5 1.9966).
+floor beside the penalties. Diagnostics run then, with 20 warmup steps, where a seed's noise floor proved to be up
+to 1.2% (so read them as rough; seed 0, sparse at lr 1 / momentum 0.5, final loss; the judged run's 2.2316):
+dense 2-bit values with feedback (fraction 1) 2.568, as fp32 at that setting (2.563); fraction 1/4 2.363 and 1/32
+2.230: at one outer setting a denser upload did *worse*, as if sparse's best outer step were about twice fp32's
+(what is held back each round lands later); β = 1 2.297. On seeds 3 and 4 at 1.5 / 0.5 (mean; 2.214 as the codec
+is): chunks of 16384 and 65536 2.222 and 2.258, 8-bit values 2.234, β 0.5 2.221. At H = 12 (same 40 outer steps)
+the penalty at the H = 6 cells was +2.1% to +4.8% (seeds 0 and 3).
 
 The run with the settings chosen on seeds 3 and 4 (at 7829f85) chose fp32 0.5 / 0.5 and sparse 1.5 / 0.5 and gave
 +1.74% (+1.31%..+2.35%): a FAIL on seed 1, whose noise floor was +1.20% (seeds 0 and 2: +0.42%, +0.29%). A seed's
