@@ -127,9 +127,12 @@ def test_killing_the_etcd_member_the_leader_uses_keeps_one_leader_and_the_job_go
             assert last < next_start, f"{name} (epoch {epoch}) accepted work after {next_name} was promoted"
         assert final.coordinator_epoch == led[-1][1] and led[0][1] == epoch_a
         kept = len(led) == 1
-        if kept:  # leadership kept through another member: the same term, never fenced
+        if kept:  # leadership kept through another member while the job ran: the same term, never fenced then
             assert leader == "coord-a" and final.coordinator_epoch == epoch_a
-            assert not logs["coord-a"].all("replica.retiring")
+            closed = [f for f in logs["coord-a"].all("round.closed") if int(str(f["version"])) == TARGET]
+            # a fence after the last round (its lease unrenewed while the members still elect, on a loaded machine)
+            # ends no work: nobody needed a leader by then
+            assert not [f for f in logs["coord-a"].all("replica.retiring") if logged_at(f) <= logged_at(closed[0])]
         else:
             assert final.coordinator_epoch > epoch_a
         per_version = [v for name, v in seen if name == leader]

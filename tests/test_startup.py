@@ -31,7 +31,8 @@ pytestmark = pytest.mark.timeout(180)
 WRAPPER = """
 import atexit, runpy, sys
 def report():
-    print("HEAVY=" + ",".join(m for m in ("torch", "numpy", "etcd3gw") if m in sys.modules), flush=True)
+    # on a line of its own: a service thread may be part way through a log line as the process exits
+    print("\\nHEAVY=" + ",".join(m for m in ("torch", "numpy", "etcd3gw") if m in sys.modules), flush=True)
 atexit.register(report)
 target, sys.argv = sys.argv[1], [sys.argv[1], *sys.argv[2:]]
 if target == "cli":
