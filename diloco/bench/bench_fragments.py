@@ -60,7 +60,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from diloco.bench.section import Context, Result, quick_flag, save_figure, standalone, table
-from diloco.bench.seeds import check, fmt, target_met, values
+from diloco.bench.seeds import changes, check, fmt, target_met, values
 from diloco.bench.sim_bench import SimRunner
 from diloco.core.fragments import FragmentLayout
 from diloco.errors import ConfigError
@@ -193,9 +193,7 @@ def run(s: FragmentSettings, runner: SimRunner) -> Result:
         threads=s.noise_threads,
     )
     check_at_budget(noise, s.token_budget, 1)
-    noise_changes = [
-        a / b - 1 for a, b in zip(values(noise, "loss_at_budget"), values(base, "loss_at_budget"), strict=True)
-    ]
+    noise_changes = changes(noise, base, "loss_at_budget")
     checks = []
     n = len(s.seeds)
     for r in rows:
@@ -204,9 +202,7 @@ def run(s: FragmentSettings, runner: SimRunner) -> Result:
                 a / b if b else float("nan")
                 for a, b in zip(values(base, f"peak_{key}"), values(r, f"peak_{key}"), strict=True)
             ]
-        r["loss_changes"] = [
-            a / b - 1 for a, b in zip(values(r, "loss_at_budget"), values(base, "loss_at_budget"), strict=True)
-        ]
+        r["loss_changes"] = changes(r, base, "loss_at_budget")
     for r in rows[1:]:
         p = r["fragments"]
         for name, _ in DIRECTIONS:
@@ -311,11 +307,11 @@ def markdown(result: Result) -> str:
             "evaluations."
         )
     if "noise" in result:
-        changes = result["noise"]["changes"]
+        floor = result["noise"]["changes"]
         note += (
             f" Noise floor: P = 1 run again with torch on {s['noise_threads']} threads instead of 1 (the same "
             "arithmetic, its float sums taken in another order) lands "
-            + ", ".join(f"{c:+.2%}" for c in changes)
+            + ", ".join(f"{c:+.2%}" for c in floor)
             + " from P = 1 seed by seed: the part of a seed's loss change that is rounding amplified by training, "
             "not P."
         )
@@ -368,9 +364,9 @@ def plots(result: Result, out: Path) -> list[str]:
     b.grid(alpha=0.3, axis="y")
     b.legend(fontsize=8)
     for i, r in enumerate(rows[1:], start=1):
-        changes = [100 * v for v in r["loss_changes"]]
-        c.bar(i, statistics.fmean(changes), width=0.5, color=f"C{i}", alpha=0.5, label="mean" if i == 1 else None)
-        c.scatter([i] * len(changes), changes, color=f"C{i}", zorder=3, label="seeds" if i == 1 else None)
+        pct = [100 * v for v in r["loss_changes"]]
+        c.bar(i, statistics.fmean(pct), width=0.5, color=f"C{i}", alpha=0.5, label="mean" if i == 1 else None)
+        c.scatter([i] * len(pct), pct, color=f"C{i}", zorder=3, label="seeds" if i == 1 else None)
     c.axhline(100 * MAX_LOSS_CHANGE, color="red", linestyle="--", label="target")
     c.axhline(0, color="black", linewidth=0.8)
     c.set_xticks(list(x)[1:], [f"P = {r['fragments']}" for r in rows[1:]])

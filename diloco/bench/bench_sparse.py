@@ -63,7 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from diloco.bench.section import Context, Result, quick_flag, standalone, table
-from diloco.bench.seeds import check, fmt, target_met, values
+from diloco.bench.seeds import changes, check, fmt, target_met, values
 from diloco.bench.sim_bench import SimRunner
 from diloco.core.codecs import SparseCodec, get_codec
 from diloco.core.outer import OuterConfig
@@ -179,10 +179,10 @@ def run(s: SparseSettings, runner: SimRunner) -> Result:
     rows.append(one("topk", chosen["sparse"], s.seeds))
     fp32 = rows[0]
     noise = one("fp32", chosen["fp32"], s.seeds, s.noise_threads)
-    noise_changes = [a / b - 1 for a, b in zip(values(noise, "final_loss"), values(fp32, "final_loss"), strict=True)]
+    noise_changes = changes(noise, fp32, "final_loss")
     for r in rows:
         r["upload_ratio"] = fp32["bytes_up"] / r["bytes_up"]
-        penalties = [a / b - 1 for a, b in zip(values(r, "final_loss"), values(fp32, "final_loss"), strict=True)]
+        penalties = changes(r, fp32, "final_loss")
         for seed_run, p in zip(r["per_seed"], penalties, strict=True):
             seed_run["penalty_vs_fp32"] = p
         r["penalty_vs_fp32"] = statistics.fmean(penalties)
@@ -286,10 +286,10 @@ def markdown(result: Result) -> str:
         "fp32's)."
     )
     if "noise" in result:
-        changes = result["noise"]["changes"]
+        floor = result["noise"]["changes"]
         note += (
             f" Noise floor: fp32 at its setting run again with torch on {s['noise_threads']} threads instead of 1 "
-            f"(the same floats summed in another order) ended {', '.join(f'{c:+.2%}' for c in changes)} away, seed "
+            f"(the same floats summed in another order) ended {', '.join(f'{c:+.2%}' for c in floor)} away, seed "
             "by seed: a seed's penalty is not known closer than that."
         )
     if not outers:  # results from before the grid

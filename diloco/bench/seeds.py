@@ -93,6 +93,12 @@ def values(run: dict[str, Any], key: str) -> list[Any]:
     return [r[key] for r in run.get("per_seed", [run])]
 
 
+def changes(run: dict[str, Any], base: dict[str, Any], key: str) -> list[float]:
+    """The relative change of `key` of `run` against `base`'s, seed by seed (the rows ran the same seeds; negative:
+    lower than the base's)."""
+    return [a / b - 1 for a, b in zip(values(run, key), values(base, key), strict=True)]
+
+
 def check(name: str, target: str, measured: str, ok: bool | None, seeds: int) -> dict[str, Any]:
     """A Targets-table entry of a seeded comparison: states the number of seeds and the rule it was judged by."""
     return {"name": name, "target": target, "measured": measured, "pass": ok, "seeds": seeds, "rule": RULE}

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from diloco.bench.seeds import aggregate, check, fmt, spread, target_met, values
+from diloco.bench.seeds import aggregate, changes, check, fmt, spread, target_met, values
 from diloco.bench.settings import PROFILES, ScaleSettings, SimSettings
 from diloco.core.broadcast import DEFAULT_BROADCAST_CODEC
 from diloco.core.outer import OuterConfig
@@ -299,7 +299,7 @@ def time_to_target(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
                 n,
             )
         )
-    gaps = [a / b - 1 for a, b in _paired(dec, sync, "loss_at_budget")]
+    gaps = changes(dec, sync, "loss_at_budget")
     checks.append(
         check(
             "decoupled final loss at equal tokens vs sync (mixed+failures)",
@@ -408,7 +408,7 @@ def compression(s: SimSettings, runner: SimRunner) -> dict[str, Any]:
     fp32 = runs[0]
     for r in runs:
         r["upload_ratio"] = fp32["bytes_up"] / r["bytes_up"]
-        vs = [a / b - 1 for a, b in _paired(r, fp32, "loss_at_budget")]  # seed by seed
+        vs = changes(r, fp32, "loss_at_budget")  # seed by seed
         for one, v in zip(r["per_seed"], vs, strict=True):
             one["loss_vs_fp32"] = v
         r["loss_vs_fp32"] = statistics.fmean(vs)
