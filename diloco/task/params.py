@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -67,20 +66,13 @@ def load_flat_(model: nn.Module, flat: Tensor, lo: int = 0, hi: int | None = Non
 
     In place, so optimizers holding references to the parameters keep working.
     """
-    chosen = list(_offsets(model)) if hi is None else whole_params(model, lo, hi)
-    size = num_params(model) if hi is None else hi - lo
-    if flat.ndim != 1 or flat.numel() != size:
-        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({size},)")
-    for offset, p in chosen:
+    whole, hi = hi is None, num_params(model) if hi is None else hi
+    if flat.ndim != 1 or flat.numel() != hi - lo:
+        raise InvalidArgument(f"flat parameter vector has shape {tuple(flat.shape)}, expected ({hi - lo},)")
+    if whole and hi == 0:
+        return  # a model without parameters
+    for offset, p in whole_params(model, lo, hi):
         p.copy_(flat[offset - lo : offset - lo + p.numel()].view(p.shape))
-
-
-def _offsets(model: nn.Module) -> Iterator[tuple[int, nn.Parameter]]:
-    """Every parameter with its offset in the flat vector."""
-    offset = 0
-    for p in model.parameters():
-        yield offset, p
-        offset += p.numel()
 
 
 @torch.no_grad()
@@ -151,7 +143,8 @@ def scatter_flat_(model: nn.Module, flat: Tensor, lo: int = 0, hi: int | None = 
     shape = torch.tensor([flat.ndim, flat.numel()] if leader else [0, 0], dtype=torch.int64)
     torch.distributed.broadcast(shape, src=0)
     if shape.tolist() != [1, hi - lo]:
-        got = tuple(flat.shape) if leader else f"a {shape[0]}-d tensor of {shape[1]} values on rank 0"
+        dims, count = shape.tolist()
+        got = tuple(flat.shape) if leader else f"a {dims}-d tensor of {count} values on rank 0"
         raise InvalidArgument(f"flat parameter vector has shape {got}, expected ({hi - lo},)")
     for offset, p in chosen:
         if leader:
